@@ -1,0 +1,197 @@
+"""`python -m cachesvc`: flags -> pool, block manager, sequences, leases -> gRPC server."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import sys
+from dataclasses import dataclass, replace
+
+from cachesvc.block_manager import BlockManager
+from cachesvc.config import GIB, CacheConfig, parse_config
+from cachesvc.host_tier import HostTier
+from cachesvc.leases import LeaseTable
+from cachesvc.sequences import SequenceTable
+from cachesvc.servicer import CacheServicer
+from kvtier import auth, telemetry
+from kvtier.api import cache_pb2_grpc
+from kvtier.grpc_server import start_server, wait_for_termination
+from kvtier.model_spec import DTYPE_ITEMSIZE, ModelShape
+from kvtier.pool import PoolUnavailable, create_pool, default_backend, pool_shape, require_cuda
+
+log = logging.getLogger("kvtier.cache")
+
+
+def model_shape(cfg: CacheConfig) -> ModelShape:
+    """The model's KV geometry: --model DIR, else the built-in tiny model, then explicit flags on top."""
+    shape = ModelShape.from_model_dir(cfg.model) if cfg.model else ModelShape.tiny()
+    overrides = {
+        "num_layers": cfg.num_layers,
+        "num_kv_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "max_model_len": cfg.max_model_len,
+        "fingerprint": cfg.model_fingerprint,
+    }
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    for key, value in overrides.items():
+        if key != "fingerprint" and value <= 0:
+            raise ValueError(f"--{key.replace('_', '-')} must be > 0, got {value}")
+    return replace(shape, **overrides) if overrides else shape
+
+
+@dataclass
+class PoolPlan:
+    backend: str
+    dtype: str
+    num_blocks: int
+    block_bytes: int
+
+
+def plan_pool(cfg: CacheConfig, shape: ModelShape) -> PoolPlan:
+    backend = default_backend() if cfg.backend == "auto" else cfg.backend
+    dtype = cfg.dtype
+    if dtype == "auto":
+        dtype = shape.dtype if backend == "cuda" else "float32"
+    block_bytes = shape.block_bytes(cfg.block_size, dtype)
+    if cfg.num_blocks is not None:
+        num_blocks = cfg.num_blocks
+    elif backend == "cuda":
+        import torch
+
+        require_cuda()
+        free, _total = torch.cuda.mem_get_info(cfg.device)
+        num_blocks = int(free * cfg.memory_fraction) // block_bytes
+    else:
+        budget = int(cfg.kv_cache_space * GIB)
+        shm_free = shutil.disk_usage("/dev/shm").free
+        if budget > shm_free:
+            raise ValueError(
+                f"--kv-cache-space {cfg.kv_cache_space} GiB exceeds the free space of /dev/shm "
+                f"({shm_free / GIB:.2f} GiB); lower it or enlarge /dev/shm (docker: shm_size)"
+            )
+        num_blocks = budget // block_bytes
+    if num_blocks < 1:
+        raise ValueError(f"the pool would hold {num_blocks} blocks of {block_bytes} bytes: give it more memory")
+    return PoolPlan(backend, dtype, num_blocks, block_bytes)
+
+
+async def serve(cfg: CacheConfig) -> None:
+    telemetry.setup_tracing("kvtier-cache")
+    shape = model_shape(cfg)
+    plan = plan_pool(cfg, shape)
+    token = auth.load_token(cfg.token_file)
+    if token is None:
+        token_path = auth.default_token_file()
+        token = auth.create_token_file(token_path)
+        log.info("no token given: wrote a new one to %s (clients read it from there)", token_path)
+
+    spec_fields = {
+        "model_fingerprint": shape.fingerprint,
+        "vocab_size": shape.vocab_size,
+        "max_model_len": shape.max_model_len,
+    }
+    if plan.backend == "cuda":
+        spec_fields["device"] = cfg.device
+    shape6 = pool_shape(plan.num_blocks, shape.num_layers, cfg.block_size, shape.num_kv_heads, shape.head_dim)
+    pool = create_pool(plan.backend, shape6, plan.dtype, **spec_fields)
+    try:
+        await _serve_pool(cfg, shape, plan, pool, token)
+    finally:
+        pool.close()
+        telemetry.shutdown_tracing()
+        log.info("cache service stopped; pool released")
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+async def _serve_pool(cfg: CacheConfig, shape: ModelShape, plan: PoolPlan, pool, token: str) -> None:
+    host_tier = HostTier.from_bytes(pool.tensor, int(cfg.swap_space * GIB)) if cfg.swap_space > 0 else None
+    num_host = host_tier.num_blocks if host_tier else 0
+    log.info(
+        "KV pool: %s %s, %d blocks x %d tokens = %d tokens of capacity, %s (%d bytes per block); "
+        "host swap tier: %d blocks (%s); model %s… (%d layers, %d KV heads, head dim %d)",
+        plan.backend,
+        plan.dtype,
+        plan.num_blocks,
+        cfg.block_size,
+        plan.num_blocks * cfg.block_size,
+        human_bytes(plan.num_blocks * plan.block_bytes),
+        plan.block_bytes,
+        num_host,
+        human_bytes(num_host * plan.block_bytes),
+        shape.fingerprint[:12],
+        shape.num_layers,
+        shape.num_kv_heads,
+        shape.head_dim,
+    )
+    sequences = SequenceTable(
+        BlockManager(plan.num_blocks, cfg.block_size),
+        host_tier,
+        model_fingerprint=shape.fingerprint,
+        vocab_size=shape.vocab_size,
+        max_model_len=shape.max_model_len,
+        max_batch=cfg.max_batch,
+    )
+    metrics = None
+    if cfg.metrics_port is not None:
+        from kvtier.metrics import CacheMetrics, start_metrics_server
+
+        metrics = CacheMetrics()
+        port = start_metrics_server(cfg.metrics_port, metrics.registry)
+        log.info("Prometheus metrics on http://0.0.0.0:%d/metrics", port)
+    servicer = CacheServicer(sequences, LeaseTable(cfg.lease_ttl), pool.spec, metrics)
+    server, health, address = await start_server(
+        "kvtier.v1.CacheService",
+        lambda s: cache_pb2_grpc.add_CacheServiceServicer_to_server(servicer, s),
+        cfg.listen,
+        token,
+        cfg.tls_cert,
+        cfg.tls_key,
+    )
+    log.info("cache service listening on %s (lease ttl %.1fs)", address, cfg.lease_ttl)
+    reaper = asyncio.ensure_future(servicer.reap_leases_forever())
+    if metrics is not None:
+        refresher = asyncio.ensure_future(refresh_metrics(servicer, metrics))
+    try:
+        await wait_for_termination(server, health)
+    finally:
+        reaper.cancel()
+        if metrics is not None:
+            refresher.cancel()
+
+
+async def refresh_metrics(servicer: CacheServicer, metrics, period_s: float = 1.0) -> None:
+    while True:
+        msg = servicer.stats()
+        stats = {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields if f.name != "leases"}
+        stats["num_leases"] = len(msg.leases)
+        stats["swap_out_bytes"] = msg.num_swap_out_bytes
+        stats["swap_in_bytes"] = msg.num_swap_in_bytes
+        metrics.update_from_stats(stats)
+        await asyncio.sleep(period_s)
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m cachesvc") -> int:
+    cfg = parse_config(argv, prog)
+    logging.basicConfig(
+        level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    log.info("config: %s", cfg.describe())
+    try:
+        asyncio.run(serve(cfg))
+    except (ValueError, PoolUnavailable, FileNotFoundError) as e:
+        log.error("cannot start: %s", e)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""The cache service's configuration: one dataclass, filled from flags and environment."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import asdict, dataclass
+
+from kvtier.auth import default_cache_address
+
+GIB = 1 << 30
+
+
+@dataclass
+class CacheConfig:
+    listen: str
+    token_file: str | None
+    tls_cert: str | None
+    tls_key: str | None
+    backend: str
+    device: int
+    model: str | None
+    model_fingerprint: str | None
+    num_layers: int | None
+    num_kv_heads: int | None
+    head_dim: int | None
+    vocab_size: int | None
+    max_model_len: int | None
+    dtype: str
+    block_size: int
+    num_blocks: int | None
+    memory_fraction: float
+    kv_cache_space: float
+    swap_space: float
+    lease_ttl: float
+    max_batch: int
+    metrics_port: int | None
+    log_level: str
+
+    def describe(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in asdict(self).items())
+
+
+def build_parser(prog: str = "python -m cachesvc") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description=(
+            "kvtier cache service: owns one accelerator's paged KV block pool and serves it over gRPC "
+            "(allocate/extend/commit/free, prefix caching, swap, leases). Compute replicas on the same "
+            "node map the pool zero-copy."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    net = p.add_argument_group("network and auth")
+    net.add_argument(
+        "--listen",
+        default=default_cache_address(),
+        help="address to serve on: unix:///path/to.sock (owner-only socket) or tcp://host:port",
+    )
+    net.add_argument(
+        "--token-file",
+        default=os.environ.get("KVTIER_TOKEN_FILE"),
+        help="file holding the shared token clients must present; $KVTIER_TOKEN wins if set. With neither, "
+        "a fresh token is written to the run directory's `token` file (mode 0600)",
+    )
+    net.add_argument("--tls-cert", help="PEM certificate chain; with --tls-key, serve TCP over TLS")
+    net.add_argument("--tls-key", help="PEM private key for --tls-cert")
+
+    shape = p.add_argument_group("model shape (from --model, explicit flags, or the built-in tiny test model)")
+    shape.add_argument("--model", help="local Hugging Face model directory; its config.json sets the pool shape")
+    shape.add_argument(
+        "--model-fingerprint", help="override the model fingerprint (default: derived from config and weights)"
+    )
+    shape.add_argument("--num-layers", type=int, help="decoder layers (overrides --model)")
+    shape.add_argument("--num-kv-heads", type=int, help="KV heads per layer (overrides --model)")
+    shape.add_argument("--head-dim", type=int, help="head dimension (overrides --model)")
+    shape.add_argument("--vocab-size", type=int, help="token ids must be below this (overrides --model)")
+    shape.add_argument("--max-model-len", type=int, help="longest sequence in tokens (overrides --model)")
+
+    pool = p.add_argument_group("pool")
+    pool.add_argument(
+        "--backend",
+        choices=["auto", "cpu-shm", "cuda"],
+        default="auto",
+        help="pool memory: cuda (raw device allocation shared by CUDA IPC) or cpu-shm (POSIX shared memory); "
+        "auto picks cuda when a GPU is usable",
+    )
+    pool.add_argument("--device", type=int, default=0, help="CUDA device index for the cuda backend")
+    pool.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "float16", "bfloat16"],
+        default="auto",
+        help="KV element type; auto = the model's dtype on cuda, float32 on cpu-shm",
+    )
+    pool.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64], help="tokens per block")
+    pool.add_argument("--num-blocks", type=int, help="blocks in the pool (overrides the memory-based sizing)")
+    pool.add_argument(
+        "--memory-fraction",
+        type=float,
+        default=0.9,
+        help="cuda: fraction of the device's free memory (measured at startup) given to the pool",
+    )
+    pool.add_argument(
+        "--kv-cache-space", type=float, default=1.0, help="cpu-shm: GiB of shared memory given to the pool"
+    )
+    pool.add_argument(
+        "--swap-space", type=float, default=4.0, help="GiB of host memory for swapped-out blocks (0 = no swap)"
+    )
+
+    svc = p.add_argument_group("service")
+    svc.add_argument(
+        "--lease-ttl",
+        type=float,
+        default=10.0,
+        help="seconds a client lease lives without a heartbeat; then its sequences are released",
+    )
+    svc.add_argument("--max-batch", type=int, default=1024, help="most sequences one call may carry")
+    svc.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0 = any free port)")
+    svc.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log verbosity (stderr)"
+    )
+    return p
+
+
+def parse_config(argv: list[str] | None = None, prog: str = "python -m cachesvc") -> CacheConfig:
+    args = build_parser(prog).parse_args(argv)
+    return CacheConfig(**vars(args))

@@ -1,0 +1,68 @@
+"""Leases: every sequence belongs to one, and a lease that stops heartbeating expires.
+
+Expiry itself only reports which leases ran out; the caller (the servicer's reaper) releases
+their sequences through the sequence table, so committed blocks stay in the prefix cache.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from cachesvc.errors import InvalidArgument, NotFound
+
+
+@dataclass(slots=True)
+class Lease:
+    lease_id: str
+    client_name: str
+    expires_at: float  # on the table's clock (monotonic seconds)
+
+
+class LeaseTable:
+    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic):
+        if ttl_s <= 0:
+            raise ValueError(f"lease ttl must be > 0 seconds, got {ttl_s}")
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._leases: dict[str, Lease] = {}
+        self.num_expired = 0
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def __iter__(self):
+        return iter(list(self._leases.values()))
+
+    def open(self, client_name: str) -> Lease:
+        # NOTE: the lease id is a 128-bit secret: holding it is what lets a client touch its sequences.
+        lease = Lease(secrets.token_hex(16), client_name, self.clock() + self.ttl_s)
+        self._leases[lease.lease_id] = lease
+        return lease
+
+    def get(self, lease_id: str) -> Lease:
+        if not lease_id:
+            raise InvalidArgument("lease_id is empty: call Attach first and pass the lease it returns")
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.expires_at <= self.clock():
+            raise NotFound(f"lease {lease_id[:8]}… is unknown or expired: call Attach again")
+        return lease
+
+    def renew(self, lease_id: str) -> Lease:
+        lease = self.get(lease_id)
+        lease.expires_at = self.clock() + self.ttl_s
+        return lease
+
+    def expires_in(self, lease: Lease) -> float:
+        return max(0.0, lease.expires_at - self.clock())
+
+    def pop_expired(self) -> list[Lease]:
+        """Remove and return the leases whose time ran out."""
+        now = self.clock()
+        expired = [lease for lease in self._leases.values() if lease.expires_at <= now]
+        for lease in expired:
+            del self._leases[lease.lease_id]
+        self.num_expired += len(expired)
+        return expired

@@ -1,0 +1,193 @@
+"""Typed, batched client of the cache service (compute, benchmarks and tests use it).
+
+One class serves both gRPC flavours: every method builds the request and returns the stub's
+call. On a sync channel that is the response; on an aio channel it is awaitable:
+
+    client = CacheClient.connect("unix:///tmp/kvtier-0/cache.sock")            # sync
+    seqs = client.allocate([[1, 2, 3]]).sequences
+
+    client = CacheClient.connect(address, aio=True)                              # asyncio
+    seqs = (await client.allocate([[1, 2, 3]])).sequences
+
+Requests carry the shared token as call metadata and the lease opened by `attach()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import grpc
+
+from kvtier import auth, telemetry
+from kvtier.api import cache_pb2, cache_pb2_grpc
+from kvtier.grpc_server import MAX_MESSAGE_BYTES
+from kvtier.pool import PoolSpec
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+def open_channel(address: str, *, aio: bool = False, tls_ca: str | None = None):
+    """A channel to `address` (unix:///path, tcp://host:port or host:port), traced when tracing is on."""
+    target = auth.grpc_target(address)
+    if tls_ca:
+        creds = grpc.ssl_channel_credentials(Path(tls_ca).read_bytes())
+        if aio:
+            return grpc.aio.secure_channel(
+                target, creds, options=CHANNEL_OPTIONS, interceptors=telemetry.aio_client_interceptors()
+            )
+        return telemetry.intercept(grpc.secure_channel(target, creds, options=CHANNEL_OPTIONS))
+    if aio:
+        return telemetry.aio_channel(target, options=CHANNEL_OPTIONS)
+    return telemetry.sync_channel(target, options=CHANNEL_OPTIONS)
+
+
+class CacheClient:
+    def __init__(self, channel, token: str, timeout_s: float = 30.0):
+        self.channel = channel
+        self.stub = cache_pb2_grpc.CacheServiceStub(channel)
+        self.metadata = auth.bearer(token)
+        self.timeout_s = timeout_s
+        self.lease_id = ""
+        self.lease_ttl_s = 0.0
+        self.pool: PoolSpec | None = None
+
+    @classmethod
+    def connect(
+        cls,
+        address: str | None = None,
+        token: str | None = None,
+        *,
+        aio: bool = False,
+        tls_ca: str | None = None,
+        timeout_s: float = 30.0,
+    ) -> CacheClient:
+        address = address or auth.default_cache_address()
+        token = token if token is not None else auth.load_token()
+        if token is None:
+            raise RuntimeError(
+                "no cache service token: set $KVTIER_TOKEN or $KVTIER_TOKEN_FILE, or run on the "
+                f"cache service's host where it writes {auth.default_token_file()}"
+            )
+        return cls(open_channel(address, aio=aio, tls_ca=tls_ca), token, timeout_s)
+
+    def close(self):
+        return self.channel.close()
+
+    def _call(self, method, request):
+        return method(request, metadata=self.metadata, timeout=self.timeout_s)
+
+    # ------------------------------------------------------------ leases
+
+    def attach_request(self, client_name: str, model_fingerprint: str = "") -> cache_pb2.AttachRequest:
+        return cache_pb2.AttachRequest(client_name=client_name, model_fingerprint=model_fingerprint)
+
+    def adopt(self, response: cache_pb2.AttachResponse) -> cache_pb2.AttachResponse:
+        """Remember the lease and pool spec of an Attach response."""
+        self.lease_id = response.lease_id
+        self.lease_ttl_s = response.lease_ttl_s
+        self.pool = PoolSpec.from_proto(response.pool)
+        return response
+
+    def attach(self, client_name: str, model_fingerprint: str = "") -> cache_pb2.AttachResponse:
+        """Sync only: open a lease (see `attach_async` for aio channels)."""
+        return self.adopt(self._call(self.stub.Attach, self.attach_request(client_name, model_fingerprint)))
+
+    async def attach_async(self, client_name: str, model_fingerprint: str = "") -> cache_pb2.AttachResponse:
+        return self.adopt(await self._call(self.stub.Attach, self.attach_request(client_name, model_fingerprint)))
+
+    def heartbeat(self):
+        return self._call(self.stub.Heartbeat, cache_pb2.HeartbeatRequest(lease_id=self.lease_id))
+
+    def start_heartbeat_thread(self) -> threading.Event:
+        """Sync channels: renew the lease every third of its TTL from a daemon thread; set the event to stop."""
+        stop = threading.Event()
+
+        def beat():
+            while not stop.wait(self.lease_ttl_s / 3):
+                try:
+                    self.heartbeat()
+                except grpc.RpcError:
+                    return
+
+        threading.Thread(target=beat, name="kvtier-heartbeat", daemon=True).start()
+        return stop
+
+    async def heartbeat_forever(self) -> None:
+        """Aio channels: renew the lease every third of its TTL until cancelled."""
+        while True:
+            await asyncio.sleep(self.lease_ttl_s / 3)
+            await self.heartbeat()
+
+    # ------------------------------------------------------------ sequences
+
+    def allocate(
+        self,
+        prompts: Iterable[Sequence[int]],
+        *,
+        cache_salt: str = "",
+        adapter_id: str = "",
+        num_lookahead_tokens: int = 0,
+        request_ids: Sequence[str] | None = None,
+    ):
+        items = [
+            cache_pb2.AllocateItem(
+                token_ids=tokens,
+                cache_salt=cache_salt,
+                adapter_id=adapter_id,
+                num_lookahead_tokens=num_lookahead_tokens,
+                request_id=request_ids[i] if request_ids else "",
+            )
+            for i, tokens in enumerate(prompts)
+        ]
+        return self.allocate_items(items)
+
+    def allocate_items(self, items: list[cache_pb2.AllocateItem]):
+        return self._call(self.stub.Allocate, cache_pb2.AllocateRequest(lease_id=self.lease_id, items=items))
+
+    def extend(self, items: Iterable[tuple[int, int]]):
+        """items: (sequence_id, num_tokens of room beyond the sequence's current tokens)."""
+        req = cache_pb2.ExtendRequest(
+            lease_id=self.lease_id, items=[cache_pb2.ExtendItem(sequence_id=s, num_tokens=n) for s, n in items]
+        )
+        return self._call(self.stub.Extend, req)
+
+    def commit(self, items: Iterable[tuple[int, Sequence[int], int]]):
+        """items: (sequence_id, token ids to append, num_computed_tokens)."""
+        req = cache_pb2.CommitRequest(
+            lease_id=self.lease_id,
+            items=[
+                cache_pb2.CommitItem(sequence_id=s, token_ids=t, num_computed_tokens=n) for s, t, n in items
+            ],
+        )
+        return self._call(self.stub.Commit, req)
+
+    def free(self, sequence_ids: Iterable[int]):
+        return self._call(self.stub.Free, cache_pb2.FreeRequest(lease_id=self.lease_id, sequence_ids=sequence_ids))
+
+    def swap_out(self, sequence_ids: Iterable[int]):
+        req = cache_pb2.SwapOutRequest(lease_id=self.lease_id, sequence_ids=sequence_ids)
+        return self._call(self.stub.SwapOut, req)
+
+    def swap_in(self, sequence_ids: Iterable[int]):
+        req = cache_pb2.SwapInRequest(lease_id=self.lease_id, sequence_ids=sequence_ids)
+        return self._call(self.stub.SwapIn, req)
+
+    # ------------------------------------------------------------ observation
+
+    def lookup_prefix(self, prompts: Iterable[Sequence[int]], *, cache_salt: str = "", adapter_id: str = ""):
+        items = [cache_pb2.LookupPrefixItem(token_ids=t, cache_salt=cache_salt, adapter_id=adapter_id) for t in prompts]
+        return self._call(self.stub.LookupPrefix, cache_pb2.LookupPrefixRequest(items=items))
+
+    def get_stats(self):
+        return self._call(self.stub.GetStats, cache_pb2.GetStatsRequest())
+
+    def watch_events(self, since_event_id: int = 0):
+        """A stream of CacheEvent (iterate it; cancel() to stop). No timeout."""
+        req = cache_pb2.WatchEventsRequest(since_event_id=since_event_id)
+        return self.stub.WatchEvents(req, metadata=self.metadata)

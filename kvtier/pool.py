@@ -1,0 +1,344 @@
+"""The KV block pool: one allocation, block-major, shared between processes.
+
+Layout (DESIGN.md §2): ``pool[num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]``.
+A block id names the same slot in every layer, and one block is one contiguous region.
+
+Two backends, one class each. The cache service calls ``create()``; a compute process calls
+``attach(spec)`` with the :class:`PoolSpec` it got from ``Attach``. The spec's format (how a
+handle is carried) lives only here.
+
+- ``cpu-shm``: POSIX shared memory under /dev/shm, mode 0600, mapped by name.
+- ``cuda``: one raw device allocation through CuPy, exported with ``cudaIpcGetMemHandle``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import secrets
+from dataclasses import dataclass, field
+from multiprocessing import resource_tracker, shared_memory
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+SHM_PREFIX = "kvtier-"
+
+
+class PoolUnavailable(RuntimeError):
+    """The requested backend cannot be used on this machine (the message says why)."""
+
+
+def pool_shape(num_blocks: int, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int) -> list[int]:
+    return [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+
+
+def contiguous_strides(shape: list[int]) -> list[int]:
+    """Strides in elements of a row-major tensor of `shape`."""
+    strides, step = [], 1
+    for dim in reversed(shape):
+        strides.append(step)
+        step *= dim
+    return list(reversed(strides))
+
+
+@dataclass
+class PoolSpec:
+    """Everything a client needs to map the pool. Mirrors ``kvtier.v1.PoolSpec``."""
+
+    backend: str
+    dtype: str
+    shape: list[int]
+    strides: list[int]
+    size_bytes: int
+    block_size: int
+    shm_name: str = ""
+    cuda_ipc_handle: bytes = b""
+    device_uuid: str = ""
+    model_fingerprint: str = ""
+    vocab_size: int = 0
+    max_model_len: int = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.shape[0]
+
+    @property
+    def block_bytes(self) -> int:
+        return self.size_bytes // self.shape[0]
+
+    def to_proto(self):
+        from kvtier.api import cache_pb2
+
+        return cache_pb2.PoolSpec(
+            backend=self.backend,
+            shm_name=self.shm_name,
+            cuda_ipc_handle=self.cuda_ipc_handle,
+            device_uuid=self.device_uuid,
+            dtype=self.dtype,
+            shape=self.shape,
+            strides=self.strides,
+            size_bytes=self.size_bytes,
+            block_size=self.block_size,
+            model_fingerprint=self.model_fingerprint,
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+        )
+
+    @classmethod
+    def from_proto(cls, msg) -> PoolSpec:
+        return cls(
+            backend=msg.backend,
+            dtype=msg.dtype,
+            shape=list(msg.shape),
+            strides=list(msg.strides),
+            size_bytes=msg.size_bytes,
+            block_size=msg.block_size,
+            shm_name=msg.shm_name,
+            cuda_ipc_handle=bytes(msg.cuda_ipc_handle),
+            device_uuid=msg.device_uuid,
+            model_fingerprint=msg.model_fingerprint,
+            vocab_size=msg.vocab_size,
+            max_model_len=msg.max_model_len,
+        )
+
+
+def _check_dtype(dtype: str) -> torch.dtype:
+    if dtype not in DTYPES:
+        raise ValueError(f"pool dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+@dataclass
+class ShmPool:
+    """Pool in POSIX shared memory (the default without a GPU)."""
+
+    spec: PoolSpec
+    tensor: torch.Tensor
+    _shm: shared_memory.SharedMemory = field(repr=False)
+    _owner: bool = False
+
+    backend = "cpu-shm"
+
+    @classmethod
+    def create(cls, shape: list[int], dtype: str, **spec_fields) -> ShmPool:
+        """Create a new segment (mode 0600) sized for `shape`; the caller owns and unlinks it."""
+        torch_dtype = _check_dtype(dtype)
+        size = math.prod(shape) * torch_dtype.itemsize
+        remove_stale_segments()
+        name = f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+        # NOTE: SharedMemory creates the segment with mode 0600, so only our uid can map it.
+        # The creating process stays registered with the resource tracker on purpose: if the
+        # cache service is killed, the tracker unlinks the segment (mappings that exist live on).
+        shm = shared_memory.SharedMemory(name=name, create=True, size=size)
+        os.chmod(f"/dev/shm/{shm.name}", 0o600)
+        spec = PoolSpec(
+            backend=cls.backend,
+            dtype=dtype,
+            shape=list(shape),
+            strides=contiguous_strides(list(shape)),
+            size_bytes=size,
+            block_size=shape[3],
+            shm_name=shm.name,
+            **spec_fields,
+        )
+        pool = cls(spec=spec, tensor=_view(shm, spec), _shm=shm, _owner=True)
+        pool.tensor.zero_()
+        return pool
+
+    @classmethod
+    def attach(cls, spec: PoolSpec) -> ShmPool:
+        """Map an existing segment by name (the compute side)."""
+        if spec.backend != cls.backend:
+            raise ValueError(f"pool backend is {spec.backend!r}, not {cls.backend!r}")
+        try:
+            shm = shared_memory.SharedMemory(name=spec.shm_name, create=False)
+        except FileNotFoundError:
+            raise PoolUnavailable(
+                f"shared-memory segment /dev/shm/{spec.shm_name} does not exist: the cache service "
+                "runs in another IPC namespace (share it, e.g. compose `ipc: service:cache`) or has restarted"
+            ) from None
+        # NOTE: Python < 3.13 registers every attached segment with this process's resource tracker,
+        # which would unlink the cache service's segment when we exit. We do not own it: unregister.
+        with contextlib.suppress(Exception):
+            resource_tracker.unregister(shm._name, "shared_memory")
+        if shm.size < spec.size_bytes:
+            shm.close()
+            raise PoolUnavailable(f"segment {spec.shm_name} has {shm.size} bytes, the spec says {spec.size_bytes}")
+        return cls(spec=spec, tensor=_view(shm, spec), _shm=shm, _owner=False)
+
+    def close(self) -> None:
+        """Drop our mapping (and unlink the segment if we created it).
+
+        NOTE: closing the mapping while a tensor view of it is alive would segfault on the next
+        access, so the mapping is only closed once no view can reach it; otherwise it stays mapped
+        until the process exits.
+        """
+        self.tensor = None  # type: ignore[assignment]
+        if self._owner:
+            with contextlib.suppress(FileNotFoundError):
+                self._shm.unlink()
+        try:
+            self._shm.close()
+        except BufferError:
+            log.debug("pool %s still has tensor views; leaving it mapped until exit", self.spec.shm_name)
+
+
+def _view(shm: shared_memory.SharedMemory, spec: PoolSpec) -> torch.Tensor:
+    flat = torch.frombuffer(shm.buf, dtype=torch.uint8, count=spec.size_bytes)
+    return flat.view(DTYPES[spec.dtype]).view(spec.shape)
+
+
+def remove_stale_segments(shm_dir: str = "/dev/shm") -> list[str]:
+    """Unlink kvtier segments of ours whose creating process no longer exists.
+
+    A cache service killed with SIGKILL normally has its segment removed by the resource
+    tracker; this catches the case where the tracker died too.
+    """
+    removed = []
+    for path in Path(shm_dir).glob(f"{SHM_PREFIX}*"):
+        try:
+            pid = int(path.name[len(SHM_PREFIX) :].split("-")[0])
+            if path.stat().st_uid != os.getuid():
+                continue
+        except (ValueError, OSError):
+            continue
+        if not _pid_alive(pid):
+            with contextlib.suppress(OSError):
+                path.unlink()
+                removed.append(path.name)
+    if removed:
+        log.info("removed %d stale shared-memory segment(s): %s", len(removed), ", ".join(removed))
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# ---------------------------------------------------------------- cuda
+
+
+def require_cuda():
+    """Import CuPy lazily and check a device exists; raise PoolUnavailable saying why not."""
+    try:
+        import cupy
+    except ImportError as e:
+        raise PoolUnavailable(
+            "the cuda backend needs CuPy matching torch's CUDA (pip install 'kvtier[cuda]' for CUDA 12, "
+            f"'kvtier[cuda13]' for CUDA 13): {e}"
+        ) from None
+    try:
+        available = cupy.cuda.is_available()
+    except Exception:  # CuPy raises various CUDA errors without a driver
+        available = False
+    if not available:
+        raise PoolUnavailable("the cuda backend is unavailable: CuPy finds no CUDA device on this machine")
+    if not torch.cuda.is_available():
+        raise PoolUnavailable("the cuda backend is unavailable: this torch build has no CUDA (install a CUDA torch)")
+    return cupy
+
+
+def device_uuid(device: int) -> str:
+    props = torch.cuda.get_device_properties(device)
+    return f"GPU-{props.uuid}" if not str(props.uuid).startswith("GPU-") else str(props.uuid)
+
+
+@dataclass
+class CudaPool:
+    """Pool in one raw CUDA allocation, shared through a CUDA IPC handle."""
+
+    spec: PoolSpec
+    tensor: torch.Tensor
+    _memory: object = field(repr=False)  # cupy Memory (owner) or the opened IPC pointer (client)
+    _owner: bool = False
+
+    backend = "cuda"
+
+    @classmethod
+    def create(cls, shape: list[int], dtype: str, device: int = 0, **spec_fields) -> CudaPool:
+        cupy = require_cuda()
+        torch_dtype = _check_dtype(dtype)
+        size = math.prod(shape) * torch_dtype.itemsize
+        with cupy.cuda.Device(device):
+            # NOTE: cupy.cuda.Memory is a plain cudaMalloc, not a pool slice: the IPC handle must
+            # name the whole allocation, which the caching allocators of torch/CuPy do not promise.
+            memory = cupy.cuda.Memory(size)
+            handle = bytes(cupy.cuda.runtime.ipcGetMemHandle(memory.ptr))
+            raw = cupy.ndarray((size,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0))
+            raw.fill(0)
+        spec = PoolSpec(
+            backend=cls.backend,
+            dtype=dtype,
+            shape=list(shape),
+            strides=contiguous_strides(list(shape)),
+            size_bytes=size,
+            block_size=shape[3],
+            cuda_ipc_handle=handle,
+            device_uuid=device_uuid(device),
+            **spec_fields,
+        )
+        return cls(spec=spec, tensor=_torch_view(raw, spec), _memory=memory, _owner=True)
+
+    @classmethod
+    def attach(cls, spec: PoolSpec) -> CudaPool:
+        if spec.backend != cls.backend:
+            raise ValueError(f"pool backend is {spec.backend!r}, not {cls.backend!r}")
+        cupy = require_cuda()
+        local = {device_uuid(i): i for i in range(torch.cuda.device_count())}
+        if spec.device_uuid not in local:
+            raise PoolUnavailable(
+                f"the pool lives on {spec.device_uuid}, which this process cannot see "
+                f"(visible: {', '.join(local) or 'none'}); run compute on the cache service's GPU"
+            )
+        device = local[spec.device_uuid]
+        with cupy.cuda.Device(device):
+            ptr = cupy.cuda.runtime.ipcOpenMemHandle(spec.cuda_ipc_handle)
+            memory = cupy.cuda.UnownedMemory(ptr, spec.size_bytes, owner=None, device_id=device)
+            raw = cupy.ndarray((spec.size_bytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0))
+        return cls(spec=spec, tensor=_torch_view(raw, spec), _memory=ptr, _owner=False)
+
+    def close(self) -> None:
+        self.tensor = None  # type: ignore[assignment]
+        if not self._owner and self._memory is not None:
+            cupy = require_cuda()
+            with contextlib.suppress(Exception):
+                cupy.cuda.runtime.ipcCloseMemHandle(self._memory)
+        self._memory = None
+
+
+def _torch_view(raw, spec: PoolSpec) -> torch.Tensor:
+    # CuPy has no bfloat16: share the bytes as uint8 and reinterpret them in torch.
+    flat = torch.as_tensor(raw, device=f"cuda:{raw.device.id}")
+    return flat.view(DTYPES[spec.dtype]).view(spec.shape)
+
+
+BACKENDS = {ShmPool.backend: ShmPool, CudaPool.backend: CudaPool}
+
+
+def default_backend() -> str:
+    """`cuda` where CUDA is usable, else `cpu-shm`."""
+    return "cuda" if torch.cuda.is_available() else "cpu-shm"
+
+
+def create_pool(backend: str, shape: list[int], dtype: str, **spec_fields) -> ShmPool | CudaPool:
+    if backend not in BACKENDS:
+        raise ValueError(f"pool backend {backend!r} is not one of {sorted(BACKENDS)}")
+    return BACKENDS[backend].create(shape, dtype, **spec_fields)
+
+
+def attach_pool(spec: PoolSpec) -> ShmPool | CudaPool:
+    if spec.backend not in BACKENDS:
+        raise PoolUnavailable(f"pool backend {spec.backend!r} is unknown to this client ({sorted(BACKENDS)})")
+    return BACKENDS[spec.backend].attach(spec)

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Set up kvtier in ./.venv from nothing. Idempotent: a second run only checks.
+# On a machine without a GPU it installs the CPU build of torch first, so the package's
+# own `torch>=2.4` range is already satisfied and no multi-GB CUDA build is pulled.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$PY" -m venv .venv
+fi
+VPY=.venv/bin/python
+$VPY -m pip install -q --upgrade pip
+if ! $VPY -c "import torch" 2>/dev/null; then
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+        $VPY -m pip install -q torch            # CUDA build from PyPI
+    else
+        $VPY -m pip install -q torch==2.13.0    # CPU build
+    fi
+fi
+# CuPy must match torch's CUDA major (cupy-cuda12x / cupy-cuda13x). Without a GPU we still
+# install the 12.x wheel so the cuda backend's "unavailable" path is exercised by the tests.
+extra=cuda
+if [ "$($VPY -c 'import torch; print((torch.version.cuda or "12").split(".")[0])')" = "13" ]; then
+    extra=cuda13
+fi
+$VPY -m pip install -q -e ".[dev,$extra]"
+$VPY -m kvtier.protogen --check >/dev/null 2>&1 || $VPY -m kvtier.protogen
+echo "kvtier is set up in .venv ($($VPY -c 'import torch; print("torch", torch.__version__)'))"

@@ -1,0 +1,397 @@
+"""The cache service as a real subprocess, driven over its Unix socket by real clients.
+
+Clients that must be independent of the test process run as spawned subprocesses
+(tests/clients/writer.py); the test process itself is a second, independent client.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from servers import REPO, TOKEN, cache_service, child_env
+
+from kvtier.api import cache_pb2
+from kvtier.cache_client import CacheClient
+from kvtier.pool import attach_pool
+
+BLOCK = 16
+PROMPT = list(range(1, 38))  # 37 tokens: two full blocks and a partial one
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("cache")
+    with cache_service(run_dir, "--num-blocks", "64", "--swap-space", "0.001", "--max-batch", "8") as svc:
+        yield svc
+
+
+@pytest.fixture
+def client(service):
+    c = CacheClient.connect(service.address, TOKEN)
+    c.attach("pytest")
+    stop = c.start_heartbeat_thread()
+    yield c
+    try:
+        if _own_sequences(c):
+            c.free([s.sequence_id for s in _own_sequences(c)])
+    finally:
+        stop.set()
+        c.close()
+
+
+def _own_sequences(c: CacheClient):
+    # Sequences are tracked by the service; the test only frees what it allocated via this list.
+    return getattr(c, "_test_seqs", [])
+
+
+def _alloc(c: CacheClient, prompts, **kw):
+    seqs = list(c.allocate(prompts, **kw).sequences)
+    c._test_seqs = [*getattr(c, "_test_seqs", []), *seqs]
+    return seqs
+
+
+def _spawn_writer(service, prompt, fill, *extra):
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(REPO / "tests/clients/writer.py"),
+            "--address",
+            service.address,
+            "--prompt",
+            ",".join(map(str, prompt)),
+            "--fill",
+            str(fill),
+            *extra,
+        ],
+        cwd=REPO,
+        env=child_env(service.run_dir),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    line = proc.stdout.readline()
+    assert line, f"writer exited with {proc.wait()}"
+    return proc, json.loads(line)
+
+
+def _wait_until(predicate, deadline_s=15.0, what="condition"):
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)  # polling a state change with a deadline, not waiting for readiness
+    raise AssertionError(f"timed out after {deadline_s}s waiting for {what}")
+
+
+def test_stubs_match_the_proto():
+    result = subprocess.run([sys.executable, "-m", "kvtier.protogen", "--check"], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_independent_process_writes_and_another_reads_the_same_bytes_through_a_prefix_hit(service, client):
+    writer, info = _spawn_writer(service, PROMPT, 1.5, "--hold")
+    try:
+        seq = _alloc(client, [PROMPT])[0]
+        # 37 tokens: the hit is capped at 36, i.e. the two full blocks the writer committed.
+        assert seq.num_cached_tokens == 2 * BLOCK
+        assert list(seq.block_table[:2]) == info["block_table"][:2]
+        assert seq.block_table[2] != info["block_table"][2]
+        pool = attach_pool(client.pool)
+        for block_id in seq.block_table[:2]:
+            assert torch.all(pool.tensor[block_id] == 1.5)
+        assert pool.tensor.shape[0] == 64
+    finally:
+        writer.stdin.close()
+        writer.wait(10)
+
+
+def test_swap_round_trip_preserves_bytes(client):
+    seq = _alloc(client, [[7] * 40])[0]
+    pool = attach_pool(client.pool)
+    gen = torch.Generator().manual_seed(3)
+    pattern = torch.randn((len(seq.block_table), *pool.tensor.shape[1:]), generator=gen)
+    for i, block_id in enumerate(seq.block_table):
+        pool.tensor[block_id].copy_(pattern[i])
+    client.commit([(seq.sequence_id, [], 40)])
+    out = client.swap_out([seq.sequence_id])
+    assert out.num_blocks == len(seq.block_table)
+    assert out.num_bytes == out.num_blocks * client.pool.block_bytes
+    assert client.get_stats().num_swapped_sequences == 1
+    for block_id in seq.block_table:
+        pool.tensor[block_id].zero_()  # whatever happens to the device blocks, the host copy is intact
+    back = client.swap_in([seq.sequence_id]).sequences[0]
+    assert len(back.block_table) == len(seq.block_table)
+    for i, block_id in enumerate(back.block_table):
+        assert torch.equal(pool.tensor[block_id], pattern[i])
+    stats = client.get_stats()
+    assert stats.num_swapped_sequences == 0
+    assert stats.num_swap_out_blocks >= out.num_blocks and stats.num_swap_in_blocks >= out.num_blocks
+
+
+def test_sigkilled_client_leaks_no_block_and_its_committed_blocks_stay_cached(service, client):
+    prompt = [200 + i % 50 for i in range(50)]  # 3 full blocks + 2 tokens
+    writer, info = _spawn_writer(service, prompt, 2.0, "--hold")
+    before = client.get_stats()
+    assert any(lease.num_sequences == 1 for lease in before.leases)
+    writer.send_signal(signal.SIGKILL)
+    writer.wait(10)
+
+    def released():
+        s = client.get_stats()
+        return s if s.num_expired_leases > before.num_expired_leases and s.num_sequences == len(_own_sequences(client)) else None
+
+    stats = _wait_until(released, what="the killed client's lease to expire")
+    owned_blocks = sum(len(s.block_table) for s in _own_sequences(client))
+    assert stats.num_blocks_used == owned_blocks
+    assert stats.num_blocks_free + stats.num_blocks_used == stats.num_blocks_total
+    # The writer's three committed full blocks are still prefix hits.
+    assert client.lookup_prefix([prompt]).num_cached_tokens[0] == 3 * BLOCK
+    seq = _alloc(client, [prompt])[0]
+    assert seq.num_cached_tokens == 3 * BLOCK
+    assert list(seq.block_table[:3]) == info["block_table"][:3]
+
+
+def test_calls_without_or_with_a_wrong_token_are_refused_but_health_is_open(service):
+    for token in ("", "wrong-token"):
+        c = CacheClient.connect(service.address, token)
+        with pytest.raises(grpc.RpcError) as e:
+            c.attach("intruder")
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "token" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            c.get_stats()
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        c.close()
+    with grpc.insecure_channel(service.address) as ch:
+        reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="kvtier.v1.CacheService"))
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_socket_and_shared_memory_segment_are_owner_only(service, client):
+    sock = Path(service.address[len("unix://") :])
+    assert stat.S_IMODE(sock.stat().st_mode) == 0o600
+    segment = Path("/dev/shm") / client.pool.shm_name
+    assert stat.S_IMODE(segment.stat().st_mode) == 0o600
+    assert segment.stat().st_uid == os.getuid()
+
+
+def test_one_lease_cannot_touch_another_leases_sequences(service, client):
+    seq = _alloc(client, [[5] * 20])[0]
+    other = CacheClient.connect(service.address, TOKEN)
+    other.attach("other")
+    before = client.get_stats()
+    calls = {
+        "free": lambda: other.free([seq.sequence_id]),
+        "extend": lambda: other.extend([(seq.sequence_id, 16)]),
+        "commit": lambda: other.commit([(seq.sequence_id, [], 20)]),
+        "swap_out": lambda: other.swap_out([seq.sequence_id]),
+    }
+    for name, call in calls.items():
+        with pytest.raises(grpc.RpcError) as e:
+            call()
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED, name
+        assert str(seq.sequence_id) in e.value.details(), name
+    after = client.get_stats()
+    assert _comparable(before) == _comparable(after)
+    other.close()
+
+
+def test_cache_salt_isolates_tenants_in_allocate_and_lookup(service, client):
+    prompt = [9] * 33
+    seq = _alloc(client, [prompt], cache_salt="tenant-a")[0]
+    client.commit([(seq.sequence_id, [], 33)])
+    assert client.lookup_prefix([prompt], cache_salt="tenant-a").num_cached_tokens[0] == 32
+    assert client.lookup_prefix([prompt], cache_salt="tenant-b").num_cached_tokens[0] == 0
+    assert client.lookup_prefix([prompt]).num_cached_tokens[0] == 0
+    other = _alloc(client, [prompt], cache_salt="tenant-b")[0]
+    assert other.num_cached_tokens == 0
+    assert not set(other.block_table) & set(seq.block_table)
+
+
+def test_watch_events_streams_stored_and_removed_blocks_with_increasing_ids(service, client):
+    stream = client.watch_events(0)
+    events: list[cache_pb2.CacheEvent] = []
+    done = threading.Event()
+
+    def collect():
+        try:
+            for event in stream:
+                events.append(event)
+        except grpc.RpcError:
+            pass
+        done.set()
+
+    threading.Thread(target=collect, daemon=True).start()
+    prompt = [77] * 32
+    seq = _alloc(client, [prompt])[0]
+    client.commit([(seq.sequence_id, [], 32)])
+
+    def stored_both():
+        mine = [e for e in events if e.HasField("block_stored") and e.block_stored.block_id in seq.block_table]
+        return mine if len(mine) == 2 else None
+
+    mine = _wait_until(stored_both, what="BlockStored events")
+    assert list(mine[0].block_stored.token_ids) == [77] * 16
+    assert mine[1].block_stored.parent_block_hash == mine[0].block_stored.block_hash
+    ids = [e.event_id for e in events]
+    assert ids == sorted(ids) and len(set(ids)) == len(ids)
+    stream.cancel()
+    done.wait(5)
+
+
+def _comparable(stats: cache_pb2.GetStatsResponse) -> cache_pb2.GetStatsResponse:
+    """Stats minus what changes with the clock alone."""
+    copy = cache_pb2.GetStatsResponse()
+    copy.CopyFrom(stats)
+    for lease in copy.leases:
+        lease.expires_in_s = 0
+    return copy
+
+
+def _bad_calls(c: CacheClient, seq_id: int, swapped_id: int, pool_blocks: int):
+    ok = [1, 2, 3]
+    item = cache_pb2.AllocateItem
+    allocate = lambda *items, lease=None: c.stub.Allocate(  # noqa: E731
+        cache_pb2.AllocateRequest(lease_id=c.lease_id if lease is None else lease, items=list(items)),
+        metadata=c.metadata,
+    )
+    INV, NF, RE, FP = (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.FAILED_PRECONDITION,
+    )
+    return [
+        ("Allocate without a lease", lambda: allocate(item(token_ids=ok), lease=""), INV, "lease_id"),
+        ("Allocate on an unknown lease", lambda: allocate(item(token_ids=ok), lease="f" * 32), NF, "lease"),
+        ("Allocate with no items", lambda: allocate(), INV, "items"),
+        ("Free no sequences", lambda: c.free([]), INV, "sequence_ids"),
+        ("Allocate an empty prompt", lambda: allocate(item(token_ids=[])), INV, "token_ids"),
+        ("Allocate a token id above the vocabulary", lambda: allocate(item(token_ids=[1, 258])), INV, "258"),
+        ("Allocate a negative token id", lambda: allocate(item(token_ids=[-1])), INV, "-1"),
+        ("Allocate past max_model_len", lambda: allocate(item(token_ids=[1] * 1025)), INV, "1024"),
+        ("Allocate a negative lookahead", lambda: allocate(item(token_ids=ok, num_lookahead_tokens=-5)), INV, "-5"),
+        ("Allocate more items than max_batch", lambda: allocate(*[item(token_ids=ok)] * 9), INV, "8"),
+        (
+            "Allocate a valid item then an invalid one",
+            lambda: allocate(item(token_ids=ok), item(token_ids=[999])),
+            INV,
+            "999",
+        ),
+        (
+            "Allocate more blocks than the pool has",
+            lambda: allocate(*[item(token_ids=[1] * 1000)] * 8),
+            RE,
+            "blocks",
+        ),
+        ("Extend an unknown sequence", lambda: c.extend([(10**9, 1)]), NF, str(10**9)),
+        ("Extend by a negative count", lambda: c.extend([(seq_id, -3)]), INV, "-3"),
+        ("Extend past max_model_len", lambda: c.extend([(seq_id, 5000)]), INV, "1024"),
+        ("Extend a sequence twice in one call", lambda: c.extend([(seq_id, 1), (seq_id, 1)]), INV, str(seq_id)),
+        ("Extend a swapped-out sequence", lambda: c.extend([(swapped_id, 1)]), FP, str(swapped_id)),
+        ("Commit more tokens than written", lambda: c.commit([(seq_id, [], 99)]), INV, "99"),
+        ("Commit tokens past the slots", lambda: c.commit([(seq_id, [1] * 40, 20)]), INV, "slots"),
+        ("Commit a token id above the vocabulary", lambda: c.commit([(seq_id, [300], 20)]), INV, "300"),
+        ("Free an unknown sequence", lambda: c.free([10**9]), NF, str(10**9)),
+        ("Free a valid and an unknown sequence", lambda: c.free([seq_id, 10**9]), NF, str(10**9)),
+        ("SwapOut a swapped-out sequence", lambda: c.swap_out([swapped_id]), FP, str(swapped_id)),
+        ("SwapIn a sequence on the device", lambda: c.swap_in([seq_id]), FP, str(seq_id)),
+        ("LookupPrefix a token id above the vocabulary", lambda: c.lookup_prefix([[1, 4000]]), INV, "4000"),
+        (
+            "Heartbeat an unknown lease",
+            lambda: c.stub.Heartbeat(cache_pb2.HeartbeatRequest(lease_id="0" * 32), metadata=c.metadata),
+            NF,
+            "lease",
+        ),
+        (
+            "Attach with another model's fingerprint",
+            lambda: c.stub.Attach(cache_pb2.AttachRequest(client_name="x", model_fingerprint="ab" * 32), metadata=c.metadata),
+            FP,
+            "fingerprint",
+        ),
+    ]
+
+
+def test_every_rpc_rejects_bad_input_with_a_clear_status_and_changes_no_state(client):
+    seq = _alloc(client, [[3] * 20])[0]
+    client.commit([(seq.sequence_id, [], 10)])
+    swapped = _alloc(client, [[4] * 20])[0]
+    client.swap_out([swapped.sequence_id])
+    for name, call, code, fragment in _bad_calls(client, seq.sequence_id, swapped.sequence_id, 64):
+        before = _comparable(client.get_stats())
+        try:
+            call()
+        except grpc.RpcError as e:
+            error = e
+        else:
+            pytest.fail(f"{name}: the call succeeded")
+        assert error.code() == code, f"{name}: {error.code()} {error.details()}"
+        assert fragment in error.details(), f"{name}: {error.details()!r} does not name {fragment!r}"
+        assert _comparable(client.get_stats()) == before, f"{name} changed the service's state"
+    client.swap_in([swapped.sequence_id])
+
+
+def test_help_explains_every_flag():
+    from cachesvc.config import build_parser
+
+    parser = build_parser()
+    for action in parser._actions:
+        assert action.help, f"flag {action.option_strings} has no help text"
+    out = subprocess.run([sys.executable, "-m", "cachesvc", "--help"], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0
+    for flag in ("--num-blocks", "--block-size", "--swap-space", "--model", "--lease-ttl", "--token-file"):
+        assert flag in out.stdout
+
+
+def test_pool_shape_comes_from_a_model_directory_and_startup_prints_capacity(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    config = {
+        "model_type": "llama",
+        "hidden_size": 96,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 3,
+        "num_hidden_layers": 5,
+        "vocab_size": 1000,
+        "max_position_embeddings": 512,
+        "torch_dtype": "float32",
+    }
+    (model / "config.json").write_text(json.dumps(config))
+    (model / "model.safetensors").write_bytes(b"\0" * 64)  # the service hashes weights' identity, never loads them
+    with cache_service(tmp_path / "run", "--model", str(model), "--num-blocks", "10", "--block-size", "32") as svc:
+        c = CacheClient.connect(svc.address, TOKEN)
+        c.attach("shape")
+        assert c.pool.shape == [10, 5, 2, 32, 3, 8]
+        assert c.pool.vocab_size == 1000 and c.pool.max_model_len == 512
+        assert c.pool.block_bytes == 5 * 2 * 32 * 3 * 8 * 4
+        c.close()
+        log = svc.log()
+    assert "10 blocks x 32 tokens = 320 tokens of capacity" in log
+
+
+def test_cuda_backend_without_a_gpu_refuses_to_start_with_a_plain_reason(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the cuda backend starts here (covered by test_pool_cuda.py)")
+    result = subprocess.run(
+        [sys.executable, "-m", "cachesvc", "--backend", "cuda", "--listen", f"unix://{tmp_path}/c.sock"],
+        cwd=REPO,
+        env=child_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "cuda backend" in result.stderr and ("unavailable" in result.stderr or "CuPy" in result.stderr)

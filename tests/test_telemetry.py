@@ -1,0 +1,174 @@
+"""Trace context crosses processes over gRPC, and tracing is truly off when nothing asks for it.
+
+Each process under test is a real subprocess with its own environment, so the global tracer
+provider of one never leaks into another (or into pytest).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# A grpc.aio server with only the health service, traced by kvtier.telemetry. It stops when its
+# stdin closes, so the test ends it deterministically and atexit flushes its spans.
+SERVER = """
+import asyncio, sys
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from kvtier import telemetry
+
+async def main(addr):
+    telemetry.setup_tracing("default-server-name")
+    server = grpc.aio.server(interceptors=telemetry.aio_server_interceptors())
+    servicer = health.aio.HealthServicer()
+    await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    server.add_insecure_port(addr)
+    await server.start()
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    await server.stop(grace=1)
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+# A client that calls Check inside a span of its own, over the channel kind given in argv[2].
+CLIENT = """
+import asyncio, sys
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from kvtier import telemetry
+
+addr, kind = sys.argv[1], sys.argv[2]
+assert telemetry.setup_tracing("test-client")
+tracer = telemetry.tracer("test")
+
+async def call_aio():
+    async with telemetry.aio_channel(addr) as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    return reply.status
+
+with tracer.start_as_current_span("client-root"):
+    if kind == "aio":
+        status = asyncio.run(call_aio())
+    else:
+        with telemetry.sync_channel(addr) as channel:
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
+assert status == health_pb2.HealthCheckResponse.SERVING, status
+"""
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The current environment without any tracing switch, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_") and k != "KVTIER_TRACE_FILE"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def read_spans(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def wait_until_serving(addr: str, deadline_s: float = 20.0) -> None:
+    """Block until the server answers its health check (wait_for_ready: no sleeping)."""
+    with grpc.insecure_channel(addr) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=deadline_s, wait_for_ready=True
+        )
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.fixture
+def traced_server(tmp_path: Path):
+    """A traced health server on a Unix socket; yields (address, its span file)."""
+    addr = f"unix://{tmp_path}/health.sock"
+    span_file = tmp_path / "server.jsonl"
+    env = clean_env(KVTIER_TRACE_FILE=str(span_file), OTEL_SERVICE_NAME="kvtier-test-server")
+    proc = subprocess.Popen([sys.executable, "-c", SERVER, addr], stdin=subprocess.PIPE, env=env)
+    try:
+        wait_until_serving(addr)
+        yield addr, span_file
+    finally:
+        proc.stdin.close()
+        assert proc.wait(timeout=20) == 0
+
+
+@pytest.mark.parametrize("kind", ["aio", "sync"])
+def test_server_span_is_child_of_client_span_across_processes(traced_server, tmp_path: Path, kind: str):
+    addr, server_file = traced_server
+    client_file = tmp_path / "client.jsonl"
+    subprocess.run(
+        [sys.executable, "-c", CLIENT, addr, kind],
+        env=clean_env(KVTIER_TRACE_FILE=str(client_file)),
+        check=True,
+        timeout=60,
+    )
+    client_spans = read_spans(client_file)
+    root = next(s for s in client_spans if s["name"] == "client-root")
+    rpc_client = next(s for s in client_spans if s["kind"] == "SpanKind.CLIENT")
+    assert rpc_client["name"] == "/grpc.health.v1.Health/Check"
+    assert rpc_client["parent_id"] == root["context"]["span_id"]
+    assert rpc_client["resource"]["attributes"]["service.name"] == "test-client"
+
+    # NOTE: the server exports its span (SimpleSpanProcessor) when the handler returns, before the
+    # reply is sent, so the line is in the file once the client has its answer. The readiness
+    # probe's call came from an untraced client: its server span is a root, left out here.
+    server_spans = read_spans(server_file)
+    rpc_server = [s for s in server_spans if s["kind"] == "SpanKind.SERVER" and s["parent_id"]]
+    assert len(rpc_server) == 1, server_spans
+    assert rpc_server[0]["name"] == "/grpc.health.v1.Health/Check"
+    assert rpc_server[0]["context"]["trace_id"] == root["context"]["trace_id"]
+    assert rpc_server[0]["parent_id"] == rpc_client["context"]["span_id"]
+    assert rpc_server[0]["resource"]["attributes"]["service.name"] == "kvtier-test-server"
+
+
+def test_tracing_is_off_and_sdk_unloaded_without_otel_variables():
+    probe = """
+import json, sys
+import grpc
+from opentelemetry import trace
+from kvtier import telemetry
+installed = telemetry.setup_tracing("kvtier-test")
+channel = telemetry.sync_channel("localhost:1")
+print(json.dumps({
+    "installed": installed,
+    "again": telemetry.setup_tracing("kvtier-test"),
+    "provider": type(trace.get_tracer_provider()).__name__,
+    "tracer": type(telemetry.tracer("x")).__name__,
+    "sdk_loaded": "opentelemetry.sdk.trace" in sys.modules,
+    "instrumentation_loaded": "opentelemetry.instrumentation.grpc" in sys.modules,
+    "aio_interceptors": telemetry.aio_server_interceptors(),
+    "sync_interceptors": telemetry.server_interceptors(),
+    "plain_channel": type(channel) is grpc._channel.Channel,
+}))
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", probe], env=clean_env(), check=True, capture_output=True, text=True, timeout=60
+    )
+    assert json.loads(out.stdout) == {
+        "installed": False,
+        "again": False,
+        "provider": "ProxyTracerProvider",
+        "tracer": "ProxyTracer",
+        "sdk_loaded": False,
+        "instrumentation_loaded": False,
+        "aio_interceptors": [],
+        "sync_interceptors": [],
+        "plain_channel": True,
+    }
+
+
+def test_otel_sdk_disabled_wins_over_trace_file(tmp_path: Path):
+    probe = "from kvtier import telemetry; print(telemetry.setup_tracing('kvtier-test'))"
+    env = clean_env(KVTIER_TRACE_FILE=str(tmp_path / "t.jsonl"), OTEL_SDK_DISABLED="true")
+    out = subprocess.run([sys.executable, "-c", probe], env=env, check=True, capture_output=True, text=True)
+    assert out.stdout.strip() == "False"
+    assert not (tmp_path / "t.jsonl").exists()
