@@ -17,7 +17,7 @@ from cachesvc.servicer import CacheServicer
 from kvtier import auth, telemetry
 from kvtier.api import cache_pb2_grpc
 from kvtier.grpc_server import start_server, wait_for_termination
-from kvtier.model_spec import DTYPE_ITEMSIZE, ModelShape
+from kvtier.model_spec import ModelShape
 from kvtier.pool import PoolUnavailable, create_pool, default_backend, pool_shape, require_cuda
 
 log = logging.getLogger("kvtier.cache")
@@ -73,7 +73,9 @@ def plan_pool(cfg: CacheConfig, shape: ModelShape) -> PoolPlan:
             )
         num_blocks = budget // block_bytes
     if num_blocks < 1:
-        raise ValueError(f"the pool would hold {num_blocks} blocks of {block_bytes} bytes: give it more memory")
+        raise ValueError(
+            f"the pool would hold {num_blocks} blocks of {block_bytes} bytes: give it more memory"
+        )
     return PoolPlan(backend, dtype, num_blocks, block_bytes)
 
 

@@ -66,10 +66,15 @@ def build_parser(prog: str = "python -m cachesvc") -> argparse.ArgumentParser:
     net.add_argument("--tls-cert", help="PEM certificate chain; with --tls-key, serve TCP over TLS")
     net.add_argument("--tls-key", help="PEM private key for --tls-cert")
 
-    shape = p.add_argument_group("model shape (from --model, explicit flags, or the built-in tiny test model)")
-    shape.add_argument("--model", help="local Hugging Face model directory; its config.json sets the pool shape")
+    shape = p.add_argument_group(
+        "model shape (from --model, explicit flags, or the built-in tiny test model)"
+    )
     shape.add_argument(
-        "--model-fingerprint", help="override the model fingerprint (default: derived from config and weights)"
+        "--model", help="local Hugging Face model directory; its config.json sets the pool shape"
+    )
+    shape.add_argument(
+        "--model-fingerprint",
+        help="override the model fingerprint (default: derived from config and weights)",
     )
     shape.add_argument("--num-layers", type=int, help="decoder layers (overrides --model)")
     shape.add_argument("--num-kv-heads", type=int, help="KV heads per layer (overrides --model)")
@@ -104,7 +109,10 @@ def build_parser(prog: str = "python -m cachesvc") -> argparse.ArgumentParser:
         "--kv-cache-space", type=float, default=1.0, help="cpu-shm: GiB of shared memory given to the pool"
     )
     pool.add_argument(
-        "--swap-space", type=float, default=4.0, help="GiB of host memory for swapped-out blocks (0 = no swap)"
+        "--swap-space",
+        type=float,
+        default=4.0,
+        help="GiB of host memory for swapped-out blocks (0 = no swap)",
     )
 
     svc = p.add_argument_group("service")
@@ -115,9 +123,14 @@ def build_parser(prog: str = "python -m cachesvc") -> argparse.ArgumentParser:
         help="seconds a client lease lives without a heartbeat; then its sequences are released",
     )
     svc.add_argument("--max-batch", type=int, default=1024, help="most sequences one call may carry")
-    svc.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0 = any free port)")
     svc.add_argument(
-        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log verbosity (stderr)"
+        "--metrics-port", type=int, help="serve Prometheus metrics on this port (0 = any free port)"
+    )
+    svc.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="log verbosity (stderr)",
     )
     return p
 

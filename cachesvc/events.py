@@ -37,7 +37,9 @@ class EventLog:
             else:
                 msg = cache_pb2.CacheEvent(
                     event_id=self.last_event_id,
-                    block_removed=cache_pb2.BlockRemoved(block_hash=event.block_hash, block_id=event.block_id),
+                    block_removed=cache_pb2.BlockRemoved(
+                        block_hash=event.block_hash, block_id=event.block_id
+                    ),
                 )
             self._ring.append(msg)
         if events:

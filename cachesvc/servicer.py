@@ -147,13 +147,18 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     @rpc
     async def Extend(self, request, context):
         lease = self.leases.get(request.lease_id)
-        views = self.sequences.extend(lease.lease_id, [(i.sequence_id, i.num_tokens) for i in _nonempty("items", request.items)])
+        views = self.sequences.extend(
+            lease.lease_id, [(i.sequence_id, i.num_tokens) for i in _nonempty("items", request.items)]
+        )
         return cache_pb2.ExtendResponse(sequences=[_blocks(v) for v in views])
 
     @rpc
     async def Commit(self, request, context):
         lease = self.leases.get(request.lease_id)
-        items = [(i.sequence_id, list(i.token_ids), i.num_computed_tokens) for i in _nonempty("items", request.items)]
+        items = [
+            (i.sequence_id, list(i.token_ids), i.num_computed_tokens)
+            for i in _nonempty("items", request.items)
+        ]
         return cache_pb2.CommitResponse(num_blocks_published=self.sequences.commit(lease.lease_id, items))
 
     @rpc
@@ -170,13 +175,17 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     @rpc
     async def SwapOut(self, request, context):
         lease = self.leases.get(request.lease_id)
-        num_blocks, num_bytes = self.sequences.swap_out(lease.lease_id, list(_nonempty("sequence_ids", request.sequence_ids)))
+        num_blocks, num_bytes = self.sequences.swap_out(
+            lease.lease_id, list(_nonempty("sequence_ids", request.sequence_ids))
+        )
         return cache_pb2.SwapOutResponse(num_blocks=num_blocks, num_bytes=num_bytes)
 
     @rpc
     async def SwapIn(self, request, context):
         lease = self.leases.get(request.lease_id)
-        views, num_blocks, num_bytes = self.sequences.swap_in(lease.lease_id, list(_nonempty("sequence_ids", request.sequence_ids)))
+        views, num_blocks, num_bytes = self.sequences.swap_in(
+            lease.lease_id, list(_nonempty("sequence_ids", request.sequence_ids))
+        )
         return cache_pb2.SwapInResponse(
             sequences=[_blocks(v) for v in views], num_blocks=num_blocks, num_bytes=num_bytes
         )

@@ -99,6 +99,7 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
             return handler
         if token_matches(handler_call_details.invocation_metadata, self._token):
             return handler
+
         async def deny(request, context):
             await context.abort(
                 grpc.StatusCode.PERMISSION_DENIED,
@@ -115,4 +116,6 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
             return grpc.unary_stream_rpc_method_handler(
                 deny_stream, handler.request_deserializer, handler.response_serializer
             )
-        return grpc.unary_unary_rpc_method_handler(deny, handler.request_deserializer, handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(
+            deny, handler.request_deserializer, handler.response_serializer
+        )

@@ -99,7 +99,9 @@ class CacheClient:
         return self.adopt(self._call(self.stub.Attach, self.attach_request(client_name, model_fingerprint)))
 
     async def attach_async(self, client_name: str, model_fingerprint: str = "") -> cache_pb2.AttachResponse:
-        return self.adopt(await self._call(self.stub.Attach, self.attach_request(client_name, model_fingerprint)))
+        return self.adopt(
+            await self._call(self.stub.Attach, self.attach_request(client_name, model_fingerprint))
+        )
 
     def heartbeat(self):
         return self._call(self.stub.Heartbeat, cache_pb2.HeartbeatRequest(lease_id=self.lease_id))
@@ -153,7 +155,8 @@ class CacheClient:
     def extend(self, items: Iterable[tuple[int, int]]):
         """items: (sequence_id, num_tokens of room beyond the sequence's current tokens)."""
         req = cache_pb2.ExtendRequest(
-            lease_id=self.lease_id, items=[cache_pb2.ExtendItem(sequence_id=s, num_tokens=n) for s, n in items]
+            lease_id=self.lease_id,
+            items=[cache_pb2.ExtendItem(sequence_id=s, num_tokens=n) for s, n in items],
         )
         return self._call(self.stub.Extend, req)
 
@@ -168,7 +171,9 @@ class CacheClient:
         return self._call(self.stub.Commit, req)
 
     def free(self, sequence_ids: Iterable[int]):
-        return self._call(self.stub.Free, cache_pb2.FreeRequest(lease_id=self.lease_id, sequence_ids=sequence_ids))
+        return self._call(
+            self.stub.Free, cache_pb2.FreeRequest(lease_id=self.lease_id, sequence_ids=sequence_ids)
+        )
 
     def swap_out(self, sequence_ids: Iterable[int]):
         req = cache_pb2.SwapOutRequest(lease_id=self.lease_id, sequence_ids=sequence_ids)
@@ -181,7 +186,10 @@ class CacheClient:
     # ------------------------------------------------------------ observation
 
     def lookup_prefix(self, prompts: Iterable[Sequence[int]], *, cache_salt: str = "", adapter_id: str = ""):
-        items = [cache_pb2.LookupPrefixItem(token_ids=t, cache_salt=cache_salt, adapter_id=adapter_id) for t in prompts]
+        items = [
+            cache_pb2.LookupPrefixItem(token_ids=t, cache_salt=cache_salt, adapter_id=adapter_id)
+            for t in prompts
+        ]
         return self._call(self.stub.LookupPrefix, cache_pb2.LookupPrefixRequest(items=items))
 
     def get_stats(self):

@@ -28,7 +28,9 @@ SERVER_OPTIONS = [
 ]
 
 
-def bind(server: grpc.aio.Server, listen: str, tls_cert: str | None = None, tls_key: str | None = None) -> str:
+def bind(
+    server: grpc.aio.Server, listen: str, tls_cert: str | None = None, tls_key: str | None = None
+) -> str:
     """Bind `listen` (unix:///path or tcp://host:port); returns the address clients should dial."""
     if listen.startswith("unix://"):
         path = Path(listen[len("unix://") :])

@@ -34,7 +34,9 @@ class PoolUnavailable(RuntimeError):
     """The requested backend cannot be used on this machine (the message says why)."""
 
 
-def pool_shape(num_blocks: int, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int) -> list[int]:
+def pool_shape(
+    num_blocks: int, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int
+) -> list[int]:
     return [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
 
 
@@ -169,7 +171,9 @@ class ShmPool:
             resource_tracker.unregister(shm._name, "shared_memory")
         if shm.size < spec.size_bytes:
             shm.close()
-            raise PoolUnavailable(f"segment {spec.shm_name} has {shm.size} bytes, the spec says {spec.size_bytes}")
+            raise PoolUnavailable(
+                f"segment {spec.shm_name} has {shm.size} bytes, the spec says {spec.size_bytes}"
+            )
         return cls(spec=spec, tensor=_view(shm, spec), _shm=shm, _owner=False)
 
     def close(self) -> None:
@@ -246,7 +250,9 @@ def require_cuda():
     if not available:
         raise PoolUnavailable("the cuda backend is unavailable: CuPy finds no CUDA device on this machine")
     if not torch.cuda.is_available():
-        raise PoolUnavailable("the cuda backend is unavailable: this torch build has no CUDA (install a CUDA torch)")
+        raise PoolUnavailable(
+            "the cuda backend is unavailable: this torch build has no CUDA (install a CUDA torch)"
+        )
     return cupy
 
 
@@ -306,7 +312,9 @@ class CudaPool:
         with cupy.cuda.Device(device):
             ptr = cupy.cuda.runtime.ipcOpenMemHandle(spec.cuda_ipc_handle)
             memory = cupy.cuda.UnownedMemory(ptr, spec.size_bytes, owner=None, device_id=device)
-            raw = cupy.ndarray((spec.size_bytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0))
+            raw = cupy.ndarray(
+                (spec.size_bytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0)
+            )
         return cls(spec=spec, tensor=_torch_view(raw, spec), _memory=ptr, _owner=False)
 
     def close(self) -> None:

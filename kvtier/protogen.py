@@ -50,14 +50,18 @@ def generate() -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="compare instead of writing; exit 1 on a difference")
+    parser.add_argument(
+        "--check", action="store_true", help="compare instead of writing; exit 1 on a difference"
+    )
     args = parser.parse_args(argv)
     files = generate()
     if args.check:
         on_disk = {p.name: p.read_text() for p in API_DIR.glob("*.py*")}
         if on_disk != files:
             stale = sorted(set(files) ^ set(on_disk) | {n for n in files if on_disk.get(n) != files[n]})
-            print(f"kvtier/api is stale ({', '.join(stale)}): run `python -m kvtier.protogen`", file=sys.stderr)
+            print(
+                f"kvtier/api is stale ({', '.join(stale)}): run `python -m kvtier.protogen`", file=sys.stderr
+            )
             return 1
         print("kvtier/api matches proto/")
         return 0

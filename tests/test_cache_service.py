@@ -97,7 +97,9 @@ def _wait_until(predicate, deadline_s=15.0, what="condition"):
 
 
 def test_stubs_match_the_proto():
-    result = subprocess.run([sys.executable, "-m", "kvtier.protogen", "--check"], cwd=REPO, capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "kvtier.protogen", "--check"], cwd=REPO, capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stderr
 
 
@@ -151,7 +153,12 @@ def test_sigkilled_client_leaks_no_block_and_its_committed_blocks_stay_cached(se
 
     def released():
         s = client.get_stats()
-        return s if s.num_expired_leases > before.num_expired_leases and s.num_sequences == len(_own_sequences(client)) else None
+        return (
+            s
+            if s.num_expired_leases > before.num_expired_leases
+            and s.num_sequences == len(_own_sequences(client))
+            else None
+        )
 
     stats = _wait_until(released, what="the killed client's lease to expire")
     owned_blocks = sum(len(s.block_table) for s in _own_sequences(client))
@@ -176,7 +183,9 @@ def test_calls_without_or_with_a_wrong_token_are_refused_but_health_is_open(serv
         assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
         c.close()
     with grpc.insecure_channel(service.address) as ch:
-        reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="kvtier.v1.CacheService"))
+        reply = health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service="kvtier.v1.CacheService")
+        )
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
@@ -221,7 +230,7 @@ def test_cache_salt_isolates_tenants_in_allocate_and_lookup(service, client):
     assert not set(other.block_table) & set(seq.block_table)
 
 
-def test_watch_events_streams_stored_and_removed_blocks_with_increasing_ids(service, client):
+def test_watch_events_streams_stored_blocks_as_a_chain_with_increasing_ids(service, client):
     stream = client.watch_events(0)
     events: list[cache_pb2.CacheEvent] = []
     done = threading.Event()
@@ -240,7 +249,14 @@ def test_watch_events_streams_stored_and_removed_blocks_with_increasing_ids(serv
     client.commit([(seq.sequence_id, [], 32)])
 
     def stored_both():
-        mine = [e for e in events if e.HasField("block_stored") and e.block_stored.block_id in seq.block_table]
+        # Replay from 0 includes earlier tests' events, possibly on the same block ids: match the tokens too.
+        mine = [
+            e
+            for e in events
+            if e.HasField("block_stored")
+            and e.block_stored.block_id in seq.block_table
+            and list(e.block_stored.token_ids) == [77] * 16
+        ]
         return mine if len(mine) == 2 else None
 
     mine = _wait_until(stored_both, what="BlockStored events")
@@ -250,6 +266,30 @@ def test_watch_events_streams_stored_and_removed_blocks_with_increasing_ids(serv
     assert ids == sorted(ids) and len(set(ids)) == len(ids)
     stream.cancel()
     done.wait(5)
+
+
+def test_watch_events_reports_evicted_blocks_as_removed(tmp_path):
+    with cache_service(tmp_path, "--num-blocks", "4") as svc:
+        c = CacheClient.connect(svc.address, TOKEN)
+        c.attach("evictor")
+        first = c.allocate([[1] * 64]).sequences[0]
+        c.commit([(first.sequence_id, [], 64)])
+        c.free([first.sequence_id])
+        second = c.allocate([[2] * 64]).sequences[0]  # the pool is full of cached blocks: evict them
+        assert sorted(second.block_table) == sorted(first.block_table)
+        stream = c.watch_events(0)
+        events = [next(stream) for _ in range(8)]
+        stream.cancel()
+        stored = [e.block_stored for e in events[:4]]
+        removed = [e.block_removed for e in events[4:]]
+        assert all(e.HasField("block_stored") for e in events[:4])
+        assert all(e.HasField("block_removed") for e in events[4:])
+        assert {r.block_hash for r in removed} == {s.block_hash for s in stored}
+        # Freed in reverse order, so the chain's tail is evicted first.
+        assert [r.block_id for r in removed] == [s.block_id for s in reversed(stored)]
+        assert [e.event_id for e in events] == list(range(1, 9))
+        assert c.get_stats().num_evictions == 4
+        c.close()
 
 
 def _comparable(stats: cache_pb2.GetStatsResponse) -> cache_pb2.GetStatsResponse:
@@ -283,7 +323,12 @@ def _bad_calls(c: CacheClient, seq_id: int, swapped_id: int, pool_blocks: int):
         ("Allocate a token id above the vocabulary", lambda: allocate(item(token_ids=[1, 258])), INV, "258"),
         ("Allocate a negative token id", lambda: allocate(item(token_ids=[-1])), INV, "-1"),
         ("Allocate past max_model_len", lambda: allocate(item(token_ids=[1] * 1025)), INV, "1024"),
-        ("Allocate a negative lookahead", lambda: allocate(item(token_ids=ok, num_lookahead_tokens=-5)), INV, "-5"),
+        (
+            "Allocate a negative lookahead",
+            lambda: allocate(item(token_ids=ok, num_lookahead_tokens=-5)),
+            INV,
+            "-5",
+        ),
         ("Allocate more items than max_batch", lambda: allocate(*[item(token_ids=ok)] * 9), INV, "8"),
         (
             "Allocate a valid item then an invalid one",
@@ -300,7 +345,12 @@ def _bad_calls(c: CacheClient, seq_id: int, swapped_id: int, pool_blocks: int):
         ("Extend an unknown sequence", lambda: c.extend([(10**9, 1)]), NF, str(10**9)),
         ("Extend by a negative count", lambda: c.extend([(seq_id, -3)]), INV, "-3"),
         ("Extend past max_model_len", lambda: c.extend([(seq_id, 5000)]), INV, "1024"),
-        ("Extend a sequence twice in one call", lambda: c.extend([(seq_id, 1), (seq_id, 1)]), INV, str(seq_id)),
+        (
+            "Extend a sequence twice in one call",
+            lambda: c.extend([(seq_id, 1), (seq_id, 1)]),
+            INV,
+            str(seq_id),
+        ),
         ("Extend a swapped-out sequence", lambda: c.extend([(swapped_id, 1)]), FP, str(swapped_id)),
         ("Commit more tokens than written", lambda: c.commit([(seq_id, [], 99)]), INV, "99"),
         ("Commit tokens past the slots", lambda: c.commit([(seq_id, [1] * 40, 20)]), INV, "slots"),
@@ -318,7 +368,9 @@ def _bad_calls(c: CacheClient, seq_id: int, swapped_id: int, pool_blocks: int):
         ),
         (
             "Attach with another model's fingerprint",
-            lambda: c.stub.Attach(cache_pb2.AttachRequest(client_name="x", model_fingerprint="ab" * 32), metadata=c.metadata),
+            lambda: c.stub.Attach(
+                cache_pb2.AttachRequest(client_name="x", model_fingerprint="ab" * 32), metadata=c.metadata
+            ),
             FP,
             "fingerprint",
         ),
@@ -350,7 +402,9 @@ def test_help_explains_every_flag():
     parser = build_parser()
     for action in parser._actions:
         assert action.help, f"flag {action.option_strings} has no help text"
-    out = subprocess.run([sys.executable, "-m", "cachesvc", "--help"], cwd=REPO, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "cachesvc", "--help"], cwd=REPO, capture_output=True, text=True
+    )
     assert out.returncode == 0
     for flag in ("--num-blocks", "--block-size", "--swap-space", "--model", "--lease-ttl", "--token-file"):
         assert flag in out.stdout
@@ -370,8 +424,12 @@ def test_pool_shape_comes_from_a_model_directory_and_startup_prints_capacity(tmp
         "torch_dtype": "float32",
     }
     (model / "config.json").write_text(json.dumps(config))
-    (model / "model.safetensors").write_bytes(b"\0" * 64)  # the service hashes weights' identity, never loads them
-    with cache_service(tmp_path / "run", "--model", str(model), "--num-blocks", "10", "--block-size", "32") as svc:
+    (model / "model.safetensors").write_bytes(
+        b"\0" * 64
+    )  # the service hashes weights' identity, never loads them
+    with cache_service(
+        tmp_path / "run", "--model", str(model), "--num-blocks", "10", "--block-size", "32"
+    ) as svc:
         c = CacheClient.connect(svc.address, TOKEN)
         c.attach("shape")
         assert c.pool.shape == [10, 5, 2, 32, 3, 8]

@@ -52,7 +52,11 @@ def test_shm_pool_is_shared_with_an_independent_process_and_survives_its_exit():
         assert pool.spec.strides[0] == 2 * 2 * 16 * 2 * 8
         pool.tensor[3].fill_(-1.5)
         out = subprocess.run(
-            [sys.executable, "-c", CHILD, _spec_json(pool.spec)], cwd=REPO, capture_output=True, text=True, timeout=60
+            [sys.executable, "-c", CHILD, _spec_json(pool.spec)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         assert out.returncode == 0, out.stderr
         reply = json.loads(out.stdout)
@@ -92,7 +96,9 @@ def test_unknown_dtype_and_backend_are_refused():
 
 
 def test_stale_segments_of_dead_processes_are_removed(tmp_path):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
     dead_pid = int(dead.stdout)
     stale = tmp_path / f"kvtier-{dead_pid}-abcd"
     live = tmp_path / f"kvtier-{os.getpid()}-abcd"
@@ -133,7 +139,9 @@ def test_cuda_pool_is_shared_through_an_ipc_handle():
         torch.cuda.synchronize()
         d = dict(pool.spec.__dict__)
         d["cuda_ipc_handle"] = base64.b64encode(pool.spec.cuda_ipc_handle).decode()
-        out = subprocess.run([sys.executable, "-c", CUDA_CHILD, json.dumps(d)], cwd=REPO, capture_output=True, text=True)
+        out = subprocess.run(
+            [sys.executable, "-c", CUDA_CHILD, json.dumps(d)], cwd=REPO, capture_output=True, text=True
+        )
         assert out.returncode == 0, out.stderr
         assert json.loads(out.stdout) == {"seen": -2.0}
         assert torch.all(pool.tensor[0] == 3.0)

@@ -30,8 +30,16 @@ def main() -> None:
     for block_id in seq.block_table:
         pool.tensor[block_id].fill_(args.fill)
     client.commit([(seq.sequence_id, [], len(prompt))])
-    print(json.dumps({"sequence_id": seq.sequence_id, "block_table": list(seq.block_table),
-                      "lease_id": client.lease_id}), flush=True)
+    print(
+        json.dumps(
+            {
+                "sequence_id": seq.sequence_id,
+                "block_table": list(seq.block_table),
+                "lease_id": client.lease_id,
+            }
+        ),
+        flush=True,
+    )
     if args.hold:
         stop = client.start_heartbeat_thread()
         sys.stdin.read()

@@ -1,0 +1,1 @@
+"""The compute service: model runner, sampling, scheduler and gRPC servicer."""

@@ -1,0 +1,110 @@
+"""The compute service's configuration: one dataclass, filled from flags and environment."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import asdict, dataclass
+
+from kvtier.auth import default_cache_address, run_dir
+
+
+@dataclass
+class ComputeConfig:
+    cache: str
+    listen: str
+    token_file: str | None
+    tls_ca: str | None
+    model: str | None
+    seed: int
+    device: str
+    threads: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    lookahead_blocks: int
+    connect_timeout: float
+    metrics_port: int | None
+    name: str
+    log_level: str
+
+    def describe(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in asdict(self).items())
+
+
+def build_parser(prog: str = "python -m computesvc") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description=(
+            "kvtier compute replica: owns no KV memory. Attaches to the cache service, maps its pool "
+            "zero-copy, runs the model with paged attention over pool blocks and streams completions "
+            "(Generate). Start as many as you like; any replica can serve any request."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--cache", default=default_cache_address(), help="cache service address (unix:///path or host:port)"
+    )
+    p.add_argument(
+        "--listen",
+        default=f"unix://{run_dir() / 'compute-0.sock'}",
+        help="address to serve Generate on: unix:///path or tcp://host:port (port 0 = any free port)",
+    )
+    p.add_argument(
+        "--token-file",
+        default=os.environ.get("KVTIER_TOKEN_FILE"),
+        help="file with the shared token (for the cache service and for our own callers); $KVTIER_TOKEN wins",
+    )
+    p.add_argument("--tls-ca", help="PEM CA bundle: reach the cache service over TLS")
+    p.add_argument(
+        "--model",
+        help="local Hugging Face Llama/Qwen2/Mistral directory (offline); default: the built-in tiny test model",
+    )
+    p.add_argument("--seed", type=int, default=0, help="weights seed of the built-in tiny model")
+    p.add_argument("--device", default="auto", help="torch device for the model: auto, cpu or cuda[:N]")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads of this replica (replicas share the node's cores; more threads per "
+        "replica oversubscribe them)",
+    )
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together in one batch")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="prompt tokens prefilled per step (longer prompts are chunked)",
+    )
+    p.add_argument(
+        "--lookahead-blocks",
+        type=int,
+        default=4,
+        help="blocks reserved ahead of each decoding sequence, so most steps make no cache call",
+    )
+    p.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=30.0,
+        help="seconds to keep retrying (with backoff) to reach the cache service before giving up",
+    )
+    p.add_argument(
+        "--metrics-port", type=int, help="serve Prometheus metrics on this port (0 = any free port)"
+    )
+    p.add_argument(
+        "--name", default=f"compute-{os.getpid()}", help="replica name shown in the cache service's stats"
+    )
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="log verbosity (stderr)",
+    )
+    return p
+
+
+def parse_config(argv: list[str] | None = None, prog: str = "python -m computesvc") -> ComputeConfig:
+    cfg = ComputeConfig(**vars(build_parser(prog).parse_args(argv)))
+    for flag in ("max_num_seqs", "max_num_batched_tokens", "lookahead_blocks", "threads"):
+        if getattr(cfg, flag) < 1:
+            raise SystemExit(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(cfg, flag)}")
+    return cfg

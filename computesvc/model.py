@@ -1,0 +1,404 @@
+"""The model side of compute: load a Llama-family model and run it over the paged KV pool.
+
+The Hugging Face model runs unchanged except for its attention, which goes through
+transformers' `AttentionInterface` to kvtier's paged kernels: each layer writes its new K/V
+straight into pool blocks (`write_kv`) and attends over the blocks of each sequence. No
+transformers cache object ever holds KV.
+
+Every forward is batch 1: the tokens of all sequences are packed into one row `[1, T]` with
+explicit `position_ids`, so RoPE sees each token's true position. The paged metadata of the
+forward (`PagedBatch`) travels as a model kwarg, which transformers hands to every attention
+call, so concurrent runners never share hidden state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    AttentionInterface,
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
+
+from kernels import paged_decode_attention, paged_prefill_attention, write_kv
+from kvtier.model_spec import TINY_LLAMA_CONFIG, ModelShape
+
+ATTN_IMPLEMENTATION = "kvtier_paged"
+
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+# --- the built-in tiny model -------------------------------------------------------------------
+
+
+def build_byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A real Hugging Face tokenizer whose tokens are bytes: id b is byte b, bos 256, eos 257.
+
+    It is a byte-level BPE with no merges, so `save_pretrained` writes a `tokenizer.json` that
+    `AutoTokenizer.from_pretrained` loads offline like any other model's. `encode` prepends bos;
+    `decode` replaces invalid UTF-8 with U+FFFD.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_to_char = bytes_to_unicode()
+    vocab = {byte_to_char[b]: b for b in range(256)}
+    vocab |= {"<s>": TINY_LLAMA_CONFIG["bos_token_id"], "</s>": TINY_LLAMA_CONFIG["eos_token_id"]}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", TINY_LLAMA_CONFIG["bos_token_id"])]
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
+
+
+def build_tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    """The built-in seeded-random Llama (`TINY_LLAMA_CONFIG`), on CPU, eval mode, eager attention.
+
+    Weights are drawn from a generator seeded with `seed`, parameter by parameter in name order,
+    so the same seed gives the same weights in any process. Their scale (std 1/sqrt(fan_in),
+    unit embeddings) spreads the logits enough that greedy decoding has clear winners.
+    """
+    config = LlamaConfig(**TINY_LLAMA_CONFIG, attn_implementation="eager")
+    model = LlamaForCausalLM(config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                values = 1.0 + 0.1 * torch.randn(param.shape, generator=generator)
+            elif name.endswith("embed_tokens.weight"):
+                values = torch.randn(param.shape, generator=generator)
+            else:
+                values = torch.randn(param.shape, generator=generator) / param.shape[-1] ** 0.5
+            param.copy_(values)
+    model.generation_config.bos_token_id = config.bos_token_id
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.generation_config.pad_token_id = config.eos_token_id
+    return model.to(dtype).eval()
+
+
+# --- loading -----------------------------------------------------------------------------------
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for `ModelRunner` (paged attention, eval, no grad) with its tokenizer.
+
+    `shape.dtype` is the checkpoint's dtype; the dtype the weights run in (and the pool must
+    have) is `model.dtype`. `eos_token_ids` merges the generation config's and the tokenizer's.
+    """
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    shape: ModelShape
+    eos_token_ids: list[int]
+
+
+def load_model(
+    model_dir: str | Path | None, *, dtype: str = "auto", device: str = "cpu", seed: int = 0
+) -> LoadedModel:
+    """Load a local Llama/Qwen2/Mistral directory offline, or the tiny model when `model_dir` is None.
+
+    dtype: "auto" (the checkpoint's dtype; float32 for the tiny model), "float32", "float16" or
+    "bfloat16". seed: weights of the tiny model (ignored for a directory). Raises
+    FileNotFoundError / ValueError naming the directory when it holds no supported model.
+    """
+    if dtype != "auto" and dtype not in _TORCH_DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(_TORCH_DTYPES)}, got {dtype!r}")
+    if model_dir is None:
+        model = build_tiny_model(seed, _TORCH_DTYPES["float32" if dtype == "auto" else dtype])
+        tokenizer: PreTrainedTokenizerBase = build_byte_tokenizer()
+        shape = ModelShape.tiny(seed)
+    else:
+        # Reads config.json first: an unsupported model fails here, before any weight is read.
+        shape = ModelShape.from_model_dir(model_dir)
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        torch_dtype = _TORCH_DTYPES[shape.dtype if dtype == "auto" else dtype]
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, config=config, dtype=torch_dtype, local_files_only=True
+        )
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    model = model.to(device).eval().requires_grad_(False)
+    use_paged_attention(model)
+    return LoadedModel(model, tokenizer, shape, _eos_token_ids(model, tokenizer))
+
+
+def use_paged_attention(model: PreTrainedModel) -> None:
+    """Route the model's attention to kvtier's paged kernels; it then runs only under ModelRunner."""
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+
+def _eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    # Chat models often end turns with a token the tokenizer does not call eos (Llama 3's
+    # <|eot_id|>): the generation config lists those, as vLLM reads them.
+    ids: list[int] = []
+    for source in (model.generation_config.eos_token_id, model.config.eos_token_id, tokenizer.eos_token_id):
+        for token_id in source if isinstance(source, list) else [source]:
+            if token_id is not None and token_id not in ids:
+                ids.append(int(token_id))
+    return ids
+
+
+# --- paged attention ---------------------------------------------------------------------------
+
+
+@dataclass
+class PagedBatch:
+    """Paged metadata of one packed forward, shared by every layer.
+
+    slot_mapping: [num_tokens] int64, pool slot (block_id * block_size + offset) of each token.
+    block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32, tokens in the pool
+    after this forward. cu_query_lens: [num_seqs + 1] int32 for prefill, None for decode (one
+    token per sequence). k_caches / v_caches: per-layer views [num_blocks, block_size,
+    num_kv_heads, head_dim] of the pool. max_seq_len / max_query_len: host-side bounds the
+    Triton kernels take to spare a device sync.
+    """
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    cu_query_lens: torch.Tensor | None
+    k_caches: list[torch.Tensor]
+    v_caches: list[torch.Tensor]
+    max_seq_len: int
+    max_query_len: int
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    kvtier_batch: PagedBatch | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function over the pool (`AttentionInterface` contract).
+
+    query [1, num_heads, T, head_dim], key/value [1, num_kv_heads, T, head_dim] after RoPE.
+    Writes this layer's K/V of the T tokens into the pool, then attends. Returns
+    ([1, T, num_heads, head_dim], None) like transformers' eager attention.
+    """
+    if kvtier_batch is None:
+        raise RuntimeError(
+            f"{ATTN_IMPLEMENTATION} attention runs only under ModelRunner (no kvtier_batch given)"
+        )
+    batch = kvtier_batch
+    layer = module.layer_idx
+    q = query[0].transpose(0, 1).contiguous()
+    k = key[0].transpose(0, 1).contiguous()
+    v = value[0].transpose(0, 1).contiguous()
+    k_cache, v_cache = batch.k_caches[layer], batch.v_caches[layer]
+    write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+    scale = module.scaling if scaling is None else scaling
+    if batch.cu_query_lens is None:
+        out = paged_decode_attention(
+            q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale, max_seq_len=batch.max_seq_len
+        )
+    else:
+        out = paged_prefill_attention(
+            q,
+            k_cache,
+            v_cache,
+            batch.block_tables,
+            batch.cu_query_lens,
+            batch.seq_lens,
+            scale,
+            max_query_len=batch.max_query_len,
+        )
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+
+
+# --- the runner --------------------------------------------------------------------------------
+
+
+@dataclass
+class PrefillInput:
+    """One sequence's share of a prefill forward.
+
+    token_ids: the tokens to compute now (the uncached suffix, or one chunk of it).
+    start_pos: position of token_ids[0] = tokens of this sequence already in the pool.
+    block_table: pool block ids covering at least start_pos + len(token_ids) tokens.
+    """
+
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+
+
+class ModelRunner:
+    """Runs prefill and decode forwards of one model over a block-major KV pool.
+
+    pool: [num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim], on the model's
+    device and in its dtype. Layer l reads and writes the views pool[:, l, 0] and pool[:, l, 1]
+    (no copies), so what the runner writes is what the cache service sees.
+    """
+
+    def __init__(self, model: PreTrainedModel, pool: torch.Tensor, block_size: int):
+        config = model.config
+        if config._attn_implementation != ATTN_IMPLEMENTATION:
+            raise ValueError(
+                f"model attention is {config._attn_implementation!r}, not {ATTN_IMPLEMENTATION!r}: "
+                "load it with load_model() or call use_paged_attention(model)"
+            )
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        expected = (
+            config.num_hidden_layers,
+            2,
+            block_size,
+            config.num_key_value_heads or num_heads,
+            head_dim,
+        )
+        if pool.dim() != 6 or tuple(pool.shape[1:]) != expected:
+            raise ValueError(
+                f"pool shape {tuple(pool.shape)} does not match the model: expected "
+                f"[num_blocks, {', '.join(map(str, expected))}] (layers, K/V, block_size, kv heads, head_dim)"
+            )
+        if pool.dtype != model.dtype or pool.device != model.device:
+            raise ValueError(
+                f"pool is {pool.dtype} on {pool.device}, the model runs {model.dtype} on {model.device}"
+            )
+        self.model = model
+        self.pool = pool
+        self.block_size = block_size
+        self.num_blocks = pool.shape[0]
+        self.vocab_size = config.vocab_size
+        self.device = pool.device
+        self.k_caches = [pool[:, layer, 0] for layer in range(config.num_hidden_layers)]
+        self.v_caches = [pool[:, layer, 1] for layer in range(config.num_hidden_layers)]
+
+    def prefill(self, seqs: list[PrefillInput]) -> torch.Tensor:
+        """One packed forward over the new tokens of all `seqs`; writes their K/V into the pool.
+
+        A sequence may start mid-way (start_pos > 0: a prefix hit or a later chunk); its
+        attention covers the cached prefix plus its new tokens, causally. Returns fp32 logits
+        of each sequence's last new token, [num_seqs, vocab_size].
+        """
+        if not seqs:
+            raise ValueError("prefill needs at least one sequence")
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu_query_lens = [0]
+        seq_lens: list[int] = []
+        for i, seq in enumerate(seqs):
+            if not seq.token_ids:
+                raise ValueError(f"prefill sequence {i} has no tokens")
+            if seq.start_pos < 0:
+                raise ValueError(f"prefill sequence {i} has start_pos {seq.start_pos} < 0")
+            end = seq.start_pos + len(seq.token_ids)
+            self._check_block_table(i, seq.block_table, end)
+            token_ids += seq.token_ids
+            positions += range(seq.start_pos, end)
+            slots += self._slots(seq.block_table, seq.start_pos, end)
+            cu_query_lens.append(len(token_ids))
+            seq_lens.append(end)
+        tables = [seq.block_table for seq in seqs]
+        max_query_len = max(len(seq.token_ids) for seq in seqs)
+        batch = self._batch(slots, tables, seq_lens, cu_query_lens, max_query_len)
+        last = torch.tensor(cu_query_lens[1:], device=self.device) - 1
+        return self._forward(token_ids, positions, batch, logits_to_keep=last)
+
+    def decode(
+        self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]
+    ) -> torch.Tensor:
+        """One new token per sequence at `positions[i]` (0-based); writes its K/V into the pool.
+
+        Sequence i attends over its positions 0..positions[i], all of which must be in the pool
+        after this write. Returns fp32 logits [num_seqs, vocab_size].
+        """
+        if not token_ids or not len(token_ids) == len(positions) == len(block_tables):
+            raise ValueError(
+                f"decode needs equal, non-zero numbers of token_ids ({len(token_ids)}), "
+                f"positions ({len(positions)}) and block_tables ({len(block_tables)})"
+            )
+        for i, (pos, table) in enumerate(zip(positions, block_tables, strict=True)):
+            if pos < 0:
+                raise ValueError(f"decode sequence {i} has position {pos} < 0")
+            self._check_block_table(i, table, pos + 1)
+        slots = [
+            self._slots(table, pos, pos + 1)[0] for pos, table in zip(positions, block_tables, strict=True)
+        ]
+        batch = self._batch(slots, block_tables, [p + 1 for p in positions], None, max_query_len=1)
+        return self._forward(token_ids, positions, batch, logits_to_keep=0)
+
+    def _check_block_table(self, i: int, table: list[int], num_tokens: int) -> None:
+        needed = -(-num_tokens // self.block_size)
+        if len(table) < needed:
+            raise ValueError(
+                f"sequence {i}: block_table has {len(table)} blocks, {num_tokens} tokens need {needed} "
+                f"(block_size {self.block_size})"
+            )
+        bad = [b for b in table[:needed] if not 0 <= b < self.num_blocks]
+        if bad:
+            raise ValueError(f"sequence {i}: block ids {bad} outside the pool [0, {self.num_blocks})")
+
+    def _slots(self, table: list[int], start: int, end: int) -> list[int]:
+        """Pool slots of positions start..end-1 of a sequence with this block table."""
+        bs = self.block_size
+        return [table[pos // bs] * bs + pos % bs for pos in range(start, end)]
+
+    def _batch(
+        self,
+        slots: list[int],
+        tables: list[list[int]],
+        seq_lens: list[int],
+        cu_query_lens: list[int] | None,
+        max_query_len: int,
+    ) -> PagedBatch:
+        # Entries past a sequence's last block are never read: pad with block 0.
+        width = max(-(-n // self.block_size) for n in seq_lens)
+        padded = [table[:width] + [0] * (width - min(len(table), width)) for table in tables]
+
+        def int32(values: list[int] | list[list[int]]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32, device=self.device)
+
+        return PagedBatch(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
+            block_tables=int32(padded),
+            seq_lens=int32(seq_lens),
+            cu_query_lens=None if cu_query_lens is None else int32(cu_query_lens),
+            k_caches=self.k_caches,
+            v_caches=self.v_caches,
+            max_seq_len=max(seq_lens),
+            max_query_len=max_query_len,
+        )
+
+    def _forward(
+        self,
+        token_ids: list[int],
+        positions: list[int],
+        batch: PagedBatch,
+        logits_to_keep: int | torch.Tensor,
+    ) -> torch.Tensor:
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:8]} outside the vocabulary [0, {self.vocab_size})")
+        input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                use_cache=False,
+                logits_to_keep=logits_to_keep,
+                kvtier_batch=batch,
+            )
+        return out.logits[0].float()

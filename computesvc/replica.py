@@ -1,0 +1,196 @@
+"""One compute replica's link to its node's cache service.
+
+It attaches (retrying with backoff while the cache service is not up yet), checks that the
+pool was made for this model, maps the pool, builds the model runner and the scheduler, keeps
+the lease alive, and re-attaches when the cache service restarts (requests in flight then fail
+with a retryable status; the replica itself carries on).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from computesvc.cache_link import RemoteCache
+from computesvc.config import ComputeConfig
+from computesvc.model import LoadedModel, ModelRunner, load_model
+from computesvc.scheduler import CacheUnavailable, Request, Scheduler, SchedulerConfig
+from kvtier.cache_client import CacheClient
+from kvtier.model_spec import ModelShape
+from kvtier.pool import PoolSpec, attach_pool
+
+log = logging.getLogger("kvtier.compute")
+
+
+class ModelMismatch(RuntimeError):
+    """The cache service's pool was made for another model: this replica cannot use it."""
+
+
+def check_pool_fits_model(spec: PoolSpec, shape: ModelShape) -> None:
+    want = [shape.num_layers, 2, spec.block_size, shape.num_kv_heads, shape.head_dim]
+    if list(spec.shape[1:]) != want:
+        raise ModelMismatch(
+            f"the cache service's pool has shape {spec.shape} (blocks, layers, K/V, block_size, kv heads, "
+            f"head_dim) but this model needs [*, {', '.join(map(str, want))}]: start the cache service "
+            "with the same --model"
+        )
+    if spec.vocab_size and spec.vocab_size != shape.vocab_size:
+        raise ModelMismatch(f"pool vocab_size {spec.vocab_size} != model vocab_size {shape.vocab_size}")
+    if spec.model_fingerprint and spec.model_fingerprint != shape.fingerprint:
+        raise ModelMismatch(
+            f"pool model fingerprint {spec.model_fingerprint[:12]}… != this model's {shape.fingerprint[:12]}…"
+        )
+
+
+class Replica:
+    def __init__(self, cfg: ComputeConfig, token: str, metrics=None):
+        self.cfg = cfg
+        self.token = token
+        self.metrics = metrics
+        self.shape = ModelShape.from_model_dir(cfg.model) if cfg.model else ModelShape.tiny(cfg.seed)
+        self.loaded: LoadedModel | None = None
+        self.client: CacheClient | None = None
+        self.pool = None
+        self.scheduler: Scheduler | None = None
+        self.connected = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+
+    # ------------------------------------------------------------ attach
+
+    async def _attach(self, timeout_s: float) -> CacheClient:
+        """Attach with exponential backoff until `timeout_s` passes; ConnectionError then."""
+        deadline = time.monotonic() + timeout_s
+        delay = 0.1
+        while True:
+            client = CacheClient.connect(
+                self.cfg.cache, self.token, aio=True, tls_ca=self.cfg.tls_ca, timeout_s=10.0
+            )
+            try:
+                await client.attach_async(self.cfg.name, self.shape.fingerprint)
+                return client
+            except grpc.aio.AioRpcError as e:
+                await client.close()
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                        raise ModelMismatch(e.details()) from None
+                    raise ConnectionError(
+                        f"cache service at {self.cfg.cache} refused Attach: {e.code().name}: {e.details()}"
+                    ) from None
+                if time.monotonic() + delay > deadline:
+                    raise ConnectionError(
+                        f"cannot reach the cache service at {self.cfg.cache} after {timeout_s:.0f}s "
+                        f"({e.details()}); is it running? (kvtier cache / python -m cachesvc)"
+                    ) from None
+                log.warning("cache service at %s not reachable yet; retrying in %.1fs", self.cfg.cache, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    async def start(self) -> None:
+        client = await self._attach(self.cfg.connect_timeout)
+        try:
+            check_pool_fits_model(client.pool, self.shape)
+            device = self._device(client.pool)
+            self.loaded = await asyncio.get_running_loop().run_in_executor(
+                None,
+                lambda: load_model(
+                    self.cfg.model, dtype=client.pool.dtype, device=device, seed=self.cfg.seed
+                ),
+            )
+        except BaseException:
+            await client.close()
+            raise
+        self._adopt(client)
+        self._tasks = [
+            asyncio.ensure_future(self.scheduler.run_forever()),
+            asyncio.ensure_future(self._keep_lease()),
+        ]
+
+    def _device(self, spec: PoolSpec) -> str:
+        if spec.backend == "cuda":
+            return "cuda"  # the pool's device: attach_pool picked it by UUID
+        if self.cfg.device not in ("auto", "cpu"):
+            raise ModelMismatch(
+                f"the pool is in host shared memory ({spec.backend}); run compute with --device cpu"
+            )
+        return "cpu"
+
+    def _adopt(self, client: CacheClient) -> None:
+        """Map the client's pool and point the scheduler at it."""
+        self.client = client
+        self.pool = attach_pool(client.pool)
+        runner = ModelRunner(self.loaded.model, self.pool.tensor, client.pool.block_size)
+        cache = RemoteCache(client)
+        if self.scheduler is None:
+            self.scheduler = Scheduler(
+                runner,
+                cache,
+                self.loaded.tokenizer,
+                self.loaded.eos_token_ids,
+                SchedulerConfig(
+                    max_num_seqs=self.cfg.max_num_seqs,
+                    max_num_batched_tokens=self.cfg.max_num_batched_tokens,
+                    lookahead_blocks=self.cfg.lookahead_blocks,
+                ),
+            )
+            self.scheduler.on_cache_lost = self._cache_lost
+        else:
+            self.scheduler.runner, self.scheduler.cache = runner, cache
+        self.connected.set()
+        spec = client.pool
+        log.info(
+            "attached to %s: lease %s…, pool %s %s %s (%d blocks of %d tokens)",
+            self.cfg.cache,
+            client.lease_id[:8],
+            spec.backend,
+            spec.shm_name or spec.device_uuid,
+            spec.dtype,
+            spec.num_blocks,
+            spec.block_size,
+        )
+
+    # ------------------------------------------------------------ lease and reconnect
+
+    async def _keep_lease(self) -> None:
+        while True:
+            await asyncio.sleep(self.client.lease_ttl_s / 3)
+            try:
+                await self.client.heartbeat()
+            except grpc.aio.AioRpcError as e:
+                self._cache_lost(CacheUnavailable(f"heartbeat failed: {e.code().name}: {e.details()}"))
+            if not self.connected.is_set():
+                await self._reconnect()
+
+    def _cache_lost(self, error: Exception) -> None:
+        if self.connected.is_set():
+            log.error("lost the cache service (%s): failing in-flight requests and re-attaching", error)
+            self.connected.clear()
+            self.scheduler.fail_all(error)
+
+    async def _reconnect(self) -> None:
+        old = self.client
+        while True:
+            try:
+                client = await self._attach(timeout_s=3600.0)
+                check_pool_fits_model(client.pool, self.shape)
+                break
+            except (ConnectionError, ModelMismatch) as e:
+                log.error("re-attach failed: %s", e)
+                await asyncio.sleep(1.0)
+        await old.close()
+        self._adopt(client)
+
+    def submit(self, request: Request) -> None:
+        if not self.connected.is_set():
+            raise CacheUnavailable(f"not attached to the cache service at {self.cfg.cache}; retry shortly")
+        self.scheduler.add(request)
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self.client is not None:
+            await self.client.close()
+        if self.pool is not None:
+            self.pool.close()

@@ -1,0 +1,300 @@
+"""`kvtier`: run the cache service, compute replicas or the whole local stack, and talk to it.
+
+    kvtier up --replicas 2            # cache service + 2 compute replicas, until Ctrl-C
+    kvtier demo                       # a workload with shared system prompts against the stack
+    kvtier generate "Once upon a time" --max-tokens 32
+    kvtier stats                      # the cache service's block usage and hit rate
+    kvtier cache --help / kvtier compute --help
+
+The services run as their own processes (`python -m cachesvc`, `python -m computesvc`); this
+module starts them and never imports them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from kvtier import auth
+
+DEMO_SYSTEM_PROMPTS = [
+    "You are a careful assistant for a bakery. Answer questions about bread, pastry, opening hours and "
+    "allergens in one or two short sentences. Never invent prices; say you do not know instead. ",
+    "You are a support agent for a bicycle shop. Help customers with repairs, tyre sizes, brakes and "
+    "gears. Be concise and friendly, and suggest a visit to the workshop when a fix needs tools. ",
+    "You are a travel guide for a small mountain town. Recommend hikes, huts, bus times and weather "
+    "precautions. Keep answers practical and mention when a trail is closed in winter. ",
+    "You are a study helper for high-school chemistry. Explain reactions, moles and the periodic table "
+    "step by step with one small worked example, and check the units of every number you give. ",
+]
+DEMO_QUESTIONS = [
+    "What do you recommend today?",
+    "Is it open on Sunday?",
+    "How long does it take?",
+    "What should I bring?",
+    "Can you explain that again?",
+    "What is the most common mistake?",
+    "Is there a cheaper option?",
+    "What happens if it rains?",
+]
+
+
+def _passthrough(module: str, argv: list[str]) -> int:
+    os.execv(sys.executable, [sys.executable, "-m", module, *argv])
+    return 0  # pragma: no cover
+
+
+def _stack(args) -> tuple[object, dict]:
+    """A running stack in the run dir, or a new one (returned so the caller stops it)."""
+    from kvtier.stack import LocalStack, running_stack
+
+    run_dir = auth.run_dir()
+    info = running_stack(run_dir)
+    if info is not None and not getattr(args, "fresh", False):
+        return None, info
+    if getattr(args, "fresh", False):
+        run_dir = Path(tempfile.mkdtemp(prefix="kvtier-"))
+    cache_args = ["--num-blocks", str(args.num_blocks), "--swap-space", str(args.swap_space)]
+    compute_args = ["--max-num-seqs", str(args.max_num_seqs)]
+    if args.model:
+        cache_args += ["--model", args.model]
+        compute_args += ["--model", args.model]
+    stack = LocalStack(run_dir, cache_args, compute_args, args.replicas)
+    print(
+        f"starting the local stack in {run_dir}: cache service + {args.replicas} compute replicas …",
+        flush=True,
+    )
+    stack.up()
+    return stack, {"cache": stack.cache_address, "compute": stack.compute_addresses}
+
+
+def cmd_up(args) -> int:
+    stack, info = _stack(args)
+    if stack is None:
+        print(f"a stack is already serving in {auth.run_dir()}: {info}")
+        return 0
+    print(f"cache service:    {info['cache']}")
+    for address in info["compute"]:
+        print(f"compute replica:  {address}")
+    print(
+        f'logs in {stack.run_dir}; try `kvtier generate "hello"` or `kvtier demo` in another shell. Ctrl-C stops.'
+    )
+    try:
+        while all(p.alive() for p in [stack.cache, *stack.replicas]):
+            time.sleep(0.5)
+        print("a service exited; stopping the stack", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        stack.down()
+
+
+async def _generate(info: dict, args) -> int:
+    from kvtier.compute_client import ComputeClient
+
+    client = ComputeClient(info["compute"])
+    request = client.request(
+        args.prompt,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        cache_salt=args.cache_salt,
+    )
+    try:
+        async for reply in client.stream(request):
+            print(reply.text, end="", flush=True)
+            if reply.finish_reason:
+                u = reply.usage
+                print(
+                    f"\n[{reply.finish_reason}: {u.prompt_tokens} prompt tokens ({u.cached_prompt_tokens} cached), "
+                    f"{u.completion_tokens} completion tokens]",
+                    file=sys.stderr,
+                )
+    finally:
+        await client.close()
+    return 0
+
+
+def cmd_generate(args) -> int:
+    stack, info = _stack(args)
+    try:
+        return asyncio.run(_generate(info, args))
+    finally:
+        if stack is not None:
+            stack.down()
+
+
+def demo_workload(num_requests: int, seed: int = 0) -> list[tuple[str, str]]:
+    """(system prompt, question) pairs: a few long shared prefixes, many short questions."""
+    rng = random.Random(seed)
+    return [(rng.choice(DEMO_SYSTEM_PROMPTS), rng.choice(DEMO_QUESTIONS)) for _ in range(num_requests)]
+
+
+async def _demo(info: dict, args) -> dict:
+    from tqdm import tqdm
+
+    from kvtier.cache_client import CacheClient
+    from kvtier.compute_client import ComputeClient
+
+    client = ComputeClient(info["compute"])
+    cache = CacheClient.connect(info["cache"], aio=True)
+    limit = asyncio.Semaphore(args.concurrency)
+    results = []
+    peak_used = 0
+    bar = tqdm(total=args.requests, desc="demo requests", unit="req")
+
+    async def one(i: int, system: str, question: str):
+        async with limit:
+            req = client.request(
+                f"{system}User: {question}\nAssistant:", max_tokens=args.max_tokens, temperature=0.8, seed=i
+            )
+            results.append(await client.complete(req))
+            bar.update(1)
+
+    async def watch_usage():
+        nonlocal peak_used
+        while True:
+            stats = await cache.get_stats()
+            peak_used = max(peak_used, stats.num_blocks_used)
+            await asyncio.sleep(0.1)
+
+    start = time.monotonic()
+    watcher = asyncio.ensure_future(watch_usage())
+    try:
+        await asyncio.gather(
+            *[one(i, s, q) for i, (s, q) in enumerate(demo_workload(args.requests, args.seed))]
+        )
+    finally:
+        watcher.cancel()
+        bar.close()
+    elapsed = time.monotonic() - start
+    stats = await cache.get_stats()
+    await cache.close()
+    await client.close()
+    ttfts = sorted(r.time_to_first_token_s for r in results)
+    prompt = sum(r.prompt_tokens for r in results)
+    return {
+        "requests": len(results),
+        "seconds": elapsed,
+        "output_tokens": sum(r.completion_tokens for r in results),
+        "tokens_per_s": sum(r.completion_tokens for r in results) / elapsed,
+        "ttft_p50_ms": 1000 * statistics.median(ttfts),
+        "ttft_p99_ms": 1000 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+        "prefix_hit_rate": sum(r.cached_prompt_tokens for r in results) / max(1, prompt),
+        "peak_blocks_used": peak_used,
+        "blocks_total": stats.num_blocks_total,
+        "blocks_cached": stats.num_blocks_cached,
+    }
+
+
+def cmd_demo(args) -> int:
+    stack, info = _stack(args)
+    try:
+        summary = asyncio.run(_demo(info, args))
+    finally:
+        if stack is not None:
+            stack.down()
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"kvtier demo: {len(info['compute'])} compute replicas sharing one cache service")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_row("requests", f"{summary['requests']}")
+    table.add_row("output tokens", f"{summary['output_tokens']}")
+    table.add_row("throughput", f"{summary['tokens_per_s']:.1f} tokens/s")
+    table.add_row("TTFT p50 / p99", f"{summary['ttft_p50_ms']:.1f} / {summary['ttft_p99_ms']:.1f} ms")
+    table.add_row("prefix hit rate", f"{100 * summary['prefix_hit_rate']:.1f}% of prompt tokens")
+    table.add_row("KV blocks used (peak)", f"{summary['peak_blocks_used']} of {summary['blocks_total']}")
+    table.add_row("KV blocks cached (end)", f"{summary['blocks_cached']}")
+    Console().print(table)
+    print(
+        f"demo: {summary['requests']} requests, {summary['tokens_per_s']:.1f} tokens/s, "
+        f"prefix hit rate {100 * summary['prefix_hit_rate']:.1f}%"
+    )
+    return 0 if summary["requests"] == args.requests else 1
+
+
+def cmd_stats(args) -> int:
+    from google.protobuf.json_format import MessageToJson
+
+    from kvtier.cache_client import CacheClient
+
+    client = CacheClient.connect(args.cache)
+    print(MessageToJson(client.get_stats(), preserving_proto_field_name=True))
+    client.close()
+    return 0
+
+
+def _stack_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--replicas", type=int, default=2, help="compute replicas to start")
+    p.add_argument("--model", help="local Hugging Face model directory (default: built-in tiny model)")
+    p.add_argument("--num-blocks", type=int, default=2048, help="KV blocks in the cache service's pool")
+    p.add_argument("--swap-space", type=float, default=0.25, help="GiB of host swap for preempted sequences")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together per replica")
+    p.add_argument("--fresh", action="store_true", help="always start a new stack in a temporary directory")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvtier",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub.add_parser(
+        "cache", help="run the cache service (python -m cachesvc; see kvtier cache --help)", add_help=False
+    )
+    sub.add_parser(
+        "compute",
+        help="run a compute replica (python -m computesvc; see kvtier compute --help)",
+        add_help=False,
+    )
+
+    up = sub.add_parser("up", help="start a cache service and compute replicas locally, until Ctrl-C")
+    _stack_flags(up)
+    up.set_defaults(func=cmd_up)
+
+    demo = sub.add_parser("demo", help="run a shared-system-prompt workload and print a summary")
+    _stack_flags(demo)
+    demo.add_argument("--requests", type=int, default=64, help="requests to send")
+    demo.add_argument("--concurrency", type=int, default=16, help="requests in flight at once")
+    demo.add_argument("--max-tokens", type=int, default=32, help="completion tokens per request")
+    demo.add_argument("--seed", type=int, default=0, help="workload seed")
+    demo.set_defaults(func=cmd_demo)
+
+    gen = sub.add_parser("generate", help="stream one completion")
+    _stack_flags(gen)
+    gen.add_argument("prompt", help="prompt text")
+    gen.add_argument("--max-tokens", type=int, default=32, help="completion tokens at most")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
+    gen.add_argument("--seed", type=int, help="sampling seed")
+    gen.add_argument("--cache-salt", default="", help="tenant salt: isolates this request's cached blocks")
+    gen.set_defaults(func=cmd_generate)
+
+    stats = sub.add_parser("stats", help="print the cache service's statistics as JSON")
+    stats.add_argument("--cache", default=auth.default_cache_address(), help="cache service address")
+    stats.set_defaults(func=cmd_stats)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("cache", "compute"):
+        return _passthrough({"cache": "cachesvc", "compute": "computesvc"}[argv[0]], argv[1:])
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""Client of the compute replicas, with failover.
+
+Replicas are stateless: when the replica serving a stream dies (or its cache connection drops),
+the client sends the same request to the next replica. The prompt's committed blocks are prefix
+hits there, and tokens already delivered are not delivered twice (greedy or seeded sampling
+regenerates the same ones; the client checks).
+
+    client = ComputeClient(["unix:///tmp/kvtier-0/compute-0.sock", "unix:///tmp/kvtier-0/compute-1.sock"])
+    async for reply in client.generate(prompt="Hello", max_tokens=32, temperature=0):
+        print(reply.text, end="")
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from kvtier import auth, telemetry
+from kvtier.api import compute_pb2, compute_pb2_grpc
+
+log = logging.getLogger("kvtier.client")
+
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+@dataclass
+class Completion:
+    request_id: str = ""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    time_to_first_token_s: float = 0.0
+
+
+class ComputeClient:
+    def __init__(self, addresses: list[str], token: str | None = None):
+        if not addresses:
+            raise ValueError("give at least one compute replica address")
+        token = token if token is not None else auth.load_token()
+        if token is None:
+            raise RuntimeError("no token: set $KVTIER_TOKEN or $KVTIER_TOKEN_FILE")
+        self.addresses = list(addresses)
+        self.metadata = auth.bearer(token)
+        self._channels = [telemetry.aio_channel(auth.grpc_target(a)) for a in self.addresses]
+        self._stubs = [compute_pb2_grpc.ComputeServiceStub(c) for c in self._channels]
+        self._next = itertools.count()
+
+    async def close(self) -> None:
+        for channel in self._channels:
+            await channel.close()
+
+    @staticmethod
+    def request(
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        *,
+        max_tokens: int = 16,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: list[str] | None = None,
+        stop_token_ids: list[int] | None = None,
+        ignore_eos: bool = False,
+        request_id: str = "",
+        cache_salt: str = "",
+    ) -> compute_pb2.GenerateRequest:
+        sampling = compute_pb2.SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            stop=stop or [],
+            stop_token_ids=stop_token_ids or [],
+            ignore_eos=ignore_eos,
+        )
+        if seed is not None:
+            sampling.seed = seed
+        return compute_pb2.GenerateRequest(
+            request_id=request_id,
+            prompt=prompt or "",
+            prompt_token_ids=prompt_token_ids or [],
+            sampling=sampling,
+            cache_salt=cache_salt,
+        )
+
+    async def stream(
+        self, request: compute_pb2.GenerateRequest, max_attempts: int | None = None
+    ) -> AsyncIterator[compute_pb2.GenerateResponse]:
+        """Stream replies, failing over to the next replica on a retryable error."""
+        attempts = max_attempts or len(self.addresses) + 1
+        delivered: list[int] = []
+        last_error: grpc.RpcError | None = None
+        for attempt in range(attempts):
+            i = next(self._next) % len(self._stubs)
+            seen = 0
+            try:
+                async for reply in self._stubs[i].Generate(request, metadata=self.metadata):
+                    ids = list(reply.token_ids)
+                    # On a retry, skip what was delivered already (and check it is the same).
+                    overlap = min(len(ids), len(delivered) - seen)
+                    if overlap > 0:
+                        if ids[:overlap] != delivered[seen : seen + overlap]:
+                            raise RuntimeError(
+                                f"replica {self.addresses[i]} regenerated different tokens on retry; "
+                                "use temperature 0 or a seed for requests that must survive failover"
+                            )
+                        seen += overlap
+                        ids = ids[overlap:]
+                        if not ids and not reply.finish_reason:
+                            continue
+                        reply.ClearField("token_ids")
+                        reply.token_ids.extend(ids)
+                        reply.text = ""  # the text of skipped tokens was delivered before
+                    seen += len(ids)
+                    delivered += ids
+                    yield reply
+                    if reply.finish_reason:
+                        return
+            except grpc.aio.AioRpcError as e:
+                if e.code() not in RETRYABLE:
+                    raise
+                last_error = e
+                log.warning(
+                    "replica %s failed (%s: %s); retrying on another (attempt %d/%d)",
+                    self.addresses[i],
+                    e.code().name,
+                    e.details(),
+                    attempt + 1,
+                    attempts,
+                )
+        raise last_error if last_error else RuntimeError("no replica answered")
+
+    async def complete(
+        self, request: compute_pb2.GenerateRequest, max_attempts: int | None = None
+    ) -> Completion:
+        """The whole completion of one request (with failover)."""
+        out = Completion(request_id=request.request_id)
+        async for reply in self.stream(request, max_attempts):
+            out.request_id = reply.request_id
+            out.text += reply.text
+            out.token_ids += list(reply.token_ids)
+            if reply.time_to_first_token_s and not out.time_to_first_token_s:
+                out.time_to_first_token_s = reply.time_to_first_token_s
+            if reply.finish_reason:
+                out.finish_reason = reply.finish_reason
+                out.prompt_tokens = reply.usage.prompt_tokens
+                out.completion_tokens = reply.usage.completion_tokens
+                out.cached_prompt_tokens = reply.usage.cached_prompt_tokens
+        return out
