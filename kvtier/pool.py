@@ -21,12 +21,16 @@ import secrets
 from dataclasses import dataclass, field
 from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# NOTE: torch is imported only where a tensor is made, so clients that only talk to the cache
+# service (routers, benchmarks' load generators) do not pay for importing it.
+DTYPES = ("float32", "float16", "bfloat16")
 SHM_PREFIX = "kvtier-"
 
 
@@ -110,10 +114,13 @@ class PoolSpec:
         )
 
 
-def _check_dtype(dtype: str) -> torch.dtype:
+def torch_dtype(dtype: str) -> torch.dtype:
+    """The torch dtype named `dtype` ("float32", "float16" or "bfloat16")."""
+    import torch
+
     if dtype not in DTYPES:
         raise ValueError(f"pool dtype {dtype!r} is not one of {sorted(DTYPES)}")
-    return DTYPES[dtype]
+    return getattr(torch, dtype)
 
 
 @dataclass
@@ -130,8 +137,7 @@ class ShmPool:
     @classmethod
     def create(cls, shape: list[int], dtype: str, **spec_fields) -> ShmPool:
         """Create a new segment (mode 0600) sized for `shape`; the caller owns and unlinks it."""
-        torch_dtype = _check_dtype(dtype)
-        size = math.prod(shape) * torch_dtype.itemsize
+        size = math.prod(shape) * torch_dtype(dtype).itemsize
         remove_stale_segments()
         name = f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
         # NOTE: SharedMemory creates the segment with mode 0600, so only our uid can map it.
@@ -194,8 +200,10 @@ class ShmPool:
 
 
 def _view(shm: shared_memory.SharedMemory, spec: PoolSpec) -> torch.Tensor:
+    import torch
+
     flat = torch.frombuffer(shm.buf, dtype=torch.uint8, count=spec.size_bytes)
-    return flat.view(DTYPES[spec.dtype]).view(spec.shape)
+    return flat.view(torch_dtype(spec.dtype)).view(spec.shape)
 
 
 def remove_stale_segments(shm_dir: str = "/dev/shm") -> list[str]:
@@ -249,6 +257,8 @@ def require_cuda():
         available = False
     if not available:
         raise PoolUnavailable("the cuda backend is unavailable: CuPy finds no CUDA device on this machine")
+    import torch
+
     if not torch.cuda.is_available():
         raise PoolUnavailable(
             "the cuda backend is unavailable: this torch build has no CUDA (install a CUDA torch)"
@@ -257,6 +267,8 @@ def require_cuda():
 
 
 def device_uuid(device: int) -> str:
+    import torch
+
     props = torch.cuda.get_device_properties(device)
     return f"GPU-{props.uuid}" if not str(props.uuid).startswith("GPU-") else str(props.uuid)
 
@@ -275,8 +287,7 @@ class CudaPool:
     @classmethod
     def create(cls, shape: list[int], dtype: str, device: int = 0, **spec_fields) -> CudaPool:
         cupy = require_cuda()
-        torch_dtype = _check_dtype(dtype)
-        size = math.prod(shape) * torch_dtype.itemsize
+        size = math.prod(shape) * torch_dtype(dtype).itemsize
         with cupy.cuda.Device(device):
             # NOTE: cupy.cuda.Memory is a plain cudaMalloc, not a pool slice: the IPC handle must
             # name the whole allocation, which the caching allocators of torch/CuPy do not promise.
@@ -302,6 +313,8 @@ class CudaPool:
         if spec.backend != cls.backend:
             raise ValueError(f"pool backend is {spec.backend!r}, not {cls.backend!r}")
         cupy = require_cuda()
+        import torch
+
         local = {device_uuid(i): i for i in range(torch.cuda.device_count())}
         if spec.device_uuid not in local:
             raise PoolUnavailable(
@@ -328,8 +341,10 @@ class CudaPool:
 
 def _torch_view(raw, spec: PoolSpec) -> torch.Tensor:
     # CuPy has no bfloat16: share the bytes as uint8 and reinterpret them in torch.
+    import torch
+
     flat = torch.as_tensor(raw, device=f"cuda:{raw.device.id}")
-    return flat.view(DTYPES[spec.dtype]).view(spec.shape)
+    return flat.view(torch_dtype(spec.dtype)).view(spec.shape)
 
 
 BACKENDS = {ShmPool.backend: ShmPool, CudaPool.backend: CudaPool}
@@ -337,6 +352,8 @@ BACKENDS = {ShmPool.backend: ShmPool, CudaPool.backend: CudaPool}
 
 def default_backend() -> str:
     """`cuda` where CUDA is usable, else `cpu-shm`."""
+    import torch
+
     return "cuda" if torch.cuda.is_available() else "cpu-shm"
 
 

@@ -1,0 +1,205 @@
+"""Separation overhead: decode throughput with the block manager behind gRPC vs in the same process.
+
+Both runs use the same scheduler, model runner and model (the built-in tiny Llama unless
+--model), the same batch of sequences, and the same block manager code:
+  in-process  the scheduler calls cachesvc's SequenceTable directly (pool: a local tensor);
+  remote      the scheduler calls a real cache service process over its Unix socket (pool: the
+              service's shared memory, mapped zero-copy), exactly as a compute replica does.
+
+    python bench/separation.py                 # batch 32, 256 new tokens per sequence
+    python bench/separation.py --quick
+
+Targets (issue 4): remote/in-process tokens/s >= 0.95 at batch 32; <= 0.2 cache calls per decode step.
+The last line is the headline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from cachesvc.block_manager import BlockManager  # noqa: E402
+from cachesvc.errors import ResourceExhausted  # noqa: E402
+from cachesvc.sequences import AllocateSpec, SequenceTable  # noqa: E402
+from computesvc.model import ModelRunner, load_model  # noqa: E402
+from computesvc.sampling import SamplingParams  # noqa: E402
+from computesvc.scheduler import NoFreeBlocks, Request, Scheduler, SchedulerConfig, SeqBlocks  # noqa: E402
+
+
+class InProcessCache:
+    """The scheduler's BlockCache over a SequenceTable in this process (no gRPC)."""
+
+    def __init__(self, table: SequenceTable, max_model_len: int):
+        self.table = table
+        self.block_size = table.block_size
+        self.max_model_len = max_model_len
+        self.lease = "in-process"
+
+    def _do(self, fn, *args):
+        try:
+            return fn(self.lease, *args)
+        except ResourceExhausted as e:
+            raise NoFreeBlocks(str(e)) from None
+
+    @staticmethod
+    def _blocks(views) -> list[SeqBlocks]:
+        return [SeqBlocks(v.sequence_id, list(v.block_table), v.num_cached_tokens) for v in views]
+
+    async def allocate(self, prompts, salts, lookahead):
+        specs = [AllocateSpec(p, s, "", n) for p, s, n in zip(prompts, salts, lookahead, strict=True)]
+        return self._blocks(self._do(self.table.allocate, specs))
+
+    async def extend(self, items):
+        return self._blocks(self._do(self.table.extend, items))
+
+    async def commit(self, items):
+        self._do(self.table.commit, items)
+
+    async def free(self, ids):
+        self._do(self.table.free, ids)
+
+    async def swap_out(self, ids):
+        return self._do(self.table.swap_out, ids)[1]
+
+    async def swap_in(self, ids):
+        return self._blocks(self._do(self.table.swap_in, ids)[0])
+
+
+async def decode_throughput(scheduler: Scheduler, batch: int, prompt_len: int, new_tokens: int) -> dict:
+    """Run `batch` sequences to completion; tokens/s over the decode phase."""
+    requests = [
+        Request(
+            f"r{i}",
+            [(i * 37 + j) % 250 for j in range(prompt_len)],
+            SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True),
+        )
+        for i in range(batch)
+    ]
+    for r in requests:
+        scheduler.add(r)
+    # Prefill first (not timed), then time the decode steps.
+    while any(r.num_computed < len(r.prompt_token_ids) for r in requests):
+        await scheduler.step()
+    calls0, steps0 = scheduler.stats.cache_calls, scheduler.stats.decode_steps
+    tokens0 = sum(len(r.output_token_ids) for r in requests)
+    t0 = time.perf_counter()
+    while scheduler.has_work:
+        await scheduler.step()
+    elapsed = time.perf_counter() - t0
+    tokens = sum(len(r.output_token_ids) for r in requests) - tokens0
+    steps = scheduler.stats.decode_steps - steps0
+    return {
+        "tokens_per_s": tokens / elapsed,
+        "decode_steps": steps,
+        "cache_calls": scheduler.stats.cache_calls - calls0,
+        "calls_per_step": (scheduler.stats.cache_calls - calls0) / max(1, steps),
+        "outputs": [r.output_token_ids for r in requests],
+    }
+
+
+def make_scheduler(loaded, pool: torch.Tensor, cache, block_size: int) -> Scheduler:
+    runner = ModelRunner(loaded.model, pool, block_size)
+    return Scheduler(runner, cache, loaded.tokenizer, loaded.eos_token_ids, SchedulerConfig(max_num_seqs=256))
+
+
+async def run_remote(loaded, args, num_blocks: int) -> dict:
+    from computesvc.cache_link import RemoteCache
+    from kvtier.cache_client import CacheClient
+    from kvtier.pool import attach_pool
+    from kvtier.stack import LocalStack
+
+    token = "bench-token"
+    run_dir = Path(tempfile.mkdtemp(prefix="kvtier-bench-sep-"))
+    cache_args = ["--num-blocks", str(num_blocks), "--swap-space", "0", "--log-level", "WARNING"]
+    if args.model:
+        cache_args += ["--model", args.model]
+    stack = LocalStack(run_dir, cache_args, num_replicas=0, env=dict(os.environ, KVTIER_TOKEN=token))
+    stack.start_cache()
+    try:
+        client = CacheClient.connect(stack.cache_address, token, aio=True)
+        await client.attach_async("bench", loaded.shape.fingerprint)
+        pool = attach_pool(client.pool)
+        scheduler = make_scheduler(loaded, pool.tensor, RemoteCache(client), client.pool.block_size)
+        beat = asyncio.ensure_future(client.heartbeat_forever())
+        result = await decode_throughput(scheduler, args.batch, args.prompt_len, args.new_tokens)
+        beat.cancel()
+        await client.close()
+        return result
+    finally:
+        stack.down()
+
+
+async def run_in_process(loaded, args, num_blocks: int, block_size: int) -> dict:
+    shape = loaded.shape
+    pool = torch.zeros(
+        num_blocks,
+        shape.num_layers,
+        2,
+        block_size,
+        shape.num_kv_heads,
+        shape.head_dim,
+        dtype=loaded.model.dtype,
+    )
+    table = SequenceTable(
+        BlockManager(num_blocks, block_size),
+        None,  # no swap: the batch fits
+        model_fingerprint=shape.fingerprint,
+        vocab_size=shape.vocab_size,
+        max_model_len=shape.max_model_len,
+    )
+    scheduler = make_scheduler(loaded, pool, InProcessCache(table, shape.max_model_len), block_size)
+    return await decode_throughput(scheduler, args.batch, args.prompt_len, args.new_tokens)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument(
+        "--repeats", type=int, default=3, help="alternate in-process/remote runs; report the best of each"
+    )
+    ap.add_argument("--model", help="local HF model dir (default: built-in tiny model)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (as a compute replica uses)")
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    if args.quick:
+        args.new_tokens, args.repeats = 96, 1
+    torch.set_num_threads(args.threads)
+    block_size = 16
+    num_blocks = args.batch * ((args.prompt_len + args.new_tokens) // block_size + 8) + 64
+    loaded = load_model(args.model, dtype="float32")
+    best = {"in-process": None, "remote": None}
+    for _ in range(args.repeats):
+        for name in best:
+            if name == "remote":
+                r = asyncio.run(run_remote(loaded, args, num_blocks))
+            else:
+                r = asyncio.run(run_in_process(loaded, args, num_blocks, block_size))
+            if best[name] is None or r["tokens_per_s"] > best[name]["tokens_per_s"]:
+                best[name] = r
+            print(
+                f"{name:>10}: {r['tokens_per_s']:8.1f} tokens/s, {r['calls_per_step']:.3f} cache calls/decode step"
+            )
+    local, remote = best["in-process"], best["remote"]
+    same = local["outputs"] == remote["outputs"]
+    print(f"outputs identical in both modes: {same}")
+    ratio = remote["tokens_per_s"] / local["tokens_per_s"]
+    print(
+        f"headline: batch {args.batch}: remote/in-process decode throughput {ratio:.3f} (target >= 0.95); "
+        f"{remote['calls_per_step']:.3f} cache calls per decode step (target <= 0.2)"
+    )
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
