@@ -61,6 +61,7 @@ def _stack(args) -> tuple[object, dict]:
         return None, info
     if getattr(args, "fresh", False):
         run_dir = Path(tempfile.mkdtemp(prefix="kvtier-"))
+        os.environ["KVTIER_RUN_DIR"] = str(run_dir)  # where this process finds the new stack's token
     cache_args = ["--num-blocks", str(args.num_blocks), "--swap-space", str(args.swap_space)]
     compute_args = ["--max-num-seqs", str(args.max_num_seqs)]
     if args.model:
