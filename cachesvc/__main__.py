@@ -149,7 +149,7 @@ async def _serve_pool(cfg: CacheConfig, shape: ModelShape, plan: PoolPlan, pool,
         metrics = CacheMetrics()
         port = start_metrics_server(cfg.metrics_port, metrics.registry)
         log.info("Prometheus metrics on http://0.0.0.0:%d/metrics", port)
-    servicer = CacheServicer(sequences, LeaseTable(cfg.lease_ttl), pool.spec, metrics)
+    servicer = CacheServicer(sequences, LeaseTable(cfg.lease_ttl), pool.spec)
     server, health, address = await start_server(
         "kvtier.v1.CacheService",
         lambda s: cache_pb2_grpc.add_CacheServiceServicer_to_server(servicer, s),
@@ -157,6 +157,7 @@ async def _serve_pool(cfg: CacheConfig, shape: ModelShape, plan: PoolPlan, pool,
         token,
         cfg.tls_cert,
         cfg.tls_key,
+        metrics,
     )
     log.info("cache service listening on %s (lease ttl %.1fs)", address, cfg.lease_ttl)
     reaper = asyncio.ensure_future(servicer.reap_leases_forever())

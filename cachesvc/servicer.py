@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import time
 
 import grpc
 
@@ -41,12 +40,10 @@ STATUS = {
 
 
 def rpc(method):
-    """Map domain errors to status codes, forward new block events, and time the call."""
+    """Map domain errors to status codes and forward new block events to watchers."""
 
     @functools.wraps(method)
     async def wrapper(self: CacheServicer, request, context):
-        start = time.perf_counter()
-        code = grpc.StatusCode.OK
         try:
             return await method(self, request, context)
         except CacheError as e:
@@ -55,8 +52,6 @@ def rpc(method):
             await context.abort(code, str(e))
         finally:
             self.events.extend(self.sequences.block_manager.take_events())
-            if self.metrics is not None:
-                self.metrics.observe_rpc(method.__name__, time.perf_counter() - start, code.name)
 
     return wrapper
 
@@ -77,11 +72,10 @@ def _blocks(view: SequenceView) -> cache_pb2.SequenceBlocks:
 
 
 class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
-    def __init__(self, sequences: SequenceTable, leases: LeaseTable, pool_spec: PoolSpec, metrics=None):
+    def __init__(self, sequences: SequenceTable, leases: LeaseTable, pool_spec: PoolSpec):
         self.sequences = sequences
         self.leases = leases
         self.pool_spec = pool_spec
-        self.metrics = metrics
         self.events = EventLog()
 
     # ------------------------------------------------------------ leases

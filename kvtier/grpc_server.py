@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvtier import telemetry
 from kvtier.auth import TokenInterceptor, ensure_run_dir
+from kvtier.metrics import RpcMetricsInterceptor
 
 log = logging.getLogger("kvtier.server")
 
@@ -67,9 +68,17 @@ async def start_server(
     token: str,
     tls_cert: str | None = None,
     tls_key: str | None = None,
+    metrics=None,
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, str]:
-    """Create, bind and start an aio server; `add_servicers(server)` registers the service's own."""
-    interceptors = [*telemetry.aio_server_interceptors(), TokenInterceptor(token)]
+    """Create, bind and start an aio server; `add_servicers(server)` registers the service's own.
+
+    With `metrics` (kvtier.metrics.CacheMetrics / ComputeMetrics), every RPC's latency is
+    recorded per method and status code.
+    """
+    interceptors = [*telemetry.aio_server_interceptors()]
+    if metrics is not None:
+        interceptors.append(RpcMetricsInterceptor(metrics))
+    interceptors.append(TokenInterceptor(token))
     server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
     add_servicers(server)
     health_servicer = health.aio.HealthServicer()

@@ -453,3 +453,40 @@ def test_cuda_backend_without_a_gpu_refuses_to_start_with_a_plain_reason(tmp_pat
     )
     assert result.returncode == 2
     assert "cuda backend" in result.stderr and ("unavailable" in result.stderr or "CuPy" in result.stderr)
+
+
+def test_prometheus_endpoint_reports_blocks_hits_and_rpc_latency(tmp_path):
+    import re
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with cache_service(tmp_path, "--num-blocks", "32", "--metrics-port", "0") as svc:
+        port = int(re.search(r"Prometheus metrics on http://0\.0\.0\.0:(\d+)/metrics", svc.log()).group(1))
+        c = CacheClient.connect(svc.address, TOKEN)
+        c.attach("metrics")
+        seq = c.allocate([[1] * 40]).sequences[0]
+        c.commit([(seq.sequence_id, [], 40)])
+        c.allocate([[1] * 40])  # 32 of 40 tokens hit
+
+        def scrape():
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            samples = {}
+            for family in text_string_to_metric_families(text):
+                for s in family.samples:
+                    samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+            return samples
+
+        def refreshed():
+            s = scrape()
+            return s if s.get(("kvtier_cache_prefix_hit_tokens_total", ())) == 32 else None
+
+        samples = _wait_until(refreshed, what="the metrics refresh")
+        assert samples[("kvtier_cache_used_blocks", ())] == 4  # 3 + 1: the two hit blocks are shared
+        assert samples[("kvtier_cache_capacity_blocks", ())] == 32
+        assert samples[("kvtier_cache_prefix_query_tokens_total", ())] == 80
+        allocate_calls = samples[
+            ("kvtier_cache_rpc_duration_seconds_count", (("code", "OK"), ("method", "Allocate")))
+        ]
+        assert allocate_calls == 2
+        c.close()
