@@ -1,0 +1,192 @@
+"""Triton paged prefill attention: new tokens attend causally over their sequence's cached
+prefix plus themselves, a varlen batch packed along the token axis.
+
+One program per (sequence, query head, tile of `BLOCK_M` new tokens). The new tokens' K/V are
+already in the pool (`write_kv` ran first), so every key is read through the block table; the
+program walks positions 0 .. (last query position of its tile) in tiles of `TILE_N`, with a
+causal mask (key position <= query position) and an online softmax in fp32.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    block_tables_ptr,
+    cu_query_lens_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    qk_scale,
+    group,
+    stride_q_tok,
+    stride_q_head,
+    stride_k_block,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_block,
+    stride_v_tok,
+    stride_v_head,
+    stride_bt_seq,
+    stride_o_tok,
+    stride_o_head,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    m_tile = tl.program_id(2)
+    kv_head = head // group
+
+    q_start = tl.load(cu_query_lens_ptr + seq)
+    query_len = tl.load(cu_query_lens_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    prefix_len = seq_len - query_len
+
+    m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, HEAD_DIM_PAD)
+    n = tl.arange(0, TILE_N)
+    row_valid = m < query_len
+    d_mask = d < HEAD_DIM
+    q_pos = prefix_len + m
+    tokens = (q_start + m).to(tl.int64)
+
+    q = tl.load(
+        q_ptr + tokens[:, None] * stride_q_tok + head * stride_q_head + d[None, :],
+        mask=row_valid[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    if DOT_IN_FP32:
+        q = q.to(tl.float32)
+    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+
+    # Keys up to the tile's last query position; a tile past the query range reads nothing.
+    kv_end = tl.minimum(seq_len, prefix_len + (m_tile + 1) * BLOCK_M)
+    kv_end = tl.where(m_tile * BLOCK_M < query_len, kv_end, 0)
+    block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+    k_head = k_ptr + kv_head * stride_k_head
+    v_head = v_ptr + kv_head * stride_v_head
+    for tile_start in range(0, kv_end, TILE_N):
+        pos = tile_start + n
+        kv_valid = pos < kv_end
+        block_ids = tl.load(block_table + pos // BLOCK_SIZE, mask=kv_valid, other=0).to(tl.int64)
+        offsets = pos % BLOCK_SIZE
+        kv_mask = kv_valid[:, None] & d_mask[None, :]
+        k = tl.load(
+            k_head + block_ids[:, None] * stride_k_block + offsets[:, None] * stride_k_tok + d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        if DOT_IN_FP32:  # the interpreter's tl.dot multiplies bf16 bit patterns (triton#11584)
+            k = k.to(tl.float32)
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_M, TILE_N]
+        causal = kv_valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        scores = tl.where(causal, scores, float("-inf"))
+        # Position 0 is in the first tile and visible to every row, so row_max is finite after it;
+        # a later tile fully masked for a row gives p = exp2(-inf) = 0 there.
+        new_max = tl.maximum(row_max, tl.max(scores, 1))
+        alpha = tl.exp2(row_max - new_max)
+        p = tl.exp2(scores - new_max[:, None])
+        row_sum = row_sum * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_head + block_ids[:, None] * stride_v_block + offsets[:, None] * stride_v_tok + d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        # Weights rounded to the KV dtype, as tensor cores take them; kept in fp32 on bf16 interpreter.
+        p = p.to(v.dtype)
+        if DOT_IN_FP32:
+            p = p.to(tl.float32)
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        row_max = new_max
+
+    result = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
+    tl.store(
+        out_ptr + tokens[:, None] * stride_o_tok + head * stride_o_head + d[None, :],
+        result.to(out_ptr.dtype.element_ty),
+        mask=row_valid[:, None] & d_mask[None, :],
+    )
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_query_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    """Triton paged prefill attention; same contract as `kernels.paged_prefill_attention`.
+
+    max_query_len: an upper bound of the per-sequence query lengths, to spare the device->host
+    read that sizes the grid otherwise. Returns [num_query_tokens, num_heads, head_dim].
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs = seq_lens.shape[0]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty_like(q)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    if max_query_len is None:
+        max_query_len = int((cu_query_lens[1:] - cu_query_lens[:-1]).max())
+    interpret = os.environ.get("TRITON_INTERPRET") == "1" or q.device.type != "cuda"
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    # NOTE: from sm_90 compiles without a GPU: no register spills (fp32 spills at 64 x 64 tiles).
+    if interpret:
+        block_m, tile_n, num_warps, num_stages = 16, 64, 1, 1
+    elif q.dtype == torch.float32 or head_dim_pad > 128:
+        block_m, tile_n, num_warps, num_stages = 32, 32, 8, 2
+    else:
+        block_m, tile_n, num_warps, num_stages = 64, 64, 8, 3
+    grid = (num_seqs, num_heads, triton.cdiv(max(max_query_len, 1), block_m))
+    _prefill_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        cu_query_lens,
+        seq_lens,
+        out,
+        scale * _LOG2E,
+        num_heads // num_kv_heads,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        TILE_N=tile_n,
+        DOT_IN_FP32=interpret and q.dtype == torch.bfloat16,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out

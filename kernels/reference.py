@@ -1,0 +1,199 @@
+"""Torch implementations of the paged kernels: the CPU path and the reference the Triton kernels
+are tested against.
+
+All three read and write the pool through per-layer views shaped
+`[num_blocks, block_size, num_kv_heads, head_dim]` with any block stride (the block-major pool
+gives `pool[:, layer, 0]` / `pool[:, layer, 1]`). Attention math is done in fp32 and the result
+is cast back to the query's dtype.
+
+`paged_decode_attention_ref` runs every decode step of the compute service on CPU, so it is
+vectorized over sequences (no loop per sequence) and streams the context in chunks of blocks:
+each chunk's blocks are gathered whole (`index_select` of block rows, a plain memcpy per block)
+into a reused workspace, turned head-major in fp32, and folded into an online softmax. Gathering
+the whole context at once would write and re-read a full copy of the KV through DRAM, and fresh
+multi-MiB buffers cost page faults on every step; both cost more than the attention itself.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import torch
+
+# NOTE: a chunk gathers about this many bytes of K (and as many of V): small enough to stay in
+# cache between the gather and the matmuls that read it, large enough to keep per-op overhead low.
+_CHUNK_BYTES = 2 << 20
+
+
+class _Workspace(threading.local):
+    """Per-thread scratch buffers, reused across calls so a decode step allocates (and page-faults)
+    nothing proportional to the context. One flat buffer per (device, dtype, slot), grown on demand."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[torch.device, torch.dtype, str], torch.Tensor] = {}
+
+    def get(
+        self, slot: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        numel = math.prod(shape)
+        key = (device, dtype, slot)
+        buf = self.buffers.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            self.buffers[key] = buf
+        return buf[:numel].view(shape)
+
+
+_workspace = _Workspace()
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of one new query token per sequence over its paged context.
+
+    q: [num_seqs, num_heads, head_dim]. k_cache, v_cache: [num_blocks, block_size, num_kv_heads,
+    head_dim]. block_tables: [num_seqs, max_blocks] int32 block ids (entries past a sequence's
+    length are ignored). seq_lens: [num_seqs] int32 context length in tokens, the new token
+    included; 0 marks a padding row whose output is zeros. Query head h reads KV head
+    h // (num_heads // num_kv_heads). Returns [num_seqs, num_heads, head_dim] in q's dtype.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    num_blocks_total, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    device = q.device
+    out = torch.zeros_like(q)
+    lens_list = seq_lens.tolist()
+    max_len = max(lens_list, default=0)
+    if max_len == 0:
+        return out
+    min_len = min(lens_list)
+
+    num_blocks = -(-max_len // block_size)
+    tables = block_tables[:, :num_blocks].to(device=device, dtype=torch.long).clamp(0, num_blocks_total - 1)
+    lens = seq_lens.to(device=device, dtype=torch.long)
+    block_bytes = block_size * num_kv_heads * head_dim * k_cache.element_size()
+    chunk_blocks = max(1, min(num_blocks, _CHUNK_BYTES // (num_seqs * block_bytes)))
+
+    # [Hkv, S, G, D]: KV head outermost so every matmul batches over (Hkv, S) without a copy.
+    qf = (q.float() * scale).view(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1).contiguous()
+    row_max = torch.full((num_kv_heads, num_seqs, group, 1), -math.inf, device=device)
+    row_sum = torch.zeros((num_kv_heads, num_seqs, group, 1), device=device)
+    acc = torch.zeros((num_kv_heads, num_seqs, group, head_dim), device=device)
+    for first in range(0, num_blocks, chunk_blocks):
+        ids = tables[:, first : first + chunk_blocks].reshape(-1)
+        start = first * block_size
+        tokens = ids.numel() // num_seqs * block_size
+        k = _gather_head_major(k_cache, ids, num_seqs)  # [Hkv, S, T, D]
+        scores = _workspace.get("scores", (num_kv_heads, num_seqs, group, tokens), torch.float32, device)
+        torch.matmul(qf, k.transpose(-1, -2), out=scores)  # [Hkv, S, G, T]
+        if start + tokens > min_len:  # some position of the chunk lies past some sequence's end
+            pos = torch.arange(start, start + tokens, device=device)
+            scores.masked_fill_((pos[None, :] >= lens[:, None])[None, :, None, :], -math.inf)
+        new_max = torch.maximum(row_max, scores.amax(-1, keepdim=True))
+        # A row with no valid position yet keeps max = -inf; shifting by 0 there avoids -inf - -inf.
+        shift = torch.where(torch.isinf(new_max), 0.0, new_max)
+        p = scores.sub_(shift).exp_()
+        alpha = torch.exp(row_max - shift)
+        row_sum.mul_(alpha).add_(p.sum(-1, keepdim=True))
+        v = _gather_head_major(v_cache, ids, num_seqs)
+        acc.mul_(alpha).add_(torch.matmul(p, v))
+        row_max = new_max
+    result = torch.where(row_sum > 0, acc / row_sum.clamp_min(1e-30), 0.0)  # [Hkv, S, G, D]
+    out.copy_(result.transpose(0, 1).reshape(num_seqs, num_heads, head_dim))
+    return out
+
+
+def paged_prefill_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_query_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of a varlen batch of new tokens over each sequence's cached prefix plus
+    themselves.
+
+    q: [num_query_tokens, num_heads, head_dim], the new tokens of all sequences packed in order.
+    cu_query_lens: [num_seqs + 1] int32 cumulative query lengths (starts at 0). seq_lens:
+    [num_seqs] int32 total tokens of each sequence (cached prefix + new). The new tokens' K/V
+    must already be in the cache (`write_kv`). Query j of sequence i sits at position
+    seq_lens[i] - query_len_i + j and attends to positions <= its own.
+    Returns [num_query_tokens, num_heads, head_dim] in q's dtype.
+    """
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    out = torch.zeros_like(q)
+    starts = cu_query_lens.tolist()
+    lens = seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        q_start, q_end = starts[i], starts[i + 1]
+        query_len = q_end - q_start
+        if query_len == 0:
+            continue
+        blocks = block_tables[i, : -(-seq_len // block_size)].to(device=q.device, dtype=torch.long)
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()  # [L, Hkv, D]
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+        qi = q[q_start:q_end].float().view(query_len, num_kv_heads, group, head_dim)
+        s = torch.einsum("qhgd,khd->hgqk", qi, k) * scale  # [Hkv, G, Q, L]
+        q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
+        causal = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [Q, L]
+        p = torch.softmax(s.masked_fill(~causal, -math.inf), dim=-1)
+        o = torch.einsum("hgqk,khd->qhgd", p, v)
+        out[q_start:q_end] = o.reshape(query_len, num_heads, head_dim).to(q.dtype)
+    return out
+
+
+def write_kv_ref(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter new tokens' K/V into their pool slots, in place.
+
+    k, v: [num_tokens, num_kv_heads, head_dim]. slot_mapping: [num_tokens] int, slot =
+    block_id * block_size + offset in the block; a negative slot skips that token (padding).
+    """
+    block_size = k_cache.shape[1]
+    slots = slot_mapping.to(device=k.device, dtype=torch.long)
+    keep = slots >= 0
+    slots = slots[keep]
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
+    v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
+
+
+def _gather_head_major(cache: torch.Tensor, ids: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """The blocks `ids` ([num_seqs * n] block ids, sequence-major) of a cache, as fp32
+    `[num_kv_heads, num_seqs, n * block_size, head_dim]` in a workspace buffer that the next call
+    overwrites.
+
+    A block whose `[block_size, num_kv_heads, head_dim]` is dense is one row of a
+    `[num_blocks, block_elements]` view of the cache, so the gather is one memcpy per block."""
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    tokens = ids.numel() // num_seqs * block_size
+    strides = cache.stride()
+    if strides[3] == 1 and strides[2] == head_dim and strides[1] == num_kv_heads * head_dim:
+        block_elements = block_size * num_kv_heads * head_dim
+        rows = torch.as_strided(cache, (cache.shape[0], block_elements), (strides[0], 1))
+        blocks = _workspace.get("gathered", (ids.numel(), block_elements), cache.dtype, cache.device)
+        torch.index_select(rows, 0, ids, out=blocks)
+    else:  # any other strided cache: advanced indexing, slower but always valid
+        blocks = cache[ids]
+    natural = blocks.view(num_seqs, tokens, num_kv_heads, head_dim)
+    dest = _workspace.get(
+        "head_major", (num_kv_heads, num_seqs, tokens, head_dim), torch.float32, cache.device
+    )
+    dest.copy_(natural.permute(2, 0, 1, 3))
+    return dest
