@@ -1,0 +1,32 @@
+"""Errors raised by the cache service's domain code, one class per gRPC status code.
+
+Domain code raises them where a problem is detected, with a message that names the offending
+value and the limit it broke ("items[3].token_ids[17] = 70000 is out of range [0, 50257)").
+The servicer maps each class to its status code in one place; the domain never imports gRPC.
+"""
+
+from __future__ import annotations
+
+
+class CacheError(Exception):
+    """Base of every error the cache service reports to a caller."""
+
+
+class InvalidArgument(CacheError):
+    """Bad shape, negative count, token id out of range, oversized batch (INVALID_ARGUMENT)."""
+
+
+class NotFound(CacheError):
+    """Unknown sequence (NOT_FOUND)."""
+
+
+class ResourceExhausted(CacheError):
+    """No device blocks even after eviction, or no host-tier room: the caller preempts (RESOURCE_EXHAUSTED)."""
+
+
+class PermissionDenied(CacheError):
+    """The sequence belongs to another lease (PERMISSION_DENIED)."""
+
+
+class FailedPrecondition(CacheError):
+    """The sequence is in the wrong place for the call, e.g. swapped out (FAILED_PRECONDITION)."""

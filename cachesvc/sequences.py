@@ -1,0 +1,642 @@
+"""Per-sequence records and the batched operations the cache service's RPCs map onto.
+
+The cache service keeps, per sequence, its token ids, block table, computed tokens and where it
+lives (device pool or host tier). That is what lets compute be stateless: any replica can
+continue any sequence from ``SequenceTable.get``.
+
+Every batched method is all or nothing. It runs in three phases:
+
+1. validate every item (shape, ranges, existence, ownership, location, duplicates);
+2. check capacity for the whole batch;
+3. mutate.
+
+Phases 1 and 2 touch no state (not LRU order, not stats), so a raised CacheError leaves the
+table, the block manager and the host tier exactly as they were.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+import numpy as np
+
+from cachesvc.block_manager import BlockHash, BlockManager, extra_key, hash_full_blocks, pack_token_ids
+from cachesvc.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+)
+
+if TYPE_CHECKING:
+    from cachesvc.host_tier import HostTier
+
+DEVICE: Literal["device"] = "device"
+HOST: Literal["host"] = "host"
+
+# Cached extra keys per (cache_salt, adapter_id); cleared when it grows past this many entries
+# (one salt per request would otherwise grow it without bound).
+_MAX_EXTRA_KEYS = 4096
+
+
+@dataclass(slots=True)
+class AllocateSpec:
+    """One sequence to allocate: its prompt and how to key and size it."""
+
+    token_ids: list[int]
+    cache_salt: str = ""
+    adapter_id: str = ""
+    num_lookahead_tokens: int = 0
+    request_id: str = ""
+
+
+@dataclass(slots=True)
+class SequenceView:
+    """What a caller sees of a sequence after Allocate / Extend / SwapIn (a copy, not a live view)."""
+
+    sequence_id: int
+    block_table: list[int]
+    num_cached_tokens: int  # tokens served from the prefix cache at Allocate
+    num_slots: int  # tokens the block table has room for: len(block_table) * block_size
+
+
+@dataclass(slots=True)
+class Sequence:
+    """The cache service's record of one sequence."""
+
+    sequence_id: int
+    lease_id: str
+    token_ids: list[int]
+    # Device block ids in token order while on the device; empty while on the host.
+    block_table: list[int]
+    num_computed_tokens: int  # leading tokens whose KV is written (committed)
+    num_cached_tokens: int  # leading tokens that were a prefix hit at Allocate
+    location: Literal["device", "host"]
+    # Host slots in token order while on the host; empty while on the device.
+    host_slots: list[int]
+    extra: bytes  # extra_key(model, cache_salt, adapter_id) of this sequence
+    # Hashes of full blocks known so far, in token order (computed once, never recomputed).
+    block_hashes: list[BlockHash]
+    request_id: str = ""
+    # Leading blocks of block_table already offered to the prefix index (published, a hit, or
+    # a duplicate of a published block). Reset by SwapIn, whose blocks are new.
+    num_published_blocks: int = 0
+    # The view last handed out, reused until the block table changes (None = rebuild). Views
+    # are snapshots shared between calls, so callers must treat them as read-only.
+    cached_view: SequenceView | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks held, on whichever tier the sequence lives."""
+        return len(self.block_table) if self.location == DEVICE else len(self.host_slots)
+
+
+@dataclass
+class CacheStats:
+    """Cumulative counters, read by GetStats."""
+
+    prefix_query_tokens: int = 0  # prompt tokens looked up by allocate
+    prefix_hit_tokens: int = 0  # of those, tokens served from the prefix cache
+    num_swap_out_blocks: int = 0
+    num_swap_in_blocks: int = 0
+    num_swap_out_bytes: int = 0
+    num_swap_in_bytes: int = 0
+
+
+@dataclass(slots=True)
+class _AllocatePlan:
+    """Phase-1 result of one allocate item, applied in phase 3."""
+
+    block_hashes: list[BlockHash]
+    hit: list[int]
+    num_new_blocks: int
+    extra: bytes
+
+
+class SequenceTable:
+    """All live sequences, keyed by id and by lease, over one block manager and host tier.
+
+    Units: tokens unless a name says blocks. Limits: ``vocab_size`` (token ids must be below it),
+    ``max_model_len`` (tokens per sequence, lookahead included), ``max_batch`` (items per call).
+    """
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        host_tier: HostTier | None,
+        *,
+        model_fingerprint: str,
+        vocab_size: int,
+        max_model_len: int,
+        max_batch: int = 1024,
+    ) -> None:
+        self.block_manager = block_manager
+        self.host_tier = host_tier
+        self.block_size = block_manager.block_size
+        self.model_fingerprint = model_fingerprint
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_batch = max_batch
+        self.stats = CacheStats()
+        self._sequences: dict[int, Sequence] = {}
+        self._by_lease: dict[str, dict[int, Sequence]] = {}
+        self._next_sequence_id = 1
+        self._extra_keys: dict[tuple[str, str], bytes] = {}
+
+    # ------------------------------------------------------------------ reading
+
+    def __len__(self) -> int:
+        return len(self._sequences)
+
+    def get(self, sequence_id: int) -> Sequence:
+        seq = self._sequences.get(sequence_id)
+        if seq is None:
+            raise NotFound(f"sequence_id = {sequence_id} is not a live sequence")
+        return seq
+
+    def sequences_of(self, lease_id: str) -> list[Sequence]:
+        return list(self._by_lease.get(lease_id, {}).values())
+
+    def sequences(self) -> list[Sequence]:
+        return list(self._sequences.values())
+
+    @property
+    def num_swapped_sequences(self) -> int:
+        return sum(1 for s in self._sequences.values() if s.location == HOST)
+
+    # ------------------------------------------------------------------ validation helpers
+
+    def _check_batch(self, n: int) -> None:
+        if n > self.max_batch:
+            raise InvalidArgument(f"len(items) = {n} exceeds max_batch {self.max_batch}")
+
+    def _owned(self, lease_id: str, k: int, sequence_id: int, *, location: str | None = DEVICE) -> Sequence:
+        """The sequence of item ``k``, checked for existence, ownership and (optionally) location."""
+        seq = self._sequences.get(sequence_id)
+        if seq is None:
+            raise NotFound(f"items[{k}].sequence_id = {sequence_id} is not a live sequence")
+        if seq.lease_id != lease_id:
+            raise PermissionDenied(f"items[{k}].sequence_id = {sequence_id} belongs to another lease")
+        if location is not None and seq.location != location:
+            if location == DEVICE:
+                raise FailedPrecondition(
+                    f"items[{k}].sequence_id = {sequence_id} is swapped out to the host tier; SwapIn it first"
+                )
+            raise FailedPrecondition(f"items[{k}].sequence_id = {sequence_id} is already on the device")
+        return seq
+
+    @staticmethod
+    def _check_unique(sequence_ids: list[int]) -> None:
+        if len(sequence_ids) > 1 and len(set(sequence_ids)) != len(sequence_ids):
+            seen: set[int] = set()
+            for k, sid in enumerate(sequence_ids):
+                if sid in seen:
+                    raise InvalidArgument(
+                        f"items[{k}].sequence_id = {sid} appears more than once in the batch"
+                    )
+                seen.add(sid)
+
+    def _pack_checked(self, where: str, token_ids: list[int]) -> bytes:
+        """Token ids as LE int32 bytes, after checking each is in [0, vocab_size)."""
+        try:
+            data = pack_token_ids(token_ids)
+        except InvalidArgument as e:
+            raise InvalidArgument(f"{where}.{e}") from None
+        # NOTE: one vectorized max over the packed ids instead of a Python loop per token;
+        # viewed as uint32, negative ids become huge and fail the same test.
+        if data and int(np.frombuffer(data, dtype=np.uint32).max()) >= self.vocab_size:
+            self._raise_token_range(where, token_ids)
+        return data
+
+    def _raise_token_range(self, where: str, token_ids: list[int]) -> None:
+        for i, t in enumerate(token_ids):
+            if not 0 <= t < self.vocab_size:
+                raise InvalidArgument(f"{where}.token_ids[{i}] = {t} is out of range [0, {self.vocab_size})")
+
+    def _extra(self, cache_salt: str, adapter_id: str) -> bytes:
+        key = (cache_salt, adapter_id)
+        extra = self._extra_keys.get(key)
+        if extra is None:
+            extra = extra_key(self.model_fingerprint, cache_salt, adapter_id)
+            if len(self._extra_keys) >= _MAX_EXTRA_KEYS:
+                self._extra_keys.clear()
+            self._extra_keys[key] = extra
+        return extra
+
+    def _view(self, seq: Sequence) -> SequenceView:
+        view = seq.cached_view
+        if view is None:
+            table = seq.block_table
+            view = SequenceView(
+                seq.sequence_id, list(table), seq.num_cached_tokens, len(table) * self.block_size
+            )
+            seq.cached_view = view
+        return view
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def allocate(self, lease_id: str, specs: list[AllocateSpec]) -> list[SequenceView]:
+        """New sequences: reuse each prompt's longest cached prefix, allocate blocks for the rest.
+
+        A hit is whole blocks, capped so the last prompt token is always computed. Blocks cover
+        ``len(token_ids) + num_lookahead_tokens`` tokens. Hits of ALL items are taken before any
+        new block is allocated, so a later item's allocation never evicts an earlier item's hit.
+        """
+        self._check_batch(len(specs))
+        bm = self.block_manager
+        bs = self.block_size
+        max_len = self.max_model_len
+        plans: list[_AllocatePlan] = []
+        touched: list[int] = []
+        total_new = 0
+        for k, spec in enumerate(specs):
+            tokens = spec.token_ids
+            n = len(tokens)
+            if not 1 <= n <= max_len:
+                raise InvalidArgument(
+                    f"items[{k}]: len(token_ids) = {n} is not in [1, max_model_len {max_len}]"
+                )
+            lookahead = spec.num_lookahead_tokens
+            if lookahead < 0:
+                raise InvalidArgument(f"items[{k}].num_lookahead_tokens = {lookahead} must be >= 0")
+            if n + lookahead > max_len:
+                raise InvalidArgument(
+                    f"items[{k}]: len(token_ids) + num_lookahead_tokens = {n + lookahead} exceeds "
+                    f"max_model_len {max_len}"
+                )
+            try:
+                extra = self._extra(spec.cache_salt, spec.adapter_id)
+            except InvalidArgument as e:
+                raise InvalidArgument(f"items[{k}].{e}") from None
+            hashes = hash_full_blocks(self._pack_checked(f"items[{k}]", tokens), bs, extra)
+            # Cap: the last prompt token is always computed (its logits are needed).
+            hit = bm.cached_prefix(hashes[: (n - 1) // bs])
+            num_new = -(-(n + lookahead) // bs) - len(hit)
+            total_new += num_new
+            touched += hit
+            plans.append(_AllocatePlan(hashes, hit, num_new, extra))
+        if not bm.can_allocate(total_new, touched):
+            raise ResourceExhausted(
+                f"allocate needs {total_new} new blocks for {len(specs)} sequences but only "
+                f"{bm.num_free_blocks - len({i for i in touched if bm.blocks[i].ref_cnt == 0})} of "
+                f"{bm.num_blocks} blocks are free after prefix hits"
+            )
+
+        bm.touch(touched)
+        new_ids = bm.allocate(total_new)
+        views: list[SequenceView] = []
+        stats = self.stats
+        pos = 0
+        for spec, plan in zip(specs, plans, strict=True):
+            hit = plan.hit
+            table = hit + new_ids[pos : pos + plan.num_new_blocks]
+            pos += plan.num_new_blocks
+            num_cached = len(hit) * bs
+            sid = self._next_sequence_id
+            self._next_sequence_id = sid + 1
+            seq = Sequence(
+                sequence_id=sid,
+                lease_id=lease_id,
+                token_ids=list(spec.token_ids),
+                block_table=table,
+                num_computed_tokens=num_cached,
+                num_cached_tokens=num_cached,
+                location=DEVICE,
+                host_slots=[],
+                extra=plan.extra,
+                block_hashes=plan.block_hashes,
+                request_id=spec.request_id,
+                num_published_blocks=len(hit),
+            )
+            self._sequences[sid] = seq
+            self._by_lease.setdefault(lease_id, {})[sid] = seq
+            stats.prefix_query_tokens += len(seq.token_ids)
+            stats.prefix_hit_tokens += num_cached
+            views.append(self._view(seq))
+        return views
+
+    def extend(self, lease_id: str, items: list[tuple[int, int]]) -> list[SequenceView]:
+        """Make room for ``num_tokens`` tokens beyond each sequence's current token count.
+
+        New blocks only where a block boundary is crossed; a table never shrinks.
+        """
+        if len(items) == 1:
+            # Fast path, once per decode step of a sequence: room is already there.
+            sid, num_tokens = items[0]
+            seq = self._sequences.get(sid)
+            if seq is not None and seq.lease_id == lease_id and seq.location == DEVICE and num_tokens >= 0:
+                need = len(seq.token_ids) + num_tokens
+                if need <= len(seq.block_table) * self.block_size and need <= self.max_model_len:
+                    return [seq.cached_view or self._view(seq)]
+        elif len(items) > self.max_batch:
+            self._check_batch(len(items))
+        sequences = self._sequences
+        bs = self.block_size
+        max_len = self.max_model_len
+        seqs: list[Sequence] = []
+        total_new = 0
+        # NOTE: extend runs once per decode step per sequence, so validation is one combined
+        # test per item; the slow path re-walks the batch to name the first bad item.
+        for sid, num_tokens in items:
+            seq = sequences.get(sid)
+            if (
+                seq is None
+                or seq.lease_id != lease_id
+                or seq.location != DEVICE
+                or not 0 <= num_tokens <= max_len - len(seq.token_ids)
+            ):
+                self._raise_extend_error(lease_id, items)
+            more = (len(seq.token_ids) + num_tokens + bs - 1) // bs - len(seq.block_table)
+            if more > 0:
+                total_new += more
+            seqs.append(seq)
+        if len(items) > 1:
+            self._check_unique([sid for sid, _ in items])
+        bm = self.block_manager
+        if total_new > bm.num_free_blocks:
+            raise ResourceExhausted(
+                f"extend needs {total_new} new blocks but only {bm.num_free_blocks} of {bm.num_blocks} are free"
+            )
+
+        if total_new:
+            new_ids = bm.allocate(total_new)
+            pos = 0
+            for seq, (_, num_tokens) in zip(seqs, items, strict=True):
+                more = (len(seq.token_ids) + num_tokens + bs - 1) // bs - len(seq.block_table)
+                if more > 0:
+                    seq.block_table += new_ids[pos : pos + more]
+                    seq.cached_view = None
+                    pos += more
+        view = self._view
+        return [view(seq) for seq in seqs]
+
+    def _raise_extend_error(self, lease_id: str, items: list[tuple[int, int]]) -> None:
+        for k, (sid, num_tokens) in enumerate(items):
+            seq = self._owned(lease_id, k, sid)
+            if num_tokens < 0:
+                raise InvalidArgument(f"items[{k}].num_tokens = {num_tokens} must be >= 0")
+            need = len(seq.token_ids) + num_tokens
+            if need > self.max_model_len:
+                raise InvalidArgument(
+                    f"items[{k}]: {len(seq.token_ids)} tokens + num_tokens {num_tokens} = {need} "
+                    f"exceeds max_model_len {self.max_model_len}"
+                )
+        raise AssertionError("extend validation disagrees with its error path")
+
+    def commit(self, lease_id: str, items: list[tuple[int, list[int], int]]) -> int:
+        """Append generated tokens and record written KV; publish newly complete full blocks.
+
+        Per item ``(sequence_id, new_token_ids, num_computed_tokens)``: the token count after
+        appending must fit the block table; ``num_computed_tokens`` never decreases and never
+        exceeds the token count. Every full block inside ``num_computed_tokens`` enters the
+        prefix index. Returns the number of blocks published by the call.
+        """
+        if len(items) > self.max_batch:
+            self._check_batch(len(items))
+        sequences = self._sequences
+        bs = self.block_size
+        max_len = self.max_model_len
+        vocab = self.vocab_size
+        seqs: list[Sequence] = []
+        for sid, new_tokens, num_computed in items:
+            seq = sequences.get(sid)
+            if seq is None or seq.lease_id != lease_id or seq.location != DEVICE:
+                self._raise_commit_error(lease_id, items)
+            n = len(seq.token_ids) + len(new_tokens)
+            if (
+                n > len(seq.block_table) * bs
+                or n > max_len
+                or not seq.num_computed_tokens <= num_computed <= n
+            ):
+                self._raise_commit_error(lease_id, items)
+            # A decode step commits a token or a few: a Python loop beats packing for those.
+            if len(new_tokens) > 32:
+                self._pack_checked(f"items[{len(seqs)}]", new_tokens)
+            else:
+                for t in new_tokens:
+                    if type(t) is not int or not 0 <= t < vocab:
+                        self._pack_checked(f"items[{len(seqs)}]", new_tokens)
+                        break
+            seqs.append(seq)
+        if len(items) > 1:
+            self._check_unique([item[0] for item in items])
+
+        published = 0
+        for seq, (_, new_tokens, num_computed) in zip(seqs, items, strict=True):
+            if new_tokens:
+                seq.token_ids += new_tokens
+            seq.num_computed_tokens = num_computed
+            full = num_computed // bs
+            if full > seq.num_published_blocks:
+                published += self._publish(seq, full)
+        return published
+
+    def _raise_commit_error(self, lease_id: str, items: list[tuple[int, list[int], int]]) -> None:
+        bs = self.block_size
+        for k, (sid, new_tokens, num_computed) in enumerate(items):
+            seq = self._owned(lease_id, k, sid)
+            n = len(seq.token_ids) + len(new_tokens)
+            slots = len(seq.block_table) * bs
+            if n > slots:
+                raise InvalidArgument(
+                    f"items[{k}]: {len(seq.token_ids)} tokens + {len(new_tokens)} new = {n} exceed the "
+                    f"sequence's {slots} slots; Extend it first"
+                )
+            if n > self.max_model_len:
+                raise InvalidArgument(f"items[{k}]: {n} tokens exceed max_model_len {self.max_model_len}")
+            if not seq.num_computed_tokens <= num_computed <= n:
+                raise InvalidArgument(
+                    f"items[{k}].num_computed_tokens = {num_computed} is not in "
+                    f"[{seq.num_computed_tokens} (already computed), {n} (tokens)]"
+                )
+        raise AssertionError("commit validation disagrees with its error path")
+
+    def _publish(self, seq: Sequence, num_full_blocks: int) -> int:
+        """Offer blocks [num_published_blocks, num_full_blocks) of ``seq`` to the prefix index."""
+        bs = self.block_size
+        hashes = seq.block_hashes
+        tokens = seq.token_ids
+        if len(hashes) < num_full_blocks:
+            start = len(hashes)
+            hashes += hash_full_blocks(
+                tokens[start * bs : num_full_blocks * bs], bs, seq.extra, hashes[-1] if hashes else None
+            )
+        count = self.block_manager.publish_blocks(
+            seq.block_table, hashes, seq.num_published_blocks, num_full_blocks, tokens
+        )
+        seq.num_published_blocks = num_full_blocks
+        return count
+
+    def free(self, lease_id: str, sequence_ids: list[int]) -> int:
+        """Drop sequences. Device blocks go to the LRU tail in reverse table order (still cached
+        if committed); a swapped-out sequence releases its host slots. Returns device blocks released.
+        """
+        self._check_batch(len(sequence_ids))
+        seqs = [self._owned(lease_id, k, sid, location=None) for k, sid in enumerate(sequence_ids)]
+        self._check_unique(sequence_ids)
+        return sum(self._release(seq) for seq in seqs)
+
+    def _release(self, seq: Sequence) -> int:
+        if seq.location == DEVICE:
+            released = self.block_manager.free(seq.block_table[::-1])
+        else:
+            self.host_tier.release(seq.host_slots)
+            released = 0
+        del self._sequences[seq.sequence_id]
+        lease_seqs = self._by_lease[seq.lease_id]
+        del lease_seqs[seq.sequence_id]
+        if not lease_seqs:
+            del self._by_lease[seq.lease_id]
+        return released
+
+    def free_lease(self, lease_id: str) -> int:
+        """Release every sequence of a lease, on the device and on the host (lease expiry).
+
+        Committed blocks stay in the prefix cache, so a retry elsewhere hits them. Returns
+        device blocks released; an unknown lease releases nothing.
+        """
+        return sum(self._release(seq) for seq in self.sequences_of(lease_id))
+
+    def lookup_prefix(self, items: list[tuple[list[int], str, str]]) -> list[int]:
+        """Per ``(token_ids, cache_salt, adapter_id)``: leading tokens cached on the device.
+
+        Whole blocks only and NOT capped below the last token (a router wants the raw figure).
+        Read-only: no reference taken, no LRU change, no stats.
+        """
+        self._check_batch(len(items))
+        keyed: list[tuple[bytes, bytes]] = []
+        for k, (tokens, cache_salt, adapter_id) in enumerate(items):
+            if len(tokens) > self.max_model_len:
+                raise InvalidArgument(
+                    f"items[{k}]: len(token_ids) = {len(tokens)} exceeds max_model_len {self.max_model_len}"
+                )
+            data = self._pack_checked(f"items[{k}]", tokens)
+            try:
+                extra = self._extra(cache_salt, adapter_id)
+            except InvalidArgument as e:
+                raise InvalidArgument(f"items[{k}].{e}") from None
+            keyed.append((data, extra))
+        bm = self.block_manager
+        bs = self.block_size
+        return [len(bm.cached_prefix(hash_full_blocks(data, bs, extra))) * bs for data, extra in keyed]
+
+    # ------------------------------------------------------------------ swapping
+
+    def swap_out(self, lease_id: str, sequence_ids: list[int]) -> tuple[int, int]:
+        """Move whole sequences to the host tier; their device blocks are freed (reverse order,
+        committed ones stay cached). Returns ``(blocks, bytes)`` copied.
+        """
+        self._check_batch(len(sequence_ids))
+        seqs = [self._owned(lease_id, k, sid) for k, sid in enumerate(sequence_ids)]
+        self._check_unique(sequence_ids)
+        total = sum(len(seq.block_table) for seq in seqs)
+        host = self.host_tier
+        if host is None:
+            raise ResourceExhausted("no host tier is configured (swap space 0): cannot swap out")
+        if total > host.num_free_blocks:
+            raise ResourceExhausted(
+                f"swap out needs {total} host blocks but only {host.num_free_blocks} of "
+                f"{host.num_blocks} are free"
+            )
+
+        device_ids = [i for seq in seqs for i in seq.block_table]
+        slots = host.swap_out(device_ids)
+        bm = self.block_manager
+        pos = 0
+        for seq in seqs:
+            n = len(seq.block_table)
+            seq.host_slots = slots[pos : pos + n]
+            pos += n
+            bm.free(seq.block_table[::-1])
+            seq.block_table = []
+            seq.cached_view = None
+            seq.location = HOST
+        num_bytes = total * host.block_bytes
+        self.stats.num_swap_out_blocks += total
+        self.stats.num_swap_out_bytes += num_bytes
+        return total, num_bytes
+
+    def swap_in(self, lease_id: str, sequence_ids: list[int]) -> tuple[list[SequenceView], int, int]:
+        """Move swapped sequences back to fresh device blocks. Returns ``(views, blocks, bytes)``;
+        the views carry the new block tables. Committed full blocks are published again.
+        """
+        self._check_batch(len(sequence_ids))
+        seqs = [self._owned(lease_id, k, sid, location=HOST) for k, sid in enumerate(sequence_ids)]
+        self._check_unique(sequence_ids)
+        total = sum(len(seq.host_slots) for seq in seqs)
+        bm = self.block_manager
+        if total > bm.num_free_blocks:
+            raise ResourceExhausted(
+                f"swap in needs {total} device blocks but only {bm.num_free_blocks} of {bm.num_blocks} are free"
+            )
+
+        new_ids = bm.allocate(total)
+        host = self.host_tier
+        host.swap_in([s for seq in seqs for s in seq.host_slots], new_ids)
+        pos = 0
+        for seq in seqs:
+            n = len(seq.host_slots)
+            seq.block_table = new_ids[pos : pos + n]
+            seq.cached_view = None
+            pos += n
+            seq.host_slots = []
+            seq.location = DEVICE
+            # The copied blocks hold committed KV: offer them to the index again (a duplicate of a
+            # still-cached original is skipped by publish).
+            seq.num_published_blocks = 0
+            self._publish(seq, seq.num_computed_tokens // self.block_size)
+        num_bytes = total * host.block_bytes
+        self.stats.num_swap_in_blocks += total
+        self.stats.num_swap_in_bytes += num_bytes
+        return [self._view(seq) for seq in seqs], total, num_bytes
+
+    # ------------------------------------------------------------------ checks
+
+    def check_invariants(self) -> None:
+        """Block-manager invariants over all device tables, plus sequence and host-tier accounting."""
+        bs = self.block_size
+        device_tables = []
+        host_slots: list[int] = []
+        for sid, seq in self._sequences.items():
+            assert seq.sequence_id == sid, f"sequence {sid} is filed under id {seq.sequence_id}"
+            assert self._by_lease.get(seq.lease_id, {}).get(sid) is seq, (
+                f"sequence {sid} missing from its lease index"
+            )
+            assert seq.num_cached_tokens <= seq.num_computed_tokens <= len(seq.token_ids), (
+                f"sequence {sid}: cached {seq.num_cached_tokens} <= computed {seq.num_computed_tokens} "
+                f"<= tokens {len(seq.token_ids)} does not hold"
+            )
+            if seq.location == DEVICE:
+                assert not seq.host_slots, f"device sequence {sid} holds host slots {seq.host_slots}"
+                assert len(seq.token_ids) <= len(seq.block_table) * bs, (
+                    f"sequence {sid}: {len(seq.token_ids)} tokens exceed {len(seq.block_table)} blocks"
+                )
+                assert seq.num_published_blocks <= min(len(seq.block_hashes), len(seq.block_table)), (
+                    f"sequence {sid}: {seq.num_published_blocks} published blocks but {len(seq.block_hashes)} hashes"
+                )
+                device_tables.append(seq.block_table)
+            else:
+                assert seq.location == HOST, f"sequence {sid} has location {seq.location!r}"
+                assert not seq.block_table, f"host sequence {sid} holds device blocks {seq.block_table}"
+                assert len(seq.token_ids) <= len(seq.host_slots) * bs, (
+                    f"sequence {sid}: {len(seq.token_ids)} tokens exceed {len(seq.host_slots)} host slots"
+                )
+                host_slots += seq.host_slots
+        n_lease_seqs = sum(len(v) for v in self._by_lease.values())
+        assert n_lease_seqs == len(self._sequences), (
+            f"lease index holds {n_lease_seqs} sequences, table holds {len(self._sequences)}"
+        )
+        assert all(self._by_lease.values()), "lease index keeps an empty lease"
+        self.block_manager.check_invariants(device_tables)
+        host = self.host_tier
+        if host is None:
+            assert not host_slots, "sequences hold host slots but there is no host tier"
+            return
+        assert sorted(host_slots) == host.used_slots(), (
+            f"host slots held by sequences {sorted(host_slots)} != slots in use {host.used_slots()}"
+        )
+        assert host.num_used_blocks == len(host_slots), (
+            f"host tier counts {host.num_used_blocks} used slots, sequences hold {len(host_slots)}"
+        )

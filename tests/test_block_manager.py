@@ -1,0 +1,251 @@
+"""BlockManager and block hashing: LRU free queue, prefix index, eviction order, determinism."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cachesvc.block_manager import (
+    BlockManager,
+    BlockRemoved,
+    BlockStored,
+    extra_key,
+    hash_block,
+    hash_full_blocks,
+    pack_token_ids,
+)
+from cachesvc.errors import InvalidArgument, ResourceExhausted
+
+ROOT = Path(__file__).resolve().parent.parent
+EXTRA = extra_key("model-fp", "salt", "adapter")
+
+
+def publish_chain(bm: BlockManager, block_ids: list[int], tokens: list[int]) -> list[bytes]:
+    """Publish ``block_ids`` as the full blocks of ``tokens`` (as Commit would); return the hashes."""
+    bs = bm.block_size
+    hashes = hash_full_blocks(tokens, bs, EXTRA)
+    for j, (block_id, h) in enumerate(zip(block_ids, hashes, strict=False)):
+        assert bm.publish(block_id, h, hashes[j - 1] if j else None, tokens[j * bs : (j + 1) * bs])
+    return hashes
+
+
+# ---------------------------------------------------------------------- hashing
+
+
+def test_hash_matches_documented_formula() -> None:
+    tokens = [1, 2, 3, 70000, 5, 6, 7, 8]
+    extra = hashlib.sha256(b"kvtier-block-v1\0" + b"m\0s\0a").digest()
+    assert extra_key("m", "s", "a") == extra
+    first = hashlib.sha256(bytes(32) + extra + struct.pack("<4i", 1, 2, 3, 70000)).digest()
+    second = hashlib.sha256(first + extra + struct.pack("<4i", 5, 6, 7, 8)).digest()
+    assert hash_full_blocks(tokens, 4, extra) == [first, second]
+    assert hash_block(None, tokens[:4], extra) == first
+    assert hash_block(first, tokens[4:], extra) == second
+    assert pack_token_ids([1, 256]) == b"\x01\x00\x00\x00\x00\x01\x00\x00"
+
+
+def test_hash_full_blocks_ignores_partial_block_and_chains_from_start_parent() -> None:
+    tokens = list(range(23))
+    hashes = hash_full_blocks(tokens, 4, EXTRA)
+    assert len(hashes) == 5
+    assert all(len(h) == 32 for h in hashes)
+    # Resuming at a block boundary from the previous hash gives the same chain.
+    assert hash_full_blocks(tokens[8:], 4, EXTRA, start_parent=hashes[1]) == hashes[2:]
+    assert hash_full_blocks(pack_token_ids(tokens), 4, EXTRA) == hashes
+    assert hash_full_blocks([1, 2, 3], 4, EXTRA) == []
+
+
+def test_hash_depends_on_salt_adapter_model_and_whole_prefix() -> None:
+    tokens = list(range(8))
+    base = hash_full_blocks(tokens, 4, extra_key("m"))
+    assert hash_full_blocks(tokens, 4, extra_key("m", "tenant-b")) != base
+    assert hash_full_blocks(tokens, 4, extra_key("m", "", "lora-1")) != base
+    assert hash_full_blocks(tokens, 4, extra_key("m2")) != base
+    # Same second block, different first block: the chain makes the second hash differ too.
+    other = hash_full_blocks([9, 1, 2, 3, 4, 5, 6, 7], 4, extra_key("m"))
+    assert other[1] != base[1]
+
+
+def test_extra_key_rejects_nul_in_a_field() -> None:
+    with pytest.raises(InvalidArgument, match="cache_salt"):
+        extra_key("m", "a\0b")
+
+
+def test_hash_is_deterministic_across_processes() -> None:
+    tokens = [(i * 7919) % 50257 for i in range(100)]
+    code = (
+        "from cachesvc.block_manager import extra_key, hash_full_blocks\n"
+        f"print(','.join(h.hex() for h in hash_full_blocks({tokens!r}, 16, extra_key('fp', 'salt', 'ad'))))"
+    )
+    expected = ",".join(h.hex() for h in hash_full_blocks(tokens, 16, extra_key("fp", "salt", "ad")))
+    for seed in ("0", "12345", "random"):
+        env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(ROOT)}
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, check=True
+        )
+        assert out.stdout.strip() == expected, f"hashes differ under PYTHONHASHSEED={seed}"
+
+
+# ---------------------------------------------------------------------- free queue and counters
+
+
+def test_new_manager_has_every_block_free_in_id_order() -> None:
+    bm = BlockManager(num_blocks=5, block_size=4)
+    assert bm.free_block_ids() == [0, 1, 2, 3, 4]
+    assert (bm.num_free_blocks, bm.num_used_blocks, bm.num_cached_blocks) == (5, 0, 0)
+    assert bm.allocate(2) == [0, 1]
+    assert (bm.num_free_blocks, bm.num_used_blocks) == (3, 2)
+    bm.check_invariants([[0, 1]])
+
+
+def test_touch_removes_a_free_block_from_the_middle_of_the_queue() -> None:
+    bm = BlockManager(num_blocks=5, block_size=4)
+    bm.touch([2])
+    assert bm.free_block_ids() == [0, 1, 3, 4]
+    assert bm.ref_count(2) == 1
+    bm.touch([2])
+    assert bm.ref_count(2) == 2
+    assert bm.free([2, 2]) == 1
+    assert bm.free_block_ids() == [0, 1, 3, 4, 2]
+    bm.check_invariants([])
+
+
+def test_allocate_more_than_free_raises_and_changes_nothing() -> None:
+    bm = BlockManager(num_blocks=3, block_size=4)
+    bm.allocate(2)
+    with pytest.raises(ResourceExhausted, match="need 2 blocks but only 1 of 3 are free"):
+        bm.allocate(2)
+    assert bm.free_block_ids() == [2]
+    bm.check_invariants([[0, 1]])
+
+
+def test_can_allocate_counts_touched_free_blocks_once() -> None:
+    bm = BlockManager(num_blocks=4, block_size=4)
+    assert bm.can_allocate(4)
+    assert bm.can_allocate(3, [1, 1])  # touching block 1 (twice) takes one block out of the queue
+    assert not bm.can_allocate(4, [1])
+    assert bm.can_allocate(0)
+
+
+def test_free_of_unreferenced_block_raises_and_is_undone() -> None:
+    bm = BlockManager(num_blocks=4, block_size=4)
+    bm.allocate(3)
+    with pytest.raises(InvalidArgument, match=r"block_ids\[2\] = 3 is not referenced"):
+        bm.free([2, 1, 3])
+    assert bm.free_block_ids() == [3]
+    assert [bm.ref_count(i) for i in range(4)] == [1, 1, 1, 0]
+    bm.check_invariants([[0, 1, 2]])
+
+
+# ---------------------------------------------------------------------- prefix index and eviction
+
+
+def test_published_blocks_are_found_by_cached_prefix() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4)
+    tokens = list(range(10))
+    ids = bm.allocate(3)
+    hashes = publish_chain(bm, ids[:2], tokens)
+    assert bm.num_cached_blocks == 2
+    assert bm.cached_prefix(hashes) == ids[:2]
+    assert bm.cached_prefix(hash_full_blocks([0, 1, 2, 3, 9, 9, 9, 9], 4, EXTRA)) == ids[:1]
+    assert bm.cached_prefix(hash_full_blocks([5] * 8, 4, EXTRA)) == []
+    events = bm.take_events()
+    assert events == [
+        BlockStored(hashes[0], None, ids[0], [0, 1, 2, 3]),
+        BlockStored(hashes[1], hashes[0], ids[1], [4, 5, 6, 7]),
+    ]
+    assert bm.take_events() == []
+
+
+def test_publish_keeps_the_first_block_for_a_duplicate_hash() -> None:
+    bm = BlockManager(num_blocks=4, block_size=4)
+    a, b = bm.allocate(2)
+    h = hash_block(None, [1, 2, 3, 4], EXTRA)
+    assert bm.publish(a, h, None, [1, 2, 3, 4])
+    assert not bm.publish(b, h, None, [1, 2, 3, 4])
+    assert bm.block_hash(b) is None
+    assert bm.cached_prefix([h]) == [a]
+    # A block that already carries a hash is not re-keyed.
+    h2 = hash_block(None, [5, 6, 7, 8], EXTRA)
+    assert not bm.publish(a, h2, None, [5, 6, 7, 8])
+    assert bm.block_hash(a) == h
+    bm.check_invariants([[a], [b]])
+
+
+def test_tail_of_a_chain_is_evicted_first() -> None:
+    bm = BlockManager(num_blocks=4, block_size=4)
+    tokens = list(range(16))
+    table = bm.allocate(4)
+    hashes = publish_chain(bm, table, tokens)
+    bm.free(table[::-1])
+    assert bm.free_block_ids() == table[::-1]
+    bm.take_events()
+    got = bm.allocate(1)
+    assert got == [table[3]]
+    assert bm.take_events() == [BlockRemoved(hashes[3], table[3])]
+    assert bm.cached_prefix(hashes) == table[:3]
+    assert bm.num_evictions == 1
+    bm.check_invariants([got])
+
+
+def test_cached_blocks_are_evicted_only_when_the_free_queue_runs_dry() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4)
+    tokens = list(range(8))
+    table = bm.allocate(2)
+    hashes = publish_chain(bm, table, tokens)
+    bm.free(table[::-1])
+    # Six never-used blocks sit ahead of the cached ones in the queue.
+    other = bm.allocate(6)
+    assert set(other).isdisjoint(table)
+    assert bm.num_evictions == 0
+    assert bm.cached_prefix(hashes) == table
+    last = bm.allocate(1)
+    assert last == [table[1]]
+    assert bm.num_evictions == 1
+    assert bm.cached_prefix(hashes) == table[:1]
+    bm.check_invariants([other, last])
+
+
+def test_touching_a_cached_free_block_protects_it_from_eviction() -> None:
+    bm = BlockManager(num_blocks=3, block_size=4)
+    table = bm.allocate(1)
+    hashes = publish_chain(bm, table, [1, 2, 3, 4])
+    bm.free(table)
+    bm.touch(bm.cached_prefix(hashes))
+    assert bm.allocate(2) == [1, 2]
+    with pytest.raises(ResourceExhausted):
+        bm.allocate(1)
+    assert bm.num_evictions == 0
+    bm.check_invariants([table, [1], [2]])
+
+
+def test_reset_prefix_cache_refuses_while_a_block_is_referenced() -> None:
+    bm = BlockManager(num_blocks=4, block_size=4)
+    table = bm.allocate(2)
+    hashes = publish_chain(bm, table, list(range(8)))
+    bm.take_events()
+    assert not bm.reset_prefix_cache()
+    assert bm.num_cached_blocks == 2
+    bm.free(table[::-1])
+    assert bm.reset_prefix_cache()
+    assert bm.num_cached_blocks == 0
+    assert bm.cached_prefix(hashes) == []
+    assert {e.block_id for e in bm.take_events() if isinstance(e, BlockRemoved)} == set(table)
+    assert bm.num_evictions == 0
+    bm.check_invariants([])
+
+
+def test_check_invariants_names_a_wrong_ref_count() -> None:
+    bm = BlockManager(num_blocks=4, block_size=4)
+    table = bm.allocate(2)
+    with pytest.raises(AssertionError, match="block 1: ref_cnt 1 but 0 block tables hold it"):
+        bm.check_invariants([table[:1]])
+    bm.blocks[3].ref_cnt = 1
+    with pytest.raises(AssertionError, match="block 3 is in the free queue with ref_cnt 1"):
+        bm.check_invariants([table])
