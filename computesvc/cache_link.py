@@ -2,7 +2,7 @@
 
 This is the one place where compute turns cache-service status codes into the scheduler's
 exceptions: RESOURCE_EXHAUSTED -> NoFreeBlocks (preempt or wait); UNAVAILABLE or an unknown
-lease -> CacheUnavailable (the replica re-attaches).
+lease -> CacheUnavailable (the replica re-attaches); any other code -> RuntimeError naming it.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ class RemoteCache:
                 code == grpc.StatusCode.NOT_FOUND and e.details().startswith("lease")
             ):
                 raise CacheUnavailable(f"cache service: {code.name}: {e.details()}") from None
-            raise
+            # Anything else is a bug on one side: say what the cache service refused, briefly.
+            raise RuntimeError(f"cache service refused the call: {code.name}: {e.details()}") from None
 
     async def allocate(self, prompts, salts, lookahead) -> list[SeqBlocks]:
         items = [

@@ -159,7 +159,11 @@ class Replica:
             try:
                 await self.client.heartbeat()
             except grpc.aio.AioRpcError as e:
-                self._cache_lost(CacheUnavailable(f"heartbeat failed: {e.code().name}: {e.details()}"))
+                self._cache_lost(
+                    CacheUnavailable(
+                        f"lost the cache service at {self.cfg.cache} (heartbeat: {e.code().name}: {e.details()})"
+                    )
+                )
             if not self.connected.is_set():
                 await self._reconnect()
 

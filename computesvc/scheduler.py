@@ -50,6 +50,10 @@ class CacheUnavailable(Exception):
     """The cache service cannot be reached (or restarted and forgot our lease): retryable."""
 
 
+class StepFailed(Exception):
+    """A scheduler step raised something unexpected: the requests in flight failed with it (INTERNAL)."""
+
+
 @dataclass(slots=True)
 class SeqBlocks:
     sequence_id: int
@@ -210,6 +214,12 @@ class Scheduler:
             except CacheUnavailable as e:
                 self.on_cache_lost(e)
                 continue
+            except Exception as e:
+                # NOTE: the loop must survive a bug or a cache error it does not expect: if this
+                # task died, every request after it would wait forever on a live-looking replica.
+                log.exception("scheduler step failed: failing the requests in flight")
+                await self._abandon_all(StepFailed(f"scheduler step failed: {type(e).__name__}: {e}"))
+                continue
             if not progressed:
                 # Nothing could run (no blocks anywhere): let other replicas free some.
                 await asyncio.sleep(0.01)
@@ -221,6 +231,17 @@ class Scheduler:
         self.waiting.clear()
         self.running.clear()
         self.swapped.clear()
+
+    async def _abandon_all(self, error: Exception) -> None:
+        """Fail every in-flight request and free its sequence, one call each (best effort: the
+        failed batched call may be what broke)."""
+        held = [r.sequence_id for r in [*self.running, *self.swapped]]
+        self.fail_all(error)
+        for sequence_id in held:
+            try:
+                await self._call(self.cache.free([sequence_id]))
+            except Exception as e:  # the lease expiring releases it anyway
+                log.warning("could not free sequence %d: %s", sequence_id, e)
 
     # ------------------------------------------------------------ one step
 
@@ -422,12 +443,14 @@ class Scheduler:
         if not self.running:
             return None
         victim = max(self.running, key=lambda r: r.arrival)
-        self.running.remove(victim)
         await self._commit([victim])
         with self._tracer.start_as_current_span("preempt") as span:
             span.set_attribute("kvtier.request_id", victim.request_id)
             try:
                 moved = await self._call(self.cache.swap_out([victim.sequence_id]))
+                # NOTE: it leaves `running` only once the cache took it: if a call fails,
+                # _abandon_all still finds (and frees) its sequence.
+                self.running.remove(victim)
                 victim.status = Status.SWAPPED
                 self.swapped.append(victim)
                 self.stats.preemptions_swap += 1
@@ -438,6 +461,7 @@ class Scheduler:
                 # Host tier full: drop the blocks; the committed ones stay cached, so recompute
                 # of this sequence is mostly prefix hits.
                 await self._call(self.cache.free([victim.sequence_id]))
+                self.running.remove(victim)
                 victim.status = Status.WAITING
                 victim.block_table = []
                 self.waiting.appendleft(victim)
@@ -532,11 +556,12 @@ class Scheduler:
         done = [r for r in self.running if r.status is Status.FINISHED]
         if not done:
             return
-        self.running = [r for r in self.running if r.status is not Status.FINISHED]
         # The last sampled token has no KV: commit what was computed, so the whole
         # conversation so far is a prefix hit for the next turn, then free.
         await self._commit(done)
         await self._call(self.cache.free([r.sequence_id for r in done]))
+        # NOTE: dropped from `running` only once freed: if a call fails, _abandon_all frees them.
+        self.running = [r for r in self.running if r.status is not Status.FINISHED]
 
 
 def _links(reqs) -> list[trace.Link]:

@@ -9,7 +9,14 @@ from opentelemetry import trace
 
 from computesvc.replica import Replica
 from computesvc.sampling import SamplingParams
-from computesvc.scheduler import CacheUnavailable, NoFreeBlocks, Request, StepOutput, new_request_id
+from computesvc.scheduler import (
+    CacheUnavailable,
+    NoFreeBlocks,
+    Request,
+    StepFailed,
+    StepOutput,
+    new_request_id,
+)
 from kvtier.api import compute_pb2, compute_pb2_grpc
 
 log = logging.getLogger("kvtier.compute")
@@ -85,12 +92,12 @@ class ComputeServicer(compute_pb2_grpc.ComputeServiceServicer):
                 out: StepOutput = await req.outputs.get()
                 if out.error is not None:
                     finished = True
-                    code = (
-                        grpc.StatusCode.RESOURCE_EXHAUSTED
-                        if isinstance(out.error, NoFreeBlocks)
-                        else grpc.StatusCode.UNAVAILABLE
-                    )
-                    await context.abort(code, f"request {req.request_id}: {out.error}; retry")
+                    code, advice = grpc.StatusCode.UNAVAILABLE, "; retry"
+                    if isinstance(out.error, NoFreeBlocks):
+                        code = grpc.StatusCode.RESOURCE_EXHAUSTED
+                    elif isinstance(out.error, StepFailed):
+                        code, advice = grpc.StatusCode.INTERNAL, " (see the replica's log)"
+                    await context.abort(code, f"request {req.request_id}: {out.error}{advice}")
                 finished = bool(out.finish_reason)
                 yield self._reply(req, out)
             span.set_attribute("kvtier.cached_tokens", max(0, req.num_cached_prompt_tokens))
