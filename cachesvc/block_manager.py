@@ -99,7 +99,7 @@ def hash_full_blocks(
     hashes: list[BlockHash] = []
     append = hashes.append
     sha256 = _sha256
-    # NOTE: the token list is converted to bytes once; each block is a 64-byte slice. The cost
+    # NOTE: the token list is converted to bytes once; each block is a slice of it. The cost
     # per block is dominated by one sha256 call (OpenSSL's per-call setup), not by Python.
     for i in range(0, end, step):
         parent = sha256(parent + extra + data[i : i + step]).digest()

@@ -91,7 +91,10 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         lease = self.leases.open(request.client_name or context.peer())
         log.info("lease %s… opened by %s", lease.lease_id[:8], lease.client_name)
         return cache_pb2.AttachResponse(
-            lease_id=lease.lease_id, lease_ttl_s=self.leases.ttl_s, pool=self.pool_spec.to_proto()
+            lease_id=lease.lease_id,
+            lease_ttl_s=self.leases.ttl_s,
+            pool=self.pool_spec.to_proto(),
+            max_batch=self.sequences.max_batch,
         )
 
     @rpc

@@ -7,17 +7,20 @@ import logging
 import sys
 
 from computesvc.config import ComputeConfig, parse_config
-from computesvc.replica import ModelMismatch, Replica
-from computesvc.servicer import ComputeServicer
-from kvtier import auth, telemetry
-from kvtier.api import compute_pb2_grpc
-from kvtier.grpc_server import start_server, wait_for_termination
-from kvtier.pool import PoolUnavailable
+
+# NOTE: the model stack (torch, transformers) is imported after the flags are parsed, so
+# `--help` and flag errors answer at once.
 
 log = logging.getLogger("kvtier.compute")
 
 
 async def serve(cfg: ComputeConfig) -> None:
+    from computesvc.replica import Replica
+    from computesvc.servicer import ComputeServicer
+    from kvtier import auth, telemetry
+    from kvtier.api import compute_pb2_grpc
+    from kvtier.grpc_server import start_server, wait_for_termination
+
     telemetry.setup_tracing("kvtier-compute")
     token = auth.load_token(cfg.token_file)
     if token is None:
@@ -34,12 +37,13 @@ async def serve(cfg: ComputeConfig) -> None:
         log.info("Prometheus metrics on http://0.0.0.0:%d/metrics", port)
     replica = Replica(cfg, token, metrics)
     await replica.start()
-    servicer = ComputeServicer(replica, metrics)
+    servicer = ComputeServicer(replica)
     server, health, address = await start_server(
         "kvtier.v1.ComputeService",
         lambda s: compute_pb2_grpc.add_ComputeServiceServicer_to_server(servicer, s),
         cfg.listen,
         token,
+        metrics=metrics,
     )
     log.info(
         "compute replica %s serving on %s (model %s, max %d seqs)",
@@ -63,10 +67,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m computesvc") -> i
     log.info("config: %s", cfg.describe())
     import torch
 
+    from computesvc.replica import IncompatiblePool
+    from kvtier.pool import PoolUnavailable
+
     torch.set_num_threads(cfg.threads)
     try:
         asyncio.run(serve(cfg))
-    except (ConnectionError, ModelMismatch, PoolUnavailable, ValueError, FileNotFoundError) as e:
+    except (ConnectionError, IncompatiblePool, PoolUnavailable, ValueError, FileNotFoundError) as e:
         log.error("cannot start: %s", e)
         return 2
     return 0

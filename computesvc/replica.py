@@ -25,22 +25,22 @@ from kvtier.pool import PoolSpec, attach_pool
 log = logging.getLogger("kvtier.compute")
 
 
-class ModelMismatch(RuntimeError):
-    """The cache service's pool was made for another model: this replica cannot use it."""
+class IncompatiblePool(RuntimeError):
+    """The cache service's pool cannot serve this replica (another model or shape, or lower limits)."""
 
 
 def check_pool_fits_model(spec: PoolSpec, shape: ModelShape) -> None:
     want = [shape.num_layers, 2, spec.block_size, shape.num_kv_heads, shape.head_dim]
     if list(spec.shape[1:]) != want:
-        raise ModelMismatch(
+        raise IncompatiblePool(
             f"the cache service's pool has shape {spec.shape} (blocks, layers, K/V, block_size, kv heads, "
             f"head_dim) but this model needs [*, {', '.join(map(str, want))}]: start the cache service "
             "with the same --model"
         )
     if spec.vocab_size and spec.vocab_size != shape.vocab_size:
-        raise ModelMismatch(f"pool vocab_size {spec.vocab_size} != model vocab_size {shape.vocab_size}")
+        raise IncompatiblePool(f"pool vocab_size {spec.vocab_size} != model vocab_size {shape.vocab_size}")
     if spec.model_fingerprint and spec.model_fingerprint != shape.fingerprint:
-        raise ModelMismatch(
+        raise IncompatiblePool(
             f"pool model fingerprint {spec.model_fingerprint[:12]}… != this model's {shape.fingerprint[:12]}…"
         )
 
@@ -75,7 +75,7 @@ class Replica:
                 await client.close()
                 if e.code() != grpc.StatusCode.UNAVAILABLE:
                     if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                        raise ModelMismatch(e.details()) from None
+                        raise IncompatiblePool(e.details()) from None
                     raise ConnectionError(
                         f"cache service at {self.cfg.cache} refused Attach: {e.code().name}: {e.details()}"
                     ) from None
@@ -92,6 +92,11 @@ class Replica:
         client = await self._attach(self.cfg.connect_timeout)
         try:
             check_pool_fits_model(client.pool, self.shape)
+            if self.cfg.max_num_seqs > client.max_batch:
+                raise IncompatiblePool(
+                    f"--max-num-seqs {self.cfg.max_num_seqs} exceeds the cache service's --max-batch "
+                    f"{client.max_batch}: one batched call would carry more sequences than it accepts"
+                )
             device = self._device(client.pool)
             self.loaded = await asyncio.get_running_loop().run_in_executor(
                 None,
@@ -112,7 +117,7 @@ class Replica:
         if spec.backend == "cuda":
             return "cuda"  # the pool's device: attach_pool picked it by UUID
         if self.cfg.device not in ("auto", "cpu"):
-            raise ModelMismatch(
+            raise IncompatiblePool(
                 f"the pool is in host shared memory ({spec.backend}); run compute with --device cpu"
             )
         return "cpu"
@@ -134,6 +139,7 @@ class Replica:
                     max_num_batched_tokens=self.cfg.max_num_batched_tokens,
                     lookahead_blocks=self.cfg.lookahead_blocks,
                 ),
+                metrics=self.metrics,
             )
             self.scheduler.on_cache_lost = self._cache_lost
         else:
@@ -180,7 +186,7 @@ class Replica:
                 client = await self._attach(timeout_s=3600.0)
                 check_pool_fits_model(client.pool, self.shape)
                 break
-            except (ConnectionError, ModelMismatch) as e:
+            except (ConnectionError, IncompatiblePool) as e:
                 log.error("re-attach failed: %s", e)
                 await asyncio.sleep(1.0)
         await old.close()

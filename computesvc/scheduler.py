@@ -122,6 +122,7 @@ class Request:
     num_committed: int = 0  # num_computed last reported to the cache
     num_cached_prompt_tokens: int = -1  # from the first Allocate; -1 = not allocated yet
     first_token_at: float = 0.0
+    last_token_at: float = 0.0
     text: str = ""  # completion text streamed so far
     aborted: bool = False
 
@@ -167,7 +168,7 @@ class Scheduler:
         tokenizer,
         eos_token_ids: list[int],
         config: SchedulerConfig | None = None,
-        on_finish: Callable[[Request, StepOutput], None] | None = None,
+        metrics=None,
     ):
         self.runner = runner
         self.cache = cache
@@ -177,7 +178,7 @@ class Scheduler:
         self.block_size = cache.block_size
         self.sampler = Sampler()
         self.stats = SchedulerStats()
-        self.on_finish = on_finish
+        self.metrics = metrics  # kvtier.metrics.ComputeMetrics, or None
         # Called when the cache service is lost (the replica re-attaches); default: fail in-flight requests.
         self.on_cache_lost: Callable[[Exception], None] = self.fail_all
         self.waiting: deque[Request] = deque()
@@ -249,7 +250,7 @@ class Scheduler:
         """One scheduling step; returns False when nothing could make progress."""
         self.stats.steps += 1
         await self._drop_aborted()
-        with self._tracer.start_as_current_span("scheduler.step") as span:
+        with self._tracer.start_as_current_span("scheduler.step", context=self._step_context()) as span:
             await self._resume_swapped()
             await self._admit()
             prefilled = await self._prefill()
@@ -258,10 +259,23 @@ class Scheduler:
             span.set_attribute("kvtier.running", len(self.running))
             span.set_attribute("kvtier.waiting", len(self.waiting))
             span.set_attribute("kvtier.swapped", len(self.swapped))
+        if self.metrics is not None:
+            self.metrics.running_sequences.set(len(self.running))
+            self.metrics.waiting_sequences.set(len(self.waiting) + len(self.swapped))
         return prefilled or decoded
+
+    def _step_context(self):
+        """Parent of a step span: the oldest request in flight, so a lone request's trace holds
+        its steps and their cache calls; the requests a step serves are linked from its spans."""
+        oldest = next((r for r in [*self.running, *self.swapped, *self.waiting] if r.span_context), None)
+        if oldest is None or not oldest.span_context.is_valid:
+            return None
+        return trace.set_span_in_context(trace.NonRecordingSpan(oldest.span_context))
 
     async def _call(self, coro):
         self.stats.cache_calls += 1
+        if self.metrics is not None:
+            self.metrics.cache_calls.labels(coro.__name__).inc()
         return await coro
 
     async def _drop_aborted(self) -> None:
@@ -319,6 +333,9 @@ class Scheduler:
                 req.num_cached_prompt_tokens = seq.num_cached_tokens
                 self.stats.prompt_tokens += len(req.prompt_token_ids)
                 self.stats.cached_prompt_tokens += seq.num_cached_tokens
+                if self.metrics is not None:
+                    self.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
+                    self.metrics.cached_prompt_tokens.inc(seq.num_cached_tokens)
             req.status = Status.RUNNING
             self.running.append(req)
 
@@ -405,6 +422,8 @@ class Scheduler:
         for req in decoding:
             req.num_computed += 1
         self.stats.decode_steps += 1
+        if self.metrics is not None:
+            self.metrics.decode_steps.inc()
         self._sample_and_emit(decoding, logits)
         return True
 
@@ -454,6 +473,8 @@ class Scheduler:
                 victim.status = Status.SWAPPED
                 self.swapped.append(victim)
                 self.stats.preemptions_swap += 1
+                if self.metrics is not None:
+                    self.metrics.preemptions.labels("swap").inc()
                 span.set_attribute("kvtier.swap_bytes", moved)
                 span.set_attribute("kvtier.preemption", "swap")
                 log.info("preempted request %s: swapped out (%d bytes)", victim.request_id, moved)
@@ -466,6 +487,8 @@ class Scheduler:
                 victim.block_table = []
                 self.waiting.appendleft(victim)
                 self.stats.preemptions_recompute += 1
+                if self.metrics is not None:
+                    self.metrics.preemptions.labels("recompute").inc()
                 span.set_attribute("kvtier.preemption", "recompute")
                 log.info("preempted request %s: will recompute (host tier full)", victim.request_id)
         return victim
@@ -496,6 +519,13 @@ class Scheduler:
             if not req.first_token_at:
                 req.first_token_at = now
                 ttft = now - req.arrival
+                if self.metrics is not None:
+                    self.metrics.time_to_first_token.observe(ttft)
+            elif self.metrics is not None:
+                self.metrics.inter_token_latency.observe(now - req.last_token_at)
+            req.last_token_at = now
+            if self.metrics is not None:
+                self.metrics.generation_tokens.inc()
             reason, text = self._check_stop(req, token)
             if reason:
                 self._finish(req, reason, text=text, token_ids=[token], ttft=ttft)
@@ -549,8 +579,8 @@ class Scheduler:
             error=error,
         )
         req.outputs.put_nowait(out)
-        if self.on_finish is not None and error is None:
-            self.on_finish(req, out)
+        if self.metrics is not None:
+            self.metrics.finished_requests.labels(reason or "error").inc()
 
     async def _release_finished(self) -> None:
         done = [r for r in self.running if r.status is Status.FINISHED]

@@ -23,9 +23,8 @@ log = logging.getLogger("kvtier.compute")
 
 
 class ComputeServicer(compute_pb2_grpc.ComputeServiceServicer):
-    def __init__(self, replica: Replica, metrics=None):
+    def __init__(self, replica: Replica):
         self.replica = replica
-        self.metrics = metrics
 
     def _sampling(self, msg: compute_pb2.SamplingParams) -> SamplingParams:
         return SamplingParams(

@@ -55,6 +55,7 @@ class CacheClient:
         self.timeout_s = timeout_s
         self.lease_id = ""
         self.lease_ttl_s = 0.0
+        self.max_batch = 0
         self.pool: PoolSpec | None = None
 
     @classmethod
@@ -91,6 +92,7 @@ class CacheClient:
         """Remember the lease and pool spec of an Attach response."""
         self.lease_id = response.lease_id
         self.lease_ttl_s = response.lease_ttl_s
+        self.max_batch = response.max_batch
         self.pool = PoolSpec.from_proto(response.pool)
         return response
 

@@ -147,10 +147,12 @@ class LocalStack:
         return self
 
     def down(self) -> None:
-        for p in self.replicas:
+        procs = [*self.replicas, *([self.cache] if self.cache else [])]
+        for p in procs:  # signal all first: they shut down in parallel
+            if p.alive():
+                p.proc.send_signal(signal.SIGTERM)
+        for p in procs:
             p.stop()
-        if self.cache is not None:
-            self.cache.stop()
         (self.run_dir / STACK_FILE).unlink(missing_ok=True)
 
     def __enter__(self) -> LocalStack:

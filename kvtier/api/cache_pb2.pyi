@@ -44,14 +44,16 @@ class AttachRequest(_message.Message):
     def __init__(self, client_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("lease_id", "lease_ttl_s", "pool")
+    __slots__ = ("lease_id", "lease_ttl_s", "pool", "max_batch")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     lease_ttl_s: float
     pool: PoolSpec
-    def __init__(self, lease_id: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ..., pool: _Optional[_Union[PoolSpec, _Mapping]] = ...) -> None: ...
+    max_batch: int
+    def __init__(self, lease_id: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ..., pool: _Optional[_Union[PoolSpec, _Mapping]] = ..., max_batch: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("lease_id",)

@@ -9,6 +9,8 @@ import argparse
 import json
 import sys
 
+import torch  # noqa: F401  (imported before attaching: it is slow, and the lease TTL is short)
+
 from kvtier.cache_client import CacheClient
 from kvtier.pool import attach_pool
 
@@ -25,6 +27,7 @@ def main() -> None:
 
     client = CacheClient.connect(args.address)
     client.attach("writer")
+    stop = client.start_heartbeat_thread()
     pool = attach_pool(client.pool)
     seq = client.allocate([prompt], cache_salt=args.salt).sequences[0]
     for block_id in seq.block_table:
@@ -41,9 +44,8 @@ def main() -> None:
         flush=True,
     )
     if args.hold:
-        stop = client.start_heartbeat_thread()
         sys.stdin.read()
-        stop.set()
+    stop.set()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,57 @@
+"""A compute replica's Prometheus endpoint, scraped over HTTP after real requests."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvtier.compute_client import ComputeClient
+from servers import TOKEN, local_stack
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_compute_metrics_count_tokens_ttft_hits_and_cache_calls(tmp_path):
+    with local_stack(tmp_path / "run", compute_args=["--metrics-port", "0"], replicas=1) as stack:
+        port = int(
+            re.search(
+                r"Prometheus metrics on http://0\.0\.0\.0:(\d+)/metrics", stack.replicas[0].log()
+            ).group(1)
+        )
+
+        async def two_requests():
+            client = ComputeClient(stack.compute_addresses, TOKEN)
+            prompt = list(range(1, 41))  # 40 tokens: the second request hits 32
+            done = [
+                await client.complete(
+                    client.request(prompt_token_ids=prompt, max_tokens=6, temperature=0, ignore_eos=True)
+                )
+                for _ in range(2)
+            ]
+            await client.close()
+            return done
+
+        done = asyncio.run(two_requests())
+        samples = scrape(port)
+    assert [d.cached_prompt_tokens for d in done] == [0, 32]
+    assert samples[("kvtier_compute_generation_tokens_total", ())] == 12
+    assert samples[("kvtier_compute_prompt_tokens_total", ())] == 80
+    assert samples[("kvtier_compute_cached_prompt_tokens_total", ())] == 32
+    assert samples[("kvtier_compute_time_to_first_token_seconds_count", ())] == 2
+    assert samples[("kvtier_compute_inter_token_latency_seconds_count", ())] == 10
+    assert samples[("kvtier_compute_finished_requests_total", (("finish_reason", "length"),))] == 2
+    assert samples[("kvtier_compute_cache_calls_total", (("method", "allocate"),))] == 2
+    assert (
+        samples[("kvtier_compute_rpc_duration_seconds_count", (("code", "OK"), ("method", "Generate")))] == 2
+    )
+    assert samples[("kvtier_compute_running_sequences", ())] == 0
