@@ -74,12 +74,14 @@ class InProcessCache:
         return self._blocks(self._do(self.table.swap_in, ids)[0])
 
 
-async def decode_throughput(scheduler: Scheduler, batch: int, prompt_len: int, new_tokens: int) -> dict:
+async def decode_throughput(
+    scheduler: Scheduler, batch: int, prompt_len: int, new_tokens: int, stagger: bool = False
+) -> dict:
     """Run `batch` sequences to completion; tokens/s over the decode phase."""
     requests = [
         Request(
             f"r{i}",
-            [(i * 37 + j) % 250 for j in range(prompt_len)],
+            [(i * 37 + j) % 250 for j in range(prompt_len + (i % 32 if stagger else 0))],
             SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True),
         )
         for i in range(batch)
@@ -106,9 +108,13 @@ async def decode_throughput(scheduler: Scheduler, batch: int, prompt_len: int, n
     }
 
 
+LOOKAHEAD_BLOCKS = SchedulerConfig.lookahead_blocks
+
+
 def make_scheduler(loaded, pool: torch.Tensor, cache, block_size: int) -> Scheduler:
     runner = ModelRunner(loaded.model, pool, block_size)
-    return Scheduler(runner, cache, loaded.tokenizer, loaded.eos_token_ids, SchedulerConfig(max_num_seqs=256))
+    config = SchedulerConfig(max_num_seqs=256, lookahead_blocks=LOOKAHEAD_BLOCKS)
+    return Scheduler(runner, cache, loaded.tokenizer, loaded.eos_token_ids, config)
 
 
 async def run_remote(loaded, args, num_blocks: int) -> dict:
@@ -130,7 +136,9 @@ async def run_remote(loaded, args, num_blocks: int) -> dict:
         pool = attach_pool(client.pool)
         scheduler = make_scheduler(loaded, pool.tensor, RemoteCache(client), client.pool.block_size)
         beat = asyncio.ensure_future(client.heartbeat_forever())
-        result = await decode_throughput(scheduler, args.batch, args.prompt_len, args.new_tokens)
+        result = await decode_throughput(
+            scheduler, args.batch, args.prompt_len, args.new_tokens, args.stagger
+        )
         beat.cancel()
         await client.close()
         return result
@@ -157,7 +165,7 @@ async def run_in_process(loaded, args, num_blocks: int, block_size: int) -> dict
         max_model_len=shape.max_model_len,
     )
     scheduler = make_scheduler(loaded, pool, InProcessCache(table, shape.max_model_len), block_size)
-    return await decode_throughput(scheduler, args.batch, args.prompt_len, args.new_tokens)
+    return await decode_throughput(scheduler, args.batch, args.prompt_len, args.new_tokens, args.stagger)
 
 
 def main() -> int:
@@ -170,13 +178,23 @@ def main() -> int:
     )
     ap.add_argument("--model", help="local HF model dir (default: built-in tiny model)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (as a compute replica uses)")
+    ap.add_argument(
+        "--lookahead-blocks", type=int, default=SchedulerConfig.lookahead_blocks, help="as computesvc's flag"
+    )
+    ap.add_argument(
+        "--stagger",
+        action="store_true",
+        help="prompt lengths 64..95 instead of all 64 (block boundaries spread out)",
+    )
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
+    global LOOKAHEAD_BLOCKS
+    LOOKAHEAD_BLOCKS = args.lookahead_blocks
     if args.quick:
         args.new_tokens, args.repeats = 96, 1
     torch.set_num_threads(args.threads)
     block_size = 16
-    num_blocks = args.batch * ((args.prompt_len + args.new_tokens) // block_size + 8) + 64
+    num_blocks = args.batch * ((args.prompt_len + 32 + args.new_tokens) // block_size + 8) + 64
     loaded = load_model(args.model, dtype="float32")
     best = {"in-process": None, "remote": None}
     for _ in range(args.repeats):

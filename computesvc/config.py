@@ -78,7 +78,7 @@ def build_parser(prog: str = "python -m computesvc") -> argparse.ArgumentParser:
     p.add_argument(
         "--lookahead-blocks",
         type=int,
-        default=4,
+        default=1,
         help="blocks reserved ahead of each decoding sequence, so most steps make no cache call",
     )
     p.add_argument(
