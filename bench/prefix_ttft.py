@@ -34,27 +34,11 @@ QUESTION_TOKENS = 32
 
 def make_model_dir(path: Path, seed: int = 0) -> Path:
     """A random byte-vocabulary Llama (hidden 512, 8 layers) saved like any HF checkpoint."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from models import random_llama_dir
 
-    from computesvc.model import build_byte_tokenizer
-    from kvtier.model_spec import TINY_LLAMA_CONFIG
-
-    config = LlamaConfig(
-        **{
-            **TINY_LLAMA_CONFIG,
-            "hidden_size": 512,
-            "intermediate_size": 1024,
-            "num_hidden_layers": 8,
-            "num_attention_heads": 8,
-            "num_key_value_heads": 4,
-            "max_position_embeddings": 2048,
-        }
+    return random_llama_dir(
+        path, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, max_positions=2048, seed=seed
     )
-    torch.manual_seed(seed)
-    LlamaForCausalLM(config).save_pretrained(path)
-    build_byte_tokenizer().save_pretrained(path)
-    return path
 
 
 async def ttfts(client, prompts: list[list[int]], salts: list[str]) -> list[float]:

@@ -65,6 +65,7 @@ from baselines import (  # noqa: E402
     PreallocatedServer,
     Reply,
 )
+from models import random_llama_dir  # noqa: E402
 
 WORKLOADS = ("shared-prefix", "multi-turn", "long-unique")
 SYSTEMS = ("kvtier", "kvtier-prefix-off", "hf-static-prealloc", "hf-continuous-batching")
@@ -446,27 +447,9 @@ class BenchConfig:
 
 def make_model_dir(path: Path, seed: int = 0) -> Path:
     """A random byte-vocabulary Llama (hidden 256, 4 layers, 1024 positions) saved like any HF checkpoint."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from computesvc.model import build_byte_tokenizer
-    from kvtier.model_spec import TINY_LLAMA_CONFIG
-
-    config = LlamaConfig(
-        **{
-            **TINY_LLAMA_CONFIG,
-            "hidden_size": 256,
-            "intermediate_size": 512,
-            "num_hidden_layers": 4,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": 1024,
-        }
+    return random_llama_dir(
+        path, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, max_positions=1024, seed=seed
     )
-    torch.manual_seed(seed)
-    LlamaForCausalLM(config).save_pretrained(path)
-    build_byte_tokenizer().save_pretrained(path)
-    return path
 
 
 def load_baseline_model(model_dir: str | None):
