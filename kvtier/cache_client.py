@@ -35,16 +35,9 @@ CHANNEL_OPTIONS = [
 def open_channel(address: str, *, aio: bool = False, tls_ca: str | None = None):
     """A channel to `address` (unix:///path, tcp://host:port or host:port), traced when tracing is on."""
     target = auth.grpc_target(address)
-    if tls_ca:
-        creds = grpc.ssl_channel_credentials(Path(tls_ca).read_bytes())
-        if aio:
-            return grpc.aio.secure_channel(
-                target, creds, options=CHANNEL_OPTIONS, interceptors=telemetry.aio_client_interceptors()
-            )
-        return telemetry.intercept(grpc.secure_channel(target, creds, options=CHANNEL_OPTIONS))
-    if aio:
-        return telemetry.aio_channel(target, options=CHANNEL_OPTIONS)
-    return telemetry.sync_channel(target, options=CHANNEL_OPTIONS)
+    creds = grpc.ssl_channel_credentials(Path(tls_ca).read_bytes()) if tls_ca else None
+    make = telemetry.aio_channel if aio else telemetry.sync_channel
+    return make(target, options=CHANNEL_OPTIONS, credentials=creds)
 
 
 class CacheClient:

@@ -167,24 +167,38 @@ def server_interceptors() -> list:
     return [server_interceptor(filter_=_grpc_filter())]
 
 
-def aio_channel(target: str, options: list[tuple[str, Any]] | None = None) -> grpc.aio.Channel:
-    """Insecure grpc.aio channel to ``target`` (``host:port`` or ``unix:///path``) that carries trace context."""
+def aio_channel(
+    target: str,
+    options: list[tuple[str, Any]] | None = None,
+    credentials: grpc.ChannelCredentials | None = None,
+) -> grpc.aio.Channel:
+    """grpc.aio channel to ``target`` (``host:port`` or ``unix:///path``) that carries trace context;
+    TLS with ``credentials``, insecure without."""
     interceptors = None
     if tracing_enabled():
         from opentelemetry.instrumentation.grpc import aio_client_interceptors
 
         interceptors = aio_client_interceptors(filter_=_grpc_filter())
+    if credentials is not None:
+        return grpc.aio.secure_channel(target, credentials, options=options, interceptors=interceptors)
     return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
 
 
-def sync_channel(target: str, options: list[tuple[str, Any]] | None = None) -> grpc.Channel:
-    """Insecure sync channel to ``target`` that carries trace context.
+def sync_channel(
+    target: str,
+    options: list[tuple[str, Any]] | None = None,
+    credentials: grpc.ChannelCredentials | None = None,
+) -> grpc.Channel:
+    """Sync channel to ``target`` that carries trace context; TLS with ``credentials``.
 
     NOTE: wrapped with the instrumentation package's own ``intercept_channel``: its
     ``client_interceptor()`` implements the package's interceptor interfaces, not grpc's, so
     ``grpc.intercept_channel`` cannot take it.
     """
-    channel = grpc.insecure_channel(target, options=options)
+    if credentials is not None:
+        channel = grpc.secure_channel(target, credentials, options=options)
+    else:
+        channel = grpc.insecure_channel(target, options=options)
     if not tracing_enabled():
         return channel
     from opentelemetry.instrumentation.grpc import client_interceptor, intercept_channel

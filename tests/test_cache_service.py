@@ -490,3 +490,44 @@ def test_prometheus_endpoint_reports_blocks_hits_and_rpc_latency(tmp_path):
         ]
         assert allocate_calls == 2
         c.close()
+
+
+def test_tcp_with_tls_serves_a_client_that_trusts_the_certificate_and_refuses_plaintext(tmp_path):
+    import re
+
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    from kvtier.stack import start
+
+    args = [
+        "--listen",
+        "tcp://127.0.0.1:0",
+        "--tls-cert",
+        str(cert),
+        "--tls-key",
+        str(key),
+        "--num-blocks",
+        "8",
+    ]
+    # The health probe speaks plaintext, so readiness here is the port the service logs.
+    proc = start("cache", "cachesvc", args, "", tmp_path, child_env(tmp_path))
+    try:
+        address = _wait_until(
+            lambda: (m := re.search(r"listening on (127\.0\.0\.1:\d+)", proc.log())) and m.group(1),
+            what="the TLS service to log its port",
+        )
+        secure = CacheClient.connect(address, TOKEN, tls_ca=str(cert))
+        secure.attach("tls")
+        assert secure.pool.num_blocks == 8
+        secure.close()
+        plain = CacheClient.connect(address, TOKEN, timeout_s=3)
+        with pytest.raises(grpc.RpcError) as e:
+            plain.attach("plaintext")
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        plain.close()
+    finally:
+        proc.stop()
