@@ -29,6 +29,51 @@ SERVER_OPTIONS = [
 ]
 
 
+class DecodeGuard(grpc.aio.ServerInterceptor):
+    """Answer undecodable request bytes with INVALID_ARGUMENT instead of grpc's UNKNOWN.
+
+    The handler receives raw bytes and this wrapper parses them, so a corrupt message is
+    refused with a status a client can act on before any service code runs.
+    """
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        parse, method = handler.request_deserializer, handler_call_details.method
+
+        def guarded(behavior):
+            async def decode(raw: bytes, context):
+                try:
+                    return parse(raw)
+                except Exception as e:  # protobuf's DecodeError, or anything a parser raises
+                    await context.abort(
+                        grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the request is not a valid message ({e})"
+                    )
+
+            if handler.response_streaming:
+
+                async def stream(raw, context):
+                    request = await decode(raw, context)
+                    async for reply in behavior(request, context):
+                        yield reply
+
+                return stream
+
+            async def unary(raw, context):
+                return await behavior(await decode(raw, context), context)
+
+            return unary
+
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(
+                guarded(handler.unary_stream), response_serializer=handler.response_serializer
+            )
+        return grpc.unary_unary_rpc_method_handler(
+            guarded(handler.unary_unary), response_serializer=handler.response_serializer
+        )
+
+
 def bind(
     server: grpc.aio.Server, listen: str, tls_cert: str | None = None, tls_key: str | None = None
 ) -> str:
@@ -79,6 +124,7 @@ async def start_server(
     if metrics is not None:
         interceptors.append(RpcMetricsInterceptor(metrics))
     interceptors.append(TokenInterceptor(token))
+    interceptors.append(DecodeGuard())
     server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
     add_servicers(server)
     health_servicer = health.aio.HealthServicer()

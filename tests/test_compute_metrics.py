@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -42,7 +43,17 @@ def test_compute_metrics_count_tokens_ttft_hits_and_cache_calls(tmp_path):
             return done
 
         done = asyncio.run(two_requests())
-        samples = scrape(port)
+        # The replica records a stream's end and updates its gauges just after the last reply
+        # reaches us: poll until it has, with a deadline.
+        generate_ok = ("kvtier_compute_rpc_duration_seconds_count", (("code", "OK"), ("method", "Generate")))
+        deadline = time.monotonic() + 10
+        running = ("kvtier_compute_running_sequences", ())
+
+        def settled(samples):
+            return samples.get(generate_ok) == 2 and samples.get(running) == 0
+
+        while not settled(samples := scrape(port)) and time.monotonic() < deadline:
+            time.sleep(0.05)
     assert [d.cached_prompt_tokens for d in done] == [0, 32]
     assert samples[("kvtier_compute_generation_tokens_total", ())] == 12
     assert samples[("kvtier_compute_prompt_tokens_total", ())] == 80
