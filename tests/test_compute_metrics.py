@@ -8,9 +8,9 @@ import time
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
+from servers import TOKEN, local_stack
 
 from kvtier.compute_client import ComputeClient
-from servers import TOKEN, local_stack
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:
