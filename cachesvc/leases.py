@@ -26,6 +26,7 @@ class LeaseTable:
         if ttl_s <= 0:
             raise ValueError(f"lease ttl must be > 0 seconds, got {ttl_s}")
         self.ttl_s = ttl_s
+        self.release_grace_s = ttl_s
         self.clock = clock
         self._leases: dict[str, Lease] = {}
         self.num_expired = 0
@@ -59,8 +60,13 @@ class LeaseTable:
         return max(0.0, lease.expires_at - self.clock())
 
     def pop_expired(self) -> list[Lease]:
-        """Remove and return the leases whose time ran out."""
-        now = self.clock()
+        """Remove and return the leases whose time ran out at least one grace period ago.
+
+        NOTE: an expired lease is refused at once (`get`), but its blocks are handed back only a
+        TTL later. A client that stalled past its lease stops writing by its own deadline (which
+        runs out before ours); the grace covers the step it may have had in flight.
+        """
+        now = self.clock() - self.release_grace_s
         expired = [lease for lease in self._leases.values() if lease.expires_at <= now]
         for lease in expired:
             del self._leases[lease.lease_id]

@@ -13,6 +13,8 @@ call, so concurrent runners never share hidden state.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -173,6 +175,13 @@ class PagedBatch:
     v_caches: list[torch.Tensor]
     max_seq_len: int
     max_query_len: int
+    # Monotonic time after which this process may no longer hold its blocks (lease fencing).
+    write_deadline: float = float("inf")
+
+
+class LeaseExpired(RuntimeError):
+    """The lease that owns the pool's blocks may have expired: writing now could clobber blocks
+    the cache service has given to someone else, so the forward stops before its next write."""
 
 
 def paged_attention_forward(
@@ -202,6 +211,10 @@ def paged_attention_forward(
     k = key[0].transpose(0, 1).contiguous()
     v = value[0].transpose(0, 1).contiguous()
     k_cache, v_cache = batch.k_caches[layer], batch.v_caches[layer]
+    # NOTE: checked before every layer's write, so a process paused mid-forward (stalled, or
+    # SIGSTOPped) past its lease never writes into blocks the cache may have reassigned.
+    if time.monotonic() > batch.write_deadline:
+        raise LeaseExpired(f"lease deadline passed before layer {layer}'s KV write; the step is abandoned")
     write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
     scale = module.scaling if scaling is None else scaling
     if batch.cu_query_lens is None:
@@ -283,6 +296,8 @@ class ModelRunner:
         self.device = pool.device
         self.k_caches = [pool[:, layer, 0] for layer in range(config.num_hidden_layers)]
         self.v_caches = [pool[:, layer, 1] for layer in range(config.num_hidden_layers)]
+        # Returns the monotonic time until which the blocks are surely ours (the replica's lease).
+        self.write_deadline: Callable[[], float] = lambda: float("inf")
 
     def prefill(self, seqs: list[PrefillInput]) -> torch.Tensor:
         """One packed forward over the new tokens of all `seqs`; writes their K/V into the pool.
@@ -379,6 +394,7 @@ class ModelRunner:
             v_caches=self.v_caches,
             max_seq_len=max(seq_lens),
             max_query_len=max_query_len,
+            write_deadline=self.write_deadline(),
         )
 
     def _forward(

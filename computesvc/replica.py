@@ -57,6 +57,8 @@ class Replica:
         self.scheduler: Scheduler | None = None
         self.connected = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        self._attach_sent_at = 0.0
+        self._lease_valid_until = 0.0
 
     # ------------------------------------------------------------ attach
 
@@ -69,6 +71,7 @@ class Replica:
                 self.cfg.cache, self.token, aio=True, tls_ca=self.cfg.tls_ca, timeout_s=10.0
             )
             try:
+                self._attach_sent_at = time.monotonic()
                 await client.attach_async(self.cfg.name, self.shape.fingerprint)
                 return client
             except grpc.aio.AioRpcError as e:
@@ -125,8 +128,12 @@ class Replica:
     def _adopt(self, client: CacheClient) -> None:
         """Map the client's pool and point the scheduler at it."""
         self.client = client
+        self._renewed(self._attach_sent_at)
+        # NOTE: the old pool object (after a re-attach) is dropped, not closed: a step in flight
+        # may still use its tensor, and the mapping lives until the last view is gone.
         self.pool = attach_pool(client.pool)
         runner = ModelRunner(self.loaded.model, self.pool.tensor, client.pool.block_size)
+        runner.write_deadline = self._lease_deadline
         cache = RemoteCache(client)
         if self.scheduler is None:
             self.scheduler = Scheduler(
@@ -159,11 +166,22 @@ class Replica:
 
     # ------------------------------------------------------------ lease and reconnect
 
+    def _lease_deadline(self) -> float:
+        return self._lease_valid_until
+
+    def _renewed(self, sent_at: float) -> None:
+        # NOTE: counted from when the renewal was *sent*: the service's clock started later, so
+        # our deadline always falls before its expiry. A quarter TTL of margin covers the step in
+        # flight between checks.
+        self._lease_valid_until = sent_at + 0.75 * self.client.lease_ttl_s
+
     async def _keep_lease(self) -> None:
         while True:
             await asyncio.sleep(self.client.lease_ttl_s / 3)
+            sent_at = time.monotonic()
             try:
                 await self.client.heartbeat()
+                self._renewed(sent_at)
             except grpc.aio.AioRpcError as e:
                 self._cache_lost(
                     CacheUnavailable(

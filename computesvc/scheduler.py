@@ -32,7 +32,7 @@ from typing import Protocol
 import torch
 from opentelemetry import trace
 
-from computesvc.model import ModelRunner, PrefillInput
+from computesvc.model import LeaseExpired, ModelRunner, PrefillInput
 from computesvc.sampling import Sampler, SamplingParams
 from kvtier import telemetry
 
@@ -215,7 +215,7 @@ class Scheduler:
                 await self._wakeup.wait()
             try:
                 progressed = await self.step()
-            except CacheUnavailable as e:
+            except (CacheUnavailable, LeaseExpired) as e:
                 self.on_cache_lost(e)
                 continue
             except Exception as e:

@@ -12,6 +12,7 @@ regenerates the same ones; the client checks).
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 from collections.abc import AsyncIterator
@@ -24,6 +25,13 @@ from kvtier.api import compute_pb2, compute_pb2_grpc
 
 log = logging.getLogger("kvtier.client")
 
+# NOTE: gRPC's default reconnect backoff (1 s growing to 120 s) keeps a restarted replica looking
+# dead for seconds; during a rolling restart the client would then run out of live replicas.
+RECONNECT = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 500),
+]
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
@@ -48,7 +56,9 @@ class ComputeClient:
             raise RuntimeError("no token: set $KVTIER_TOKEN or $KVTIER_TOKEN_FILE")
         self.addresses = list(addresses)
         self.metadata = auth.bearer(token)
-        self._channels = [telemetry.aio_channel(auth.grpc_target(a)) for a in self.addresses]
+        self._channels = [
+            telemetry.aio_channel(auth.grpc_target(a), options=RECONNECT) for a in self.addresses
+        ]
         self._stubs = [compute_pb2_grpc.ComputeServiceStub(c) for c in self._channels]
         self._next = itertools.count()
 
@@ -95,10 +105,13 @@ class ComputeClient:
         self, request: compute_pb2.GenerateRequest, max_attempts: int | None = None
     ) -> AsyncIterator[compute_pb2.GenerateResponse]:
         """Stream replies, failing over to the next replica on a retryable error."""
-        attempts = max_attempts or len(self.addresses) + 1
+        attempts = max_attempts or 2 * len(self.addresses) + 2
         delivered: list[int] = []
         last_error: grpc.RpcError | None = None
         for attempt in range(attempts):
+            if attempt:
+                # Back off a little: a replica that is restarting needs a moment to be reachable.
+                await asyncio.sleep(min(0.1 * attempt, 0.5))
             i = next(self._next) % len(self._stubs)
             seen = 0
             try:

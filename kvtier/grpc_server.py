@@ -48,7 +48,8 @@ class DecodeGuard(grpc.aio.ServerInterceptor):
                     return parse(raw)
                 except Exception as e:  # protobuf's DecodeError, or anything a parser raises
                     await context.abort(
-                        grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the request is not a valid message ({e})"
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"{method}: the request is not a valid message ({e})",
                     )
 
             if handler.response_streaming:

@@ -200,9 +200,13 @@ class ShmPool:
 
 
 def _view(shm: shared_memory.SharedMemory, spec: PoolSpec) -> torch.Tensor:
+    import numpy as np
     import torch
 
-    flat = torch.frombuffer(shm.buf, dtype=torch.uint8, count=spec.size_bytes)
+    # NOTE: through numpy, the view holds a buffer export of the mapping, so SharedMemory.close()
+    # (explicit or at garbage collection) raises BufferError instead of unmapping memory a tensor
+    # still points into; torch.frombuffer holds no export and would leave a dangling view.
+    flat = torch.from_numpy(np.frombuffer(shm.buf, dtype=np.uint8, count=spec.size_bytes))
     return flat.view(torch_dtype(spec.dtype)).view(spec.shape)
 
 
