@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -40,3 +42,15 @@ def local_stack(run_dir: Path, cache_args=(), compute_args=(), replicas: int = 2
         run_dir, list(cache_args), list(compute_args), replicas, env or child_env(run_dir)
     ) as stack:
         yield stack
+
+
+def wait_until(predicate: Callable[[], object], timeout_s: float, what: str):
+    """Poll `predicate` until it returns a truthy value; fail naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_s:.0f}s")
+        time.sleep(0.05)  # polling a state change with a deadline, not waiting for readiness

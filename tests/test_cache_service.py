@@ -13,14 +13,13 @@ import stat
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from servers import REPO, TOKEN, cache_service, child_env
+from servers import REPO, TOKEN, cache_service, child_env, wait_until
 
 from kvtier.api import cache_pb2
 from kvtier.cache_client import CacheClient
@@ -84,16 +83,6 @@ def _spawn_writer(service, prompt, fill, *extra):
     line = proc.stdout.readline()
     assert line, f"writer exited with {proc.wait()}"
     return proc, json.loads(line)
-
-
-def _wait_until(predicate, deadline_s=15.0, what="condition"):
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)  # polling a state change with a deadline, not waiting for readiness
-    raise AssertionError(f"timed out after {deadline_s}s waiting for {what}")
 
 
 def test_stubs_match_the_proto():
@@ -160,7 +149,7 @@ def test_sigkilled_client_leaks_no_block_and_its_committed_blocks_stay_cached(se
             else None
         )
 
-    stats = _wait_until(released, what="the killed client's lease to expire")
+    stats = wait_until(released, 15.0, "the killed client's lease to expire")
     owned_blocks = sum(len(s.block_table) for s in _own_sequences(client))
     assert stats.num_blocks_used == owned_blocks
     assert stats.num_blocks_free + stats.num_blocks_used == stats.num_blocks_total
@@ -259,7 +248,7 @@ def test_watch_events_streams_stored_blocks_as_a_chain_with_increasing_ids(servi
         ]
         return mine if len(mine) == 2 else None
 
-    mine = _wait_until(stored_both, what="BlockStored events")
+    mine = wait_until(stored_both, 15.0, "BlockStored events")
     assert list(mine[0].block_stored.token_ids) == [77] * 16
     assert mine[1].block_stored.parent_block_hash == mine[0].block_stored.block_hash
     ids = [e.event_id for e in events]
@@ -481,7 +470,7 @@ def test_prometheus_endpoint_reports_blocks_hits_and_rpc_latency(tmp_path):
             s = scrape()
             return s if s.get(("kvtier_cache_prefix_hit_tokens_total", ())) == 32 else None
 
-        samples = _wait_until(refreshed, what="the metrics refresh")
+        samples = wait_until(refreshed, 15.0, "the metrics refresh")
         assert samples[("kvtier_cache_used_blocks", ())] == 4  # 3 + 1: the two hit blocks are shared
         assert samples[("kvtier_cache_capacity_blocks", ())] == 32
         assert samples[("kvtier_cache_prefix_query_tokens_total", ())] == 80
@@ -516,9 +505,10 @@ def test_tcp_with_tls_serves_a_client_that_trusts_the_certificate_and_refuses_pl
     # The health probe speaks plaintext, so readiness here is the port the service logs.
     proc = start("cache", "cachesvc", args, "", tmp_path, child_env(tmp_path))
     try:
-        address = _wait_until(
+        address = wait_until(
             lambda: (m := re.search(r"listening on (127\.0\.0\.1:\d+)", proc.log())) and m.group(1),
-            what="the TLS service to log its port",
+            15.0,
+            "the TLS service to log its port",
         )
         secure = CacheClient.connect(address, TOKEN, tls_ca=str(cert))
         secure.attach("tls")

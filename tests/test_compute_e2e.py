@@ -20,13 +20,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
-from servers import REPO, TOKEN, cache_service, child_env, local_stack
+from servers import REPO, TOKEN, cache_service, child_env, local_stack, wait_until
 
 from computesvc.config import build_parser
 from computesvc.model import build_tiny_model
@@ -128,18 +127,6 @@ def cache_stats(stack: LocalStack):
         return client.get_stats()
     finally:
         client.close()
-
-
-def wait_until(predicate: Callable[[], object], timeout_s: float, what: str):
-    """Poll `predicate` until it returns a truthy value; fail naming `what` after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout_s:.0f}s")
-        time.sleep(0.05)
 
 
 def serves(address: str) -> bool:

@@ -32,13 +32,12 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import pytest
 from clients.generate_load import LoadSpec, collect, start_clients
-from servers import TOKEN, cache_service, local_stack
+from servers import TOKEN, cache_service, local_stack, wait_until
 
 from kvtier.api import cache_pb2, compute_pb2_grpc
 from kvtier.auth import bearer, grpc_target
@@ -68,18 +67,6 @@ def close_loop():
 def run(coro, timeout_s: float = 120.0):
     """Run `coro` on the module's loop; fail it after `timeout_s` (nothing hangs a test)."""
     return LOOP.run(asyncio.wait_for(coro, timeout_s))
-
-
-def wait_until(predicate: Callable[[], object], timeout_s: float, what: str):
-    """Poll `predicate` until truthy; fail naming `what` after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout_s:.0f}s")
-        time.sleep(0.05)  # polling a state change with a deadline
 
 
 def cache_stats(stack: LocalStack):
