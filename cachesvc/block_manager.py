@@ -8,13 +8,21 @@ Block hashes
 A full block (``block_size`` tokens) is named by a hash chained over every token before it:
 
     extra      = sha256(b"kvtier-block-v1\\0" + b"\\0".join(utf8(model_fingerprint), utf8(cache_salt), utf8(adapter_id)))
-    block_hash = sha256(parent_hash || extra || token ids of the block as little-endian int32)
+    block_hash = sha256(parent || token ids of the block as little-endian int32)
 
-``parent_hash`` is the previous block's hash, or 32 zero bytes for the first block of a
-sequence. Both digests are 32 bytes. The formula depends on nothing in the process (no
+``parent`` is the previous block's hash, or ``extra`` for the first block of a sequence: the
+model, tenant salt and adapter enter once, at the root of the chain, and every later hash
+inherits them. Both are 32 bytes, so one preimage is 32 + 4 * block_size bytes (96 at block
+size 16, two SHA-256 compressions). The formula depends on nothing in the process (no
 ``PYTHONHASHSEED``, no random seed), so a global prefix index elsewhere, fed by the
 ``BlockStored`` / ``BlockRemoved`` events, computes the same hashes from the same token ids.
-Different salts, adapters or models never share a block because ``extra`` differs.
+Different salts, adapters or models never share a block because their chains start apart.
+
+The prefix index is keyed by a block's hash PREIMAGE (``parent || token bytes``), not by the
+digest. A lookup compares those bytes exactly, so a hit can never come from a hash collision,
+and walking a prompt's cached prefix costs a dict lookup per block instead of a SHA-256 call:
+the parent of the next key is the hash already stored on the block that hit. SHA-256 runs only
+for blocks being published for the first time, to name them for the events and the next key.
 
 Lifecycle of a block
 --------------------
@@ -38,7 +46,6 @@ BlockHash = NewType("BlockHash", bytes)
 """32-byte sha256 digest naming a full block and, through the chain, its whole prefix."""
 
 _HASH_DOMAIN = b"kvtier-block-v1\0"
-_ZERO_HASH = bytes(32)
 _sha256 = hashlib.sha256
 
 
@@ -72,12 +79,12 @@ def pack_token_ids(token_ids: Sequence[int]) -> bytes:
 
 
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int] | bytes, extra: bytes) -> BlockHash:
-    """Hash of one block: sha256(parent or 32 zero bytes || extra || token ids as LE int32).
+    """Hash of one block: sha256((parent, or extra for the first block) || token ids as LE int32).
 
     ``token_ids`` may be a sequence of ints or the bytes of ``pack_token_ids``.
     """
     data = token_ids if isinstance(token_ids, bytes) else pack_token_ids(token_ids)
-    return BlockHash(_sha256((parent or _ZERO_HASH) + extra + data).digest())
+    return BlockHash(_sha256((parent or extra) + data).digest())
 
 
 def hash_full_blocks(
@@ -95,14 +102,14 @@ def hash_full_blocks(
     data = token_ids if isinstance(token_ids, bytes) else pack_token_ids(token_ids)
     step = 4 * block_size
     end = len(data) - len(data) % step
-    parent = start_parent or _ZERO_HASH
+    parent = start_parent or extra
     hashes: list[BlockHash] = []
     append = hashes.append
     sha256 = _sha256
     # NOTE: the token list is converted to bytes once; each block is a slice of it. The cost
     # per block is dominated by one sha256 call (OpenSSL's per-call setup), not by Python.
     for i in range(0, end, step):
-        parent = sha256(parent + extra + data[i : i + step]).digest()
+        parent = sha256(parent + data[i : i + step]).digest()
         append(parent)
     return hashes
 
@@ -125,15 +132,53 @@ class BlockRemoved:
     block_id: int
 
 
+REMOVED = 0
+STORED = 1
+
+EventRecord = tuple
+"""How the block manager records events on its hot path, without an object per block:
+
+- ``(REMOVED, hashes, block_ids)``: a BlockRemoved per entry of the two tuples.
+- ``(STORED, hashes, block_ids, token_bytes, parent)``: a BlockStored per entry of the tuples
+  ``hashes`` and ``block_ids``, a run of consecutive blocks of one chain; block i's token ids
+  are block i of ``token_bytes`` (``pack_token_ids`` form), its parent ``parent`` for i == 0
+  and ``hashes[i - 1]`` after.
+
+A commit costs one STORED record, an allocation that evicts one REMOVED record. Records hold only tuples, bytes, ints and
+None, so the garbage collector stops tracking them: a log of thousands of them costs no GC time.
+"""
+
+
+def num_events(record: EventRecord) -> int:
+    """How many events an EventRecord stands for."""
+    return len(record[1])
+
+
+def decode_events(record: EventRecord, block_size: int) -> list[BlockStored | BlockRemoved]:
+    """The ``BlockStored`` / ``BlockRemoved`` events an ``EventRecord`` stands for, in order."""
+    if record[0] == REMOVED:
+        return [BlockRemoved(h, i) for h, i in zip(record[1], record[2], strict=True)]
+    _, hashes, block_ids, token_bytes, parent = record
+    fmt = f"<{block_size}i"
+    events: list[BlockStored | BlockRemoved] = []
+    for i, (block_hash, block_id) in enumerate(zip(hashes, block_ids, strict=True)):
+        tokens = list(struct.unpack_from(fmt, token_bytes, 4 * block_size * i))
+        events.append(BlockStored(block_hash, parent, block_id, tokens))
+        parent = block_hash
+    return events
+
+
 class Block:
     """One pool slot's metadata. Also the node of the intrusive free queue."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "index_key", "prev_free", "next_free")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: BlockHash | None = None
+        # The preimage the prefix index files this block under; None exactly when block_hash is.
+        self.index_key: bytes | None = None
         # Links of the free queue; both None while the block is referenced.
         self.prev_free: Block | None = None
         self.next_free: Block | None = None
@@ -196,11 +241,13 @@ class BlockManager:
         # pool: no allocation (and no GC pressure) on the hot path.
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
-        self.prefix_index: dict[BlockHash, Block] = {}
+        # Hash preimage (parent || token bytes) -> published block. See the module docstring.
+        self.prefix_index: dict[bytes, Block] = {}
         self.num_evictions = 0
-        # Events for a global prefix index; the servicer drains them with take_events().
+        # Events for a global prefix index, as EventRecords; the servicer drains them with
+        # take_event_records() after every call.
         self.record_events = record_events
-        self._events: list[BlockStored | BlockRemoved] = []
+        self._events: list[EventRecord] = []
 
     # ------------------------------------------------------------------ counters
 
@@ -237,25 +284,38 @@ class BlockManager:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def cached_prefix(self, block_hashes: list[BlockHash]) -> list[int]:
-        """Block ids of the longest leading run of ``block_hashes`` in the index. Read-only."""
+    def match_prefix(self, data: bytes, extra: bytes, max_blocks: int) -> tuple[list[int], list[BlockHash]]:
+        """The longest leading run of published blocks matching a token sequence. Read-only.
+
+        ``data`` is ``pack_token_ids`` of the tokens (from token 0), ``extra`` their extra key;
+        at most ``max_blocks`` full blocks are matched. Returns the hit block ids and their hashes.
+        """
         index = self.prefix_index
-        hit: list[int] = []
-        for h in block_hashes:
-            block = index.get(h)
+        step = 4 * self.block_size
+        ids: list[int] = []
+        hashes: list[BlockHash] = []
+        parent = extra
+        end = min(max_blocks, len(data) // step) * step
+        for offset in range(0, end, step):
+            block = index.get(parent + data[offset : offset + step])
             if block is None:
                 break
-            hit.append(block.block_id)
-        return hit
+            ids.append(block.block_id)
+            parent = block.block_hash
+            hashes.append(parent)
+        return ids, hashes
 
-    def can_allocate(self, num_new_blocks: int, touched_block_ids: Iterable[int] = ()) -> bool:
+    def can_allocate(self, num_new_blocks: int, touched_block_ids: Sequence[int] = ()) -> bool:
         """Whether ``num_new_blocks`` can be allocated after touching ``touched_block_ids``.
 
         Touching a free (cached) block takes it out of the free queue, so it no longer counts.
         """
+        num_free = self.free_queue.num_free
+        if num_new_blocks + len(touched_block_ids) <= num_free:
+            return True  # enough even if every touched block were taken from the queue
         blocks = self.blocks
         taken = {i for i in touched_block_ids if blocks[i].ref_cnt == 0}
-        return num_new_blocks <= self.free_queue.num_free - len(taken)
+        return num_new_blocks <= num_free - len(taken)
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """Take a reference on each block (a prefix hit); a free block leaves the free queue."""
@@ -290,19 +350,18 @@ class BlockManager:
         ids: list[int] = []
         append = ids.append
         index = self.prefix_index
-        events = self._events if self.record_events else None
-        evicted = 0
+        evicted_hashes: list[BlockHash] = []
+        evicted_ids: list[int] = []
         # Pop from the head, one pass: unlink, evict if cached, take the reference.
         head = queue.head
         block = head.next_free
         for _ in range(num_blocks):
             block_hash = block.block_hash
             if block_hash is not None:
-                del index[block_hash]
-                block.block_hash = None
-                evicted += 1
-                if events is not None:
-                    events.append(BlockRemoved(block_hash, block.block_id))
+                del index[block.index_key]
+                block.block_hash = block.index_key = None
+                evicted_hashes.append(block_hash)
+                evicted_ids.append(block.block_id)
             block.ref_cnt = 1
             append(block.block_id)
             nxt = block.next_free
@@ -311,7 +370,10 @@ class BlockManager:
         head.next_free = block
         block.prev_free = head
         queue.num_free -= num_blocks
-        self.num_evictions += evicted
+        if evicted_hashes:
+            self.num_evictions += len(evicted_hashes)
+            if self.record_events:
+                self._events.append((REMOVED, tuple(evicted_hashes), tuple(evicted_ids)))
         return ids
 
     def free(self, block_ids: Sequence[int]) -> int:
@@ -356,75 +418,109 @@ class BlockManager:
         return released
 
     def publish(
-        self,
-        block_id: int,
-        block_hash: BlockHash,
-        parent_block_hash: BlockHash | None,
-        token_ids: list[int],
-    ) -> bool:
-        """Enter a committed full block into the prefix index (a BlockStored event).
+        self, block_id: int, parent_block_hash: BlockHash | None, token_ids: list[int], extra: bytes
+    ) -> BlockHash | None:
+        """Enter one committed full block into the prefix index (a BlockStored event).
 
-        Returns False and changes nothing if the block already carries a hash, or if another
-        block is already published under ``block_hash`` (the first one stays; no duplicates).
+        ``parent_block_hash`` is the previous block's hash (None for a sequence's first block),
+        ``token_ids`` the block's ``block_size`` tokens. Returns the block's
+        hash, or None and changes nothing if the block already carries a hash or another block
+        is already published for the same chain (the first one stays; no duplicates).
         """
+        if len(token_ids) != self.block_size:
+            raise InvalidArgument(f"len(token_ids) = {len(token_ids)} is not block_size {self.block_size}")
         block = self.blocks[block_id]
-        if block.block_hash is not None or block_hash in self.prefix_index:
-            return False
-        block.block_hash = block_hash
-        self.prefix_index[block_hash] = block
+        key = (parent_block_hash or extra) + pack_token_ids(token_ids)
+        if block.block_hash is not None or key in self.prefix_index:
+            return None
+        block_hash = BlockHash(_sha256(key).digest())
+        block.block_hash, block.index_key = block_hash, key
+        self.prefix_index[key] = block
         if self.record_events:
-            self._events.append(BlockStored(block_hash, parent_block_hash, block_id, token_ids))
-        return True
+            token_bytes = key[len(key) - 4 * self.block_size :]
+            self._events.append((STORED, (block_hash,), (block_id,), token_bytes, parent_block_hash))
+        return block_hash
 
     def publish_blocks(
         self,
         block_ids: Sequence[int],
-        block_hashes: Sequence[BlockHash],
+        block_hashes: list[BlockHash],
         start: int,
         end: int,
         token_ids: list[int],
+        extra: bytes,
     ) -> int:
-        """``publish`` for blocks ``start..end-1`` of one chain, in one call.
+        """``publish`` for blocks ``start..end-1`` of one sequence, in one call.
 
-        ``block_ids`` is a block table, ``block_hashes`` its chained hashes (at least ``end``)
-        and ``token_ids`` the sequence's token list (at least ``end * block_size``). Block j is
-        published under ``block_hashes[j]`` with parent ``block_hashes[j - 1]``. Returns how many
-        blocks were newly published (duplicates and already-hashed blocks are skipped).
+        ``block_ids`` is its block table, ``token_ids`` its token list (at least ``end *
+        block_size`` tokens), ``extra`` its extra key and ``block_hashes`` its chain of known
+        hashes (at least ``start``); hashes missing up to ``end`` are computed and appended.
+        Returns how many blocks were newly published (duplicates and already-hashed blocks are
+        skipped).
         """
+        bs = self.block_size
+        step = 4 * bs
+        data = pack_token_ids(token_ids[start * bs : end * bs])
+        known = len(block_hashes)
         blocks = self.blocks
         index = self.prefix_index
-        events = self._events if self.record_events else None
-        bs = self.block_size
-        count = 0
-        parent = block_hashes[start - 1] if start else None
-        offset = start * bs
-        for block_id, block_hash in zip(block_ids[start:end], block_hashes[start:end], strict=True):
-            block = blocks[block_id]
-            if block.block_hash is None and block_hash not in index:
-                block.block_hash = block_hash
-                index[block_hash] = block
-                count += 1
-                if events is not None:
-                    events.append(BlockStored(block_hash, parent, block_id, token_ids[offset : offset + bs]))
-            parent = block_hash
-            offset += bs
-        return count
+        sha256 = _sha256
+        skipped: list[int] = []
+        parent = block_hashes[start - 1] if start else extra
+        offset = 0
+        for j in range(start, end):
+            key = parent + data[offset : offset + step]
+            offset += step
+            if j < known:
+                parent = block_hashes[j]
+            else:
+                parent = sha256(key).digest()
+                block_hashes.append(parent)
+            block = blocks[block_ids[j]]
+            if block.block_hash is None and key not in index:
+                block.block_hash, block.index_key = parent, key
+                index[key] = block
+            else:
+                skipped.append(j)
+        if self.record_events:
+            # One record per run of published blocks: the whole range unless a block was skipped.
+            run_start = start
+            for j in [*skipped, end]:
+                if j > run_start:
+                    self._events.append(
+                        (
+                            STORED,
+                            tuple(block_hashes[run_start:j]),
+                            tuple(block_ids[run_start:j]),
+                            data[(run_start - start) * step : (j - start) * step],
+                            block_hashes[run_start - 1] if run_start else None,
+                        )
+                    )
+                run_start = j + 1
+        return end - start - len(skipped)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every hash (BlockRemoved events) if no block is referenced; else False, no change."""
         if self.free_queue.num_free != self.num_blocks:
             return False
-        for block_hash, block in self.prefix_index.items():
-            block.block_hash = None
-            if self.record_events:
-                self._events.append(BlockRemoved(block_hash, block.block_id))
+        blocks = list(self.prefix_index.values())
+        if self.record_events and blocks:
+            hashes = tuple(b.block_hash for b in blocks)
+            self._events.append((REMOVED, hashes, tuple(b.block_id for b in blocks)))
+        for block in blocks:
+            block.block_hash = block.index_key = None
         self.prefix_index.clear()
         return True
 
-    def take_events(self) -> list[BlockStored | BlockRemoved]:
-        """Return and clear the events recorded since the last call, oldest first."""
+    def take_event_records(self) -> list[EventRecord]:
+        """Return and clear the events recorded since the last call, oldest first, as EventRecords."""
         events, self._events = self._events, []
         return events
+
+    def take_events(self) -> list[BlockStored | BlockRemoved]:
+        """``take_event_records``, decoded into event objects."""
+        bs = self.block_size
+        return [event for record in self.take_event_records() for event in decode_events(record, bs)]
 
     # ------------------------------------------------------------------ checks
 
@@ -469,14 +565,17 @@ class BlockManager:
                 f"block {block.block_id}: ref_cnt {block.ref_cnt} but {holders.get(block.block_id, 0)} block tables hold it"
             )
             used += block.ref_cnt > 0
+            assert (block.block_hash is None) == (block.index_key is None), (
+                f"block {block.block_id}: block_hash and index_key must be set together"
+            )
             if block.block_hash is not None:
-                assert self.prefix_index.get(block.block_hash) is block, (
+                assert self.prefix_index.get(block.index_key) is block, (
                     f"block {block.block_id} carries hash {block.block_hash.hex()[:16]} that the index does not map to it"
                 )
         assert used + queue.num_free == self.num_blocks, (
             f"used {used} + free {queue.num_free} != total {self.num_blocks}"
         )
-        for block_hash, block in self.prefix_index.items():
-            assert block.block_hash == block_hash, (
-                f"index maps hash {block_hash.hex()[:16]} to block {block.block_id}, which carries another hash"
+        for key, block in self.prefix_index.items():
+            assert block.index_key == key and block.block_hash == _sha256(key).digest(), (
+                f"index maps a key to block {block.block_id}, which carries another key or hash"
             )

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from cachesvc.block_manager import BlockHash, BlockManager, extra_key, hash_full_blocks, pack_token_ids
+from cachesvc.block_manager import BlockHash, BlockManager, extra_key, pack_token_ids
 from cachesvc.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -77,9 +77,14 @@ class Sequence:
     # Host slots in token order while on the host; empty while on the device.
     host_slots: list[int]
     extra: bytes  # extra_key(model, cache_salt, adapter_id) of this sequence
-    # Hashes of full blocks known so far, in token order (computed once, never recomputed).
+    # Hashes of the leading full blocks named so far (the prefix hit, then each block as it is
+    # published), in token order; computed once, never recomputed.
     block_hashes: list[BlockHash]
     request_id: str = ""
+    # Tokens the block table can hold without new blocks: min(len(block_table) * block_size,
+    # max_model_len), 0 while on the host. Kept with the table so the per-step Extend check is
+    # one comparison.
+    room: int = 0
     # Leading blocks of block_table already offered to the prefix index (published, a hit, or
     # a duplicate of a published block). Reset by SwapIn, whose blocks are new.
     num_published_blocks: int = 0
@@ -204,9 +209,13 @@ class SequenceTable:
             data = pack_token_ids(token_ids)
         except InvalidArgument as e:
             raise InvalidArgument(f"{where}.{e}") from None
-        # NOTE: one vectorized max over the packed ids instead of a Python loop per token;
-        # viewed as uint32, negative ids become huge and fail the same test.
-        if data and int(np.frombuffer(data, dtype=np.uint32).max()) >= self.vocab_size:
+        # NOTE: a long list is checked with one vectorized max over the packed ids (viewed as
+        # uint32, negative ids become huge and fail the same test); a short one with the min/max
+        # builtins, which cost less than numpy's call overhead.
+        if len(token_ids) <= 64:
+            if token_ids and (min(token_ids) < 0 or max(token_ids) >= self.vocab_size):
+                self._raise_token_range(where, token_ids)
+        elif int(np.frombuffer(data, dtype=np.uint32).max()) >= self.vocab_size:
             self._raise_token_range(where, token_ids)
         return data
 
@@ -270,9 +279,9 @@ class SequenceTable:
                 extra = self._extra(spec.cache_salt, spec.adapter_id)
             except InvalidArgument as e:
                 raise InvalidArgument(f"items[{k}].{e}") from None
-            hashes = hash_full_blocks(self._pack_checked(f"items[{k}]", tokens), bs, extra)
+            data = self._pack_checked(f"items[{k}]", tokens)
             # Cap: the last prompt token is always computed (its logits are needed).
-            hit = bm.cached_prefix(hashes[: (n - 1) // bs])
+            hit, hashes = bm.match_prefix(data, extra, (n - 1) // bs)
             num_new = -(-(n + lookahead) // bs) - len(hit)
             total_new += num_new
             touched += hit
@@ -308,6 +317,7 @@ class SequenceTable:
                 extra=plan.extra,
                 block_hashes=plan.block_hashes,
                 request_id=spec.request_id,
+                room=min(len(table) * bs, max_len),
                 num_published_blocks=len(hit),
             )
             self._sequences[sid] = seq
@@ -326,10 +336,12 @@ class SequenceTable:
             # Fast path, once per decode step of a sequence: room is already there.
             sid, num_tokens = items[0]
             seq = self._sequences.get(sid)
-            if seq is not None and seq.lease_id == lease_id and seq.location == DEVICE and num_tokens >= 0:
-                need = len(seq.token_ids) + num_tokens
-                if need <= len(seq.block_table) * self.block_size and need <= self.max_model_len:
-                    return [seq.cached_view or self._view(seq)]
+            if (
+                seq is not None
+                and seq.lease_id == lease_id
+                and 0 <= num_tokens <= seq.room - len(seq.token_ids)
+            ):
+                return [seq.cached_view or self._view(seq)]
         elif len(items) > self.max_batch:
             self._check_batch(len(items))
         sequences = self._sequences
@@ -367,6 +379,7 @@ class SequenceTable:
                 more = (len(seq.token_ids) + num_tokens + bs - 1) // bs - len(seq.block_table)
                 if more > 0:
                     seq.block_table += new_ids[pos : pos + more]
+                    seq.room = min(len(seq.block_table) * bs, max_len)
                     seq.cached_view = None
                     pos += more
         view = self._view
@@ -455,16 +468,13 @@ class SequenceTable:
 
     def _publish(self, seq: Sequence, num_full_blocks: int) -> int:
         """Offer blocks [num_published_blocks, num_full_blocks) of ``seq`` to the prefix index."""
-        bs = self.block_size
-        hashes = seq.block_hashes
-        tokens = seq.token_ids
-        if len(hashes) < num_full_blocks:
-            start = len(hashes)
-            hashes += hash_full_blocks(
-                tokens[start * bs : num_full_blocks * bs], bs, seq.extra, hashes[-1] if hashes else None
-            )
         count = self.block_manager.publish_blocks(
-            seq.block_table, hashes, seq.num_published_blocks, num_full_blocks, tokens
+            seq.block_table,
+            seq.block_hashes,
+            seq.num_published_blocks,
+            num_full_blocks,
+            seq.token_ids,
+            seq.extra,
         )
         seq.num_published_blocks = num_full_blocks
         return count
@@ -520,7 +530,7 @@ class SequenceTable:
             keyed.append((data, extra))
         bm = self.block_manager
         bs = self.block_size
-        return [len(bm.cached_prefix(hash_full_blocks(data, bs, extra))) * bs for data, extra in keyed]
+        return [len(bm.match_prefix(data, extra, len(data))[0]) * bs for data, extra in keyed]
 
     # ------------------------------------------------------------------ swapping
 
@@ -551,6 +561,7 @@ class SequenceTable:
             pos += n
             bm.free(seq.block_table[::-1])
             seq.block_table = []
+            seq.room = 0
             seq.cached_view = None
             seq.location = HOST
         num_bytes = total * host.block_bytes
@@ -579,6 +590,7 @@ class SequenceTable:
         for seq in seqs:
             n = len(seq.host_slots)
             seq.block_table = new_ids[pos : pos + n]
+            seq.room = min(n * self.block_size, self.max_model_len)
             seq.cached_view = None
             pos += n
             seq.host_slots = []
@@ -616,6 +628,9 @@ class SequenceTable:
                 assert seq.num_published_blocks <= min(len(seq.block_hashes), len(seq.block_table)), (
                     f"sequence {sid}: {seq.num_published_blocks} published blocks but {len(seq.block_hashes)} hashes"
                 )
+                assert seq.room == min(len(seq.block_table) * bs, self.max_model_len), (
+                    f"sequence {sid}: room {seq.room} does not match {len(seq.block_table)} blocks"
+                )
                 device_tables.append(seq.block_table)
             else:
                 assert seq.location == HOST, f"sequence {sid} has location {seq.location!r}"
@@ -623,6 +638,7 @@ class SequenceTable:
                 assert len(seq.token_ids) <= len(seq.host_slots) * bs, (
                     f"sequence {sid}: {len(seq.token_ids)} tokens exceed {len(seq.host_slots)} host slots"
                 )
+                assert seq.room == 0, f"host sequence {sid} has room {seq.room}"
                 host_slots += seq.host_slots
         n_lease_seqs = sum(len(v) for v in self._by_lease.values())
         assert n_lease_seqs == len(self._sequences), (

@@ -51,7 +51,7 @@ def rpc(method):
             log.debug("%s -> %s: %s", method.__name__, code.name, e)
             await context.abort(code, str(e))
         finally:
-            self.events.extend(self.sequences.block_manager.take_events())
+            self.events.extend(self.sequences.block_manager.take_event_records())
 
     return wrapper
 
@@ -76,7 +76,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         self.sequences = sequences
         self.leases = leases
         self.pool_spec = pool_spec
-        self.events = EventLog()
+        self.events = EventLog(sequences.block_size)
 
     # ------------------------------------------------------------ leases
 
@@ -113,7 +113,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                 lease.client_name,
                 released,
             )
-        self.events.extend(self.sequences.block_manager.take_events())
+        self.events.extend(self.sequences.block_manager.take_event_records())
         return len(expired)
 
     async def reap_leases_forever(self) -> None:

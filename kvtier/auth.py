@@ -12,8 +12,6 @@ import os
 import secrets
 from pathlib import Path
 
-import grpc
-
 METADATA_KEY = "authorization"
 
 
@@ -80,42 +78,3 @@ def grpc_target(address: str) -> str:
     if address.startswith("tcp://"):
         return address[len("tcp://") :]
     return address
-
-
-class TokenInterceptor(grpc.aio.ServerInterceptor):
-    """grpc.aio server interceptor: refuse calls whose metadata lacks the shared token.
-
-    The health service stays open so orchestrators can probe readiness without the secret.
-    """
-
-    def __init__(self, token: str, open_prefixes: tuple[str, ...] = ("/grpc.health.v1.Health/",)):
-        self._token = token
-        self._open = open_prefixes
-
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        method = handler_call_details.method
-        if handler is None or method.startswith(self._open):
-            return handler
-        if token_matches(handler_call_details.invocation_metadata, self._token):
-            return handler
-
-        async def deny(request, context):
-            await context.abort(
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"{method}: missing or wrong token; send metadata 'authorization: Bearer <token>' "
-                "(the token is in $KVTIER_TOKEN or the service's token file)",
-            )
-
-        if handler.response_streaming:
-
-            async def deny_stream(request, context):
-                await deny(request, context)
-                yield  # pragma: no cover - makes this an async generator
-
-            return grpc.unary_stream_rpc_method_handler(
-                deny_stream, handler.request_deserializer, handler.response_serializer
-            )
-        return grpc.unary_unary_rpc_method_handler(
-            deny, handler.request_deserializer, handler.response_serializer
-        )

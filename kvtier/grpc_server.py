@@ -1,22 +1,26 @@
-"""What every kvtier gRPC server shares: listening (Unix socket, TCP, TLS), the token check,
-health and reflection, OpenTelemetry interceptors, and a clean stop on SIGTERM/SIGINT."""
+"""What every kvtier gRPC server shares: listening (Unix socket, TCP, TLS), the per-call guard
+(token check, request decoding, RPC timing), health and reflection, the OpenTelemetry
+interceptor, and a clean stop on SIGTERM/SIGINT."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
+from time import perf_counter
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from kvtier import telemetry
-from kvtier.auth import TokenInterceptor, ensure_run_dir
-from kvtier.metrics import RpcMetricsInterceptor
+from kvtier.auth import ensure_run_dir, token_matches
+from kvtier.metrics import RpcObserver, rpc_status_name
 
 log = logging.getLogger("kvtier.server")
 
@@ -29,50 +33,194 @@ SERVER_OPTIONS = [
 ]
 
 
-class DecodeGuard(grpc.aio.ServerInterceptor):
-    """Answer undecodable request bytes with INVALID_ARGUMENT instead of grpc's UNKNOWN.
+class CallGuard:
+    """Token check, request decoding and RPC timing, applied once per method when it is registered.
 
-    The handler receives raw bytes and this wrapper parses them, so a corrupt message is
-    refused with a status a client can act on before any service code runs.
+    Pass the guard to the generated ``add_*_to_server(servicer, guard)`` in place of the server:
+    every method handler is wrapped on its way in, so a call runs one wrapper and no per-call
+    interceptor chain (grpc.aio runs each interceptor's coroutine, and re-wraps the handler, on
+    every call). Per call the wrapper
+
+    - refuses a call without the shared token with PERMISSION_DENIED (the health service stays
+      open so orchestrators can probe readiness without the secret),
+    - parses the raw request bytes itself, so undecodable bytes get INVALID_ARGUMENT instead of
+      grpc's UNKNOWN before any service code runs,
+    - times unary and server-streaming calls into ``metrics.observe_rpc(short method name,
+      seconds, status name)``; client-streaming calls (reflection) are only token-checked.
     """
 
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        if handler is None or handler.request_streaming or handler.request_deserializer is None:
-            return handler
-        parse, method = handler.request_deserializer, handler_call_details.method
+    def __init__(
+        self,
+        server: grpc.aio.Server,
+        token: str,
+        metrics: RpcObserver | None = None,
+        open_prefixes: tuple[str, ...] = ("/grpc.health.v1.Health/",),
+    ) -> None:
+        self._server = server
+        self._token = token
+        self._metrics = metrics
+        self._open = open_prefixes
 
-        def guarded(behavior):
-            async def decode(raw: bytes, context):
-                try:
-                    return parse(raw)
-                except Exception as e:  # protobuf's DecodeError, or anything a parser raises
-                    await context.abort(
-                        grpc.StatusCode.INVALID_ARGUMENT,
-                        f"{method}: the request is not a valid message ({e})",
-                    )
-
-            if handler.response_streaming:
-
-                async def stream(raw, context):
-                    request = await decode(raw, context)
-                    async for reply in behavior(request, context):
-                        yield reply
-
-                return stream
-
-            async def unary(raw, context):
-                return await behavior(await decode(raw, context), context)
-
-            return unary
-
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(
-                guarded(handler.unary_stream), response_serializer=handler.response_serializer
-            )
-        return grpc.unary_unary_rpc_method_handler(
-            guarded(handler.unary_unary), response_serializer=handler.response_serializer
+    def add_registered_method_handlers(
+        self, service_name: str, method_handlers: dict[str, grpc.RpcMethodHandler]
+    ) -> None:
+        """What generated code calls; these handlers win over generic ones for their methods."""
+        self._server.add_registered_method_handlers(
+            service_name,
+            {
+                name: self.wrap(f"/{service_name}/{name}", handler)
+                for name, handler in method_handlers.items()
+            },
         )
+
+    def add_generic_rpc_handlers(self, generic_rpc_handlers) -> None:
+        """Generic handlers resolve per call, so each is wrapped on first use of a method."""
+        self._server.add_generic_rpc_handlers([_GuardedGenericHandler(self, h) for h in generic_rpc_handlers])
+
+    def wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        """The guarded handler for `method` (``/package.Service/Method``)."""
+        token = None if method.startswith(self._open) else self._token
+        # Client-streaming calls (reflection) are not timed, as before the guard.
+        observe = None if self._metrics is None or handler.request_streaming else self._metrics.observe_rpc
+        return _GuardedMethod(method, handler, token, observe).handler
+
+
+class _GuardedMethod:
+    """One method's wrapper; everything that does not depend on the call is computed here, once."""
+
+    __slots__ = ("_behavior", "_parse", "_token", "_denied", "_method", "_short_name", "_observe", "handler")
+
+    def __init__(
+        self,
+        method: str,
+        handler: grpc.RpcMethodHandler,
+        token: str | None,
+        observe: Callable[[str, float, str], None] | None,
+    ) -> None:
+        """`token` None leaves the method open; `observe` None leaves it untimed."""
+        behavior = next(
+            b
+            for b in (handler.unary_unary, handler.unary_stream, handler.stream_unary, handler.stream_stream)
+            if b is not None
+        )
+        if inspect.isgeneratorfunction(behavior):
+            raise TypeError(f"{method}: a streaming handler must be async (got {behavior!r})")
+        is_generator = inspect.isasyncgenfunction(behavior)
+        if not (is_generator or inspect.iscoroutinefunction(behavior)):
+            behavior = _run_inline(behavior)
+        self._behavior = behavior
+        self._method = method
+        self._short_name = method.rsplit("/", 1)[-1]
+        self._token = token
+        self._denied = (
+            f"{method}: missing or wrong token; send metadata 'authorization: Bearer <token>' "
+            "(the token is in $KVTIER_TOKEN or the service's token file)"
+        )
+        # Streamed requests are parsed by grpc as they arrive; only a unary request is ours to parse.
+        self._parse = None if handler.request_streaming else handler.request_deserializer
+        self._observe = observe
+        # grpc.aio drives an async generator with `async for` and awaits a coroutine (a streaming
+        # one writes with context.write), telling them apart by function type: keep the kind.
+        run = self.stream if is_generator else self.call
+        ser = handler.response_serializer
+        if handler.request_streaming:
+            make = (
+                grpc.stream_stream_rpc_method_handler
+                if handler.response_streaming
+                else grpc.stream_unary_rpc_method_handler
+            )
+            self.handler = make(run, handler.request_deserializer, ser)
+        elif handler.response_streaming:
+            self.handler = grpc.unary_stream_rpc_method_handler(run, response_serializer=ser)
+        else:
+            self.handler = grpc.unary_unary_rpc_method_handler(run, response_serializer=ser)
+
+    def _admit(self, raw, context):
+        """The parsed request, or `_Refused` naming why the call may not run."""
+        if self._token is not None and not token_matches(context.invocation_metadata(), self._token):
+            raise _Refused(grpc.StatusCode.PERMISSION_DENIED, self._denied)
+        if self._parse is None:
+            return raw
+        try:
+            return self._parse(raw)
+        except Exception as e:  # protobuf's DecodeError, or anything a parser raises
+            raise _Refused(
+                grpc.StatusCode.INVALID_ARGUMENT, f"{self._method}: the request is not a valid message ({e})"
+            ) from None
+
+    async def call(self, raw, context):
+        """Unary response, or a streaming handler that writes with context.write()."""
+        start, error = perf_counter(), None
+        try:
+            try:
+                request = self._admit(raw, context)
+            except _Refused as refused:
+                await context.abort(refused.code, refused.details)
+            return await self._behavior(request, context)
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            if self._observe is not None:
+                self._observe(self._short_name, perf_counter() - start, rpc_status_name(context, error))
+
+    async def stream(self, raw, context):
+        """Streaming response from an async generator handler."""
+        start, error = perf_counter(), None
+        try:
+            try:
+                request = self._admit(raw, context)
+            except _Refused as refused:
+                await context.abort(refused.code, refused.details)
+            async for reply in self._behavior(request, context):
+                yield reply
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            if self._observe is not None:
+                self._observe(self._short_name, perf_counter() - start, rpc_status_name(context, error))
+
+
+def _run_inline(behavior: Callable):
+    """A sync handler as a coroutine, run on the event loop.
+
+    NOTE: our servicers are all async; the sync ones are generated "not implemented" stubs (e.g.
+    health's List) that set UNIMPLEMENTED and raise at once, so an executor hop is not worth it.
+    """
+
+    async def run(request, context):
+        return behavior(request, context)
+
+    return run
+
+
+class _Refused(Exception):
+    """A call refused before service code runs, with the status it is answered with."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+class _GuardedGenericHandler(grpc.GenericRpcHandler):
+    """A generic handler whose methods are wrapped on first use and the wrapper kept."""
+
+    def __init__(self, guard: CallGuard, inner: grpc.GenericRpcHandler) -> None:
+        self._guard = guard
+        self._inner = inner
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
+    def service(self, handler_call_details):
+        handler = self._inner.service(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        seen = self._wrapped.get(method)
+        if seen is None or seen[0] is not handler:
+            seen = self._wrapped[method] = (handler, self._guard.wrap(method, handler))
+        return seen[1]
 
 
 def bind(
@@ -116,21 +264,24 @@ async def start_server(
     tls_key: str | None = None,
     metrics=None,
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, str]:
-    """Create, bind and start an aio server; `add_servicers(server)` registers the service's own.
+    """Create, bind and start an aio server; `add_servicers(guard)` registers the service's own.
 
-    With `metrics` (kvtier.metrics.CacheMetrics / ComputeMetrics), every RPC's latency is
-    recorded per method and status code.
+    `add_servicers` receives a `CallGuard` to hand to the generated ``add_*_to_server`` in place
+    of the server. With `metrics` (kvtier.metrics.CacheMetrics / ComputeMetrics), every RPC's
+    latency is recorded per method and status code.
     """
-    interceptors = [*telemetry.aio_server_interceptors()]
-    if metrics is not None:
-        interceptors.append(RpcMetricsInterceptor(metrics))
-    interceptors.append(TokenInterceptor(token))
-    interceptors.append(DecodeGuard())
-    server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
-    add_servicers(server)
+    # Only OTel's interceptor stays an interceptor; everything of ours is the guard, wrapped
+    # into each handler at registration.
+    server = grpc.aio.server(interceptors=telemetry.aio_server_interceptors() or None, options=SERVER_OPTIONS)
+    guard = CallGuard(server, token, metrics)
+    add_servicers(guard)
     health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection([service_name, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, guard)
+    # enable_server_reflection() picks the aio servicer by isinstance(server, grpc.aio.Server),
+    # which the guard is not, so the aio servicer is registered here directly.
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
+        reflection.aio.ReflectionServicer([service_name, health.SERVICE_NAME, reflection.SERVICE_NAME]), guard
+    )
     address = bind(server, listen, tls_cert, tls_key)
     await server.start()
     restrict_socket(address)

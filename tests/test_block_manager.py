@@ -31,8 +31,13 @@ def publish_chain(bm: BlockManager, block_ids: list[int], tokens: list[int]) -> 
     bs = bm.block_size
     hashes = hash_full_blocks(tokens, bs, EXTRA)
     for j, (block_id, h) in enumerate(zip(block_ids, hashes, strict=False)):
-        assert bm.publish(block_id, h, hashes[j - 1] if j else None, tokens[j * bs : (j + 1) * bs])
+        assert bm.publish(block_id, hashes[j - 1] if j else None, tokens[j * bs : (j + 1) * bs], EXTRA) == h
     return hashes
+
+
+def cached(bm: BlockManager, tokens: list[int]) -> list[int]:
+    """Block ids of the longest cached prefix of ``tokens`` (whole blocks, no cap)."""
+    return bm.match_prefix(pack_token_ids(tokens), EXTRA, len(tokens))[0]
 
 
 # ---------------------------------------------------------------------- hashing
@@ -42,8 +47,9 @@ def test_hash_matches_documented_formula() -> None:
     tokens = [1, 2, 3, 70000, 5, 6, 7, 8]
     extra = hashlib.sha256(b"kvtier-block-v1\0" + b"m\0s\0a").digest()
     assert extra_key("m", "s", "a") == extra
-    first = hashlib.sha256(bytes(32) + extra + struct.pack("<4i", 1, 2, 3, 70000)).digest()
-    second = hashlib.sha256(first + extra + struct.pack("<4i", 5, 6, 7, 8)).digest()
+    # The extra key is the first block's parent; later blocks inherit it through the chain.
+    first = hashlib.sha256(extra + struct.pack("<4i", 1, 2, 3, 70000)).digest()
+    second = hashlib.sha256(first + struct.pack("<4i", 5, 6, 7, 8)).digest()
     assert hash_full_blocks(tokens, 4, extra) == [first, second]
     assert hash_block(None, tokens[:4], extra) == first
     assert hash_block(first, tokens[4:], extra) == second
@@ -146,15 +152,20 @@ def test_free_of_unreferenced_block_raises_and_is_undone() -> None:
 # ---------------------------------------------------------------------- prefix index and eviction
 
 
-def test_published_blocks_are_found_by_cached_prefix() -> None:
+def test_published_blocks_are_found_by_match_prefix() -> None:
     bm = BlockManager(num_blocks=8, block_size=4)
     tokens = list(range(10))
     ids = bm.allocate(3)
     hashes = publish_chain(bm, ids[:2], tokens)
     assert bm.num_cached_blocks == 2
-    assert bm.cached_prefix(hashes) == ids[:2]
-    assert bm.cached_prefix(hash_full_blocks([0, 1, 2, 3, 9, 9, 9, 9], 4, EXTRA)) == ids[:1]
-    assert bm.cached_prefix(hash_full_blocks([5] * 8, 4, EXTRA)) == []
+    assert bm.match_prefix(pack_token_ids(tokens), EXTRA, 3) == (ids[:2], hashes[:2])
+    assert bm.match_prefix(pack_token_ids(tokens), EXTRA, 1) == (ids[:1], hashes[:1])
+    assert cached(bm, [0, 1, 2, 3, 9, 9, 9, 9]) == ids[:1]
+    assert cached(bm, [5] * 8) == []
+    assert bm.match_prefix(pack_token_ids(tokens), extra_key("model-fp", "other-salt", "adapter"), 3) == (
+        [],
+        [],
+    )
     events = bm.take_events()
     assert events == [
         BlockStored(hashes[0], None, ids[0], [0, 1, 2, 3]),
@@ -167,13 +178,12 @@ def test_publish_keeps_the_first_block_for_a_duplicate_hash() -> None:
     bm = BlockManager(num_blocks=4, block_size=4)
     a, b = bm.allocate(2)
     h = hash_block(None, [1, 2, 3, 4], EXTRA)
-    assert bm.publish(a, h, None, [1, 2, 3, 4])
-    assert not bm.publish(b, h, None, [1, 2, 3, 4])
+    assert bm.publish(a, None, [1, 2, 3, 4], EXTRA) == h
+    assert bm.publish(b, None, [1, 2, 3, 4], EXTRA) is None
     assert bm.block_hash(b) is None
-    assert bm.cached_prefix([h]) == [a]
+    assert cached(bm, [1, 2, 3, 4]) == [a]
     # A block that already carries a hash is not re-keyed.
-    h2 = hash_block(None, [5, 6, 7, 8], EXTRA)
-    assert not bm.publish(a, h2, None, [5, 6, 7, 8])
+    assert bm.publish(a, None, [5, 6, 7, 8], EXTRA) is None
     assert bm.block_hash(a) == h
     bm.check_invariants([[a], [b]])
 
@@ -189,7 +199,7 @@ def test_tail_of_a_chain_is_evicted_first() -> None:
     got = bm.allocate(1)
     assert got == [table[3]]
     assert bm.take_events() == [BlockRemoved(hashes[3], table[3])]
-    assert bm.cached_prefix(hashes) == table[:3]
+    assert cached(bm, tokens) == table[:3]
     assert bm.num_evictions == 1
     bm.check_invariants([got])
 
@@ -198,26 +208,26 @@ def test_cached_blocks_are_evicted_only_when_the_free_queue_runs_dry() -> None:
     bm = BlockManager(num_blocks=8, block_size=4)
     tokens = list(range(8))
     table = bm.allocate(2)
-    hashes = publish_chain(bm, table, tokens)
+    publish_chain(bm, table, tokens)
     bm.free(table[::-1])
     # Six never-used blocks sit ahead of the cached ones in the queue.
     other = bm.allocate(6)
     assert set(other).isdisjoint(table)
     assert bm.num_evictions == 0
-    assert bm.cached_prefix(hashes) == table
+    assert cached(bm, tokens) == table
     last = bm.allocate(1)
     assert last == [table[1]]
     assert bm.num_evictions == 1
-    assert bm.cached_prefix(hashes) == table[:1]
+    assert cached(bm, tokens) == table[:1]
     bm.check_invariants([other, last])
 
 
 def test_touching_a_cached_free_block_protects_it_from_eviction() -> None:
     bm = BlockManager(num_blocks=3, block_size=4)
     table = bm.allocate(1)
-    hashes = publish_chain(bm, table, [1, 2, 3, 4])
+    publish_chain(bm, table, [1, 2, 3, 4])
     bm.free(table)
-    bm.touch(bm.cached_prefix(hashes))
+    bm.touch(cached(bm, [1, 2, 3, 4]))
     assert bm.allocate(2) == [1, 2]
     with pytest.raises(ResourceExhausted):
         bm.allocate(1)
@@ -228,14 +238,14 @@ def test_touching_a_cached_free_block_protects_it_from_eviction() -> None:
 def test_reset_prefix_cache_refuses_while_a_block_is_referenced() -> None:
     bm = BlockManager(num_blocks=4, block_size=4)
     table = bm.allocate(2)
-    hashes = publish_chain(bm, table, list(range(8)))
+    publish_chain(bm, table, list(range(8)))
     bm.take_events()
     assert not bm.reset_prefix_cache()
     assert bm.num_cached_blocks == 2
     bm.free(table[::-1])
     assert bm.reset_prefix_cache()
     assert bm.num_cached_blocks == 0
-    assert bm.cached_prefix(hashes) == []
+    assert cached(bm, list(range(8))) == []
     assert {e.block_id for e in bm.take_events() if isinstance(e, BlockRemoved)} == set(table)
     assert bm.num_evictions == 0
     bm.check_invariants([])

@@ -252,7 +252,8 @@ class SequenceTableMachine(RuleBasedStateMachine):
 
     @invariant()
     def every_indexed_block_holds_the_kv_its_hash_names(self) -> None:
-        for h, block in self.table.block_manager.prefix_index.items():
+        for block in self.table.block_manager.prefix_index.values():
+            h = block.block_hash
             assert h in self.kv_of_hash, f"block {block.block_id} was indexed without a commit"
             assert self.pool[block.block_id].tolist() == self.kv_of_hash[h], (
                 f"indexed block {block.block_id} was overwritten while its hash stayed published"

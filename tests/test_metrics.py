@@ -11,7 +11,9 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtier.metrics import CacheMetrics, ComputeMetrics, RpcMetricsInterceptor, start_metrics_server
+from kvtier.auth import bearer
+from kvtier.grpc_server import CallGuard
+from kvtier.metrics import CacheMetrics, ComputeMetrics, start_metrics_server
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:
@@ -157,15 +159,16 @@ async def count_up(request: bytes, context) -> AsyncIterator[bytes]:
         yield str(i).encode()
 
 
-def test_interceptor_times_each_rpc_with_its_status_code():
+def test_call_guard_times_each_rpc_with_its_status_code():
     metrics = CacheMetrics()
 
     async def exercise() -> None:
-        server = grpc.aio.server(interceptors=[RpcMetricsInterceptor(metrics)])
+        server = grpc.aio.server()
+        guard = CallGuard(server, "t", metrics)
         servicer = health.aio.HealthServicer()
         await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-        server.add_generic_rpc_handlers(
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, guard)
+        guard.add_generic_rpc_handlers(
             [
                 grpc.method_handlers_generic_handler(
                     "test.Counter", {"Count": grpc.unary_stream_rpc_method_handler(count_up)}
@@ -187,8 +190,12 @@ def test_interceptor_times_each_rpc_with_its_status_code():
                 first = await watch.read()
                 assert first.status == health_pb2.HealthCheckResponse.SERVING
                 watch.cancel()
-                replies = [r async for r in channel.unary_stream("/test.Counter/Count")(b"3", timeout=10)]
+                count = channel.unary_stream("/test.Counter/Count")
+                replies = [r async for r in count(b"3", metadata=bearer("t"), timeout=10)]
                 assert replies == [b"0", b"1", b"2"]
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    [r async for r in count(b"3", timeout=10)]
+                assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
         finally:
             await server.stop(grace=None)
 
@@ -198,4 +205,8 @@ def test_interceptor_times_each_rpc_with_its_status_code():
     assert count("kvtier_cache_rpc_duration_seconds_count", {"method": "Check", "code": "NOT_FOUND"}) == 1
     assert count("kvtier_cache_rpc_duration_seconds_count", {"method": "Watch", "code": "CANCELLED"}) == 1
     assert count("kvtier_cache_rpc_duration_seconds_count", {"method": "Count", "code": "OK"}) == 1
+    assert (
+        count("kvtier_cache_rpc_duration_seconds_count", {"method": "Count", "code": "PERMISSION_DENIED"})
+        == 1
+    )
     assert count("kvtier_cache_rpc_duration_seconds_sum", {"method": "Check", "code": "OK"}) < 1.0

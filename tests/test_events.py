@@ -1,0 +1,81 @@
+"""EventLog: numbering, replay and the ring bound, fed by a real block manager's records."""
+
+from __future__ import annotations
+
+import pytest
+
+from cachesvc.block_manager import BlockManager, extra_key, hash_full_blocks
+from cachesvc.events import EventGap, EventLog
+
+BS = 4
+EXTRA = extra_key("model-fp")
+
+
+def commit_chain(bm: BlockManager, tokens: list[int]) -> tuple[list[int], list[bytes]]:
+    """Allocate blocks for `tokens` and publish every full block in one call, as a commit does."""
+    n = len(tokens) // BS
+    table = bm.allocate(n)
+    hashes: list[bytes] = []  # publish_blocks computes the missing hashes and appends them
+    bm.publish_blocks(table, hashes, 0, n, tokens, EXTRA)
+    assert hashes == hash_full_blocks(tokens, BS, EXTRA)
+    return table, hashes
+
+
+def test_a_commit_is_one_record_but_one_event_id_per_block() -> None:
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    log = EventLog(BS)
+    tokens = list(range(12))
+    table, hashes = commit_chain(bm, tokens)
+    records = bm.take_event_records()
+    assert len(records) == 1
+    log.extend(records)
+    events = log.since(0)
+    assert [e.event_id for e in events] == [1, 2, 3]
+    assert [e.block_stored.block_id for e in events] == table
+    assert [e.block_stored.block_hash for e in events] == hashes
+    assert [e.block_stored.parent_block_hash for e in events] == [b"", hashes[0], hashes[1]]
+    assert [list(e.block_stored.token_ids) for e in events] == [tokens[0:4], tokens[4:8], tokens[8:12]]
+    # Replay from the middle of a record.
+    assert [e.event_id for e in log.since(1)] == [2, 3]
+    assert log.since(3) == []
+
+
+def test_a_skipped_duplicate_splits_the_record_and_gets_no_event() -> None:
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    log = EventLog(BS)
+    tokens = list(range(12))
+    hashes = hash_full_blocks(tokens, BS, EXTRA)
+    first = bm.allocate(1)
+    bm.publish_blocks(first, hashes, 0, 1, tokens, EXTRA)  # block 1 of the chain is already cached
+    table = bm.allocate(3)
+    assert bm.publish_blocks(table, hashes, 0, 3, tokens, EXTRA) == 2
+    log.extend(bm.take_event_records())
+    stored = [(e.event_id, e.block_stored.block_id, e.block_stored.parent_block_hash) for e in log.since(0)]
+    assert stored == [(1, first[0], b""), (2, table[1], hashes[0]), (3, table[2], hashes[1])]
+
+
+def test_evictions_follow_the_stores_they_undo_with_increasing_ids() -> None:
+    bm = BlockManager(num_blocks=2, block_size=BS)
+    log = EventLog(BS)
+    table, hashes = commit_chain(bm, list(range(8)))
+    bm.free(table[::-1])
+    bm.allocate(2)  # the queue is dry: both cached blocks are evicted, tail first
+    log.extend(bm.take_event_records())
+    events = log.since(0)
+    assert [e.event_id for e in events] == [1, 2, 3, 4]
+    assert [e.WhichOneof("event") for e in events] == ["block_stored"] * 2 + ["block_removed"] * 2
+    assert [e.block_removed.block_hash for e in events[2:]] == [hashes[1], hashes[0]]
+
+
+def test_the_ring_drops_whole_old_records_and_reports_the_gap() -> None:
+    bm = BlockManager(num_blocks=64, block_size=BS)
+    log = EventLog(BS, capacity=5)
+    for k in range(4):  # four commits of three blocks: events 1..12
+        commit_chain(bm, [100 * k + i for i in range(12)])
+        log.extend(bm.take_event_records())
+    assert log.last_event_id == 12
+    # At least `capacity` newest events are kept, in whole records: 7..12.
+    assert [e.event_id for e in log.since(0)] == list(range(7, 13))
+    assert [e.event_id for e in log.since(6)] == list(range(7, 13))
+    with pytest.raises(EventGap, match="since_event_id 5 is older than the oldest kept event 7"):
+        log.since(5)
