@@ -79,7 +79,10 @@ MODES = (
 
 
 def make_table(args: argparse.Namespace, mode: Mode) -> SequenceTable:
+    gc.unfreeze()  # let the previous run's table go
     bm = BlockManager(args.num_blocks, args.block_size, record_events=mode.record_events)
+    gc.collect()
+    gc.freeze()  # as the cache service does once its pool is built
     return SequenceTable(
         bm,
         None,

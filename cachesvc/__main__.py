@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import shutil
 import sys
@@ -160,6 +161,11 @@ async def _serve_pool(cfg: CacheConfig, shape: ModelShape, plan: PoolPlan, pool,
         metrics,
     )
     log.info("cache service listening on %s (lease ttl %.1fs)", address, cfg.lease_ttl)
+    # NOTE: the Block objects (one per pool block), the tables and the gRPC machinery live as long
+    # as the process. Freezing them takes them out of the garbage collector's full passes, which
+    # would otherwise walk every block on the RPC path, a pause that grows with the pool.
+    gc.collect()
+    gc.freeze()
     reaper = asyncio.ensure_future(servicer.reap_leases_forever())
     if metrics is not None:
         refresher = asyncio.ensure_future(refresh_metrics(servicer, metrics))

@@ -18,7 +18,7 @@ size 16, two SHA-256 compressions). The formula depends on nothing in the proces
 ``BlockStored`` / ``BlockRemoved`` events, computes the same hashes from the same token ids.
 Different salts, adapters or models never share a block because their chains start apart.
 
-The prefix index is keyed by a block's hash PREIMAGE (``parent || token bytes``), not by the
+The prefix index is keyed by a block's hash preimage (``parent || token bytes``), not by the
 digest. A lookup compares those bytes exactly, so a hit can never come from a hash collision,
 and walking a prompt's cached prefix costs a dict lookup per block instead of a SHA-256 call:
 the parent of the next key is the hash already stored on the block that hit. SHA-256 runs only
@@ -144,8 +144,9 @@ EventRecord = tuple
   are block i of ``token_bytes`` (``pack_token_ids`` form), its parent ``parent`` for i == 0
   and ``hashes[i - 1]`` after.
 
-A commit costs one STORED record, an allocation that evicts one REMOVED record. Records hold only tuples, bytes, ints and
-None, so the garbage collector stops tracking them: a log of thousands of them costs no GC time.
+A commit costs one STORED record, an allocation that evicts one REMOVED record. Records hold
+only tuples, bytes, ints and None, so the garbage collector stops tracking them: a log of
+thousands of them costs no GC time.
 """
 
 
