@@ -19,10 +19,11 @@ size 16, two SHA-256 compressions). The formula depends on nothing in the proces
 Different salts, adapters or models never share a block because their chains start apart.
 
 The prefix index is keyed by a block's hash preimage (``parent || token bytes``), not by the
-digest. A lookup compares those bytes exactly, so a hit can never come from a hash collision,
-and walking a prompt's cached prefix costs a dict lookup per block instead of a SHA-256 call:
-the parent of the next key is the hash already stored on the block that hit. SHA-256 runs only
-for blocks being published for the first time, to name them for the events and the next key.
+digest, so walking a prompt's cached prefix costs a dict lookup per block instead of a SHA-256
+call: the parent of the next key is the hash already stored on the block that hit. SHA-256 runs
+only for blocks published for the first time, to name them for the events and the next key. A
+lookup compares the block's own tokens exactly; the prefix before it is known by the parent's
+digest, so a wrong hit still takes a SHA-256 collision, exactly as with a digest-keyed index.
 
 Lifecycle of a block
 --------------------

@@ -259,3 +259,26 @@ def test_check_invariants_names_a_wrong_ref_count() -> None:
     bm.blocks[3].ref_cnt = 1
     with pytest.raises(AssertionError, match="block 3 is in the free queue with ref_cnt 1"):
         bm.check_invariants([table])
+
+
+def test_a_block_hits_only_on_its_own_exact_tokens_even_if_hashes_collide(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # With a hash under which every block collides, a block still hits only on its own exact
+    # tokens: the index compares preimages. (What comes before a block is still known only by
+    # the parent's digest, as in any hash chain.)
+    class Collide:
+        def __init__(self, data: bytes) -> None:
+            pass
+
+        def digest(self) -> bytes:
+            return b"\x00" * 32
+
+    monkeypatch.setattr("cachesvc.block_manager._sha256", Collide)
+    bm = BlockManager(num_blocks=4, block_size=4)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8]
+    table = bm.allocate(2)
+    assert bm.publish_blocks(table, [], 0, 2, tokens, EXTRA) == 2
+    assert cached(bm, tokens) == table
+    assert cached(bm, [1, 2, 3, 4, 9, 9, 9, 9]) == table[:1]
+    assert cached(bm, [9, 2, 3, 4, 5, 6, 7, 8]) == []
