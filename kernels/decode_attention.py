@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.online_softmax import attend_tile
+
 # NOTE: a split shorter than this reads too little KV to pay for its partial write + reduce.
 MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 64
@@ -104,32 +106,26 @@ def _decode_kernel(
         block_ids = tl.load(block_table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         offsets = pos % BLOCK_SIZE
         kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(
-            k_head + block_ids[:, None] * stride_k_block + offsets[:, None] * stride_k_tok + d[None, :],
-            mask=kv_mask,
-            other=0.0,
+        # Every tile holds at least one valid position, so row_max is finite from the first tile on.
+        acc, row_max, row_sum = attend_tile(
+            q,
+            acc,
+            row_max,
+            row_sum,
+            k_head,
+            v_head,
+            block_ids,
+            offsets,
+            d,
+            kv_mask,
+            valid[None, :],
+            qk_scale,
+            stride_k_block,
+            stride_k_tok,
+            stride_v_block,
+            stride_v_tok,
+            DOT_IN_FP32,
         )
-        if DOT_IN_FP32:  # the interpreter's tl.dot multiplies bf16 bit patterns (triton#11584)
-            k = k.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [GROUP_PAD, TILE_N]
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        # Every tile holds at least one valid position, so new_max is finite from the first tile on.
-        new_max = tl.maximum(row_max, tl.max(scores, 1))
-        alpha = tl.exp2(row_max - new_max)
-        p = tl.exp2(scores - new_max[:, None])
-        row_sum = row_sum * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_head + block_ids[:, None] * stride_v_block + offsets[:, None] * stride_v_tok + d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        # Weights rounded to the KV dtype, as tensor cores take them; kept in fp32 on bf16 interpreter.
-        p = p.to(v.dtype)
-        if DOT_IN_FP32:
-            p = p.to(tl.float32)
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        row_max = new_max
 
     # An empty range (seq_len 0, or a split past the end) has row_sum 0: its output is zeros.
     has_tokens = row_sum > 0

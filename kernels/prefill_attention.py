@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.online_softmax import attend_tile
+
 _LOG2E = 1.4426950408889634
 
 
@@ -88,34 +90,27 @@ def _prefill_kernel(
         block_ids = tl.load(block_table + pos // BLOCK_SIZE, mask=kv_valid, other=0).to(tl.int64)
         offsets = pos % BLOCK_SIZE
         kv_mask = kv_valid[:, None] & d_mask[None, :]
-        k = tl.load(
-            k_head + block_ids[:, None] * stride_k_block + offsets[:, None] * stride_k_tok + d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        if DOT_IN_FP32:  # the interpreter's tl.dot multiplies bf16 bit patterns (triton#11584)
-            k = k.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_M, TILE_N]
+        # Position 0 is in the first tile and visible to every row, so row_max is finite after it.
         causal = kv_valid[None, :] & (pos[None, :] <= q_pos[:, None])
-        scores = tl.where(causal, scores, float("-inf"))
-        # Position 0 is in the first tile and visible to every row, so row_max is finite after it;
-        # a later tile fully masked for a row gives p = exp2(-inf) = 0 there.
-        new_max = tl.maximum(row_max, tl.max(scores, 1))
-        alpha = tl.exp2(row_max - new_max)
-        p = tl.exp2(scores - new_max[:, None])
-        row_sum = row_sum * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_head + block_ids[:, None] * stride_v_block + offsets[:, None] * stride_v_tok + d[None, :],
-            mask=kv_mask,
-            other=0.0,
+        acc, row_max, row_sum = attend_tile(
+            q,
+            acc,
+            row_max,
+            row_sum,
+            k_head,
+            v_head,
+            block_ids,
+            offsets,
+            d,
+            kv_mask,
+            causal,
+            qk_scale,
+            stride_k_block,
+            stride_k_tok,
+            stride_v_block,
+            stride_v_tok,
+            DOT_IN_FP32,
         )
-        # Weights rounded to the KV dtype, as tensor cores take them; kept in fp32 on bf16 interpreter.
-        p = p.to(v.dtype)
-        if DOT_IN_FP32:
-            p = p.to(tl.float32)
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        row_max = new_max
 
     result = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
     tl.store(
