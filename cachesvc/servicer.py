@@ -198,16 +198,23 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         bm = seqs.block_manager
         host = seqs.host_tier
         leases = []
+        num_tokens = num_token_slots = 0
         for lease in self.leases:
             own = seqs.sequences_of(lease.lease_id)
+            on_device = [s for s in own if s.location == "device"]
+            lease_blocks = sum(len(s.block_table) for s in on_device)
+            lease_tokens = sum(len(s.token_ids) for s in on_device)
+            num_tokens += lease_tokens
+            num_token_slots += lease_blocks * bm.block_size
             leases.append(
                 cache_pb2.LeaseStats(
                     lease_id=lease.lease_id[:8],
                     client_name=lease.client_name,
                     num_sequences=len(own),
-                    num_blocks=sum(len(s.block_table) for s in own if s.location == "device"),
+                    num_blocks=lease_blocks,
                     num_host_blocks=sum(len(s.host_slots) for s in own if s.location == "host"),
                     expires_in_s=self.leases.expires_in(lease),
+                    num_tokens=lease_tokens,
                 )
             )
         return cache_pb2.GetStatsResponse(
@@ -230,6 +237,8 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             leases=leases,
             block_size=bm.block_size,
             num_expired_leases=self.leases.num_expired,
+            num_tokens=num_tokens,
+            num_token_slots=num_token_slots,
         )
 
     async def WatchEvents(self, request, context):

@@ -60,6 +60,7 @@ class CacheMetrics:
         ("num_sequences", "sequences"),
         ("num_swapped_sequences", "swapped_sequences"),
         ("num_leases", "active_leases"),
+        ("num_tokens", "resident_tokens"),
     )
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -107,6 +108,15 @@ class CacheMetrics:
             registry=r,
         )
         self.active_leases = Gauge(f"{p}_active_leases", "Compute leases alive.", registry=r)
+        self.resident_tokens = Gauge(
+            f"{p}_resident_tokens", "Tokens of the sequences held on the device.", registry=r
+        )
+        self.slot_waste_ratio = Gauge(
+            f"{p}_slot_waste_ratio",
+            "Token slots of live block tables holding no token yet (partly filled last blocks, "
+            "lookahead), 0..1.",
+            registry=r,
+        )
         self.expired_leases = Counter(
             f"{p}_expired_leases", "Leases that missed their heartbeats.", registry=r
         )
@@ -149,6 +159,8 @@ class CacheMetrics:
             counter = getattr(self, attr)
             if delta:
                 (counter.labels(*labels) if labels else counter).inc(delta)
+        if stats.get("num_token_slots"):
+            self.slot_waste_ratio.set(1.0 - stats.get("num_tokens", 0) / stats["num_token_slots"])
         queries = self._last_cumulative.get(("prefix_query_tokens", ()), 0.0)
         if queries:
             self.prefix_hit_ratio.set(self._last_cumulative.get(("prefix_hit_tokens", ()), 0.0) / queries)

@@ -160,6 +160,26 @@ def test_sigkilled_client_leaks_no_block_and_its_committed_blocks_stay_cached(se
     assert list(seq.block_table[:3]) == info["block_table"][:3]
 
 
+def test_get_stats_counts_each_leases_tokens_and_the_slots_holding_them(service):
+    c = CacheClient.connect(service.address, TOKEN)
+    c.attach("token-stats")
+    try:
+        # 37 tokens + 4 lookahead -> 3 blocks; 20 + 4 -> 2 blocks, then 2 generated tokens committed.
+        a, b = c.allocate([PROMPT, list(range(100, 120))], num_lookahead_tokens=4).sequences
+        c.commit([(b.sequence_id, [7, 8], 20)])
+        stats = c.get_stats()
+        (mine,) = [lease for lease in stats.leases if lease.lease_id == c.lease_id[:8]]
+        assert (mine.num_sequences, mine.num_blocks, mine.num_tokens) == (2, 5, 37 + 22)
+        # Totals are the sums over leases, in one snapshot.
+        assert stats.num_tokens == sum(lease.num_tokens for lease in stats.leases)
+        assert stats.num_token_slots == BLOCK * sum(lease.num_blocks for lease in stats.leases)
+        c.free([a.sequence_id, b.sequence_id])
+        (mine,) = [lease for lease in c.get_stats().leases if lease.lease_id == c.lease_id[:8]]
+        assert (mine.num_sequences, mine.num_blocks, mine.num_tokens) == (0, 0, 0)
+    finally:
+        c.close()
+
+
 def test_calls_without_or_with_a_wrong_token_are_refused_but_health_is_open(service):
     for token in ("", "wrong-token"):
         c = CacheClient.connect(service.address, token)
@@ -472,6 +492,9 @@ def test_prometheus_endpoint_reports_blocks_hits_and_rpc_latency(tmp_path):
 
         samples = wait_until(refreshed, 15.0, "the metrics refresh")
         assert samples[("kvtier_cache_used_blocks", ())] == 4  # 3 + 1: the two hit blocks are shared
+        # Two tables of 3 blocks (48 slots each) hold 40 tokens each.
+        assert samples[("kvtier_cache_resident_tokens", ())] == 80
+        assert samples[("kvtier_cache_slot_waste_ratio", ())] == pytest.approx(1 - 80 / 96)
         assert samples[("kvtier_cache_capacity_blocks", ())] == 32
         assert samples[("kvtier_cache_prefix_query_tokens_total", ())] == 80
         allocate_calls = samples[

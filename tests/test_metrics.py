@@ -47,6 +47,8 @@ def stats(**overrides: float) -> dict[str, float]:
         num_swapped_sequences=1,
         num_leases=3,
         num_expired_leases=1,
+        num_tokens=300,
+        num_token_slots=400,
     )
     base.update(overrides)
     return base
@@ -78,6 +80,8 @@ def test_cache_gauges_and_cumulative_counters_scrape_as_stats_say():
     assert values[("kvtier_cache_swapped_bytes_total", (("direction", "out"),))] == 8 * 4096
     assert values[("kvtier_cache_swapped_bytes_total", (("direction", "in"),))] == 2 * 4096
     assert values[("kvtier_cache_expired_leases_total", ())] == 1
+    assert values[("kvtier_cache_resident_tokens", ())] == 300
+    assert values[("kvtier_cache_slot_waste_ratio", ())] == pytest.approx(0.25)
     assert values[("kvtier_cache_host_capacity_blocks", ())] == 40
     assert values[("kvtier_cache_host_used_blocks", ())] == 6
     assert values[("kvtier_cache_sequences", ())] == 5

@@ -228,23 +228,25 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LeaseStats(_message.Message):
-    __slots__ = ("lease_id", "client_name", "num_sequences", "num_blocks", "num_host_blocks", "expires_in_s")
+    __slots__ = ("lease_id", "client_name", "num_sequences", "num_blocks", "num_host_blocks", "expires_in_s", "num_tokens")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     client_name: str
     num_sequences: int
     num_blocks: int
     num_host_blocks: int
     expires_in_s: float
-    def __init__(self, lease_id: _Optional[str] = ..., client_name: _Optional[str] = ..., num_sequences: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., expires_in_s: _Optional[float] = ...) -> None: ...
+    num_tokens: int
+    def __init__(self, lease_id: _Optional[str] = ..., client_name: _Optional[str] = ..., num_sequences: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., expires_in_s: _Optional[float] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("num_blocks_total", "num_blocks_free", "num_blocks_used", "num_blocks_cached", "usage_percent", "prefix_query_tokens", "prefix_hit_tokens", "num_evictions", "num_host_blocks_total", "num_host_blocks_used", "num_swap_out_blocks", "num_swap_in_blocks", "num_sequences", "num_swapped_sequences", "leases", "block_size", "num_expired_leases", "num_swap_out_bytes", "num_swap_in_bytes")
+    __slots__ = ("num_blocks_total", "num_blocks_free", "num_blocks_used", "num_blocks_cached", "usage_percent", "prefix_query_tokens", "prefix_hit_tokens", "num_evictions", "num_host_blocks_total", "num_host_blocks_used", "num_swap_out_blocks", "num_swap_in_blocks", "num_sequences", "num_swapped_sequences", "leases", "block_size", "num_expired_leases", "num_swap_out_bytes", "num_swap_in_bytes", "num_tokens", "num_token_slots")
     NUM_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
@@ -264,6 +266,8 @@ class GetStatsResponse(_message.Message):
     NUM_EXPIRED_LEASES_FIELD_NUMBER: _ClassVar[int]
     NUM_SWAP_OUT_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_SWAP_IN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKEN_SLOTS_FIELD_NUMBER: _ClassVar[int]
     num_blocks_total: int
     num_blocks_free: int
     num_blocks_used: int
@@ -283,7 +287,9 @@ class GetStatsResponse(_message.Message):
     num_expired_leases: int
     num_swap_out_bytes: int
     num_swap_in_bytes: int
-    def __init__(self, num_blocks_total: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_cached: _Optional[int] = ..., usage_percent: _Optional[float] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_host_blocks_total: _Optional[int] = ..., num_host_blocks_used: _Optional[int] = ..., num_swap_out_blocks: _Optional[int] = ..., num_swap_in_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., num_swapped_sequences: _Optional[int] = ..., leases: _Optional[_Iterable[_Union[LeaseStats, _Mapping]]] = ..., block_size: _Optional[int] = ..., num_expired_leases: _Optional[int] = ..., num_swap_out_bytes: _Optional[int] = ..., num_swap_in_bytes: _Optional[int] = ...) -> None: ...
+    num_tokens: int
+    num_token_slots: int
+    def __init__(self, num_blocks_total: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_cached: _Optional[int] = ..., usage_percent: _Optional[float] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_host_blocks_total: _Optional[int] = ..., num_host_blocks_used: _Optional[int] = ..., num_swap_out_blocks: _Optional[int] = ..., num_swap_in_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., num_swapped_sequences: _Optional[int] = ..., leases: _Optional[_Iterable[_Union[LeaseStats, _Mapping]]] = ..., block_size: _Optional[int] = ..., num_expired_leases: _Optional[int] = ..., num_swap_out_bytes: _Optional[int] = ..., num_swap_in_bytes: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_token_slots: _Optional[int] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
     __slots__ = ("since_event_id",)
