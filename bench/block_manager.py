@@ -134,8 +134,10 @@ class Runner:
         tokens = prompt + self.trace.generated[k]
         parent = hash_full_blocks(prompt[: hit * bs], bs, extra)[-1] if hit else None
         t0 = time.perf_counter_ns()
-        pack_token_ids(prompt)  # allocate: validation and the prefix walk's keys
-        hash_full_blocks(tokens[hit * bs : full * bs], bs, extra, parent)  # commit: new blocks
+        data = pack_token_ids(prompt)  # allocate: validation and the prefix walk's keys; kept
+        # commit: the new blocks, from the kept prompt bytes and the generated tokens packed now
+        new = data[hit * bs * 4 :] + pack_token_ids(tokens[len(prompt) : full * bs])
+        hash_full_blocks(new, bs, extra, parent)
         return time.perf_counter_ns() - t0
 
 

@@ -451,18 +451,24 @@ class BlockManager:
         end: int,
         token_ids: list[int],
         extra: bytes,
+        packed: bytes = b"",
     ) -> int:
         """``publish`` for blocks ``start..end-1`` of one sequence, in one call.
 
         ``block_ids`` is its block table, ``token_ids`` its token list (at least ``end *
         block_size`` tokens), ``extra`` its extra key and ``block_hashes`` its chain of known
         hashes (at least ``start``); hashes missing up to ``end`` are computed and appended.
+        ``packed`` may hold the leading tokens already as ``pack_token_ids`` bytes (the prompt):
+        those are not converted again.
         Returns how many blocks were newly published (duplicates and already-hashed blocks are
         skipped).
         """
         bs = self.block_size
         step = 4 * bs
-        data = pack_token_ids(token_ids[start * bs : end * bs])
+        first_unpacked = min(max(start * bs, len(packed) // 4), end * bs)
+        data = packed[start * step : first_unpacked * 4] + pack_token_ids(
+            token_ids[first_unpacked : end * bs]
+        )
         known = len(block_hashes)
         blocks = self.blocks
         index = self.prefix_index

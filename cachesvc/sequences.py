@@ -77,6 +77,9 @@ class Sequence:
     # Host slots in token order while on the host; empty while on the device.
     host_slots: list[int]
     extra: bytes  # extra_key(model, cache_salt, adapter_id) of this sequence
+    # The prompt as pack_token_ids bytes, kept from Allocate so publishing its blocks (Commit,
+    # SwapIn) does not convert the same token ids again. 4 bytes per prompt token.
+    prompt_bytes: bytes
     # Hashes of the leading full blocks named so far (the prefix hit, then each block as it is
     # published), in token order; computed once, never recomputed.
     block_hashes: list[BlockHash]
@@ -118,6 +121,7 @@ class _AllocatePlan:
     hit: list[int]
     num_new_blocks: int
     extra: bytes
+    prompt_bytes: bytes
 
 
 class SequenceTable:
@@ -285,7 +289,7 @@ class SequenceTable:
             num_new = -(-(n + lookahead) // bs) - len(hit)
             total_new += num_new
             touched += hit
-            plans.append(_AllocatePlan(hashes, hit, num_new, extra))
+            plans.append(_AllocatePlan(hashes, hit, num_new, extra, data))
         if not bm.can_allocate(total_new, touched):
             raise ResourceExhausted(
                 f"allocate needs {total_new} new blocks for {len(specs)} sequences but only "
@@ -315,6 +319,7 @@ class SequenceTable:
                 location=DEVICE,
                 host_slots=[],
                 extra=plan.extra,
+                prompt_bytes=plan.prompt_bytes,
                 block_hashes=plan.block_hashes,
                 request_id=spec.request_id,
                 room=min(len(table) * bs, max_len),
@@ -475,6 +480,7 @@ class SequenceTable:
             num_full_blocks,
             seq.token_ids,
             seq.extra,
+            seq.prompt_bytes,
         )
         seq.num_published_blocks = num_full_blocks
         return count
@@ -615,6 +621,9 @@ class SequenceTable:
             assert seq.sequence_id == sid, f"sequence {sid} is filed under id {seq.sequence_id}"
             assert self._by_lease.get(seq.lease_id, {}).get(sid) is seq, (
                 f"sequence {sid} missing from its lease index"
+            )
+            assert seq.prompt_bytes == pack_token_ids(seq.token_ids[: len(seq.prompt_bytes) // 4]), (
+                f"sequence {sid}: prompt_bytes do not match its leading token ids"
             )
             assert seq.num_cached_tokens <= seq.num_computed_tokens <= len(seq.token_ids), (
                 f"sequence {sid}: cached {seq.num_cached_tokens} <= computed {seq.num_computed_tokens} "
