@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+# NOTE: imported here, before any test starts server or heartbeat threads. Twice a run died with
+# CPython 3.11.7's "AST constructor recursion depth mismatch" (gh-106905: the AST constructor's
+# depth counter is shared state, and threads can upset it) while hypothesis was being loaded
+# mid-run; loading it first, single-threaded, takes that window away.
+import hypothesis.stateful  # noqa: F401
+import hypothesis.strategies  # noqa: F401
 import pytest
 
 
