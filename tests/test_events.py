@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from cachesvc.block_manager import BlockManager, extra_key, hash_full_blocks
@@ -79,3 +81,41 @@ def test_the_ring_drops_whole_old_records_and_reports_the_gap() -> None:
     assert [e.event_id for e in log.since(6)] == list(range(7, 13))
     with pytest.raises(EventGap, match="since_event_id 5 is older than the oldest kept event 7"):
         log.since(5)
+
+
+def test_watch_events_delivers_events_that_arrive_while_a_batch_is_being_sent() -> None:
+    # The servicer's stream, driven by hand over real domain objects: it is suspended at a
+    # `yield` (gRPC sending) when a commit publishes more blocks, and nothing is published after
+    # that. The new events must still come, without waiting for a later publish.
+    from cachesvc.leases import LeaseTable
+    from cachesvc.sequences import AllocateSpec, SequenceTable
+    from cachesvc.servicer import CacheServicer
+    from kvtier.api import cache_pb2
+    from kvtier.pool import PoolSpec
+
+    async def scenario() -> list[int]:
+        table = SequenceTable(
+            BlockManager(num_blocks=16, block_size=BS),
+            None,
+            model_fingerprint="fp",
+            vocab_size=100,
+            max_model_len=64,
+        )
+        spec = PoolSpec("cpu-shm", "float16", [16, 1, 2, BS, 1, 8], [1] * 6, 16 * 256, BS)
+        servicer = CacheServicer(table, LeaseTable(60.0), spec)
+
+        def commit(tokens: list[int]) -> None:
+            (view,) = table.allocate("lease", [AllocateSpec(tokens)])
+            table.commit("lease", [(view.sequence_id, [], len(tokens))])
+            servicer.events.extend(table.block_manager.take_event_records())
+
+        commit(list(range(8)))  # events 1, 2
+        stream = servicer.WatchEvents(cache_pb2.WatchEventsRequest(since_event_id=0), None)
+        got = [(await anext(stream)).event_id]  # suspended after sending event 1
+        commit(list(range(50, 58)))  # events 3, 4 arrive mid-batch; nothing is published after
+        for _ in range(3):
+            got.append((await asyncio.wait_for(anext(stream), 2.0)).event_id)
+        await stream.aclose()
+        return got
+
+    assert asyncio.run(scenario()) == [1, 2, 3, 4]
