@@ -6,7 +6,9 @@ Each client process (spawned, not forked) attaches and loops for --seconds:
   extend64  Extend of those 64 sequences by 16 tokens (one new block each)
   free64    Free of the 64 sequences
   free1     Free of the one sequence
-Baseline in the same run: the gRPC health Check, an empty round trip on the same socket.
+Baseline in the same run: the gRPC health Check, an empty round trip on the same socket. The
+service's own time per call (mean, from its Prometheus histogram) is printed beside the client's
+latency, so what the service adds can be told from what the transport costs.
 
     python bench/rpc.py                  # 1, 8, 32 clients, 3 s each
     python bench/rpc.py --quick          # 1 and 8 clients, 1 s each
@@ -20,9 +22,11 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import re
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -76,6 +80,58 @@ def client_loop(address: str, token: str, seconds: float, seed: int, out: mp.Que
     out.put((lat, errors))
 
 
+def server_seconds(port: int) -> dict[str, tuple[float, float]]:
+    """Per method: (seconds spent, calls), summed over status codes, from the service's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != "kvtier_cache_rpc_duration_seconds":
+            continue
+        for sample in family.samples:
+            kind = {"kvtier_cache_rpc_duration_seconds_sum": 0, "kvtier_cache_rpc_duration_seconds_count": 1}
+            if sample.name in kind:
+                out.setdefault(sample.labels["method"], [0.0, 0.0])[kind[sample.name]] += sample.value
+    return {method: (v[0], v[1]) for method, v in out.items()}
+
+
+PROBE_CALLS = 1000
+
+
+def split_probe(address: str, token: str, metrics_port: int) -> dict[str, tuple[float, float]]:
+    """From this process: client p50 (ms) and the service's mean time (µs) of health Check and of
+    one-sequence Allocate (each followed by a Free), PROBE_CALLS calls each."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from kvtier.auth import grpc_target
+    from kvtier.cache_client import CacheClient
+
+    client = CacheClient.connect(address, token)
+    client.attach("bench-probe")
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(grpc_target(address)))
+    tokens = [7] * 16
+    calls = {
+        "Check": lambda: health.Check(health_pb2.HealthCheckRequest()),
+        "Allocate": lambda: client.allocate([tokens]).sequences[0].sequence_id,
+    }
+    out = {}
+    for method, call in calls.items():
+        before = server_seconds(metrics_port).get(method, (0.0, 0.0))
+        lat = []
+        for _ in range(PROBE_CALLS):
+            t0 = time.perf_counter()
+            result = call()
+            lat.append(time.perf_counter() - t0)
+            if method == "Allocate":
+                client.free([result])
+        spent, count = server_seconds(metrics_port)[method]
+        out[method] = (float(np.percentile(lat, 50)) * 1e3, (spent - before[0]) / (count - before[1]) * 1e6)
+    client.close()
+    return out
+
+
 def run_level(address: str, token: str, clients: int, seconds: float) -> dict:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -112,11 +168,12 @@ def main() -> int:
     # 32 clients x 65 sequences x 2 blocks at most: 4160 blocks; give it room.
     stack = LocalStack(
         run_dir,
-        ["--num-blocks", "8192", "--swap-space", "0", "--log-level", "WARNING"],
+        ["--num-blocks", "8192", "--swap-space", "0", "--log-level", "INFO", "--metrics-port", "0"],
         num_replicas=0,
         env=env,
     )
     stack.start_cache()
+    metrics_port = int(re.search(r"Prometheus metrics on http://[^:]+:(\d+)/", stack.cache.log()).group(1))
     rows = []
     try:
         for n in args.clients:
@@ -127,6 +184,7 @@ def main() -> int:
                 row[f"{op}_p50"] = float(np.percentile(v, 50)) if len(v) else float("nan")
                 row[f"{op}_p99"] = float(np.percentile(v, 99)) if len(v) else float("nan")
             rows.append(row)
+        probe = split_probe(stack.cache_address, token, metrics_port)
     finally:
         stack.down()
 
@@ -137,6 +195,11 @@ def main() -> int:
     for row in rows:
         cells = " ".join(f"{row[f'{op}_p50']:>10.3f} / {row[f'{op}_p99']:<9.3f}" for op in OPS)
         print(f"{row['clients']:>7} {row['calls_per_s']:>9.0f} {row['errors']:>6} {cells}")
+    print(
+        f"split, 1 client, {PROBE_CALLS} calls each: health p50 {probe['Check'][0]:.3f} ms of which the service "
+        f"{probe['Check'][1]:.0f} µs; one-sequence Allocate p50 {probe['Allocate'][0]:.3f} ms of which the service "
+        f"{probe['Allocate'][1]:.0f} µs (mean, from its histogram); the rest is transport and client"
+    )
     one = rows[0]
     worst = rows[-1]
     print(

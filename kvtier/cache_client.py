@@ -123,6 +123,11 @@ class CacheClient:
 
     # ------------------------------------------------------------ sequences
 
+    # NOTE: requests are filled with ``items.add(**fields)``, passing only fields that differ from
+    # their defaults: about half the cost of building item messages and handing over the list
+    # (64 items: 51 vs 99 µs for Extend, 78 vs 237 µs for Allocate on the development machine),
+    # and Extend and Commit run every decode step.
+
     def allocate(
         self,
         prompts: Iterable[Sequence[int]],
@@ -132,38 +137,42 @@ class CacheClient:
         num_lookahead_tokens: int = 0,
         request_ids: Sequence[str] | None = None,
     ):
-        items = [
-            cache_pb2.AllocateItem(
-                token_ids=tokens,
-                cache_salt=cache_salt,
-                adapter_id=adapter_id,
-                num_lookahead_tokens=num_lookahead_tokens,
-                request_id=request_ids[i] if request_ids else "",
+        request = cache_pb2.AllocateRequest(lease_id=self.lease_id)
+        shared = {
+            k: v
+            for k, v in (
+                ("cache_salt", cache_salt),
+                ("adapter_id", adapter_id),
+                ("num_lookahead_tokens", num_lookahead_tokens),
             )
-            for i, tokens in enumerate(prompts)
-        ]
-        return self.allocate_items(items)
+            if v
+        }
+        add = request.items.add
+        for i, tokens in enumerate(prompts):
+            if request_ids:
+                add(token_ids=tokens, request_id=request_ids[i], **shared)
+            else:
+                add(token_ids=tokens, **shared)
+        return self._call(self.stub.Allocate, request)
 
     def allocate_items(self, items: list[cache_pb2.AllocateItem]):
         return self._call(self.stub.Allocate, cache_pb2.AllocateRequest(lease_id=self.lease_id, items=items))
 
     def extend(self, items: Iterable[tuple[int, int]]):
         """items: (sequence_id, num_tokens of room beyond the sequence's current tokens)."""
-        req = cache_pb2.ExtendRequest(
-            lease_id=self.lease_id,
-            items=[cache_pb2.ExtendItem(sequence_id=s, num_tokens=n) for s, n in items],
-        )
-        return self._call(self.stub.Extend, req)
+        request = cache_pb2.ExtendRequest(lease_id=self.lease_id)
+        add = request.items.add
+        for sequence_id, num_tokens in items:
+            add(sequence_id=sequence_id, num_tokens=num_tokens)
+        return self._call(self.stub.Extend, request)
 
     def commit(self, items: Iterable[tuple[int, Sequence[int], int]]):
         """items: (sequence_id, token ids to append, num_computed_tokens)."""
-        req = cache_pb2.CommitRequest(
-            lease_id=self.lease_id,
-            items=[
-                cache_pb2.CommitItem(sequence_id=s, token_ids=t, num_computed_tokens=n) for s, t, n in items
-            ],
-        )
-        return self._call(self.stub.Commit, req)
+        request = cache_pb2.CommitRequest(lease_id=self.lease_id)
+        add = request.items.add
+        for sequence_id, token_ids, num_computed in items:
+            add(sequence_id=sequence_id, token_ids=token_ids, num_computed_tokens=num_computed)
+        return self._call(self.stub.Commit, request)
 
     def free(self, sequence_ids: Iterable[int]):
         return self._call(
