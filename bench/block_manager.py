@@ -11,8 +11,8 @@ ever hits (prefix caching off, everything else equal).
 
 Hashing is timed on its own over the same trace and subtracted, so the figures "excl. hashing"
 are the block manager and sequence bookkeeping. Hashing is what a lifecycle spends turning token
-ids into block names: packing the prompt's ids to bytes (allocate) and, at commit, packing and
-SHA-256 for every block the lifecycle names for the first time. A prefix hit costs no SHA-256:
+ids into block names: packing the prompt's ids to bytes (allocate; the bytes are kept) and, at
+commit, packing the generated ids and SHA-256 for every block the lifecycle names first. A prefix hit costs no SHA-256:
 the index compares hash preimages and hands back the stored hash (cachesvc.block_manager), so
 the replay hashes exactly the blocks after each lifecycle's hit. ns/token divides by every
 token of the lifecycle (prompt + decode); "sha/life" counts the blocks SHA-256 ran on.
