@@ -23,3 +23,12 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     build_tiny_model(seed=0).save_pretrained(path)
     build_byte_tokenizer().save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_module_loop(request: pytest.FixtureRequest):
+    """Close the module's `LOOP` (a tests/servers.py ModuleLoop) after its last test, if it has one."""
+    yield
+    loop = getattr(request.module, "LOOP", None)
+    if loop is not None:
+        loop.close()

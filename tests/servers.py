@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
+from kvtier.cache_client import CacheClient
+from kvtier.compute_client import ComputeClient
 from kvtier.stack import LocalStack, Process
 
 REPO = Path(__file__).resolve().parent.parent
@@ -54,3 +57,47 @@ def wait_until(predicate: Callable[[], object], timeout_s: float, what: str):
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not within {timeout_s:.0f}s")
         time.sleep(0.05)  # polling a state change with a deadline, not waiting for readiness
+
+
+class ModuleLoop:
+    """One asyncio event loop for a whole test module (tests/conftest.py closes a module's `LOOP`).
+
+    NOTE: grpc.aio binds its completion queue to the first loop it sees, and a fresh
+    asyncio.run per call leaves it calling back into a closed loop.
+    """
+
+    def __init__(self) -> None:
+        self._runner = asyncio.Runner()
+
+    def run(self, coro, timeout_s: float = 120.0):
+        """Run `coro` on the module's loop, failing it after `timeout_s` (no test hangs)."""
+        return self._runner.run(asyncio.wait_for(coro, timeout_s))
+
+    def close(self) -> None:
+        self._runner.close()
+
+
+def cache_stats(stack: LocalStack):
+    """GetStats of the stack's cache service, through a short-lived client."""
+    client = CacheClient.connect(stack.cache_address, TOKEN, timeout_s=5.0)
+    try:
+        return client.get_stats()
+    finally:
+        client.close()
+
+
+def greedy_request(token_ids: list[int], max_tokens: int, **kw):
+    """A greedy Generate request that runs to `max_tokens` (EOS ignored)."""
+    return ComputeClient.request(
+        prompt_token_ids=token_ids, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw
+    )
+
+
+def stats_without_clock(stats):
+    """A copy of a GetStatsResponse minus what changes with the clock alone (lease countdowns),
+    for asserting that a call changed no state."""
+    copy = type(stats)()
+    copy.CopyFrom(stats)
+    for lease in copy.leases:
+        lease.expires_in_s = 0
+    return copy

@@ -19,7 +19,7 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from servers import REPO, TOKEN, cache_service, child_env, wait_until
+from servers import REPO, TOKEN, cache_service, child_env, stats_without_clock, wait_until
 
 from kvtier.api import cache_pb2
 from kvtier.cache_client import CacheClient
@@ -223,7 +223,7 @@ def test_one_lease_cannot_touch_another_leases_sequences(service, client):
         assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED, name
         assert str(seq.sequence_id) in e.value.details(), name
     after = client.get_stats()
-    assert _comparable(before) == _comparable(after)
+    assert stats_without_clock(before) == stats_without_clock(after)
     other.close()
 
 
@@ -299,15 +299,6 @@ def test_watch_events_reports_evicted_blocks_as_removed(tmp_path):
         assert [e.event_id for e in events] == list(range(1, 9))
         assert c.get_stats().num_evictions == 4
         c.close()
-
-
-def _comparable(stats: cache_pb2.GetStatsResponse) -> cache_pb2.GetStatsResponse:
-    """Stats minus what changes with the clock alone."""
-    copy = cache_pb2.GetStatsResponse()
-    copy.CopyFrom(stats)
-    for lease in copy.leases:
-        lease.expires_in_s = 0
-    return copy
 
 
 def _bad_calls(c: CacheClient, seq_id: int, swapped_id: int, pool_blocks: int):
@@ -392,7 +383,7 @@ def test_every_rpc_rejects_bad_input_with_a_clear_status_and_changes_no_state(cl
     swapped = _alloc(client, [[4] * 20])[0]
     client.swap_out([swapped.sequence_id])
     for name, call, code, fragment in _bad_calls(client, seq.sequence_id, swapped.sequence_id, 64):
-        before = _comparable(client.get_stats())
+        before = stats_without_clock(client.get_stats())
         try:
             call()
         except grpc.RpcError as e:
@@ -401,7 +392,7 @@ def test_every_rpc_rejects_bad_input_with_a_clear_status_and_changes_no_state(cl
             pytest.fail(f"{name}: the call succeeded")
         assert error.code() == code, f"{name}: {error.code()} {error.details()}"
         assert fragment in error.details(), f"{name}: {error.details()!r} does not name {fragment!r}"
-        assert _comparable(client.get_stats()) == before, f"{name} changed the service's state"
+        assert stats_without_clock(client.get_stats()) == before, f"{name} changed the service's state"
     client.swap_in([swapped.sequence_id])
 
 

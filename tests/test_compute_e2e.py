@@ -25,11 +25,20 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from servers import REPO, TOKEN, cache_service, child_env, local_stack, wait_until
+from servers import (
+    REPO,
+    TOKEN,
+    ModuleLoop,
+    cache_service,
+    cache_stats,
+    child_env,
+    greedy_request,
+    local_stack,
+    wait_until,
+)
 
 from computesvc.config import build_parser
 from computesvc.model import build_tiny_model
-from kvtier.cache_client import CacheClient
 from kvtier.compute_client import Completion, ComputeClient
 from kvtier.model_spec import TINY_LLAMA_CONFIG
 from kvtier.stack import LocalStack, wait_serving
@@ -84,28 +93,10 @@ def reference():
     torch.set_num_threads(threads)
 
 
-def greedy_request(token_ids: list[int], max_tokens: int, **kw):
-    return ComputeClient.request(
-        prompt_token_ids=token_ids, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw
-    )
-
-
 # ---------------------------------------------------------------- talking to the stack
 
-# NOTE: one event loop for the whole module: grpc.aio binds its completion queue to the first
-# loop it sees, and a fresh asyncio.run per call leaves it calling back into a closed loop.
-LOOP = asyncio.Runner()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def close_loop():
-    yield
-    LOOP.close()
-
-
-def run(coro, timeout_s: float = 120.0):
-    """Run `coro` on the module's loop, failing it after `timeout_s` (no test hangs)."""
-    return LOOP.run(asyncio.wait_for(coro, timeout_s))
+LOOP = ModuleLoop()
+run = LOOP.run
 
 
 def complete(addresses: list[str], requests, max_attempts: int | None = None) -> list[Completion]:
@@ -119,14 +110,6 @@ def complete(addresses: list[str], requests, max_attempts: int | None = None) ->
             await client.close()
 
     return run(complete_all())
-
-
-def cache_stats(stack: LocalStack):
-    client = CacheClient.connect(stack.cache_address, TOKEN, timeout_s=5.0)
-    try:
-        return client.get_stats()
-    finally:
-        client.close()
 
 
 def serves(address: str) -> bool:

@@ -36,7 +36,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from servers import TOKEN, cache_service
+from servers import TOKEN, cache_service, stats_without_clock
 
 from kvtier.api import cache_pb2
 from kvtier.auth import bearer, grpc_target
@@ -86,15 +86,6 @@ def leases(service):
     yield clients
     for c in clients:
         c.close()
-
-
-def comparable(stats: cache_pb2.GetStatsResponse) -> cache_pb2.GetStatsResponse:
-    """GetStats minus its clock fields (lease expiry countdowns)."""
-    copy = cache_pb2.GetStatsResponse()
-    copy.CopyFrom(stats)
-    for lease in copy.leases:
-        lease.expires_in_s = 0
-    return copy
 
 
 def blocks_for(num_tokens: int) -> int:
@@ -188,7 +179,7 @@ class CacheApiMachine(RuleBasedStateMachine):
             OUTCOMES[method, code.name] += 1
             assert e.details(), f"{method} -> {code.name} without a message"
             after = self.stats()
-            assert comparable(after) == comparable(before), (
+            assert stats_without_clock(after) == stats_without_clock(before), (
                 f"failed {method} ({code.name}: {e.details()}) changed the service's state"
             )
             return None, before
@@ -523,7 +514,9 @@ class CacheApiMachine(RuleBasedStateMachine):
         )
         if reply is None:
             return
-        assert comparable(self.stats()) == comparable(before), "LookupPrefix changed the service's state"
+        assert stats_without_clock(self.stats()) == stats_without_clock(before), (
+            "LookupPrefix changed the service's state"
+        )
         for item, cached in zip(built, reply.num_cached_tokens, strict=True):
             assert cached % BS == 0 and cached <= len(item.token_ids)
             for b in range(cached // BS):
@@ -627,18 +620,18 @@ def still_serves(address: str) -> None:
     "payload", GARBAGE, ids=["bad-tag", "truncated-string", "overlong-varint", "truncated-item", "bad-utf8"]
 )
 def test_malformed_protobuf_bytes_are_refused_and_the_service_keeps_serving(service, leases, payload):
-    before = comparable(leases[0].get_stats())
+    before = stats_without_clock(leases[0].get_stats())
     with pytest.raises(grpc.RpcError) as e:
         raw_allocate(service.address, payload)
     assert e.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT), e.value.details()
-    assert comparable(leases[0].get_stats()) == before
+    assert stats_without_clock(leases[0].get_stats()) == before
     still_serves(service.address)
 
 
 @settings(max_examples=60, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(payload=st.binary(max_size=200))
 def test_random_bytes_as_an_allocate_request_never_crash_or_change_the_service(service, leases, payload):
-    before = comparable(leases[0].get_stats())
+    before = stats_without_clock(leases[0].get_stats())
     try:
         raw_allocate(service.address, payload)
     except grpc.RpcError as e:
@@ -647,7 +640,7 @@ def test_random_bytes_as_an_allocate_request_never_crash_or_change_the_service(s
         assert e.code() in allowed, f"{payload!r} -> {e.code().name}: {e.details()}"
     else:
         pytest.fail(f"{payload!r} was accepted as an Allocate without a lease")
-    assert comparable(leases[0].get_stats()) == before
+    assert stats_without_clock(leases[0].get_stats()) == before
 
 
 def test_a_message_just_over_the_128_mib_limit_is_resource_exhausted_and_the_service_keeps_serving(

@@ -37,7 +37,7 @@ from pathlib import Path
 import grpc
 import pytest
 from clients.generate_load import LoadSpec, collect, start_clients
-from servers import TOKEN, cache_service, local_stack, wait_until
+from servers import TOKEN, ModuleLoop, cache_service, cache_stats, greedy_request, local_stack, wait_until
 
 from kvtier.api import cache_pb2, compute_pb2_grpc
 from kvtier.auth import bearer, grpc_target
@@ -54,33 +54,8 @@ LEASE_TTL_S = 2.0  # tests/servers.py local_stack's default
 # Small enough that 64 concurrent requests wait for blocks at admission (backpressure).
 POOL = ["--num-blocks", "128", "--swap-space", "0.01"]
 
-# NOTE: one event loop for the module: grpc.aio binds to the first loop it sees.
-LOOP = asyncio.Runner()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def close_loop():
-    yield
-    LOOP.close()
-
-
-def run(coro, timeout_s: float = 120.0):
-    """Run `coro` on the module's loop; fail it after `timeout_s` (nothing hangs a test)."""
-    return LOOP.run(asyncio.wait_for(coro, timeout_s))
-
-
-def cache_stats(stack: LocalStack):
-    c = CacheClient.connect(stack.cache_address, TOKEN, timeout_s=5.0)
-    try:
-        return c.get_stats()
-    finally:
-        c.close()
-
-
-def greedy(token_ids: list[int], max_tokens: int, **kw):
-    return ComputeClient.request(
-        prompt_token_ids=token_ids, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw
-    )
+LOOP = ModuleLoop()
+run = LOOP.run
 
 
 def prompt(n: int, salt: int) -> list[int]:
@@ -93,7 +68,7 @@ def serves(address: str) -> bool:
     async def once():
         client = ComputeClient([address], TOKEN)
         try:
-            await client.complete(greedy([BOS, 1], 1), max_attempts=1)
+            await client.complete(greedy_request([BOS, 1], 1), max_attempts=1)
         finally:
             await client.close()
 
@@ -219,12 +194,12 @@ def test_unread_streams_release_their_sequences_when_done_or_cancelled_and_other
         # compute-0: four 600-token streams whose replies nobody reads (yet).
         opened = time.monotonic()
         unread = [
-            stubs[0].Generate(greedy(prompt(10, 50 + k), 600), metadata=bearer(TOKEN), timeout=120)
+            stubs[0].Generate(greedy_request(prompt(10, 50 + k), 600), metadata=bearer(TOKEN), timeout=120)
             for k in range(4)
         ]
         # compute-1: one stream as long as the model allows, cancelled unread.
         cancelled = stubs[1].Generate(
-            greedy(prompt(10, 60), MAX_MODEL_LEN - 10), metadata=bearer(TOKEN), timeout=120
+            greedy_request(prompt(10, 60), MAX_MODEL_LEN - 10), metadata=bearer(TOKEN), timeout=120
         )
         wait_until(lambda: cache_stats(stack).num_sequences == 5, 20.0, "the five sequences allocated")
 
@@ -283,7 +258,7 @@ async def complete_many(addresses: list[str], requests, max_attempts: int | None
 def test_replica_sigkilled_under_load_its_requests_finish_elsewhere_and_nothing_leaks(stack, caplog):
     before = cache_stats(stack)
     victim = stack.replicas[0]
-    requests = [greedy(prompt(24 + k, 100 + k), 60, request_id=f"kill-{k}") for k in range(16)]
+    requests = [greedy_request(prompt(24 + k, 100 + k), 60, request_id=f"kill-{k}") for k in range(16)]
 
     async def load_and_kill():
         work = asyncio.ensure_future(complete_many(stack.compute_addresses, requests))
@@ -326,7 +301,9 @@ def test_rolling_restart_of_both_replicas_fails_no_request_of_long_lived_clients
         try:
             while not stop.is_set():
                 try:
-                    done = await asyncio.wait_for(client.complete(greedy(prompt(20, 500 + k), 8)), 30.0)
+                    done = await asyncio.wait_for(
+                        client.complete(greedy_request(prompt(20, 500 + k), 8)), 30.0
+                    )
                 except grpc.aio.AioRpcError as e:
                     outcomes[e.code().name] += 1
                     await asyncio.sleep(0.1)
@@ -376,7 +353,7 @@ def test_cache_sigkilled_fails_requests_in_flight_fast_and_replicas_reattach_to_
     old.close()
     for replica in stack.replicas:
         assert replica_maps(replica.proc.pid, old_segment)
-    requests = [greedy(prompt(20, 200 + k), 400, request_id=f"cache-kill-{k}") for k in range(8)]
+    requests = [greedy_request(prompt(20, 200 + k), 400, request_id=f"cache-kill-{k}") for k in range(8)]
 
     async def load_and_kill():
         work = asyncio.ensure_future(complete_many(stack.compute_addresses, requests))
@@ -398,7 +375,7 @@ def test_cache_sigkilled_fails_requests_in_flight_fast_and_replicas_reattach_to_
 
     # While the cache is down, a new request fails fast too (no hang).
     started = time.monotonic()
-    (down,) = run(complete_many(stack.compute_addresses, [greedy(prompt(20, 299), 4)]), 30.0)
+    (down,) = run(complete_many(stack.compute_addresses, [greedy_request(prompt(20, 299), 4)]), 30.0)
     assert isinstance(down, grpc.aio.AioRpcError) and down.code() == grpc.StatusCode.UNAVAILABLE, down
     assert time.monotonic() - started < 10.0
 
@@ -540,7 +517,7 @@ owner.close()
 
 def test_a_replica_that_loses_its_lease_mid_decode_stays_up_and_serves_again(stack):
     replica = stack.replicas[0]
-    requests = [greedy(prompt(4, 400 + k), MAX_MODEL_LEN - 4) for k in range(24)]
+    requests = [greedy_request(prompt(4, 400 + k), MAX_MODEL_LEN - 4) for k in range(24)]
     for cycle in range(5):
         expired_before = cache_stats(stack).num_expired_leases
         with grpc.insecure_channel(grpc_target(replica.address)) as channel:
@@ -584,7 +561,7 @@ def test_a_replica_paused_past_its_lease_starts_no_write_into_blocks_given_to_an
     seqs = []
     try:
         stream = compute_pb2_grpc.ComputeServiceStub(channel).Generate(
-            greedy(prompt(10, 70), MAX_MODEL_LEN - 10), metadata=bearer(TOKEN), timeout=120
+            greedy_request(prompt(10, 70), MAX_MODEL_LEN - 10), metadata=bearer(TOKEN), timeout=120
         )
         assert next(stream).token_ids, "no first token"  # the prompt is prefilled: decoding runs
         expired_before = cache_stats(stack).num_expired_leases

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from servers import TOKEN, cache_service, child_env, local_stack
+from servers import TOKEN, cache_service, child_env, local_stack, stats_without_clock
 
 from kvtier.api import cache_pb2, compute_pb2, compute_pb2_grpc
 from kvtier.auth import bearer, grpc_target
@@ -62,14 +62,6 @@ def owner(stack):
     stop.set()
     c.free(list(c.held))
     c.close()
-
-
-def comparable(stats: cache_pb2.GetStatsResponse) -> cache_pb2.GetStatsResponse:
-    copy = cache_pb2.GetStatsResponse()
-    copy.CopyFrom(stats)
-    for lease in copy.leases:
-        lease.expires_in_s = 0
-    return copy
 
 
 def valid_cache_requests(owner: CacheClient) -> dict[str, object]:
@@ -126,14 +118,14 @@ def test_every_cache_rpc_refuses_a_valid_request_without_the_token_and_changes_n
 ):
     requests = valid_cache_requests(owner)
     assert sorted(requests) == sorted(m.name for m in CACHE_SERVICE.methods), "a new RPC is not covered"
-    before = comparable(owner.get_stats())
+    before = stats_without_clock(owner.get_stats())
     for method in CACHE_SERVICE.methods:
         with pytest.raises(grpc.RpcError) as e:
             raw_call(stack.cache_address, method, requests[method.name], metadata)
         assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED, f"{method.name}: {e.value.details()}"
         assert "token" in e.value.details(), method.name
         assert TOKEN not in e.value.details(), f"{method.name} echoes the token"
-    assert comparable(owner.get_stats()) == before
+    assert stats_without_clock(owner.get_stats()) == before
 
 
 def test_the_valid_requests_succeed_with_the_token(stack, owner):
@@ -215,7 +207,7 @@ def test_another_lease_cannot_swap_in_a_sequence_and_stats_never_reveal_a_usable
     other.attach("other")
     try:
         on_device, swapped = owner.held
-        before = comparable(owner.get_stats())
+        before = stats_without_clock(owner.get_stats())
         for name, call in {
             "swap_in": lambda: other.swap_in([swapped]),
             "free a swapped-out sequence": lambda: other.free([swapped]),
@@ -225,7 +217,7 @@ def test_another_lease_cannot_swap_in_a_sequence_and_stats_never_reveal_a_usable
                 call()
             assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED, name
             assert owner.lease_id[:8] not in e.value.details(), f"{name}: the refusal names the owner's lease"
-        assert comparable(owner.get_stats()) == before
+        assert stats_without_clock(owner.get_stats()) == before
 
         # GetStats shows each lease by an 8-hex-digit prefix (32 of its 128 bits): not enough to act.
         shown = [lease.lease_id for lease in owner.get_stats().leases]
@@ -237,7 +229,7 @@ def test_another_lease_cannot_swap_in_a_sequence_and_stats_never_reveal_a_usable
                 metadata=owner.metadata,
             )
         assert e.value.code() == grpc.StatusCode.NOT_FOUND
-        assert comparable(owner.get_stats()) == before
+        assert stats_without_clock(owner.get_stats()) == before
     finally:
         other.close()
 
