@@ -85,12 +85,12 @@ def server_seconds(port: int) -> dict[str, tuple[float, float]]:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    kind = {"kvtier_cache_rpc_duration_seconds_sum": 0, "kvtier_cache_rpc_duration_seconds_count": 1}
     out: dict[str, list[float]] = {}
     for family in text_string_to_metric_families(text):
         if family.name != "kvtier_cache_rpc_duration_seconds":
             continue
         for sample in family.samples:
-            kind = {"kvtier_cache_rpc_duration_seconds_sum": 0, "kvtier_cache_rpc_duration_seconds_count": 1}
             if sample.name in kind:
                 out.setdefault(sample.labels["method"], [0.0, 0.0])[kind[sample.name]] += sample.value
     return {method: (v[0], v[1]) for method, v in out.items()}

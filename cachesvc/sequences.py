@@ -238,6 +238,10 @@ class SequenceTable:
             self._extra_keys[key] = extra
         return extra
 
+    def _room(self, block_table: list[int]) -> int:
+        """``Sequence.room`` of a device sequence holding ``block_table``."""
+        return min(len(block_table) * self.block_size, self.max_model_len)
+
     def _view(self, seq: Sequence) -> SequenceView:
         view = seq.cached_view
         if view is None:
@@ -322,7 +326,7 @@ class SequenceTable:
                 prompt_bytes=plan.prompt_bytes,
                 block_hashes=plan.block_hashes,
                 request_id=spec.request_id,
-                room=min(len(table) * bs, max_len),
+                room=self._room(table),
                 num_published_blocks=len(hit),
             )
             self._sequences[sid] = seq
@@ -384,7 +388,7 @@ class SequenceTable:
                 more = (len(seq.token_ids) + num_tokens + bs - 1) // bs - len(seq.block_table)
                 if more > 0:
                     seq.block_table += new_ids[pos : pos + more]
-                    seq.room = min(len(seq.block_table) * bs, max_len)
+                    seq.room = self._room(seq.block_table)
                     seq.cached_view = None
                     pos += more
         view = self._view
@@ -596,7 +600,7 @@ class SequenceTable:
         for seq in seqs:
             n = len(seq.host_slots)
             seq.block_table = new_ids[pos : pos + n]
-            seq.room = min(n * self.block_size, self.max_model_len)
+            seq.room = self._room(seq.block_table)
             seq.cached_view = None
             pos += n
             seq.host_slots = []
@@ -637,7 +641,7 @@ class SequenceTable:
                 assert seq.num_published_blocks <= min(len(seq.block_hashes), len(seq.block_table)), (
                     f"sequence {sid}: {seq.num_published_blocks} published blocks but {len(seq.block_hashes)} hashes"
                 )
-                assert seq.room == min(len(seq.block_table) * bs, self.max_model_len), (
+                assert seq.room == self._room(seq.block_table), (
                     f"sequence {sid}: room {seq.room} does not match {len(seq.block_table)} blocks"
                 )
                 device_tables.append(seq.block_table)
