@@ -145,7 +145,8 @@ async def _serve_pool(cfg: CacheConfig, shape: ModelShape, plan: PoolPlan, pool,
     )
     metrics = None
     if cfg.metrics_port is not None:
-        from kvtier.metrics import CacheMetrics, start_metrics_server
+        from cachesvc.metrics import CacheMetrics
+        from kvtier.metrics import start_metrics_server
 
         metrics = CacheMetrics()
         port = start_metrics_server(cfg.metrics_port, metrics.registry)

@@ -26,6 +26,7 @@ from cachesvc.leases import LeaseTable
 from cachesvc.sequences import AllocateSpec, SequenceTable, SequenceView
 from kvtier.api import cache_pb2, cache_pb2_grpc
 from kvtier.pool import PoolSpec
+from kvtier.wire import pool_spec_to_proto
 
 log = logging.getLogger("kvtier.cache")
 
@@ -100,7 +101,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         return cache_pb2.AttachResponse(
             lease_id=lease.lease_id,
             lease_ttl_s=self.leases.ttl_s,
-            pool=self.pool_spec.to_proto(),
+            pool=pool_spec_to_proto(self.pool_spec),
             max_batch=self.sequences.max_batch,
         )
 

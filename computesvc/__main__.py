@@ -30,7 +30,8 @@ async def serve(cfg: ComputeConfig) -> None:
         )
     metrics = None
     if cfg.metrics_port is not None:
-        from kvtier.metrics import ComputeMetrics, start_metrics_server
+        from computesvc.metrics import ComputeMetrics
+        from kvtier.metrics import start_metrics_server
 
         metrics = ComputeMetrics()
         port = start_metrics_server(cfg.metrics_port, metrics.registry)

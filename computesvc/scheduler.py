@@ -181,7 +181,7 @@ class Scheduler:
         self.block_size = cache.block_size
         self.sampler = Sampler()
         self.stats = SchedulerStats()
-        self.metrics = metrics  # kvtier.metrics.ComputeMetrics, or None
+        self.metrics = metrics  # computesvc.metrics.ComputeMetrics, or None
         # Called when the cache service is lost (the replica re-attaches); default: fail in-flight requests.
         self.on_cache_lost: Callable[[Exception], None] = self.fail_all
         self.waiting: deque[Request] = deque()

@@ -25,6 +25,7 @@ from kvtier import auth, telemetry
 from kvtier.api import cache_pb2, cache_pb2_grpc
 from kvtier.grpc_server import MAX_MESSAGE_BYTES
 from kvtier.pool import PoolSpec
+from kvtier.wire import pool_spec_from_proto
 
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -86,7 +87,7 @@ class CacheClient:
         self.lease_id = response.lease_id
         self.lease_ttl_s = response.lease_ttl_s
         self.max_batch = response.max_batch
-        self.pool = PoolSpec.from_proto(response.pool)
+        self.pool = pool_spec_from_proto(response.pool)
         return response
 
     def attach(self, client_name: str, model_fingerprint: str = "") -> cache_pb2.AttachResponse:

@@ -267,7 +267,7 @@ async def start_server(
     """Create, bind and start an aio server; `add_servicers(guard)` registers the service's own.
 
     `add_servicers` receives a `CallGuard` to hand to the generated ``add_*_to_server`` in place
-    of the server. With `metrics` (kvtier.metrics.CacheMetrics / ComputeMetrics), every RPC's
+    of the server. With `metrics` (cachesvc.metrics.CacheMetrics / computesvc.metrics.ComputeMetrics), every RPC's
     latency is recorded per method and status code.
     """
     # Only OTel's interceptor stays an interceptor; everything of ours is the guard, wrapped

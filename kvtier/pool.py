@@ -78,41 +78,6 @@ class PoolSpec:
     def block_bytes(self) -> int:
         return self.size_bytes // self.shape[0]
 
-    def to_proto(self):
-        from kvtier.api import cache_pb2
-
-        return cache_pb2.PoolSpec(
-            backend=self.backend,
-            shm_name=self.shm_name,
-            cuda_ipc_handle=self.cuda_ipc_handle,
-            device_uuid=self.device_uuid,
-            dtype=self.dtype,
-            shape=self.shape,
-            strides=self.strides,
-            size_bytes=self.size_bytes,
-            block_size=self.block_size,
-            model_fingerprint=self.model_fingerprint,
-            vocab_size=self.vocab_size,
-            max_model_len=self.max_model_len,
-        )
-
-    @classmethod
-    def from_proto(cls, msg) -> PoolSpec:
-        return cls(
-            backend=msg.backend,
-            dtype=msg.dtype,
-            shape=list(msg.shape),
-            strides=list(msg.strides),
-            size_bytes=msg.size_bytes,
-            block_size=msg.block_size,
-            shm_name=msg.shm_name,
-            cuda_ipc_handle=bytes(msg.cuda_ipc_handle),
-            device_uuid=msg.device_uuid,
-            model_fingerprint=msg.model_fingerprint,
-            vocab_size=msg.vocab_size,
-            max_model_len=msg.max_model_len,
-        )
-
 
 def torch_dtype(dtype: str) -> torch.dtype:
     """The torch dtype named `dtype` ("float32", "float16" or "bfloat16")."""

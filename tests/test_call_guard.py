@@ -12,7 +12,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvtier.auth import bearer
 from kvtier.grpc_server import start_server
-from kvtier.metrics import CacheMetrics
+from cachesvc.metrics import CacheMetrics
 
 TOKEN = "guard-token"
 ECHO = "/test.Echo/Echo"

@@ -13,7 +13,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.auth import bearer
 from kvtier.grpc_server import CallGuard
-from kvtier.metrics import CacheMetrics, ComputeMetrics, start_metrics_server
+from cachesvc.metrics import CacheMetrics
+from computesvc.metrics import ComputeMetrics
+from kvtier.metrics import start_metrics_server
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:

@@ -1,0 +1,131 @@
+"""Prometheus metrics of the cache service: block pool, prefix cache, swap and leases."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from kvtier.metrics import CACHE_RPC_BUCKETS, RpcLatency
+
+
+class CacheMetrics(RpcLatency):
+    """Block pool, prefix cache, swap and lease metrics of one cache service.
+
+    Gauges and counters are filled from the cumulative numbers of ``GetStats`` by
+    ``update_from_stats`` (call it after a batch of RPCs or on a timer, from the event loop);
+    RPC latency by ``observe_rpc`` (called by ``kvtier.grpc_server.CallGuard``).
+    """
+
+    # (stats keys, GetStatsResponse name first) -> counter attribute, label values.
+    # Values in stats are cumulative since the service started.
+    _COUNTER_KEYS = (
+        (("prefix_query_tokens",), "prefix_query_tokens", ()),
+        (("prefix_hit_tokens",), "prefix_hit_tokens", ()),
+        (("num_evictions",), "evictions", ()),
+        (("num_swap_out_blocks",), "swapped_blocks", ("out",)),
+        (("num_swap_in_blocks",), "swapped_blocks", ("in",)),
+        (("num_swap_out_bytes", "swap_out_bytes"), "swapped_bytes", ("out",)),
+        (("num_swap_in_bytes", "swap_in_bytes"), "swapped_bytes", ("in",)),
+        (("num_expired_leases",), "expired_leases", ()),
+    )
+    _GAUGE_KEYS = (
+        ("num_blocks_total", "capacity_blocks"),
+        ("num_blocks_free", "free_blocks"),
+        ("num_blocks_used", "used_blocks"),
+        ("num_blocks_cached", "cached_blocks"),
+        ("usage_percent", "block_usage_percent"),
+        ("num_host_blocks_total", "host_capacity_blocks"),
+        ("num_host_blocks_used", "host_used_blocks"),
+        ("num_sequences", "sequences"),
+        ("num_swapped_sequences", "swapped_sequences"),
+        ("num_leases", "active_leases"),
+        ("num_tokens", "resident_tokens"),
+    )
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        super().__init__(registry, "kvtier_cache", "Server-side time of one RPC.", CACHE_RPC_BUCKETS)
+        r, p = self.registry, "kvtier_cache"
+        self.block_usage_percent = Gauge(
+            f"{p}_block_usage_percent", "Used blocks / total blocks, 0..100.", registry=r
+        )
+        self.capacity_blocks = Gauge(f"{p}_capacity_blocks", "Blocks in the device pool.", registry=r)
+        self.free_blocks = Gauge(
+            f"{p}_free_blocks", "Blocks no sequence references (cached or empty).", registry=r
+        )
+        self.used_blocks = Gauge(
+            f"{p}_used_blocks", "Blocks referenced by at least one sequence.", registry=r
+        )
+        self.cached_blocks = Gauge(
+            f"{p}_cached_blocks", "Blocks holding a hash in the prefix index.", registry=r
+        )
+        self.host_capacity_blocks = Gauge(
+            f"{p}_host_capacity_blocks", "Blocks in the host swap tier.", registry=r
+        )
+        self.host_used_blocks = Gauge(
+            f"{p}_host_used_blocks", "Host-tier blocks holding swapped KV.", registry=r
+        )
+        self.sequences = Gauge(f"{p}_sequences", "Sequences the cache service holds.", registry=r)
+        self.swapped_sequences = Gauge(
+            f"{p}_swapped_sequences", "Sequences living in the host tier.", registry=r
+        )
+        self.prefix_query_tokens = Counter(f"{p}_prefix_query_tokens", "Prompt tokens looked up.", registry=r)
+        self.prefix_hit_tokens = Counter(f"{p}_prefix_hit_tokens", "Prompt tokens found cached.", registry=r)
+        self.prefix_hit_ratio = Gauge(
+            f"{p}_prefix_hit_ratio", "Hit tokens / query tokens since start, 0..1.", registry=r
+        )
+        self.evictions = Counter(f"{p}_evictions", "Cached blocks evicted from the prefix index.", registry=r)
+        self.swapped_blocks = Counter(
+            f"{p}_swapped_blocks",
+            "Blocks moved to (out) or from (in) the host tier.",
+            ["direction"],
+            registry=r,
+        )
+        self.swapped_bytes = Counter(
+            f"{p}_swapped_bytes",
+            "Bytes moved to (out) or from (in) the host tier.",
+            ["direction"],
+            registry=r,
+        )
+        self.active_leases = Gauge(f"{p}_active_leases", "Compute leases alive.", registry=r)
+        self.resident_tokens = Gauge(
+            f"{p}_resident_tokens", "Tokens of the sequences held on the device.", registry=r
+        )
+        self.slot_waste_ratio = Gauge(
+            f"{p}_slot_waste_ratio",
+            "Token slots of live block tables holding no token yet (partly filled last blocks, "
+            "lookahead), 0..1.",
+            registry=r,
+        )
+        self.expired_leases = Counter(
+            f"{p}_expired_leases", "Leases that missed their heartbeats.", registry=r
+        )
+        # (counter attribute, label values) -> last cumulative value seen in stats
+        self._last_cumulative: dict[tuple[str, tuple[str, ...]], float] = {}
+
+
+    def update_from_stats(self, stats: dict[str, Any]) -> None:
+        """Set gauges and advance counters from a ``GetStatsResponse``-shaped dict; missing keys are skipped.
+
+        Counters advance by the difference to the previous cumulative value; a value lower than
+        the last one (the source restarted) counts from zero again.
+        """
+        for key, attr in self._GAUGE_KEYS:
+            if key in stats:
+                getattr(self, attr).set(stats[key])
+        for keys, attr, labels in self._COUNTER_KEYS:
+            key = next((k for k in keys if k in stats), None)
+            if key is None:
+                continue
+            value = float(stats[key])
+            last = self._last_cumulative.get((attr, labels), 0.0)
+            delta = value - last if value >= last else value
+            self._last_cumulative[attr, labels] = value
+            counter = getattr(self, attr)
+            if delta:
+                (counter.labels(*labels) if labels else counter).inc(delta)
+        if stats.get("num_token_slots"):
+            self.slot_waste_ratio.set(1.0 - stats.get("num_tokens", 0) / stats["num_token_slots"])
+        queries = self._last_cumulative.get(("prefix_query_tokens", ()), 0.0)
+        if queries:
+            self.prefix_hit_ratio.set(self._last_cumulative.get(("prefix_hit_tokens", ()), 0.0) / queries)
