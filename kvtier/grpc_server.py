@@ -10,6 +10,8 @@ import inspect
 import logging
 import os
 import signal
+import socket
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from time import perf_counter
@@ -223,6 +225,10 @@ class _GuardedGenericHandler(grpc.GenericRpcHandler):
         return seen[1]
 
 
+class AddressInUse(OSError):
+    """Another live server already listens where this one was asked to."""
+
+
 def bind(
     server: grpc.aio.Server, listen: str, tls_cert: str | None = None, tls_key: str | None = None
 ) -> str:
@@ -231,22 +237,53 @@ def bind(
         path = Path(listen[len("unix://") :])
         if not path.parent.exists():
             ensure_run_dir(path.parent)  # a directory we create is owner-only
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()  # a socket file left by a killed server
+        clear_stale_socket(path)
         server.add_insecure_port(f"unix://{path}")
         return f"unix://{path}"
     host_port = listen[len("tcp://") :] if listen.startswith("tcp://") else listen
-    if tls_cert or tls_key:
-        if not (tls_cert and tls_key):
-            raise ValueError("TLS needs both --tls-cert and --tls-key")
-        creds = grpc.ssl_server_credentials([(Path(tls_key).read_bytes(), Path(tls_cert).read_bytes())])
-        port = server.add_secure_port(host_port, creds)
-    else:
-        port = server.add_insecure_port(host_port)
+    if bool(tls_cert) != bool(tls_key):
+        raise ValueError("TLS needs both --tls-cert and --tls-key")
+    try:
+        if tls_cert:
+            creds = grpc.ssl_server_credentials([(Path(tls_key).read_bytes(), Path(tls_cert).read_bytes())])
+            port = server.add_secure_port(host_port, creds)
+        else:
+            port = server.add_insecure_port(host_port)
+    except RuntimeError:  # grpc's "Failed to bind"; the reason is only in its debug log
+        port = 0
     if port == 0:
-        raise OSError(f"could not bind {listen}")
+        raise AddressInUse(f"cannot listen on {listen}: the port is in use or the host is not this machine's")
     host = host_port.rsplit(":", 1)[0]
     return f"{host}:{port}"
+
+
+def clear_stale_socket(path: Path) -> None:
+    """Remove a socket file that no server listens on any more; refuse a live one or a non-socket.
+
+    A socket file outlives a killed server. Unlinking it blindly would take the address from a
+    server that is still running (its clients would then reach the newcomer), so the file is
+    removed only when a connection to it is refused.
+    """
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise AddressInUse(f"{path} exists and is not a socket; remove it or choose another --listen")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except (ConnectionRefusedError, FileNotFoundError):
+        log.info("removing stale socket %s (no server answers on it)", path)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        return
+    finally:
+        probe.close()
+    raise AddressInUse(
+        f"a live server already listens on {path}: stop it first (kvtier down, or SIGTERM) or "
+        "choose another --listen"
+    )
 
 
 def restrict_socket(address: str) -> None:

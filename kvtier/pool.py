@@ -1,6 +1,6 @@
 """The KV block pool: one allocation, block-major, shared between processes.
 
-Layout (DESIGN.md §2): ``pool[num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]``.
+Layout (docs/architecture.md, "The pool"): ``pool[num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]``.
 A block id names the same slot in every layer, and one block is one contiguous region.
 
 Two backends, one class each. The cache service calls ``create()``; a compute process calls
