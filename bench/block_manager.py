@@ -38,9 +38,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cachesvc.block_manager import BlockManager, extra_key, hash_full_blocks, pack_token_ids  # noqa: E402
+from cachesvc.block_manager import BlockManager  # noqa: E402
 from cachesvc.events import EventLog  # noqa: E402
-from cachesvc.sequences import AllocateSpec, SequenceTable  # noqa: E402
+from cachesvc.records import AllocateItem  # noqa: E402
+from cachesvc.sequences import SequenceTable  # noqa: E402
+from kvtier.block_hash import extra_key, hash_full_blocks, pack_token_ids  # noqa: E402
 
 VOCAB = 50257
 FINGERPRINT = "bench-model"
@@ -102,28 +104,28 @@ class Runner:
         self.table = make_table(args, mode)
         self.events = EventLog(args.block_size)
         salt_of = salts(args, mode.unique_salts)
-        self.specs = [AllocateSpec(p, cache_salt=s) for p, s in zip(trace.prompts, salt_of, strict=True)]
+        self.items = [AllocateItem(p, cache_salt=s) for p, s in zip(trace.prompts, salt_of, strict=True)]
         self.extras = [extra_key(FINGERPRINT, s) for s in salt_of]
 
     def lifecycle(self, k: int) -> tuple[list[int], int]:
         """Run lifecycle k: CPU ns at the end of [allocate, extends, commit, free, drain events]
         relative to its start, and its prefix hit in blocks."""
-        table, spec, clock = self.table, self.specs[k], time.perf_counter_ns
+        table, item, clock = self.table, self.items[k], time.perf_counter_ns
         decode = self.args.decode
         t0 = clock()
-        (view,) = table.allocate(LEASE, [spec])
+        (blocks,) = table.allocate(LEASE, [item])
         t1 = clock()
-        sid = view.sequence_id
+        sid = blocks.sequence_id
         for i in range(1, decode + 1):
             table.extend(LEASE, [(sid, i)])
         t2 = clock()
-        table.commit(LEASE, [(sid, self.trace.generated[k], len(spec.token_ids) + decode)])
+        table.commit(LEASE, [(sid, self.trace.generated[k], len(item.token_ids) + decode)])
         t3 = clock()
         table.free(LEASE, [sid])
         t4 = clock()
         self.events.extend(table.block_manager.take_event_records())  # as the servicer does every call
         t5 = clock()
-        return [t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4], view.num_cached_tokens // self.args.block_size
+        return [t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4], blocks.num_cached_tokens // self.args.block_size
 
     def hashing(self, k: int, hit: int) -> int:
         """CPU ns of exactly the hashing lifecycle k did, given its hit in blocks."""

@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cachesvc.block_manager import BlockManager  # noqa: E402
 from cachesvc.errors import ResourceExhausted  # noqa: E402
-from cachesvc.sequences import AllocateSpec, SequenceTable  # noqa: E402
+from cachesvc.records import AllocateItem  # noqa: E402
+from cachesvc.sequences import SequenceTable  # noqa: E402
 from computesvc.model import ModelRunner, load_model  # noqa: E402
 from computesvc.sampling import SamplingParams  # noqa: E402
 from computesvc.scheduler import NoFreeBlocks, Request, Scheduler, SchedulerConfig, SeqBlocks  # noqa: E402
@@ -55,7 +56,7 @@ class InProcessCache:
         return [SeqBlocks(v.sequence_id, list(v.block_table), v.num_cached_tokens) for v in views]
 
     async def allocate(self, prompts, salts, lookahead):
-        specs = [AllocateSpec(p, s, "", n) for p, s, n in zip(prompts, salts, lookahead, strict=True)]
+        specs = [AllocateItem(p, s, "", n) for p, s, n in zip(prompts, salts, lookahead, strict=True)]
         return self._blocks(self._do(self.table.allocate, specs))
 
     async def extend(self, items):

@@ -13,6 +13,7 @@ from cachesvc.block_manager import BlockManager
 from cachesvc.config import GIB, CacheConfig, parse_config
 from cachesvc.host_tier import HostTier
 from cachesvc.leases import LeaseTable
+from cachesvc.node import CacheNode
 from cachesvc.sequences import SequenceTable
 from cachesvc.servicer import CacheServicer
 from kvtier import auth, telemetry
@@ -151,7 +152,8 @@ async def _serve_pool(cfg: CacheConfig, shape: ModelShape, plan: PoolPlan, pool,
         metrics = CacheMetrics()
         port = start_metrics_server(cfg.metrics_port, metrics.registry)
         log.info("Prometheus metrics on http://0.0.0.0:%d/metrics", port)
-    servicer = CacheServicer(sequences, LeaseTable(cfg.lease_ttl), pool.spec)
+    node = CacheNode(sequences, LeaseTable(cfg.lease_ttl))
+    servicer = CacheServicer(node, pool.spec)
     server, health, address = await start_server(
         "kvtier.v1.CacheService",
         lambda s: cache_pb2_grpc.add_CacheServiceServicer_to_server(servicer, s),
@@ -167,9 +169,9 @@ async def _serve_pool(cfg: CacheConfig, shape: ModelShape, plan: PoolPlan, pool,
     # would otherwise walk every block on the RPC path, a pause that grows with the pool.
     gc.collect()
     gc.freeze()
-    reaper = asyncio.ensure_future(servicer.reap_leases_forever())
+    reaper = asyncio.ensure_future(node.reap_leases_forever())
     if metrics is not None:
-        refresher = asyncio.ensure_future(refresh_metrics(servicer, metrics))
+        refresher = asyncio.ensure_future(refresh_metrics(node, metrics))
     try:
         await wait_for_termination(server, health)
     finally:
@@ -178,14 +180,10 @@ async def _serve_pool(cfg: CacheConfig, shape: ModelShape, plan: PoolPlan, pool,
             refresher.cancel()
 
 
-async def refresh_metrics(servicer: CacheServicer, metrics, period_s: float = 1.0) -> None:
+async def refresh_metrics(node: CacheNode, metrics, period_s: float = 1.0) -> None:
+    """Feed ``metrics`` (a CacheMetrics) a snapshot of ``node`` every ``period_s`` seconds."""
     while True:
-        msg = servicer.stats()
-        stats = {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields if f.name != "leases"}
-        stats["num_leases"] = len(msg.leases)
-        stats["swap_out_bytes"] = msg.num_swap_out_bytes
-        stats["swap_in_bytes"] = msg.num_swap_in_bytes
-        metrics.update_from_stats(stats)
+        metrics.update(node.snapshot())
         await asyncio.sleep(period_s)
 
 

@@ -20,6 +20,12 @@ class NotFound(CacheError):
     """Unknown sequence (NOT_FOUND)."""
 
 
+class LeaseExpired(NotFound):
+    """The call names a lease this service does not hold: expired, or never opened here (the
+    service restarted). NOT_FOUND like an unknown sequence, but the caller must Attach again, so
+    the status also carries the reason ``kvtier.status.LEASE_EXPIRED``."""
+
+
 class ResourceExhausted(CacheError):
     """No device blocks even after eviction, or no host-tier room: the caller preempts (RESOURCE_EXHAUSTED)."""
 

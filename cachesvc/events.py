@@ -1,13 +1,71 @@
-"""A bounded, numbered log of BlockStored / BlockRemoved events for `WatchEvents` streams."""
+"""Prefix-index events (BlockStored / BlockRemoved) and the bounded, numbered log `WatchEvents` reads.
+
+Domain types only: the servicer turns ``(event_id, event)`` pairs into ``CacheEvent`` messages.
+"""
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
+from dataclasses import dataclass
 
-from cachesvc.block_manager import BlockRemoved, EventRecord, decode_events, num_events
 from cachesvc.errors import CacheError
-from kvtier.api import cache_pb2
+from kvtier.block_hash import BlockHash, unpack_block
+
+
+@dataclass(slots=True)
+class BlockStored:
+    """A block entered the prefix index (its KV is written and committed)."""
+
+    block_hash: BlockHash
+    parent_block_hash: BlockHash | None
+    block_id: int
+    token_ids: list[int]
+
+
+@dataclass(slots=True)
+class BlockRemoved:
+    """A block left the prefix index (evicted to make room, or the cache was reset)."""
+
+    block_hash: BlockHash
+    block_id: int
+
+
+BlockEvent = BlockStored | BlockRemoved
+
+REMOVED = 0
+STORED = 1
+
+EventRecord = tuple
+"""How the block manager records events on its hot path, without an object per block:
+
+- ``(REMOVED, hashes, block_ids)``: a BlockRemoved per entry of the two tuples.
+- ``(STORED, hashes, block_ids, token_bytes, parent)``: a BlockStored per entry of the tuples
+  ``hashes`` and ``block_ids``, a run of consecutive blocks of one chain; block i's token ids
+  are block i of ``token_bytes`` (``pack_token_ids`` form), its parent ``parent`` for i == 0
+  and ``hashes[i - 1]`` after.
+
+A commit costs one STORED record, an allocation that evicts one REMOVED record. Records hold
+only tuples, bytes, ints and None, so the garbage collector stops tracking them: a log of
+thousands of them costs no GC time.
+"""
+
+
+def num_events(record: EventRecord) -> int:
+    """How many events an EventRecord stands for."""
+    return len(record[1])
+
+
+def decode_events(record: EventRecord, block_size: int) -> list[BlockEvent]:
+    """The ``BlockStored`` / ``BlockRemoved`` events an ``EventRecord`` stands for, in order."""
+    if record[0] == REMOVED:
+        return [BlockRemoved(h, i) for h, i in zip(record[1], record[2], strict=True)]
+    _, hashes, block_ids, token_bytes, parent = record
+    events: list[BlockEvent] = []
+    for i, (block_hash, block_id) in enumerate(zip(hashes, block_ids, strict=True)):
+        events.append(BlockStored(block_hash, parent, block_id, unpack_block(token_bytes, block_size, i)))
+        parent = block_hash
+    return events
 
 
 class EventGap(CacheError):
@@ -18,7 +76,7 @@ class EventLog:
     """Numbers the block manager's event records and keeps the newest ``capacity`` events.
 
     Records stay as the block manager made them (one per commit, not one per block) until a
-    watcher reads them: appending costs a few operations per RPC, and protobuf messages are built
+    watcher reads them: appending costs a few operations per RPC, and event objects are built
     only for events someone streams. Event ids are contiguous, one per block event.
     """
 
@@ -49,8 +107,11 @@ class EventLog:
         self._changed.set()
         self._changed.clear()
 
-    def since(self, event_id: int) -> list[cache_pb2.CacheEvent]:
-        """Events with id > `event_id` (0: every event kept); EventGap if some were already dropped."""
+    def since(self, event_id: int) -> list[tuple[int, BlockEvent]]:
+        """``(event id, event)`` for ids > `event_id` (0: every event kept), oldest first.
+
+        Raises EventGap if some of them were already dropped.
+        """
         if event_id >= self.last_event_id:
             return []
         oldest = self._ring[0][0]
@@ -65,25 +126,12 @@ class EventLog:
             picked.append((first, record))
             if first <= event_id + 1:
                 break
-        out: list[cache_pb2.CacheEvent] = []
+        out: list[tuple[int, BlockEvent]] = []
         for first, record in reversed(picked):
             for k, event in enumerate(decode_events(record, self.block_size)):
                 if first + k > event_id:
-                    out.append(self._message(first + k, event))
+                    out.append((first + k, event))
         return out
-
-    @staticmethod
-    def _message(event_id: int, event) -> cache_pb2.CacheEvent:
-        if isinstance(event, BlockRemoved):
-            removed = cache_pb2.BlockRemoved(block_hash=event.block_hash, block_id=event.block_id)
-            return cache_pb2.CacheEvent(event_id=event_id, block_removed=removed)
-        stored = cache_pb2.BlockStored(
-            block_hash=event.block_hash,
-            parent_block_hash=event.parent_block_hash or b"",
-            block_id=event.block_id,
-            token_ids=event.token_ids,
-        )
-        return cache_pb2.CacheEvent(event_id=event_id, block_stored=stored)
 
     async def wait(self) -> None:
         """Return when new events arrive."""

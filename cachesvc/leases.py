@@ -1,6 +1,6 @@
 """Leases: every sequence belongs to one, and a lease that stops heartbeating expires.
 
-Expiry itself only reports which leases ran out; the caller (the servicer's reaper) releases
+Expiry itself only reports which leases ran out; the caller (``CacheNode``'s reaper) releases
 their sequences through the sequence table, so committed blocks stay in the prefix cache.
 """
 
@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cachesvc.errors import InvalidArgument, NotFound
+from cachesvc.errors import InvalidArgument, LeaseExpired
 
 
 @dataclass(slots=True)
@@ -48,7 +48,7 @@ class LeaseTable:
             raise InvalidArgument("lease_id is empty: call Attach first and pass the lease it returns")
         lease = self._leases.get(lease_id)
         if lease is None or lease.expires_at <= self.clock():
-            raise NotFound(f"lease {lease_id[:8]}… is unknown or expired: call Attach again")
+            raise LeaseExpired(f"lease {lease_id[:8]}… is unknown or expired: call Attach again")
         return lease
 
     def renew(self, lease_id: str) -> Lease:

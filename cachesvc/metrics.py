@@ -2,34 +2,38 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvtier.metrics import CACHE_RPC_BUCKETS, RpcLatency
 
+if TYPE_CHECKING:
+    from cachesvc.node import CacheSnapshot
+
 
 class CacheMetrics(RpcLatency):
     """Block pool, prefix cache, swap and lease metrics of one cache service.
 
-    Gauges and counters are filled from the cumulative numbers of ``GetStats`` by
-    ``update_from_stats`` (call it after a batch of RPCs or on a timer, from the event loop);
-    RPC latency by ``observe_rpc`` (called by ``kvtier.grpc_server.CallGuard``).
+    Gauges and counters are filled from a ``CacheSnapshot`` by ``update`` (call it after a batch
+    of RPCs or on a timer, from the event loop); RPC latency by ``observe_rpc`` (called by
+    ``kvtier.grpc_server.CallGuard``).
     """
 
-    # (stats keys, GetStatsResponse name first) -> counter attribute, label values.
-    # Values in stats are cumulative since the service started.
-    _COUNTER_KEYS = (
-        (("prefix_query_tokens",), "prefix_query_tokens", ()),
-        (("prefix_hit_tokens",), "prefix_hit_tokens", ()),
-        (("num_evictions",), "evictions", ()),
-        (("num_swap_out_blocks",), "swapped_blocks", ("out",)),
-        (("num_swap_in_blocks",), "swapped_blocks", ("in",)),
-        (("num_swap_out_bytes", "swap_out_bytes"), "swapped_bytes", ("out",)),
-        (("num_swap_in_bytes", "swap_in_bytes"), "swapped_bytes", ("in",)),
-        (("num_expired_leases",), "expired_leases", ()),
+    # CacheSnapshot attribute -> counter attribute, label values. The snapshot's values are
+    # cumulative since the service started.
+    _COUNTERS = (
+        ("prefix_query_tokens", "prefix_query_tokens", ()),
+        ("prefix_hit_tokens", "prefix_hit_tokens", ()),
+        ("num_evictions", "evictions", ()),
+        ("num_swap_out_blocks", "swapped_blocks", ("out",)),
+        ("num_swap_in_blocks", "swapped_blocks", ("in",)),
+        ("num_swap_out_bytes", "swapped_bytes", ("out",)),
+        ("num_swap_in_bytes", "swapped_bytes", ("in",)),
+        ("num_expired_leases", "expired_leases", ()),
     )
-    _GAUGE_KEYS = (
+    # CacheSnapshot attribute -> gauge attribute.
+    _GAUGES = (
         ("num_blocks_total", "capacity_blocks"),
         ("num_blocks_free", "free_blocks"),
         ("num_blocks_used", "used_blocks"),
@@ -100,32 +104,27 @@ class CacheMetrics(RpcLatency):
         self.expired_leases = Counter(
             f"{p}_expired_leases", "Leases that missed their heartbeats.", registry=r
         )
-        # (counter attribute, label values) -> last cumulative value seen in stats
+        # (counter attribute, label values) -> last cumulative value seen in a snapshot
         self._last_cumulative: dict[tuple[str, tuple[str, ...]], float] = {}
 
-
-    def update_from_stats(self, stats: dict[str, Any]) -> None:
-        """Set gauges and advance counters from a ``GetStatsResponse``-shaped dict; missing keys are skipped.
+    def update(self, snapshot: CacheSnapshot) -> None:
+        """Set gauges and advance counters from a snapshot of the cache.
 
         Counters advance by the difference to the previous cumulative value; a value lower than
         the last one (the source restarted) counts from zero again.
         """
-        for key, attr in self._GAUGE_KEYS:
-            if key in stats:
-                getattr(self, attr).set(stats[key])
-        for keys, attr, labels in self._COUNTER_KEYS:
-            key = next((k for k in keys if k in stats), None)
-            if key is None:
-                continue
-            value = float(stats[key])
+        for name, attr in self._GAUGES:
+            getattr(self, attr).set(getattr(snapshot, name))
+        for name, attr, labels in self._COUNTERS:
+            value = float(getattr(snapshot, name))
             last = self._last_cumulative.get((attr, labels), 0.0)
             delta = value - last if value >= last else value
             self._last_cumulative[attr, labels] = value
             counter = getattr(self, attr)
             if delta:
                 (counter.labels(*labels) if labels else counter).inc(delta)
-        if stats.get("num_token_slots"):
-            self.slot_waste_ratio.set(1.0 - stats.get("num_tokens", 0) / stats["num_token_slots"])
+        if snapshot.num_token_slots:
+            self.slot_waste_ratio.set(1.0 - snapshot.num_tokens / snapshot.num_token_slots)
         queries = self._last_cumulative.get(("prefix_query_tokens", ()), 0.0)
         if queries:
             self.prefix_hit_ratio.set(self._last_cumulative.get(("prefix_hit_tokens", ()), 0.0) / queries)

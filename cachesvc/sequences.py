@@ -1,8 +1,11 @@
-"""Per-sequence records and the batched operations the cache service's RPCs map onto.
+"""The table of live sequences and the batched operations the cache service's RPCs map onto.
 
 The cache service keeps, per sequence, its token ids, block table, computed tokens and where it
-lives (device pool or host tier). That is what lets compute be stateless: any replica can
-continue any sequence from ``SequenceTable.get``.
+lives (device pool or host tier): a ``cachesvc.records.Sequence``. That is what lets compute be
+stateless: any replica can continue any sequence from ``SequenceTable.get``.
+
+Allocate, Extend, Commit, Free and LookupPrefix are here; SwapOut / SwapIn in ``cachesvc.swap``
+(which the table inherits); the checks shared by all of them in ``cachesvc.validation``.
 
 Every batched method is all or nothing. It runs in three phases:
 
@@ -16,101 +19,18 @@ table, the block manager and the host tier exactly as they were.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import numpy as np
-
-from cachesvc.block_manager import BlockHash, BlockManager, extra_key, pack_token_ids
-from cachesvc.errors import (
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-    PermissionDenied,
-    ResourceExhausted,
-)
+from cachesvc.block_manager import BlockManager
+from cachesvc.errors import InvalidArgument, NotFound, ResourceExhausted
+from cachesvc.records import DEVICE, HOST, AllocateItem, CacheStats, Sequence, SequenceBlocks
+from cachesvc.swap import Swapping
+from cachesvc.validation import ExtraKeys, check_batch, check_unique, owned, pack_checked
+from kvtier.block_hash import BlockHash, pack_token_ids
 
 if TYPE_CHECKING:
     from cachesvc.host_tier import HostTier
-
-DEVICE: Literal["device"] = "device"
-HOST: Literal["host"] = "host"
-
-# Cached extra keys per (cache_salt, adapter_id); cleared when it grows past this many entries
-# (one salt per request would otherwise grow it without bound).
-_MAX_EXTRA_KEYS = 4096
-
-
-@dataclass(slots=True)
-class AllocateSpec:
-    """One sequence to allocate: its prompt and how to key and size it."""
-
-    token_ids: list[int]
-    cache_salt: str = ""
-    adapter_id: str = ""
-    num_lookahead_tokens: int = 0
-    request_id: str = ""
-
-
-@dataclass(slots=True)
-class SequenceView:
-    """What a caller sees of a sequence after Allocate / Extend / SwapIn (a copy, not a live view)."""
-
-    sequence_id: int
-    block_table: list[int]
-    num_cached_tokens: int  # tokens served from the prefix cache at Allocate
-    num_slots: int  # tokens the block table has room for: len(block_table) * block_size
-
-
-@dataclass(slots=True)
-class Sequence:
-    """The cache service's record of one sequence."""
-
-    sequence_id: int
-    lease_id: str
-    token_ids: list[int]
-    # Device block ids in token order while on the device; empty while on the host.
-    block_table: list[int]
-    num_computed_tokens: int  # leading tokens whose KV is written (committed)
-    num_cached_tokens: int  # leading tokens that were a prefix hit at Allocate
-    location: Literal["device", "host"]
-    # Host slots in token order while on the host; empty while on the device.
-    host_slots: list[int]
-    extra: bytes  # extra_key(model, cache_salt, adapter_id) of this sequence
-    # The prompt as pack_token_ids bytes, kept from Allocate so publishing its blocks (Commit,
-    # SwapIn) does not convert the same token ids again. 4 bytes per prompt token.
-    prompt_bytes: bytes
-    # Hashes of the leading full blocks named so far (the prefix hit, then each block as it is
-    # published), in token order; computed once, never recomputed.
-    block_hashes: list[BlockHash]
-    request_id: str = ""
-    # Tokens the block table can hold without new blocks: min(len(block_table) * block_size,
-    # max_model_len), 0 while on the host. Kept with the table so the per-step Extend check is
-    # one comparison.
-    room: int = 0
-    # Leading blocks of block_table already offered to the prefix index (published, a hit, or
-    # a duplicate of a published block). Reset by SwapIn, whose blocks are new.
-    num_published_blocks: int = 0
-    # The view last handed out, reused until the block table changes (None = rebuild). Views
-    # are snapshots shared between calls, so callers must treat them as read-only.
-    cached_view: SequenceView | None = field(default=None, repr=False, compare=False)
-
-    @property
-    def num_blocks(self) -> int:
-        """Blocks held, on whichever tier the sequence lives."""
-        return len(self.block_table) if self.location == DEVICE else len(self.host_slots)
-
-
-@dataclass
-class CacheStats:
-    """Cumulative counters, read by GetStats."""
-
-    prefix_query_tokens: int = 0  # prompt tokens looked up by allocate
-    prefix_hit_tokens: int = 0  # of those, tokens served from the prefix cache
-    num_swap_out_blocks: int = 0
-    num_swap_in_blocks: int = 0
-    num_swap_out_bytes: int = 0
-    num_swap_in_bytes: int = 0
 
 
 @dataclass(slots=True)
@@ -124,7 +44,7 @@ class _AllocatePlan:
     prompt_bytes: bytes
 
 
-class SequenceTable:
+class SequenceTable(Swapping):
     """All live sequences, keyed by id and by lease, over one block manager and host tier.
 
     Units: tokens unless a name says blocks. Limits: ``vocab_size`` (token ids must be below it),
@@ -152,7 +72,7 @@ class SequenceTable:
         self._sequences: dict[int, Sequence] = {}
         self._by_lease: dict[str, dict[int, Sequence]] = {}
         self._next_sequence_id = 1
-        self._extra_keys: dict[tuple[str, str], bytes] = {}
+        self._extra_keys = ExtraKeys(model_fingerprint)
 
     # ------------------------------------------------------------------ reading
 
@@ -175,107 +95,44 @@ class SequenceTable:
     def num_swapped_sequences(self) -> int:
         return sum(1 for s in self._sequences.values() if s.location == HOST)
 
-    # ------------------------------------------------------------------ validation helpers
-
-    def _check_batch(self, n: int) -> None:
-        if n > self.max_batch:
-            raise InvalidArgument(f"len(items) = {n} exceeds max_batch {self.max_batch}")
-
-    def _owned(self, lease_id: str, k: int, sequence_id: int, *, location: str | None = DEVICE) -> Sequence:
-        """The sequence of item ``k``, checked for existence, ownership and (optionally) location."""
-        seq = self._sequences.get(sequence_id)
-        if seq is None:
-            raise NotFound(f"items[{k}].sequence_id = {sequence_id} is not a live sequence")
-        if seq.lease_id != lease_id:
-            raise PermissionDenied(f"items[{k}].sequence_id = {sequence_id} belongs to another lease")
-        if location is not None and seq.location != location:
-            if location == DEVICE:
-                raise FailedPrecondition(
-                    f"items[{k}].sequence_id = {sequence_id} is swapped out to the host tier; SwapIn it first"
-                )
-            raise FailedPrecondition(f"items[{k}].sequence_id = {sequence_id} is already on the device")
-        return seq
-
-    @staticmethod
-    def _check_unique(sequence_ids: list[int]) -> None:
-        if len(sequence_ids) > 1 and len(set(sequence_ids)) != len(sequence_ids):
-            seen: set[int] = set()
-            for k, sid in enumerate(sequence_ids):
-                if sid in seen:
-                    raise InvalidArgument(
-                        f"items[{k}].sequence_id = {sid} appears more than once in the batch"
-                    )
-                seen.add(sid)
-
-    def _pack_checked(self, where: str, token_ids: list[int]) -> bytes:
-        """Token ids as LE int32 bytes, after checking each is in [0, vocab_size)."""
-        try:
-            data = pack_token_ids(token_ids)
-        except InvalidArgument as e:
-            raise InvalidArgument(f"{where}.{e}") from None
-        # NOTE: a long list is checked with one vectorized max over the packed ids (viewed as
-        # uint32, negative ids become huge and fail the same test); a short one with the min/max
-        # builtins, which cost less than numpy's call overhead.
-        if len(token_ids) <= 64:
-            if token_ids and (min(token_ids) < 0 or max(token_ids) >= self.vocab_size):
-                self._raise_token_range(where, token_ids)
-        elif int(np.frombuffer(data, dtype=np.uint32).max()) >= self.vocab_size:
-            self._raise_token_range(where, token_ids)
-        return data
-
-    def _raise_token_range(self, where: str, token_ids: list[int]) -> None:
-        for i, t in enumerate(token_ids):
-            if not 0 <= t < self.vocab_size:
-                raise InvalidArgument(f"{where}.token_ids[{i}] = {t} is out of range [0, {self.vocab_size})")
-
-    def _extra(self, cache_salt: str, adapter_id: str) -> bytes:
-        key = (cache_salt, adapter_id)
-        extra = self._extra_keys.get(key)
-        if extra is None:
-            extra = extra_key(self.model_fingerprint, cache_salt, adapter_id)
-            if len(self._extra_keys) >= _MAX_EXTRA_KEYS:
-                self._extra_keys.clear()
-            self._extra_keys[key] = extra
-        return extra
-
     def _room(self, block_table: list[int]) -> int:
         """``Sequence.room`` of a device sequence holding ``block_table``."""
         return min(len(block_table) * self.block_size, self.max_model_len)
 
-    def _view(self, seq: Sequence) -> SequenceView:
-        view = seq.cached_view
-        if view is None:
+    def _blocks_of(self, seq: Sequence) -> SequenceBlocks:
+        blocks = seq.cached_blocks
+        if blocks is None:
             table = seq.block_table
-            view = SequenceView(
+            blocks = SequenceBlocks(
                 seq.sequence_id, list(table), seq.num_cached_tokens, len(table) * self.block_size
             )
-            seq.cached_view = view
-        return view
+            seq.cached_blocks = blocks
+        return blocks
 
     # ------------------------------------------------------------------ lifecycle
 
-    def allocate(self, lease_id: str, specs: list[AllocateSpec]) -> list[SequenceView]:
+    def allocate(self, lease_id: str, items: list[AllocateItem]) -> list[SequenceBlocks]:
         """New sequences: reuse each prompt's longest cached prefix, allocate blocks for the rest.
 
         A hit is whole blocks, capped so the last prompt token is always computed. Blocks cover
         ``len(token_ids) + num_lookahead_tokens`` tokens. Hits of ALL items are taken before any
         new block is allocated, so a later item's allocation never evicts an earlier item's hit.
         """
-        self._check_batch(len(specs))
+        check_batch(len(items), self.max_batch)
         bm = self.block_manager
         bs = self.block_size
         max_len = self.max_model_len
         plans: list[_AllocatePlan] = []
         touched: list[int] = []
         total_new = 0
-        for k, spec in enumerate(specs):
-            tokens = spec.token_ids
+        for k, item in enumerate(items):
+            tokens = item.token_ids
             n = len(tokens)
             if not 1 <= n <= max_len:
                 raise InvalidArgument(
                     f"items[{k}]: len(token_ids) = {n} is not in [1, max_model_len {max_len}]"
                 )
-            lookahead = spec.num_lookahead_tokens
+            lookahead = item.num_lookahead_tokens
             if lookahead < 0:
                 raise InvalidArgument(f"items[{k}].num_lookahead_tokens = {lookahead} must be >= 0")
             if n + lookahead > max_len:
@@ -283,11 +140,8 @@ class SequenceTable:
                     f"items[{k}]: len(token_ids) + num_lookahead_tokens = {n + lookahead} exceeds "
                     f"max_model_len {max_len}"
                 )
-            try:
-                extra = self._extra(spec.cache_salt, spec.adapter_id)
-            except InvalidArgument as e:
-                raise InvalidArgument(f"items[{k}].{e}") from None
-            data = self._pack_checked(f"items[{k}]", tokens)
+            extra = self._extra_keys.get(f"items[{k}]", item.cache_salt, item.adapter_id)
+            data = pack_checked(f"items[{k}]", tokens, self.vocab_size)
             # Cap: the last prompt token is always computed (its logits are needed).
             hit, hashes = bm.match_prefix(data, extra, (n - 1) // bs)
             num_new = -(-(n + lookahead) // bs) - len(hit)
@@ -296,17 +150,17 @@ class SequenceTable:
             plans.append(_AllocatePlan(hashes, hit, num_new, extra, data))
         if not bm.can_allocate(total_new, touched):
             raise ResourceExhausted(
-                f"allocate needs {total_new} new blocks for {len(specs)} sequences but only "
+                f"allocate needs {total_new} new blocks for {len(items)} sequences but only "
                 f"{bm.num_free_blocks - len({i for i in touched if bm.blocks[i].ref_cnt == 0})} of "
                 f"{bm.num_blocks} blocks are free after prefix hits"
             )
 
         bm.touch(touched)
         new_ids = bm.allocate(total_new)
-        views: list[SequenceView] = []
+        out: list[SequenceBlocks] = []
         stats = self.stats
         pos = 0
-        for spec, plan in zip(specs, plans, strict=True):
+        for item, plan in zip(items, plans, strict=True):
             hit = plan.hit
             table = hit + new_ids[pos : pos + plan.num_new_blocks]
             pos += plan.num_new_blocks
@@ -316,7 +170,7 @@ class SequenceTable:
             seq = Sequence(
                 sequence_id=sid,
                 lease_id=lease_id,
-                token_ids=list(spec.token_ids),
+                token_ids=list(item.token_ids),
                 block_table=table,
                 num_computed_tokens=num_cached,
                 num_cached_tokens=num_cached,
@@ -325,7 +179,7 @@ class SequenceTable:
                 extra=plan.extra,
                 prompt_bytes=plan.prompt_bytes,
                 block_hashes=plan.block_hashes,
-                request_id=spec.request_id,
+                request_id=item.request_id,
                 room=self._room(table),
                 num_published_blocks=len(hit),
             )
@@ -333,10 +187,10 @@ class SequenceTable:
             self._by_lease.setdefault(lease_id, {})[sid] = seq
             stats.prefix_query_tokens += len(seq.token_ids)
             stats.prefix_hit_tokens += num_cached
-            views.append(self._view(seq))
-        return views
+            out.append(self._blocks_of(seq))
+        return out
 
-    def extend(self, lease_id: str, items: list[tuple[int, int]]) -> list[SequenceView]:
+    def extend(self, lease_id: str, items: list[tuple[int, int]]) -> list[SequenceBlocks]:
         """Make room for ``num_tokens`` tokens beyond each sequence's current token count.
 
         New blocks only where a block boundary is crossed; a table never shrinks.
@@ -350,9 +204,9 @@ class SequenceTable:
                 and seq.lease_id == lease_id
                 and 0 <= num_tokens <= seq.room - len(seq.token_ids)
             ):
-                return [seq.cached_view or self._view(seq)]
+                return [seq.cached_blocks or self._blocks_of(seq)]
         elif len(items) > self.max_batch:
-            self._check_batch(len(items))
+            check_batch(len(items), self.max_batch)
         sequences = self._sequences
         bs = self.block_size
         max_len = self.max_model_len
@@ -374,7 +228,7 @@ class SequenceTable:
                 total_new += more
             seqs.append(seq)
         if len(items) > 1:
-            self._check_unique([sid for sid, _ in items])
+            check_unique([sid for sid, _ in items])
         bm = self.block_manager
         if total_new > bm.num_free_blocks:
             raise ResourceExhausted(
@@ -389,14 +243,14 @@ class SequenceTable:
                 if more > 0:
                     seq.block_table += new_ids[pos : pos + more]
                     seq.room = self._room(seq.block_table)
-                    seq.cached_view = None
+                    seq.cached_blocks = None
                     pos += more
-        view = self._view
-        return [view(seq) for seq in seqs]
+        blocks_of = self._blocks_of
+        return [blocks_of(seq) for seq in seqs]
 
     def _raise_extend_error(self, lease_id: str, items: list[tuple[int, int]]) -> None:
         for k, (sid, num_tokens) in enumerate(items):
-            seq = self._owned(lease_id, k, sid)
+            seq = owned(self._sequences, lease_id, k, sid)
             if num_tokens < 0:
                 raise InvalidArgument(f"items[{k}].num_tokens = {num_tokens} must be >= 0")
             need = len(seq.token_ids) + num_tokens
@@ -416,7 +270,7 @@ class SequenceTable:
         prefix index. Returns the number of blocks published by the call.
         """
         if len(items) > self.max_batch:
-            self._check_batch(len(items))
+            check_batch(len(items), self.max_batch)
         sequences = self._sequences
         bs = self.block_size
         max_len = self.max_model_len
@@ -435,15 +289,15 @@ class SequenceTable:
                 self._raise_commit_error(lease_id, items)
             # A decode step commits a token or a few: a Python loop beats packing for those.
             if len(new_tokens) > 32:
-                self._pack_checked(f"items[{len(seqs)}]", new_tokens)
+                pack_checked(f"items[{len(seqs)}]", new_tokens, vocab)
             else:
                 for t in new_tokens:
                     if type(t) is not int or not 0 <= t < vocab:
-                        self._pack_checked(f"items[{len(seqs)}]", new_tokens)
+                        pack_checked(f"items[{len(seqs)}]", new_tokens, vocab)
                         break
             seqs.append(seq)
         if len(items) > 1:
-            self._check_unique([item[0] for item in items])
+            check_unique([item[0] for item in items])
 
         published = 0
         for seq, (_, new_tokens, num_computed) in zip(seqs, items, strict=True):
@@ -458,7 +312,7 @@ class SequenceTable:
     def _raise_commit_error(self, lease_id: str, items: list[tuple[int, list[int], int]]) -> None:
         bs = self.block_size
         for k, (sid, new_tokens, num_computed) in enumerate(items):
-            seq = self._owned(lease_id, k, sid)
+            seq = owned(self._sequences, lease_id, k, sid)
             n = len(seq.token_ids) + len(new_tokens)
             slots = len(seq.block_table) * bs
             if n > slots:
@@ -493,9 +347,9 @@ class SequenceTable:
         """Drop sequences. Device blocks go to the LRU tail in reverse table order (still cached
         if committed); a swapped-out sequence releases its host slots. Returns device blocks released.
         """
-        self._check_batch(len(sequence_ids))
-        seqs = [self._owned(lease_id, k, sid, location=None) for k, sid in enumerate(sequence_ids)]
-        self._check_unique(sequence_ids)
+        check_batch(len(sequence_ids), self.max_batch)
+        seqs = [owned(self._sequences, lease_id, k, sid, location=None) for k, sid in enumerate(sequence_ids)]
+        check_unique(sequence_ids)
         return sum(self._release(seq) for seq in seqs)
 
     def _release(self, seq: Sequence) -> int:
@@ -525,94 +379,19 @@ class SequenceTable:
         Whole blocks only and NOT capped below the last token (a router wants the raw figure).
         Read-only: no reference taken, no LRU change, no stats.
         """
-        self._check_batch(len(items))
+        check_batch(len(items), self.max_batch)
         keyed: list[tuple[bytes, bytes]] = []
         for k, (tokens, cache_salt, adapter_id) in enumerate(items):
             if len(tokens) > self.max_model_len:
                 raise InvalidArgument(
                     f"items[{k}]: len(token_ids) = {len(tokens)} exceeds max_model_len {self.max_model_len}"
                 )
-            data = self._pack_checked(f"items[{k}]", tokens)
-            try:
-                extra = self._extra(cache_salt, adapter_id)
-            except InvalidArgument as e:
-                raise InvalidArgument(f"items[{k}].{e}") from None
+            data = pack_checked(f"items[{k}]", tokens, self.vocab_size)
+            extra = self._extra_keys.get(f"items[{k}]", cache_salt, adapter_id)
             keyed.append((data, extra))
         bm = self.block_manager
         bs = self.block_size
         return [len(bm.match_prefix(data, extra, len(data))[0]) * bs for data, extra in keyed]
-
-    # ------------------------------------------------------------------ swapping
-
-    def swap_out(self, lease_id: str, sequence_ids: list[int]) -> tuple[int, int]:
-        """Move whole sequences to the host tier; their device blocks are freed (reverse order,
-        committed ones stay cached). Returns ``(blocks, bytes)`` copied.
-        """
-        self._check_batch(len(sequence_ids))
-        seqs = [self._owned(lease_id, k, sid) for k, sid in enumerate(sequence_ids)]
-        self._check_unique(sequence_ids)
-        total = sum(len(seq.block_table) for seq in seqs)
-        host = self.host_tier
-        if host is None:
-            raise ResourceExhausted("no host tier is configured (swap space 0): cannot swap out")
-        if total > host.num_free_blocks:
-            raise ResourceExhausted(
-                f"swap out needs {total} host blocks but only {host.num_free_blocks} of "
-                f"{host.num_blocks} are free"
-            )
-
-        device_ids = [i for seq in seqs for i in seq.block_table]
-        slots = host.swap_out(device_ids)
-        bm = self.block_manager
-        pos = 0
-        for seq in seqs:
-            n = len(seq.block_table)
-            seq.host_slots = slots[pos : pos + n]
-            pos += n
-            bm.free(seq.block_table[::-1])
-            seq.block_table = []
-            seq.room = 0
-            seq.cached_view = None
-            seq.location = HOST
-        num_bytes = total * host.block_bytes
-        self.stats.num_swap_out_blocks += total
-        self.stats.num_swap_out_bytes += num_bytes
-        return total, num_bytes
-
-    def swap_in(self, lease_id: str, sequence_ids: list[int]) -> tuple[list[SequenceView], int, int]:
-        """Move swapped sequences back to fresh device blocks. Returns ``(views, blocks, bytes)``;
-        the views carry the new block tables. Committed full blocks are published again.
-        """
-        self._check_batch(len(sequence_ids))
-        seqs = [self._owned(lease_id, k, sid, location=HOST) for k, sid in enumerate(sequence_ids)]
-        self._check_unique(sequence_ids)
-        total = sum(len(seq.host_slots) for seq in seqs)
-        bm = self.block_manager
-        if total > bm.num_free_blocks:
-            raise ResourceExhausted(
-                f"swap in needs {total} device blocks but only {bm.num_free_blocks} of {bm.num_blocks} are free"
-            )
-
-        new_ids = bm.allocate(total)
-        host = self.host_tier
-        host.swap_in([s for seq in seqs for s in seq.host_slots], new_ids)
-        pos = 0
-        for seq in seqs:
-            n = len(seq.host_slots)
-            seq.block_table = new_ids[pos : pos + n]
-            seq.room = self._room(seq.block_table)
-            seq.cached_view = None
-            pos += n
-            seq.host_slots = []
-            seq.location = DEVICE
-            # The copied blocks hold committed KV: offer them to the index again (a duplicate of a
-            # still-cached original is skipped by publish).
-            seq.num_published_blocks = 0
-            self._publish(seq, seq.num_computed_tokens // self.block_size)
-        num_bytes = total * host.block_bytes
-        self.stats.num_swap_in_blocks += total
-        self.stats.num_swap_in_bytes += num_bytes
-        return [self._view(seq) for seq in seqs], total, num_bytes
 
     # ------------------------------------------------------------------ checks
 

@@ -11,16 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from cachesvc.block_manager import (
-    BlockManager,
-    BlockRemoved,
-    BlockStored,
-    extra_key,
-    hash_block,
-    hash_full_blocks,
-    pack_token_ids,
-)
+from cachesvc.block_manager import BlockManager
 from cachesvc.errors import InvalidArgument, ResourceExhausted
+from cachesvc.events import BlockRemoved, BlockStored
+from cachesvc.free_queue import Block, FreeBlockQueue
+from kvtier.block_hash import InvalidHashInput, extra_key, hash_block, hash_full_blocks, pack_token_ids
 
 ROOT = Path(__file__).resolve().parent.parent
 EXTRA = extra_key("model-fp", "salt", "adapter")
@@ -79,14 +74,14 @@ def test_hash_depends_on_salt_adapter_model_and_whole_prefix() -> None:
 
 
 def test_extra_key_rejects_nul_in_a_field() -> None:
-    with pytest.raises(InvalidArgument, match="cache_salt"):
+    with pytest.raises(InvalidHashInput, match="cache_salt"):
         extra_key("m", "a\0b")
 
 
 def test_hash_is_deterministic_across_processes() -> None:
     tokens = [(i * 7919) % 50257 for i in range(100)]
     code = (
-        "from cachesvc.block_manager import extra_key, hash_full_blocks\n"
+        "from kvtier.block_hash import extra_key, hash_full_blocks\n"
         f"print(','.join(h.hex() for h in hash_full_blocks({tokens!r}, 16, extra_key('fp', 'salt', 'ad'))))"
     )
     expected = ",".join(h.hex() for h in hash_full_blocks(tokens, 16, extra_key("fp", "salt", "ad")))
@@ -147,6 +142,32 @@ def test_free_of_unreferenced_block_raises_and_is_undone() -> None:
     assert bm.free_block_ids() == [3]
     assert [bm.ref_count(i) for i in range(4)] == [1, 1, 1, 0]
     bm.check_invariants([[0, 1, 2]])
+
+
+def test_free_of_a_block_named_more_often_than_it_is_referenced_raises_and_changes_nothing() -> None:
+    bm = BlockManager(num_blocks=4, block_size=4)
+    bm.allocate(2)
+    bm.touch([1])  # block 1: ref_cnt 2
+    with pytest.raises(InvalidArgument, match=r"block_ids\[3\] = 0 is not referenced"):
+        bm.free([1, 0, 1, 0])
+    assert [bm.ref_count(i) for i in range(4)] == [1, 2, 0, 0]
+    assert bm.free_block_ids() == [2, 3]
+    assert bm.free([1, 1, 0]) == 2
+    assert bm.free_block_ids() == [2, 3, 1, 0]
+    bm.check_invariants([])
+
+
+def test_free_queue_batch_operations_keep_lru_order() -> None:
+    blocks = [Block(i) for i in range(6)]
+    queue = FreeBlockQueue(blocks)
+    assert [b.block_id for b in queue.popleft_n(2)] == [0, 1]
+    queue.remove_n([blocks[3], blocks[5]])
+    assert queue.block_ids() == [2, 4]
+    queue.append_n([blocks[5], blocks[0]])
+    queue.appendleft_n([blocks[1], blocks[3]])
+    assert queue.block_ids() == [1, 3, 2, 4, 5, 0]
+    assert queue.num_free == 6
+    assert [b.block_id for b in queue.check_links(blocks)] == [1, 3, 2, 4, 5, 0]
 
 
 # ---------------------------------------------------------------------- prefix index and eviction
@@ -274,7 +295,7 @@ def test_a_block_hits_only_on_its_own_exact_tokens_even_if_hashes_collide(
         def digest(self) -> bytes:
             return b"\x00" * 32
 
-    monkeypatch.setattr("cachesvc.block_manager._sha256", Collide)
+    monkeypatch.setattr("kvtier.block_hash._sha256", Collide)
     bm = BlockManager(num_blocks=4, block_size=4)
     tokens = [1, 2, 3, 4, 5, 6, 7, 8]
     table = bm.allocate(2)

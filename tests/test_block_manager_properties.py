@@ -21,7 +21,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from cachesvc.block_manager import BlockManager
 from cachesvc.errors import CacheError, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from cachesvc.host_tier import HostTier
-from cachesvc.sequences import AllocateSpec, SequenceTable
+from cachesvc.records import AllocateItem
+from cachesvc.sequences import SequenceTable
 
 BS = 4
 NUM_BLOCKS = 24
@@ -36,7 +37,7 @@ prompt_st = st.builds(lambda p, s: p + s, st.sampled_from([*PREFIXES, *PREFIXES,
     lambda t: 1 <= len(t) <= 30
 )
 spec_st = st.builds(
-    AllocateSpec,
+    AllocateItem,
     token_ids=prompt_st,
     cache_salt=st.sampled_from(["", "", "tenant-b"]),
     num_lookahead_tokens=st.integers(0, 6),
@@ -122,7 +123,7 @@ class SequenceTableMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------------ rules
 
     @rule(lease=st.sampled_from(LEASES), specs=st.lists(spec_st, min_size=1, max_size=3))
-    def allocate(self, lease: str, specs: list[AllocateSpec]) -> None:
+    def allocate(self, lease: str, specs: list[AllocateItem]) -> None:
         views: list = []
         if not self.expect_failure(lambda: views.extend(self.table.allocate(lease, specs)), CacheError):
             return
@@ -216,7 +217,7 @@ class SequenceTableMachine(RuleBasedStateMachine):
             ok = self.expect_failure(lambda: table.extend(LEASES[0], [(10_000, 1)]), NotFound)
         elif kind == "bad-token":
             ok = self.expect_failure(
-                lambda: table.allocate(LEASES[0], [AllocateSpec([1, 2]), AllocateSpec([1, VOCAB])]),
+                lambda: table.allocate(LEASES[0], [AllocateItem([1, 2]), AllocateItem([1, VOCAB])]),
                 InvalidArgument,
             )
         elif not live:

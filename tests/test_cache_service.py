@@ -24,6 +24,7 @@ from servers import REPO, TOKEN, cache_service, child_env, stats_without_clock, 
 from kvtier.api import cache_pb2
 from kvtier.cache_client import CacheClient
 from kvtier.pool import attach_pool
+from kvtier.status import LEASE_EXPIRED, reason_of
 
 BLOCK = 16
 PROMPT = list(range(1, 38))  # 37 tokens: two full blocks and a partial one
@@ -394,6 +395,29 @@ def test_every_rpc_rejects_bad_input_with_a_clear_status_and_changes_no_state(cl
         assert fragment in error.details(), f"{name}: {error.details()!r} does not name {fragment!r}"
         assert stats_without_clock(client.get_stats()) == before, f"{name} changed the service's state"
     client.swap_in([swapped.sequence_id])
+
+
+def test_an_unknown_lease_carries_the_lease_expired_reason_and_an_unknown_sequence_none(client):
+    # Both are NOT_FOUND; only the lease's carries ErrorInfo(LEASE_EXPIRED), which is what tells
+    # a client to Attach again rather than drop one sequence.
+    lease_calls = [
+        lambda: client.stub.Heartbeat(
+            cache_pb2.HeartbeatRequest(lease_id="0" * 32), metadata=client.metadata
+        ),
+        lambda: client.stub.Free(
+            cache_pb2.FreeRequest(lease_id="f" * 32, sequence_ids=[1]), metadata=client.metadata
+        ),
+    ]
+    for call in lease_calls:
+        with pytest.raises(grpc.RpcError) as lease_error:
+            call()
+        assert lease_error.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "is unknown or expired: call Attach again" in lease_error.value.details()
+        assert reason_of(lease_error.value) == LEASE_EXPIRED
+    with pytest.raises(grpc.RpcError) as sequence_error:
+        client.free([10**9])
+    assert sequence_error.value.code() == grpc.StatusCode.NOT_FOUND
+    assert reason_of(sequence_error.value) == ""
 
 
 def test_help_explains_every_flag():

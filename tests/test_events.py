@@ -6,11 +6,18 @@ import asyncio
 
 import pytest
 
-from cachesvc.block_manager import BlockManager, extra_key, hash_full_blocks
+from cachesvc.block_manager import BlockManager
 from cachesvc.events import EventGap, EventLog
+from cachesvc.servicer import event_to_proto
+from kvtier.block_hash import extra_key, hash_full_blocks
 
 BS = 4
 EXTRA = extra_key("model-fp")
+
+
+def since(log: EventLog, event_id: int) -> list:
+    """``log.since(event_id)`` as the CacheEvent messages WatchEvents streams."""
+    return [event_to_proto(i, event) for i, event in log.since(event_id)]
 
 
 def commit_chain(bm: BlockManager, tokens: list[int]) -> tuple[list[int], list[bytes]]:
@@ -31,15 +38,15 @@ def test_a_commit_is_one_record_but_one_event_id_per_block() -> None:
     records = bm.take_event_records()
     assert len(records) == 1
     log.extend(records)
-    events = log.since(0)
+    events = since(log, 0)
     assert [e.event_id for e in events] == [1, 2, 3]
     assert [e.block_stored.block_id for e in events] == table
     assert [e.block_stored.block_hash for e in events] == hashes
     assert [e.block_stored.parent_block_hash for e in events] == [b"", hashes[0], hashes[1]]
     assert [list(e.block_stored.token_ids) for e in events] == [tokens[0:4], tokens[4:8], tokens[8:12]]
     # Replay from the middle of a record.
-    assert [e.event_id for e in log.since(1)] == [2, 3]
-    assert log.since(3) == []
+    assert [e.event_id for e in since(log, 1)] == [2, 3]
+    assert since(log, 3) == []
 
 
 def test_a_skipped_duplicate_splits_the_record_and_gets_no_event() -> None:
@@ -52,7 +59,7 @@ def test_a_skipped_duplicate_splits_the_record_and_gets_no_event() -> None:
     table = bm.allocate(3)
     assert bm.publish_blocks(table, hashes, 0, 3, tokens, EXTRA) == 2
     log.extend(bm.take_event_records())
-    stored = [(e.event_id, e.block_stored.block_id, e.block_stored.parent_block_hash) for e in log.since(0)]
+    stored = [(e.event_id, e.block_stored.block_id, e.block_stored.parent_block_hash) for e in since(log, 0)]
     assert stored == [(1, first[0], b""), (2, table[1], hashes[0]), (3, table[2], hashes[1])]
 
 
@@ -63,7 +70,7 @@ def test_evictions_follow_the_stores_they_undo_with_increasing_ids() -> None:
     bm.free(table[::-1])
     bm.allocate(2)  # the queue is dry: both cached blocks are evicted, tail first
     log.extend(bm.take_event_records())
-    events = log.since(0)
+    events = since(log, 0)
     assert [e.event_id for e in events] == [1, 2, 3, 4]
     assert [e.WhichOneof("event") for e in events] == ["block_stored"] * 2 + ["block_removed"] * 2
     assert [e.block_removed.block_hash for e in events[2:]] == [hashes[1], hashes[0]]
@@ -77,8 +84,8 @@ def test_the_ring_drops_whole_old_records_and_reports_the_gap() -> None:
         log.extend(bm.take_event_records())
     assert log.last_event_id == 12
     # At least `capacity` newest events are kept, in whole records: 7..12.
-    assert [e.event_id for e in log.since(0)] == list(range(7, 13))
-    assert [e.event_id for e in log.since(6)] == list(range(7, 13))
+    assert [e.event_id for e in since(log, 0)] == list(range(7, 13))
+    assert [e.event_id for e in since(log, 6)] == list(range(7, 13))
     with pytest.raises(EventGap, match="since_event_id 5 is older than the oldest kept event 7"):
         log.since(5)
 
@@ -88,7 +95,9 @@ def test_watch_events_delivers_events_that_arrive_while_a_batch_is_being_sent() 
     # `yield` (gRPC sending) when a commit publishes more blocks, and nothing is published after
     # that. The new events must still come, without waiting for a later publish.
     from cachesvc.leases import LeaseTable
-    from cachesvc.sequences import AllocateSpec, SequenceTable
+    from cachesvc.node import CacheNode
+    from cachesvc.records import AllocateItem
+    from cachesvc.sequences import SequenceTable
     from cachesvc.servicer import CacheServicer
     from kvtier.api import cache_pb2
     from kvtier.pool import PoolSpec
@@ -102,12 +111,12 @@ def test_watch_events_delivers_events_that_arrive_while_a_batch_is_being_sent() 
             max_model_len=64,
         )
         spec = PoolSpec("cpu-shm", "float16", [16, 1, 2, BS, 1, 8], [1] * 6, 16 * 256, BS)
-        servicer = CacheServicer(table, LeaseTable(60.0), spec)
+        servicer = CacheServicer(CacheNode(table, LeaseTable(60.0)), spec)
 
         def commit(tokens: list[int]) -> None:
-            (view,) = table.allocate("lease", [AllocateSpec(tokens)])
+            (view,) = table.allocate("lease", [AllocateItem(tokens)])
             table.commit("lease", [(view.sequence_id, [], len(tokens))])
-            servicer.events.extend(table.block_manager.take_event_records())
+            servicer.node.events.extend(table.block_manager.take_event_records())
 
         commit(list(range(8)))  # events 1, 2
         stream = servicer.WatchEvents(cache_pb2.WatchEventsRequest(since_event_id=0), None)

@@ -11,10 +11,11 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from cachesvc.metrics import CacheMetrics
+from cachesvc.node import CacheSnapshot, LeaseSnapshot
+from computesvc.metrics import ComputeMetrics
 from kvtier.auth import bearer
 from kvtier.grpc_server import CallGuard
-from cachesvc.metrics import CacheMetrics
-from computesvc.metrics import ComputeMetrics
 from kvtier.metrics import start_metrics_server
 
 
@@ -29,7 +30,7 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
     }
 
 
-def stats(**overrides: float) -> dict[str, float]:
+def stats(**overrides: float) -> CacheSnapshot:
     base = dict(
         num_blocks_total=100,
         num_blocks_free=70,
@@ -53,18 +54,18 @@ def stats(**overrides: float) -> dict[str, float]:
         num_token_slots=400,
     )
     base.update(overrides)
-    return base
+    num_leases = base.pop("num_leases")
+    lease = LeaseSnapshot("0123abcd", "client", 1, 6, 0, 10.0, 60)
+    return CacheSnapshot(**base, leases=[lease] * num_leases, block_size=16)
 
 
 def test_cache_gauges_and_cumulative_counters_scrape_as_stats_say():
     metrics = CacheMetrics()
     port = start_metrics_server(0, metrics.registry, addr="127.0.0.1")
     assert port > 0
-    metrics.update_from_stats(stats())
+    metrics.update(stats())
     # A second snapshot: counters advance by the difference, gauges take the new value.
-    metrics.update_from_stats(
-        stats(prefix_query_tokens=1000, prefix_hit_tokens=750, num_evictions=9, num_leases=2)
-    )
+    metrics.update(stats(prefix_query_tokens=1000, prefix_hit_tokens=750, num_evictions=9, num_leases=2))
     values = scrape(port)
 
     assert values[("kvtier_cache_capacity_blocks", ())] == 100
@@ -90,25 +91,16 @@ def test_cache_gauges_and_cumulative_counters_scrape_as_stats_say():
     assert values[("kvtier_cache_swapped_sequences", ())] == 1
 
 
-def test_cache_swap_bytes_accept_the_short_key_names_too():
-    metrics = CacheMetrics()
-    metrics.update_from_stats({"swap_out_bytes": 4096, "swap_in_bytes": 1024})
-    metrics.update_from_stats({"swap_out_bytes": 6144, "swap_in_bytes": 1024})
-    value = metrics.registry.get_sample_value
-    assert value("kvtier_cache_swapped_bytes_total", {"direction": "out"}) == 6144
-    assert value("kvtier_cache_swapped_bytes_total", {"direction": "in"}) == 1024
-
-
 def test_cache_counter_restarts_from_zero_when_source_resets():
     metrics = CacheMetrics()
-    metrics.update_from_stats(stats(num_evictions=10))
-    metrics.update_from_stats(stats(num_evictions=3))  # the stats source restarted
+    metrics.update(stats(num_evictions=10))
+    metrics.update(stats(num_evictions=3))  # the stats source restarted
     assert metrics.registry.get_sample_value("kvtier_cache_evictions_total") == 13
 
 
 def test_two_metric_groups_in_one_process_do_not_clash():
     first, second = CacheMetrics(), CacheMetrics()
-    first.update_from_stats(stats(num_evictions=4))
+    first.update(stats(num_evictions=4))
     assert first.registry.get_sample_value("kvtier_cache_evictions_total") == 4
     assert second.registry.get_sample_value("kvtier_cache_evictions_total") == 0
     ComputeMetrics(), ComputeMetrics()  # constructing twice raises "Duplicated timeseries" if shared

@@ -17,7 +17,8 @@ from cachesvc.errors import (
     ResourceExhausted,
 )
 from cachesvc.host_tier import HostTier
-from cachesvc.sequences import AllocateSpec, SequenceTable
+from cachesvc.records import AllocateItem
+from cachesvc.sequences import SequenceTable
 
 BS = 4
 VOCAB = 100
@@ -40,7 +41,7 @@ def make_table(
 
 
 def alloc(table: SequenceTable, tokens: list[int], lease: str = LEASE, **kw) -> int:
-    (view,) = table.allocate(lease, [AllocateSpec(tokens, **kw)])
+    (view,) = table.allocate(lease, [AllocateItem(tokens, **kw)])
     return view.sequence_id
 
 
@@ -84,7 +85,7 @@ def test_full_block_prefix_is_a_hit() -> None:
     table = make_table()
     prompt = list(range(10))  # blocks [0..3] [4..7] + partial [8, 9]
     alloc_commit_free(table, prompt)
-    (view,) = table.allocate(LEASE, [AllocateSpec(prompt[:8] + [50, 51, 52])])
+    (view,) = table.allocate(LEASE, [AllocateItem(prompt[:8] + [50, 51, 52])])
     assert view.num_cached_tokens == 8
     assert view.num_slots == 12
     seq = table.get(view.sequence_id)
@@ -99,7 +100,7 @@ def test_partial_block_is_never_cached() -> None:
     alloc_commit_free(table, list(range(7)))  # one full block + 3 tokens
     assert table.block_manager.num_cached_blocks == 1
     assert table.lookup_prefix([(list(range(7)), "", "")]) == [4]
-    (view,) = table.allocate(LEASE, [AllocateSpec(list(range(7)) + [90])])
+    (view,) = table.allocate(LEASE, [AllocateItem(list(range(7)) + [90])])
     assert view.num_cached_tokens == 4
 
 
@@ -108,11 +109,11 @@ def test_hit_is_capped_below_last_prompt_token() -> None:
     prompt = list(range(8))  # exactly two full blocks
     alloc_commit_free(table, prompt)
     assert table.lookup_prefix([(prompt, "", "")]) == [8]  # LookupPrefix is not capped
-    (view,) = table.allocate(LEASE, [AllocateSpec(prompt)])
+    (view,) = table.allocate(LEASE, [AllocateItem(prompt)])
     # Only the first block is reused: the last prompt token must be computed for its logits.
     assert view.num_cached_tokens == 4
     assert len(view.block_table) == 2
-    (one,) = table.allocate(LEASE, [AllocateSpec(prompt[:4])])
+    (one,) = table.allocate(LEASE, [AllocateItem(prompt[:4])])
     assert one.num_cached_tokens == 0
     table.check_invariants()
 
@@ -121,7 +122,7 @@ def test_shared_prefix_ref_counts() -> None:
     table = make_table()
     prefix = list(range(8))
     alloc_commit_free(table, prefix + [9])
-    views = table.allocate(LEASE, [AllocateSpec(prefix + [20, 21]), AllocateSpec(prefix + [30])])
+    views = table.allocate(LEASE, [AllocateItem(prefix + [20, 21]), AllocateItem(prefix + [30])])
     bm = table.block_manager
     shared = views[0].block_table[:2]
     assert views[1].block_table[:2] == shared
@@ -137,7 +138,7 @@ def test_hits_of_all_items_are_taken_before_new_blocks_are_allocated() -> None:
     alloc_commit_free(table, [0, 1, 2, 3, 9])  # block 0 cached, block 1 partial; queue [2, 3, 1, 0]
     table.free(LEASE, [alloc(table, [7] * 8)])  # queue [1, 0, 3, 2]: the cached block is 2nd
     # Item 0 alone would pop blocks 1 and 0, evicting item 1's hit. Hits are taken first.
-    views = table.allocate(LEASE, [AllocateSpec([50] * 8), AllocateSpec([0, 1, 2, 3, 60])])
+    views = table.allocate(LEASE, [AllocateItem([50] * 8), AllocateItem([0, 1, 2, 3, 60])])
     assert views[1].num_cached_tokens == 4
     assert views[1].block_table[0] == 0
     assert 0 not in views[0].block_table
@@ -149,7 +150,7 @@ def test_uncommitted_block_is_never_a_hit() -> None:
     table = make_table()
     prompt = list(range(12))
     sid = alloc(table, prompt)
-    (view,) = table.allocate(LEASE, [AllocateSpec(prompt)])
+    (view,) = table.allocate(LEASE, [AllocateItem(prompt)])
     assert view.num_cached_tokens == 0
     assert table.lookup_prefix([(prompt, "", "")]) == [0]
     # Partly computed: only blocks entirely inside num_computed_tokens are published.
@@ -183,8 +184,8 @@ def test_cache_salt_isolates_tenants() -> None:
         0,
     ]
     assert table.lookup_prefix([(prompt, "tenant-a", "lora")]) == [0]
-    (other,) = table.allocate(LEASE, [AllocateSpec(prompt, cache_salt="tenant-b")])
-    (same,) = table.allocate(LEASE, [AllocateSpec(prompt, cache_salt="tenant-a")])
+    (other,) = table.allocate(LEASE, [AllocateItem(prompt, cache_salt="tenant-b")])
+    (same,) = table.allocate(LEASE, [AllocateItem(prompt, cache_salt="tenant-a")])
     assert (other.num_cached_tokens, same.num_cached_tokens) == (0, 8)
 
 
@@ -241,7 +242,7 @@ def test_free_releases_blocks_tail_first() -> None:
 
 def test_sequence_ids_increase_from_one() -> None:
     table = make_table()
-    views = table.allocate(LEASE, [AllocateSpec([1]), AllocateSpec([2])])
+    views = table.allocate(LEASE, [AllocateItem([1]), AllocateItem([2])])
     assert [v.sequence_id for v in views] == [1, 2]
     table.free(LEASE, [1])
     assert alloc(table, [3]) == 3
@@ -262,21 +263,21 @@ def test_commit_rejects_tokens_beyond_slots_and_decreasing_computed() -> None:
 def test_error_messages_name_value_and_limit() -> None:
     table = make_table(max_model_len=16)
     with pytest.raises(InvalidArgument, match=r"items\[1\]\.token_ids\[2\] = 100 is out of range \[0, 100\)"):
-        table.allocate(LEASE, [AllocateSpec([1]), AllocateSpec([1, 2, 100])])
+        table.allocate(LEASE, [AllocateItem([1]), AllocateItem([1, 2, 100])])
     with pytest.raises(InvalidArgument, match=r"items\[0\]\.token_ids\[0\] = -1 is out of range"):
-        table.allocate(LEASE, [AllocateSpec([-1])])
+        table.allocate(LEASE, [AllocateItem([-1])])
     with pytest.raises(InvalidArgument, match=r"token_ids\[1\] = 4294967296 is not an int32"):
-        table.allocate(LEASE, [AllocateSpec([1, 2**32])])
+        table.allocate(LEASE, [AllocateItem([1, 2**32])])
     with pytest.raises(InvalidArgument, match=r"len\(token_ids\) = 17 is not in \[1, max_model_len 16\]"):
-        table.allocate(LEASE, [AllocateSpec([1] * 17)])
+        table.allocate(LEASE, [AllocateItem([1] * 17)])
     with pytest.raises(InvalidArgument, match=r"len\(token_ids\) = 0"):
-        table.allocate(LEASE, [AllocateSpec([])])
+        table.allocate(LEASE, [AllocateItem([])])
     with pytest.raises(InvalidArgument, match=r"num_lookahead_tokens = -1 must be >= 0"):
-        table.allocate(LEASE, [AllocateSpec([1], num_lookahead_tokens=-1)])
+        table.allocate(LEASE, [AllocateItem([1], num_lookahead_tokens=-1)])
     with pytest.raises(InvalidArgument, match=r"= 20 exceeds max_model_len 16"):
-        table.allocate(LEASE, [AllocateSpec([1] * 10, num_lookahead_tokens=10)])
+        table.allocate(LEASE, [AllocateItem([1] * 10, num_lookahead_tokens=10)])
     with pytest.raises(InvalidArgument, match=r"len\(items\) = 9 exceeds max_batch 8"):
-        table.allocate(LEASE, [AllocateSpec([1])] * 9)
+        table.allocate(LEASE, [AllocateItem([1])] * 9)
     sid = alloc(table, [1])
     with pytest.raises(InvalidArgument, match=r"items\[1\]\.sequence_id = 1 appears more than once"):
         table.extend(LEASE, [(sid, 1), (sid, 2)])
@@ -329,7 +330,7 @@ def test_batch_capacity_is_all_or_nothing() -> None:
     a = alloc(table, [1] * 8)  # 2 blocks; 4 free
     before = snapshot(table)
     with pytest.raises(ResourceExhausted, match="needs 5 new blocks for 2 sequences but only 4 of 6"):
-        table.allocate(LEASE, [AllocateSpec([2] * 8), AllocateSpec([3] * 12)])
+        table.allocate(LEASE, [AllocateItem([2] * 8), AllocateItem([3] * 12)])
     assert_same(before, snapshot(table))
     b = alloc(table, [2] * 8)  # 2 free left
     before = snapshot(table)
@@ -349,14 +350,14 @@ def failing_calls(table: SequenceTable) -> dict[str, tuple[type[CacheError], obj
     swapped = alloc(table, [8, 9])
     table.swap_out(LEASE, [swapped])
     foreign = alloc(table, [1, 2], lease=OTHER)
-    big = [AllocateSpec([7] * 40)] * 2
+    big = [AllocateItem([7] * 40)] * 2
     return {
         # Validation fails on a later item: earlier valid items (one a cache hit) must not apply.
         "allocate-bad-token": (
             InvalidArgument,
-            lambda: table.allocate(LEASE, [AllocateSpec(cached), AllocateSpec([VOCAB])]),
+            lambda: table.allocate(LEASE, [AllocateItem(cached), AllocateItem([VOCAB])]),
         ),
-        "allocate-no-room": (ResourceExhausted, lambda: table.allocate(LEASE, [AllocateSpec(cached), *big])),
+        "allocate-no-room": (ResourceExhausted, lambda: table.allocate(LEASE, [AllocateItem(cached), *big])),
         "extend-unknown": (NotFound, lambda: table.extend(LEASE, [(live, 1), (999, 1)])),
         "extend-foreign": (PermissionDenied, lambda: table.extend(LEASE, [(live, 9), (foreign, 1)])),
         "extend-swapped": (FailedPrecondition, lambda: table.extend(LEASE, [(live, 9), (swapped, 1)])),

@@ -1,0 +1,219 @@
+"""The cache service's domain as one object: sequences, leases and the event log, one method per RPC.
+
+``CacheNode`` checks the lease a call names, runs the call on the sequence table and logs the
+block events it caused; the servicer only converts protobuf to these calls and back. No gRPC
+here. Everything runs on the server's single asyncio loop, so calls never interleave and
+nothing needs a lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from cachesvc.errors import FailedPrecondition, InvalidArgument
+from cachesvc.events import EventLog
+from cachesvc.leases import Lease, LeaseTable
+from cachesvc.records import DEVICE, HOST, AllocateItem, SequenceBlocks
+from cachesvc.sequences import SequenceTable
+
+log = logging.getLogger("kvtier.cache")
+
+
+@dataclass(slots=True)
+class LeaseSnapshot:
+    """One lease's share of the cache at a snapshot. Units: sequences, blocks, tokens, seconds."""
+
+    lease_id: str  # the first 8 hex digits only: the whole id is the client's secret
+    client_name: str
+    num_sequences: int  # on the device and on the host
+    num_blocks: int  # device blocks of its sequences on the device
+    num_host_blocks: int  # host-tier slots of its swapped-out sequences
+    expires_in_s: float
+    num_tokens: int  # tokens of its sequences on the device
+
+
+@dataclass(slots=True)
+class CacheSnapshot:
+    """The cache's numbers at one moment (GetStats, metrics). Field names are GetStatsResponse's.
+
+    Units: blocks unless a name says tokens or bytes; counters (prefix tokens, evictions, swaps,
+    expired leases) are cumulative since the service started.
+    """
+
+    num_blocks_total: int
+    num_blocks_free: int  # in the free queue, cached or empty
+    num_blocks_used: int  # referenced by a sequence
+    num_blocks_cached: int  # holding a hash in the prefix index, referenced or not
+    usage_percent: float  # used / total, 0..100
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    num_evictions: int
+    num_host_blocks_total: int
+    num_host_blocks_used: int
+    num_swap_out_blocks: int
+    num_swap_in_blocks: int
+    num_swap_out_bytes: int
+    num_swap_in_bytes: int
+    num_sequences: int
+    num_swapped_sequences: int
+    leases: list[LeaseSnapshot]
+    block_size: int  # tokens per block
+    num_expired_leases: int
+    num_tokens: int  # tokens of every sequence on the device
+    num_token_slots: int  # tokens their block tables have room for
+
+    @property
+    def num_leases(self) -> int:
+        return len(self.leases)
+
+
+def _nonempty(field: str, values: list) -> list:
+    if not values:
+        raise InvalidArgument(f"{field} is empty: a call carries at least one sequence")
+    return values
+
+
+class CacheNode:
+    """One cache service's state: ``sequences`` over the pool, ``leases``, and ``events``.
+
+    Every call that names a lease checks it first (InvalidArgument if empty, LeaseExpired if
+    unknown or expired), then its items; a failing call changes nothing. Block events a call
+    causes are in ``events`` when it returns.
+    """
+
+    def __init__(self, sequences: SequenceTable, leases: LeaseTable) -> None:
+        self.sequences = sequences
+        self.leases = leases
+        self.events = EventLog(sequences.block_size)
+
+    def _logged(self, result):
+        """``result``, after moving the block manager's new event records into the log."""
+        self.events.extend(self.sequences.block_manager.take_event_records())
+        return result
+
+    # ------------------------------------------------------------ leases
+
+    def attach(self, client_name: str, model_fingerprint: str = "") -> Lease:
+        """Open a lease for ``client_name``; a non-empty ``model_fingerprint`` must be the pool's."""
+        ours = self.sequences.model_fingerprint
+        if model_fingerprint and model_fingerprint != ours:
+            raise FailedPrecondition(
+                f"model fingerprint {model_fingerprint[:12]}… does not match the pool's "
+                f"{ours[:12]}…: start compute with the cache service's model"
+            )
+        lease = self.leases.open(client_name)
+        log.info("lease %s… opened by %s", lease.lease_id[:8], lease.client_name)
+        return lease
+
+    def heartbeat(self, lease_id: str) -> float:
+        """Renew a lease; returns the seconds it now has left."""
+        return self.leases.expires_in(self.leases.renew(lease_id))
+
+    def release_expired_leases(self) -> int:
+        """Release the sequences of every expired lease; returns how many leases expired."""
+        expired = self.leases.pop_expired()
+        for lease in expired:
+            released = self.sequences.free_lease(lease.lease_id)
+            log.warning(
+                "lease %s… of %s expired: released its sequences (%d blocks back to the free queue)",
+                lease.lease_id[:8],
+                lease.client_name,
+                released,
+            )
+        return self._logged(len(expired))
+
+    async def reap_leases_forever(self) -> None:
+        # NOTE: leases are also checked lazily on every call, so this only bounds how long a dead
+        # client's blocks stay referenced: at most a quarter TTL past expiry.
+        while True:
+            await asyncio.sleep(self.leases.ttl_s / 4)
+            self.release_expired_leases()
+
+    # ------------------------------------------------------------ sequences
+
+    def allocate(self, lease_id: str, items: list[AllocateItem]) -> list[SequenceBlocks]:
+        lease = self.leases.get(lease_id)
+        return self._logged(self.sequences.allocate(lease.lease_id, _nonempty("items", items)))
+
+    def extend(self, lease_id: str, items: list[tuple[int, int]]) -> list[SequenceBlocks]:
+        """Per ``(sequence_id, num_tokens)``: room for that many tokens more."""
+        lease = self.leases.get(lease_id)
+        return self._logged(self.sequences.extend(lease.lease_id, _nonempty("items", items)))
+
+    def commit(self, lease_id: str, items: list[tuple[int, list[int], int]]) -> int:
+        """Per ``(sequence_id, new_token_ids, num_computed_tokens)``; returns blocks published."""
+        lease = self.leases.get(lease_id)
+        return self._logged(self.sequences.commit(lease.lease_id, _nonempty("items", items)))
+
+    def free(self, lease_id: str, sequence_ids: list[int]) -> int:
+        """Returns the device blocks released."""
+        lease = self.leases.get(lease_id)
+        return self._logged(self.sequences.free(lease.lease_id, _nonempty("sequence_ids", sequence_ids)))
+
+    def lookup_prefix(self, items: list[tuple[list[int], str, str]]) -> list[int]:
+        """Per ``(token_ids, cache_salt, adapter_id)``: leading tokens cached. Needs no lease."""
+        return self.sequences.lookup_prefix(_nonempty("items", items))
+
+    def swap_out(self, lease_id: str, sequence_ids: list[int]) -> tuple[int, int]:
+        """Returns ``(blocks, bytes)`` copied to the host tier."""
+        lease = self.leases.get(lease_id)
+        return self._logged(self.sequences.swap_out(lease.lease_id, _nonempty("sequence_ids", sequence_ids)))
+
+    def swap_in(self, lease_id: str, sequence_ids: list[int]) -> tuple[list[SequenceBlocks], int, int]:
+        """Returns the sequences' new blocks and ``(blocks, bytes)`` copied back to the device."""
+        lease = self.leases.get(lease_id)
+        return self._logged(self.sequences.swap_in(lease.lease_id, _nonempty("sequence_ids", sequence_ids)))
+
+    # ------------------------------------------------------------ observation
+
+    def snapshot(self) -> CacheSnapshot:
+        """The numbers GetStats reports and the metrics export. O(sequences + leases)."""
+        seqs = self.sequences
+        bm = seqs.block_manager
+        host = seqs.host_tier
+        stats = seqs.stats
+        leases: list[LeaseSnapshot] = []
+        num_tokens = num_token_slots = 0
+        for lease in self.leases:
+            own = seqs.sequences_of(lease.lease_id)
+            on_device = [s for s in own if s.location == DEVICE]
+            lease_blocks = sum(len(s.block_table) for s in on_device)
+            lease_tokens = sum(len(s.token_ids) for s in on_device)
+            num_tokens += lease_tokens
+            num_token_slots += lease_blocks * bm.block_size
+            leases.append(
+                LeaseSnapshot(
+                    lease_id=lease.lease_id[:8],
+                    client_name=lease.client_name,
+                    num_sequences=len(own),
+                    num_blocks=lease_blocks,
+                    num_host_blocks=sum(len(s.host_slots) for s in own if s.location == HOST),
+                    expires_in_s=self.leases.expires_in(lease),
+                    num_tokens=lease_tokens,
+                )
+            )
+        return CacheSnapshot(
+            num_blocks_total=bm.num_blocks,
+            num_blocks_free=bm.num_free_blocks,
+            num_blocks_used=bm.num_used_blocks,
+            num_blocks_cached=bm.num_cached_blocks,
+            usage_percent=100.0 * bm.num_used_blocks / bm.num_blocks,
+            prefix_query_tokens=stats.prefix_query_tokens,
+            prefix_hit_tokens=stats.prefix_hit_tokens,
+            num_evictions=bm.num_evictions,
+            num_host_blocks_total=host.num_blocks if host else 0,
+            num_host_blocks_used=host.num_used_blocks if host else 0,
+            num_swap_out_blocks=stats.num_swap_out_blocks,
+            num_swap_in_blocks=stats.num_swap_in_blocks,
+            num_swap_out_bytes=stats.num_swap_out_bytes,
+            num_swap_in_bytes=stats.num_swap_in_bytes,
+            num_sequences=len(seqs),
+            num_swapped_sequences=seqs.num_swapped_sequences,
+            leases=leases,
+            block_size=bm.block_size,
+            num_expired_leases=self.leases.num_expired,
+            num_tokens=num_tokens,
+            num_token_slots=num_token_slots,
+        )

@@ -1,0 +1,87 @@
+"""What the cache service keeps per sequence, and the shapes its sequence calls take and return.
+
+``AllocateItem`` and ``SequenceBlocks`` mirror the protobuf messages of the same names; the
+servicer converts between the two, so nothing here imports gRPC or protobuf.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvtier.block_hash import BlockHash
+
+DEVICE: Literal["device"] = "device"
+HOST: Literal["host"] = "host"
+
+
+@dataclass(slots=True)
+class AllocateItem:
+    """One sequence to allocate: its prompt and how to key and size it."""
+
+    token_ids: list[int]
+    cache_salt: str = ""
+    adapter_id: str = ""
+    num_lookahead_tokens: int = 0
+    request_id: str = ""
+
+
+@dataclass(slots=True)
+class SequenceBlocks:
+    """A sequence's blocks as a caller sees them after Allocate / Extend / SwapIn (a copy, not a live view)."""
+
+    sequence_id: int
+    block_table: list[int]
+    num_cached_tokens: int  # tokens served from the prefix cache at Allocate
+    num_slots: int  # tokens the block table has room for: len(block_table) * block_size
+
+
+@dataclass(slots=True)
+class Sequence:
+    """The cache service's record of one sequence."""
+
+    sequence_id: int
+    lease_id: str
+    token_ids: list[int]
+    # Device block ids in token order while on the device; empty while on the host.
+    block_table: list[int]
+    num_computed_tokens: int  # leading tokens whose KV is written (committed)
+    num_cached_tokens: int  # leading tokens that were a prefix hit at Allocate
+    location: Literal["device", "host"]
+    # Host slots in token order while on the host; empty while on the device.
+    host_slots: list[int]
+    extra: bytes  # extra_key(model, cache_salt, adapter_id) of this sequence
+    # The prompt as pack_token_ids bytes, kept from Allocate so publishing its blocks (Commit,
+    # SwapIn) does not convert the same token ids again. 4 bytes per prompt token.
+    prompt_bytes: bytes
+    # Hashes of the leading full blocks named so far (the prefix hit, then each block as it is
+    # published), in token order; computed once, never recomputed.
+    block_hashes: list[BlockHash]
+    request_id: str = ""
+    # Tokens the block table can hold without new blocks: min(len(block_table) * block_size,
+    # max_model_len), 0 while on the host. Kept with the table so the per-step Extend check is
+    # one comparison.
+    room: int = 0
+    # Leading blocks of block_table already offered to the prefix index (published, a hit, or
+    # a duplicate of a published block). Reset by SwapIn, whose blocks are new.
+    num_published_blocks: int = 0
+    # The SequenceBlocks last handed out, reused until the block table changes (None = rebuild).
+    # They are snapshots shared between calls, so callers must treat them as read-only.
+    cached_blocks: SequenceBlocks | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks held, on whichever tier the sequence lives."""
+        return len(self.block_table) if self.location == DEVICE else len(self.host_slots)
+
+
+@dataclass
+class CacheStats:
+    """Cumulative counters since the service started, read by GetStats. Units: tokens, blocks, bytes."""
+
+    prefix_query_tokens: int = 0  # prompt tokens looked up by allocate
+    prefix_hit_tokens: int = 0  # of those, tokens served from the prefix cache
+    num_swap_out_blocks: int = 0
+    num_swap_in_blocks: int = 0
+    num_swap_out_bytes: int = 0
+    num_swap_in_bytes: int = 0

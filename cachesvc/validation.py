@@ -1,0 +1,95 @@
+"""Phase-1 checks of batched sequence calls: batch size, ownership, duplicates, token ids, keys.
+
+Every function here reads state and raises a CacheError naming the offending item
+(``items[3].token_ids[17] = 70000 is out of range [0, 50257)``); none changes anything, so a
+call that fails here leaves the cache as it was (see ``cachesvc.sequences``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cachesvc.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from cachesvc.records import DEVICE, Sequence
+from kvtier.block_hash import InvalidHashInput, extra_key, pack_token_ids
+
+# Cached extra keys per (cache_salt, adapter_id); cleared when it grows past this many entries
+# (one salt per request would otherwise grow it without bound).
+_MAX_EXTRA_KEYS = 4096
+
+
+def check_batch(n: int, max_batch: int) -> None:
+    if n > max_batch:
+        raise InvalidArgument(f"len(items) = {n} exceeds max_batch {max_batch}")
+
+
+def owned(
+    sequences: dict[int, Sequence], lease_id: str, k: int, sequence_id: int, *, location: str | None = DEVICE
+) -> Sequence:
+    """The sequence of item ``k``, checked for existence, ownership and (optionally) location."""
+    seq = sequences.get(sequence_id)
+    if seq is None:
+        raise NotFound(f"items[{k}].sequence_id = {sequence_id} is not a live sequence")
+    if seq.lease_id != lease_id:
+        raise PermissionDenied(f"items[{k}].sequence_id = {sequence_id} belongs to another lease")
+    if location is not None and seq.location != location:
+        if location == DEVICE:
+            raise FailedPrecondition(
+                f"items[{k}].sequence_id = {sequence_id} is swapped out to the host tier; SwapIn it first"
+            )
+        raise FailedPrecondition(f"items[{k}].sequence_id = {sequence_id} is already on the device")
+    return seq
+
+
+def check_unique(sequence_ids: list[int]) -> None:
+    if len(sequence_ids) > 1 and len(set(sequence_ids)) != len(sequence_ids):
+        seen: set[int] = set()
+        for k, sid in enumerate(sequence_ids):
+            if sid in seen:
+                raise InvalidArgument(f"items[{k}].sequence_id = {sid} appears more than once in the batch")
+            seen.add(sid)
+
+
+def pack_checked(where: str, token_ids: list[int], vocab_size: int) -> bytes:
+    """Token ids as LE int32 bytes, after checking each is in [0, vocab_size)."""
+    try:
+        data = pack_token_ids(token_ids)
+    except InvalidHashInput as e:
+        raise InvalidArgument(f"{where}.{e}") from None
+    # NOTE: a long list is checked with one vectorized max over the packed ids (viewed as
+    # uint32, negative ids become huge and fail the same test); a short one with the min/max
+    # builtins, which cost less than numpy's call overhead.
+    if len(token_ids) <= 64:
+        if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab_size):
+            _raise_token_range(where, token_ids, vocab_size)
+    elif int(np.frombuffer(data, dtype=np.uint32).max()) >= vocab_size:
+        _raise_token_range(where, token_ids, vocab_size)
+    return data
+
+
+def _raise_token_range(where: str, token_ids: list[int], vocab_size: int) -> None:
+    for i, t in enumerate(token_ids):
+        if not 0 <= t < vocab_size:
+            raise InvalidArgument(f"{where}.token_ids[{i}] = {t} is out of range [0, {vocab_size})")
+
+
+class ExtraKeys:
+    """``extra_key`` of one model per (cache_salt, adapter_id), computed once per pair."""
+
+    def __init__(self, model_fingerprint: str) -> None:
+        self.model_fingerprint = model_fingerprint
+        self._keys: dict[tuple[str, str], bytes] = {}
+
+    def get(self, where: str, cache_salt: str, adapter_id: str) -> bytes:
+        """The 32-byte extra key; InvalidArgument naming ``where`` if a field holds a NUL."""
+        key = (cache_salt, adapter_id)
+        extra = self._keys.get(key)
+        if extra is None:
+            try:
+                extra = extra_key(self.model_fingerprint, cache_salt, adapter_id)
+            except InvalidHashInput as e:
+                raise InvalidArgument(f"{where}.{e}") from None
+            if len(self._keys) >= _MAX_EXTRA_KEYS:
+                self._keys.clear()
+            self._keys[key] = extra
+        return extra
