@@ -27,17 +27,23 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from cachesvc import records  # noqa: E402
 from cachesvc.block_manager import BlockManager  # noqa: E402
 from cachesvc.errors import ResourceExhausted  # noqa: E402
-from cachesvc.records import AllocateItem  # noqa: E402
 from cachesvc.sequences import SequenceTable  # noqa: E402
+from computesvc.cache_port import NoFreeBlocks, SequenceBlocks  # noqa: E402
 from computesvc.model import ModelRunner, load_model  # noqa: E402
+from computesvc.request import Request  # noqa: E402
 from computesvc.sampling import SamplingParams  # noqa: E402
-from computesvc.scheduler import NoFreeBlocks, Request, Scheduler, SchedulerConfig, SeqBlocks  # noqa: E402
+from computesvc.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 
 
 class InProcessCache:
-    """The scheduler's BlockCache over a SequenceTable in this process (no gRPC)."""
+    """The scheduler's BlockCache port over a SequenceTable in this process (no gRPC).
+
+    Extend and commit items pass through as they are: the port's items are the tuples the
+    table takes.
+    """
 
     def __init__(self, table: SequenceTable, max_model_len: int):
         self.table = table
@@ -52,12 +58,15 @@ class InProcessCache:
             raise NoFreeBlocks(str(e)) from None
 
     @staticmethod
-    def _blocks(views) -> list[SeqBlocks]:
-        return [SeqBlocks(v.sequence_id, list(v.block_table), v.num_cached_tokens) for v in views]
+    def _blocks(table_blocks) -> list[SequenceBlocks]:
+        return [SequenceBlocks(b.sequence_id, list(b.block_table), b.num_cached_tokens) for b in table_blocks]
 
-    async def allocate(self, prompts, salts, lookahead):
-        specs = [AllocateItem(p, s, "", n) for p, s, n in zip(prompts, salts, lookahead, strict=True)]
-        return self._blocks(self._do(self.table.allocate, specs))
+    async def allocate(self, items):
+        table_items = [
+            records.AllocateItem(i.token_ids, i.cache_salt, num_lookahead_tokens=i.num_lookahead_tokens)
+            for i in items
+        ]
+        return self._blocks(self._do(self.table.allocate, table_items))
 
     async def extend(self, items):
         return self._blocks(self._do(self.table.extend, items))
@@ -92,19 +101,20 @@ async def decode_throughput(
     # Prefill first (not timed), then time the decode steps.
     while any(r.num_computed < len(r.prompt_token_ids) for r in requests):
         await scheduler.step()
-    calls0, steps0 = scheduler.stats.cache_calls, scheduler.stats.decode_steps
+    stats = scheduler.observer.stats
+    calls0, steps0 = stats.cache_calls, stats.decode_steps
     tokens0 = sum(len(r.output_token_ids) for r in requests)
     t0 = time.perf_counter()
     while scheduler.has_work:
         await scheduler.step()
     elapsed = time.perf_counter() - t0
     tokens = sum(len(r.output_token_ids) for r in requests) - tokens0
-    steps = scheduler.stats.decode_steps - steps0
+    steps = stats.decode_steps - steps0
     return {
         "tokens_per_s": tokens / elapsed,
         "decode_steps": steps,
-        "cache_calls": scheduler.stats.cache_calls - calls0,
-        "calls_per_step": (scheduler.stats.cache_calls - calls0) / max(1, steps),
+        "cache_calls": stats.cache_calls - calls0,
+        "calls_per_step": (stats.cache_calls - calls0) / max(1, steps),
         "outputs": [r.output_token_ids for r in requests],
     }
 
@@ -119,7 +129,7 @@ def make_scheduler(loaded, pool: torch.Tensor, cache, block_size: int) -> Schedu
 
 
 async def run_remote(loaded, args, num_blocks: int) -> dict:
-    from computesvc.cache_link import RemoteCache
+    from computesvc.remote_cache import RemoteCache
     from kvtier.cache_client import CacheClient
     from kvtier.pool import attach_pool
     from kvtier.stack import LocalStack

@@ -16,10 +16,15 @@ INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15
 
 
 class ComputeMetrics(RpcLatency):
-    """Scheduler, latency and token metrics of one compute replica; the scheduler updates them directly."""
+    """Scheduler, latency and token metrics of one compute replica (computesvc.observer.MetricsObserver updates them)."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        super().__init__(registry, "kvtier_compute", "Server-side time of one RPC (a Generate stream end to end).", COMPUTE_RPC_BUCKETS)
+        super().__init__(
+            registry,
+            "kvtier_compute",
+            "Server-side time of one RPC (a Generate stream end to end).",
+            COMPUTE_RPC_BUCKETS,
+        )
         r, p = self.registry, "kvtier_compute"
         self.running_sequences = Gauge(f"{p}_running_sequences", "Sequences in the decode batch.", registry=r)
         self.waiting_sequences = Gauge(

@@ -14,10 +14,13 @@ import time
 
 import grpc
 
-from computesvc.cache_link import RemoteCache
+from computesvc.cache_port import CacheUnavailable
 from computesvc.config import ComputeConfig
 from computesvc.model import LoadedModel, ModelRunner, load_model
-from computesvc.scheduler import CacheUnavailable, Request, Scheduler, SchedulerConfig
+from computesvc.observer import MetricsObserver, SchedulerObserver
+from computesvc.remote_cache import RemoteCache
+from computesvc.request import Request
+from computesvc.scheduler import Scheduler, SchedulerConfig
 from kvtier.cache_client import CacheClient
 from kvtier.model_spec import ModelShape
 from kvtier.pool import PoolSpec, attach_pool
@@ -146,7 +149,7 @@ class Replica:
                     max_num_batched_tokens=self.cfg.max_num_batched_tokens,
                     lookahead_blocks=self.cfg.lookahead_blocks,
                 ),
-                metrics=self.metrics,
+                observer=SchedulerObserver() if self.metrics is None else MetricsObserver(self.metrics),
             )
             self.scheduler.on_cache_lost = self._cache_lost
         else:

@@ -13,131 +13,43 @@ One asyncio task runs `step()` in a loop. A step:
 5. commits and frees finished sequences.
 
 The scheduler holds only in-flight state: everything needed to continue a sequence (its token
-ids, block table and computed tokens) is in the cache service. It talks to the cache through a
-`BlockCache` (remote over gRPC in the service, in-process in a benchmark) and never imports gRPC.
+ids, block table and computed tokens) is in the cache service. This module is the policy alone:
+it talks to the cache through the `BlockCache` port (computesvc.cache_port: remote over gRPC in
+the service, in-process in a benchmark), turns tokens into text with computesvc.output, and
+reports its events to a `SchedulerObserver` (computesvc.observer: counts, spans, metrics).
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
-import itertools
 import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
 
 import torch
-from opentelemetry import trace
 
+from computesvc.cache_port import (
+    AllocateItem,
+    BlockCache,
+    CacheUnavailable,
+    CommitItem,
+    ExtendItem,
+    NoFreeBlocks,
+    SequenceBlocks,
+)
 from computesvc.model import LeaseExpired, ModelRunner, PrefillInput
-from computesvc.sampling import Sampler, SamplingParams
-from kvtier import telemetry
+from computesvc.observer import SchedulerObserver
+from computesvc.output import OutputProcessor
+from computesvc.request import Request, Status, StepOutput
+from computesvc.sampling import Sampler
 
 log = logging.getLogger("kvtier.compute")
 
 
-# ---------------------------------------------------------------- the cache, as the scheduler sees it
-
-
-class NoFreeBlocks(Exception):
-    """The cache has no room for this call (RESOURCE_EXHAUSTED): preempt or wait."""
-
-
-class CacheUnavailable(Exception):
-    """The cache service cannot be reached (or restarted and forgot our lease): retryable."""
-
-
 class StepFailed(Exception):
     """A scheduler step raised something unexpected: the requests in flight failed with it (INTERNAL)."""
-
-
-@dataclass(slots=True)
-class SeqBlocks:
-    sequence_id: int
-    block_table: list[int]
-    num_cached_tokens: int = 0
-
-
-class BlockCache(Protocol):
-    """The calls the scheduler makes. Every method is batched and all-or-nothing."""
-
-    block_size: int
-    max_model_len: int
-
-    async def allocate(
-        self, prompts: list[list[int]], salts: list[str], lookahead: list[int]
-    ) -> list[SeqBlocks]: ...
-    async def extend(self, items: list[tuple[int, int]]) -> list[SeqBlocks]: ...
-    async def commit(self, items: list[tuple[int, list[int], int]]) -> None: ...
-    async def free(self, sequence_ids: list[int]) -> None: ...
-    async def swap_out(self, sequence_ids: list[int]) -> int: ...  # bytes moved
-    async def swap_in(self, sequence_ids: list[int]) -> list[SeqBlocks]: ...
-
-
-# ---------------------------------------------------------------- requests
-
-
-class Status(enum.Enum):
-    WAITING = "waiting"  # not allocated (new, or preempted for recompute)
-    RUNNING = "running"  # blocks on the device; prefilling or decoding
-    SWAPPED = "swapped"  # blocks in the host tier
-    FINISHED = "finished"
-
-
-@dataclass
-class StepOutput:
-    """What one step produced for one request (the servicer turns it into a GenerateResponse)."""
-
-    token_ids: list[int]
-    text: str
-    finish_reason: str = ""
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_prompt_tokens: int = 0
-    time_to_first_token_s: float = 0.0
-    error: Exception | None = None
-
-
-@dataclass(eq=False)
-class Request:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    cache_salt: str = ""
-    arrival: float = field(default_factory=time.monotonic)
-    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
-    generator: torch.Generator | None = None
-    # The span context of the request's server span: batched prefill/decode spans link to it.
-    span_context: trace.SpanContext | None = None
-
-    status: Status = Status.WAITING
-    output_token_ids: list[int] = field(default_factory=list)
-    sequence_id: int = 0
-    block_table: list[int] = field(default_factory=list)
-    num_computed: int = 0  # leading tokens whose KV is in the pool
-    num_recorded: int = 0  # leading tokens the cache's sequence record holds
-    num_committed: int = 0  # num_computed last reported to the cache
-    num_cached_prompt_tokens: int = -1  # from the first Allocate; -1 = not allocated yet
-    first_token_at: float = 0.0
-    last_token_at: float = 0.0
-    text: str = ""  # completion text streamed so far
-    aborted: bool = False
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def prefilling(self) -> bool:
-        # Decoding means: every token but the last sampled one is in the pool.
-        return self.num_computed < self.num_tokens - 1
 
 
 @dataclass
@@ -151,18 +63,6 @@ class SchedulerConfig:
     admit_timeout_s: float = 60.0  # a request that finds no blocks this long fails with NoFreeBlocks
 
 
-@dataclass
-class SchedulerStats:
-    steps: int = 0
-    decode_steps: int = 0
-    cache_calls: int = 0
-    preemptions_swap: int = 0
-    preemptions_recompute: int = 0
-    prompt_tokens: int = 0
-    cached_prompt_tokens: int = 0
-    generated_tokens: int = 0
-
-
 class Scheduler:
     def __init__(
         self,
@@ -171,25 +71,21 @@ class Scheduler:
         tokenizer,
         eos_token_ids: list[int],
         config: SchedulerConfig | None = None,
-        metrics=None,
+        observer: SchedulerObserver | None = None,
     ):
         self.runner = runner
         self.cache = cache
-        self.tokenizer = tokenizer
-        self.eos_token_ids = set(eos_token_ids)
+        self.output = OutputProcessor(tokenizer, eos_token_ids)
         self.config = config or SchedulerConfig()
         self.block_size = cache.block_size
         self.sampler = Sampler()
-        self.stats = SchedulerStats()
-        self.metrics = metrics  # computesvc.metrics.ComputeMetrics, or None
+        self.observer = observer or SchedulerObserver()
         # Called when the cache service is lost (the replica re-attaches); default: fail in-flight requests.
         self.on_cache_lost: Callable[[Exception], None] = self.fail_all
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
         self._wakeup = asyncio.Event()
-        self._ids = itertools.count(1)
-        self._tracer = telemetry.tracer("kvtier.compute.scheduler")
 
     # ------------------------------------------------------------ entry points
 
@@ -251,34 +147,19 @@ class Scheduler:
 
     async def step(self) -> bool:
         """One scheduling step; returns False when nothing could make progress."""
-        self.stats.steps += 1
         await self._drop_aborted()
-        with self._tracer.start_as_current_span("scheduler.step", context=self._step_context()) as span:
+        with self.observer.step_span([*self.running, *self.swapped, *self.waiting]) as span:
             await self._resume_swapped()
             await self._admit()
             prefilled = await self._prefill()
             decoded = await self._decode()
             await self._release_finished()
-            span.set_attribute("kvtier.running", len(self.running))
-            span.set_attribute("kvtier.waiting", len(self.waiting))
-            span.set_attribute("kvtier.swapped", len(self.swapped))
-        if self.metrics is not None:
-            self.metrics.running_sequences.set(len(self.running))
-            self.metrics.waiting_sequences.set(len(self.waiting) + len(self.swapped))
+            self.observer.on_step(span, len(self.running), len(self.waiting), len(self.swapped))
         return prefilled or decoded
 
-    def _step_context(self):
-        """Parent of a step span: the oldest request in flight, so a lone request's trace holds
-        its steps and their cache calls; the requests a step serves are linked from its spans."""
-        oldest = next((r for r in [*self.running, *self.swapped, *self.waiting] if r.span_context), None)
-        if oldest is None or not oldest.span_context.is_valid:
-            return None
-        return trace.set_span_in_context(trace.NonRecordingSpan(oldest.span_context))
-
     async def _call(self, coro):
-        self.stats.cache_calls += 1
-        if self.metrics is not None:
-            self.metrics.cache_calls.labels(coro.__name__).inc()
+        """Await one BlockCache call (`coro`), counted under its method name."""
+        self.observer.on_cache_call(coro.__name__)
         return await coro
 
     async def _drop_aborted(self) -> None:
@@ -334,24 +215,18 @@ class Scheduler:
             req.num_recorded = req.num_tokens
             if req.num_cached_prompt_tokens < 0:
                 req.num_cached_prompt_tokens = seq.num_cached_tokens
-                self.stats.prompt_tokens += len(req.prompt_token_ids)
-                self.stats.cached_prompt_tokens += seq.num_cached_tokens
-                if self.metrics is not None:
-                    self.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
-                    self.metrics.cached_prompt_tokens.inc(seq.num_cached_tokens)
+                self.observer.on_admitted(req, seq.num_cached_tokens)
             req.status = Status.RUNNING
             self.running.append(req)
 
-    async def _allocate(self, batch: list[Request]) -> list[SeqBlocks]:
+    async def _allocate(self, batch: list[Request]) -> list[SequenceBlocks]:
         lookahead = self.config.lookahead_blocks * self.block_size
         max_len = self.cache.max_model_len
-        return await self._call(
-            self.cache.allocate(
-                [r.token_ids for r in batch],
-                [r.cache_salt for r in batch],
-                [max(0, min(lookahead, max_len - r.num_tokens)) for r in batch],
-            )
-        )
+        items = [
+            AllocateItem(r.token_ids, r.cache_salt, max(0, min(lookahead, max_len - r.num_tokens)))
+            for r in batch
+        ]
+        return await self._call(self.cache.allocate(items))
 
     def _expire_stuck(self, req: Request) -> None:
         if not self.running and time.monotonic() - req.arrival > self.config.admit_timeout_s:
@@ -385,9 +260,7 @@ class Scheduler:
             )
             for req, n in chunks
         ]
-        with self._tracer.start_as_current_span("prefill", links=_links(r for r, _ in chunks)) as span:
-            span.set_attribute("kvtier.num_seqs", len(chunks))
-            span.set_attribute("kvtier.prefill_tokens", sum(n for _, n in chunks))
+        with self.observer.prefill_span(chunks):
             logits = await asyncio.get_running_loop().run_in_executor(None, self.runner.prefill, inputs)
         done: list[tuple[Request, int]] = []
         for i, (req, n) in enumerate(chunks):
@@ -413,8 +286,7 @@ class Scheduler:
         decoding = [r for r in decoding if r.status is Status.RUNNING]
         if not decoding:
             return False
-        with self._tracer.start_as_current_span("decode", links=_links(decoding)) as span:
-            span.set_attribute("kvtier.batch_size", len(decoding))
+        with self.observer.decode_span(decoding):
             logits = await asyncio.get_running_loop().run_in_executor(
                 None,
                 self.runner.decode,
@@ -424,9 +296,7 @@ class Scheduler:
             )
         for req in decoding:
             req.num_computed += 1
-        self.stats.decode_steps += 1
-        if self.metrics is not None:
-            self.metrics.decode_steps.inc()
+        self.observer.on_decode_step()
         self._sample_and_emit(decoding, logits)
         return True
 
@@ -447,7 +317,7 @@ class Scheduler:
             await self._commit(low)
             lookahead = self.config.lookahead_blocks * self.block_size
             max_len = self.cache.max_model_len
-            items = [(r.sequence_id, max(1, min(lookahead, max_len - r.num_recorded))) for r in low]
+            items = [ExtendItem(r.sequence_id, max(1, min(lookahead, max_len - r.num_recorded))) for r in low]
             try:
                 seqs = await self._call(self.cache.extend(items))
             except NoFreeBlocks:
@@ -466,8 +336,7 @@ class Scheduler:
             return None
         victim = max(self.running, key=lambda r: r.arrival)
         await self._commit([victim])
-        with self._tracer.start_as_current_span("preempt") as span:
-            span.set_attribute("kvtier.request_id", victim.request_id)
+        with self.observer.preempt_span(victim) as span:
             try:
                 moved = await self._call(self.cache.swap_out([victim.sequence_id]))
                 # NOTE: it leaves `running` only once the cache took it: if a call fails,
@@ -475,12 +344,7 @@ class Scheduler:
                 self.running.remove(victim)
                 victim.status = Status.SWAPPED
                 self.swapped.append(victim)
-                self.stats.preemptions_swap += 1
-                if self.metrics is not None:
-                    self.metrics.preemptions.labels("swap").inc()
-                span.set_attribute("kvtier.swap_bytes", moved)
-                span.set_attribute("kvtier.preemption", "swap")
-                log.info("preempted request %s: swapped out (%d bytes)", victim.request_id, moved)
+                self.observer.on_preempted(span, victim, moved)
             except NoFreeBlocks:
                 # Host tier full: drop the blocks; the committed ones stay cached, so recompute
                 # of this sequence is mostly prefix hits.
@@ -489,11 +353,7 @@ class Scheduler:
                 victim.status = Status.WAITING
                 victim.block_table = []
                 self.waiting.appendleft(victim)
-                self.stats.preemptions_recompute += 1
-                if self.metrics is not None:
-                    self.metrics.preemptions.labels("recompute").inc()
-                span.set_attribute("kvtier.preemption", "recompute")
-                log.info("preempted request %s: will recompute (host tier full)", victim.request_id)
+                self.observer.on_preempted(span, victim, None)
         return victim
 
     async def _commit(self, reqs: list[Request]) -> None:
@@ -502,7 +362,7 @@ class Scheduler:
         for req in reqs:
             if req.num_computed > req.num_committed:
                 new_ids = req.token_ids[req.num_recorded : req.num_computed]
-                items.append((req.sequence_id, new_ids, req.num_computed))
+                items.append(CommitItem(req.sequence_id, new_ids, req.num_computed))
         if not items:
             return
         await self._call(self.cache.commit(items))
@@ -513,48 +373,25 @@ class Scheduler:
     # ------------------------------------------------------------ sampling and output
 
     def _sample_and_emit(self, reqs: list[Request], logits: torch.Tensor) -> None:
+        """Sample one token per request from its row of `logits` [len(reqs), vocab] and stream it."""
         tokens = self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
         now = time.monotonic()
+        max_len = self.cache.max_model_len
         for req, token in zip(reqs, tokens, strict=True):
             req.output_token_ids.append(token)
-            self.stats.generated_tokens += 1
             ttft = 0.0
             if not req.first_token_at:
                 req.first_token_at = now
                 ttft = now - req.arrival
-                if self.metrics is not None:
-                    self.metrics.time_to_first_token.observe(ttft)
-            elif self.metrics is not None:
-                self.metrics.inter_token_latency.observe(now - req.last_token_at)
+                self.observer.on_token(True, ttft)
+            else:
+                self.observer.on_token(False, now - req.last_token_at)
             req.last_token_at = now
-            if self.metrics is not None:
-                self.metrics.generation_tokens.inc()
-            reason, text = self._check_stop(req, token)
+            reason, text = self.output.process(req, token, max_len)
             if reason:
                 self._finish(req, reason, text=text, token_ids=[token], ttft=ttft)
             else:
                 req.outputs.put_nowait(StepOutput([token], text, time_to_first_token_s=ttft))
-
-    def _check_stop(self, req: Request, token: int) -> tuple[str, str]:
-        """(finish reason or "", new text to stream)."""
-        p = req.params
-        full = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
-        # Hold back an incomplete UTF-8 sequence: it decodes to U+FFFD until its last byte arrives.
-        stable = full[:-1] if full.endswith("\ufffd") else full
-        reason = ""
-        for stop in p.stop:
-            at = stable.find(stop, max(0, len(req.text) - len(stop)))
-            if at >= 0:
-                stable, reason = stable[:at], "stop"
-                break
-        if not reason:
-            if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
-                reason, stable = "stop", full
-            elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.cache.max_model_len:
-                reason, stable = "length", full
-        delta = stable[len(req.text) :] if stable.startswith(req.text) else stable
-        req.text = stable if stable.startswith(req.text) else req.text + delta
-        return reason, delta
 
     @staticmethod
     def _done(req: Request) -> bool:
@@ -582,8 +419,7 @@ class Scheduler:
             error=error,
         )
         req.outputs.put_nowait(out)
-        if self.metrics is not None:
-            self.metrics.finished_requests.labels(reason or "error").inc()
+        self.observer.on_finished(reason)
 
     async def _release_finished(self) -> None:
         done = [r for r in self.running if r.status is Status.FINISHED]
@@ -595,16 +431,3 @@ class Scheduler:
         await self._call(self.cache.free([r.sequence_id for r in done]))
         # NOTE: dropped from `running` only once freed: if a call fails, _abandon_all frees them.
         self.running = [r for r in self.running if r.status is not Status.FINISHED]
-
-
-def _links(reqs) -> list[trace.Link]:
-    """Links from a batched span to the requests it served (one span per step, not per request)."""
-    return [
-        trace.Link(r.span_context, {"kvtier.request_id": r.request_id})
-        for r in reqs
-        if r.span_context is not None and r.span_context.is_valid
-    ]
-
-
-def new_request_id(counter=itertools.count(1)) -> str:
-    return f"req-{int(time.time() * 1000) % 10**9:09d}-{next(counter)}"

@@ -7,16 +7,11 @@ import logging
 import grpc
 from opentelemetry import trace
 
+from computesvc.cache_port import CacheUnavailable, NoFreeBlocks
 from computesvc.replica import Replica
+from computesvc.request import Request, StepOutput, new_request_id
 from computesvc.sampling import SamplingParams
-from computesvc.scheduler import (
-    CacheUnavailable,
-    NoFreeBlocks,
-    Request,
-    StepFailed,
-    StepOutput,
-    new_request_id,
-)
+from computesvc.scheduler import StepFailed
 from kvtier.api import compute_pb2, compute_pb2_grpc
 
 log = logging.getLogger("kvtier.compute")

@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from servers import REPO, TOKEN, cache_service, child_env, stats_without_clock, wait_until
 
 from kvtier.api import cache_pb2
-from kvtier.cache_client import CacheClient
+from kvtier.cache_client import AllocateItem, CacheClient
 from kvtier.pool import attach_pool
 from kvtier.status import LEASE_EXPIRED, reason_of
 
@@ -56,8 +56,8 @@ def _own_sequences(c: CacheClient):
     return getattr(c, "_test_seqs", [])
 
 
-def _alloc(c: CacheClient, prompts, **kw):
-    seqs = list(c.allocate(prompts, **kw).sequences)
+def _alloc(c: CacheClient, items):
+    seqs = list(c.allocate(items).sequences)
     c._test_seqs = [*getattr(c, "_test_seqs", []), *seqs]
     return seqs
 
@@ -166,7 +166,8 @@ def test_get_stats_counts_each_leases_tokens_and_the_slots_holding_them(service)
     c.attach("token-stats")
     try:
         # 37 tokens + 4 lookahead -> 3 blocks; 20 + 4 -> 2 blocks, then 2 generated tokens committed.
-        a, b = c.allocate([PROMPT, list(range(100, 120))], num_lookahead_tokens=4).sequences
+        items = [AllocateItem(p, num_lookahead_tokens=4) for p in (PROMPT, list(range(100, 120)))]
+        a, b = c.allocate(items).sequences
         c.commit([(b.sequence_id, [7, 8], 20)])
         stats = c.get_stats()
         (mine,) = [lease for lease in stats.leases if lease.lease_id == c.lease_id[:8]]
@@ -230,12 +231,12 @@ def test_one_lease_cannot_touch_another_leases_sequences(service, client):
 
 def test_cache_salt_isolates_tenants_in_allocate_and_lookup(service, client):
     prompt = [9] * 33
-    seq = _alloc(client, [prompt], cache_salt="tenant-a")[0]
+    seq = _alloc(client, [AllocateItem(prompt, cache_salt="tenant-a")])[0]
     client.commit([(seq.sequence_id, [], 33)])
     assert client.lookup_prefix([prompt], cache_salt="tenant-a").num_cached_tokens[0] == 32
     assert client.lookup_prefix([prompt], cache_salt="tenant-b").num_cached_tokens[0] == 0
     assert client.lookup_prefix([prompt]).num_cached_tokens[0] == 0
-    other = _alloc(client, [prompt], cache_salt="tenant-b")[0]
+    other = _alloc(client, [AllocateItem(prompt, cache_salt="tenant-b")])[0]
     assert other.num_cached_tokens == 0
     assert not set(other.block_table) & set(seq.block_table)
 

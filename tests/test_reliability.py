@@ -39,7 +39,7 @@ import pytest
 from clients.generate_load import LoadSpec, collect, start_clients
 from servers import TOKEN, ModuleLoop, cache_service, cache_stats, greedy_request, local_stack, wait_until
 
-from kvtier.api import cache_pb2, compute_pb2_grpc
+from kvtier.api import compute_pb2_grpc
 from kvtier.auth import bearer, grpc_target
 from kvtier.cache_client import CacheClient
 from kvtier.compute_client import ComputeClient
@@ -576,8 +576,7 @@ def test_a_replica_paused_past_its_lease_starts_no_write_into_blocks_given_to_an
             free = cache_stats(stack).num_blocks_free
             per_seq = MAX_MODEL_LEN // BS
             lengths = [per_seq] * (free // per_seq) + ([free % per_seq] if free % per_seq else [])
-            items = [cache_pb2.AllocateItem(token_ids=[1] * (n * BS)) for n in lengths]
-            seqs = list(owner.allocate_items(items).sequences)
+            seqs = list(owner.allocate([[1] * (n * BS) for n in lengths]).sequences)
             mine = sorted(b for seq in seqs for b in seq.block_table)
             assert len(mine) == free and cache_stats(stack).num_blocks_free == 0
             pool = attach_pool(owner.pool)

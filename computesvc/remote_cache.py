@@ -1,21 +1,30 @@
 """The scheduler's `BlockCache`, served by the remote cache service over gRPC.
 
-This is the one place where compute turns cache-service status codes into the scheduler's
-exceptions: RESOURCE_EXHAUSTED -> NoFreeBlocks (preempt or wait); UNAVAILABLE or an unknown
-lease -> CacheUnavailable (the replica re-attaches); any other code -> RuntimeError naming it.
+This is the one place where compute turns cache-service status codes into the port's
+exceptions: RESOURCE_EXHAUSTED -> NoFreeBlocks (preempt or wait); UNAVAILABLE, DEADLINE_EXCEEDED
+or NOT_FOUND with reason LEASE_EXPIRED -> CacheUnavailable (the replica re-attaches); any other
+code -> RuntimeError naming it.
 """
 
 from __future__ import annotations
 
 import grpc
 
-from computesvc.scheduler import CacheUnavailable, NoFreeBlocks, SeqBlocks
-from kvtier.api import cache_pb2
+from computesvc.cache_port import (
+    AllocateItem,
+    CacheUnavailable,
+    CommitItem,
+    ExtendItem,
+    NoFreeBlocks,
+    SequenceBlocks,
+)
+from kvtier import cache_client, status
 from kvtier.cache_client import CacheClient
 
 
-def _blocks(seqs) -> list[SeqBlocks]:
-    return [SeqBlocks(s.sequence_id, list(s.block_table), s.num_cached_tokens) for s in seqs]
+def _blocks(seqs) -> list[SequenceBlocks]:
+    """Port values of the `cache_pb2.SequenceBlocks` messages of a reply."""
+    return [SequenceBlocks(s.sequence_id, list(s.block_table), s.num_cached_tokens) for s in seqs]
 
 
 class RemoteCache:
@@ -34,30 +43,30 @@ class RemoteCache:
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 raise NoFreeBlocks(e.details()) from None
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or (
-                code == grpc.StatusCode.NOT_FOUND and e.details().startswith("lease")
+                code == grpc.StatusCode.NOT_FOUND and status.reason_of(e) == status.LEASE_EXPIRED
             ):
                 raise CacheUnavailable(f"cache service: {code.name}: {e.details()}") from None
             # Anything else is a bug on one side: say what the cache service refused, briefly.
             raise RuntimeError(f"cache service refused the call: {code.name}: {e.details()}") from None
 
-    async def allocate(self, prompts, salts, lookahead) -> list[SeqBlocks]:
-        items = [
-            cache_pb2.AllocateItem(token_ids=p, cache_salt=s, num_lookahead_tokens=n)
-            for p, s, n in zip(prompts, salts, lookahead, strict=True)
+    async def allocate(self, items: list[AllocateItem]) -> list[SequenceBlocks]:
+        wire = [
+            cache_client.AllocateItem(i.token_ids, i.cache_salt, num_lookahead_tokens=i.num_lookahead_tokens)
+            for i in items
         ]
-        return _blocks((await self._rpc(self.client.allocate_items(items))).sequences)
+        return _blocks((await self._rpc(self.client.allocate(wire))).sequences)
 
-    async def extend(self, items) -> list[SeqBlocks]:
+    async def extend(self, items: list[ExtendItem]) -> list[SequenceBlocks]:
         return _blocks((await self._rpc(self.client.extend(items))).sequences)
 
-    async def commit(self, items) -> None:
+    async def commit(self, items: list[CommitItem]) -> None:
         await self._rpc(self.client.commit(items))
 
-    async def free(self, sequence_ids) -> None:
+    async def free(self, sequence_ids: list[int]) -> None:
         await self._rpc(self.client.free(sequence_ids))
 
-    async def swap_out(self, sequence_ids) -> int:
+    async def swap_out(self, sequence_ids: list[int]) -> int:
         return (await self._rpc(self.client.swap_out(sequence_ids))).num_bytes
 
-    async def swap_in(self, sequence_ids) -> list[SeqBlocks]:
+    async def swap_in(self, sequence_ids: list[int]) -> list[SequenceBlocks]:
         return _blocks((await self._rpc(self.client.swap_in(sequence_ids))).sequences)

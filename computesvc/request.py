@@ -1,0 +1,80 @@
+"""One generation request as the scheduler tracks it, and what each step streams back for it."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+from opentelemetry import trace
+
+from computesvc.output import TextState
+from computesvc.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # not allocated (new, or preempted for recompute)
+    RUNNING = "running"  # blocks on the device; prefilling or decoding
+    SWAPPED = "swapped"  # blocks in the host tier
+    FINISHED = "finished"
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one request (the servicer turns it into a GenerateResponse)."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    time_to_first_token_s: float = 0.0
+    error: Exception | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str = ""
+    arrival: float = field(default_factory=time.monotonic)  # time.monotonic() seconds
+    outputs: asyncio.Queue[StepOutput] = field(default_factory=asyncio.Queue)
+    generator: torch.Generator | None = None
+    # The span context of the request's server span: batched prefill/decode spans link to it.
+    span_context: trace.SpanContext | None = None
+
+    status: Status = Status.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    sequence_id: int = 0
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0  # leading tokens whose KV is in the pool
+    num_recorded: int = 0  # leading tokens the cache's sequence record holds
+    num_committed: int = 0  # num_computed last reported to the cache
+    num_cached_prompt_tokens: int = -1  # from the first Allocate; -1 = not allocated yet
+    first_token_at: float = 0.0  # time.monotonic() seconds; 0 = no token yet
+    last_token_at: float = 0.0
+    text_state: TextState = field(default_factory=TextState)  # how far the output is detokenized
+    aborted: bool = False
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def prefilling(self) -> bool:
+        # Decoding means: every token but the last sampled one is in the pool.
+        return self.num_computed < self.num_tokens - 1
+
+
+def new_request_id(counter=itertools.count(1)) -> str:
+    """A request id for a request that came without one: `req-<ms clock, 9 digits>-<counter>`."""
+    return f"req-{int(time.time() * 1000) % 10**9:09d}-{next(counter)}"
