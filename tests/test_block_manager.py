@@ -167,7 +167,7 @@ def test_free_queue_batch_operations_keep_lru_order() -> None:
     queue.appendleft_n([blocks[1], blocks[3]])
     assert queue.block_ids() == [1, 3, 2, 4, 5, 0]
     assert queue.num_free == 6
-    assert [b.block_id for b in queue.check_links(blocks)] == [1, 3, 2, 4, 5, 0]
+    assert [b.block_id for b in queue.check_links()] == [1, 3, 2, 4, 5, 0]
 
 
 # ---------------------------------------------------------------------- prefix index and eviction
