@@ -18,7 +18,7 @@ from cachesvc.sequences import SequenceTable
 from cachesvc.servicer import CacheServicer
 from kvtier import auth, telemetry
 from kvtier.api import cache_pb2_grpc
-from kvtier.grpc_server import start_server, wait_for_termination
+from kvtier.grpc_server import AddressInUse, start_server, wait_for_termination
 from kvtier.model_spec import ModelShape
 from kvtier.pool import PoolUnavailable, create_pool, default_backend, pool_shape, require_cuda
 
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m cachesvc") -> int
     log.info("config: %s", cfg.describe())
     try:
         asyncio.run(serve(cfg))
-    except (ValueError, PoolUnavailable, FileNotFoundError) as e:
+    except (ValueError, PoolUnavailable, FileNotFoundError, AddressInUse) as e:
         log.error("cannot start: %s", e)
         return 2
     return 0

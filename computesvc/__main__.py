@@ -69,12 +69,20 @@ def main(argv: list[str] | None = None, prog: str = "python -m computesvc") -> i
     import torch
 
     from computesvc.replica import IncompatiblePool
+    from kvtier.grpc_server import AddressInUse
     from kvtier.pool import PoolUnavailable
 
     torch.set_num_threads(cfg.threads)
     try:
         asyncio.run(serve(cfg))
-    except (ConnectionError, IncompatiblePool, PoolUnavailable, ValueError, FileNotFoundError) as e:
+    except (
+        ConnectionError,
+        IncompatiblePool,
+        PoolUnavailable,
+        ValueError,
+        FileNotFoundError,
+        AddressInUse,
+    ) as e:
         log.error("cannot start: %s", e)
         return 2
     return 0

@@ -161,7 +161,16 @@ class ShmPool:
         try:
             self._shm.close()
         except BufferError:
-            log.debug("pool %s still has tensor views; leaving it mapped until exit", self.spec.shm_name)
+            # A tensor view (the host tier's, a step in flight) still exports the buffer. The
+            # views hold the mapping alive, and it is unmapped when the last one goes; the
+            # SharedMemory object lets go of it now, so its finalizer does not try again at exit
+            # (a "BufferError: cannot close exported pointers exist" traceback).
+            self._shm._buf = self._shm._mmap = None
+            with contextlib.suppress(OSError):
+                self._shm.close()  # closes the file descriptor
+            log.debug(
+                "pool %s still has tensor views; it stays mapped until they are gone", self.spec.shm_name
+            )
 
 
 def _view(shm: shared_memory.SharedMemory, spec: PoolSpec) -> torch.Tensor:
