@@ -13,7 +13,7 @@ latency, so what the service adds can be told from what the transport costs.
     python bench/rpc.py                  # 1, 8, 32 clients, 3 s each
     python bench/rpc.py --quick          # 1 and 8 clients, 1 s each
 
-Targets (DESIGN/issue 2): alloc1 p50 <= 0.8 ms; extend64 p50 <= 2 ms; no errors at 32 clients.
+Targets: alloc1 p50 <= 0.8 ms; extend64 p50 <= 2 ms; no errors at 32 clients.
 The last line is the headline.
 """
 
