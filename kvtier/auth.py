@@ -41,12 +41,21 @@ def default_token_file() -> Path:
 
 def load_token(token_file: str | Path | None = None) -> str | None:
     """The token from $KVTIER_TOKEN, an explicit file, $KVTIER_TOKEN_FILE or the default file; None if none."""
-    if os.environ.get("KVTIER_TOKEN"):
-        return os.environ["KVTIER_TOKEN"].strip()
+    if "KVTIER_TOKEN" in os.environ:
+        return _non_blank(os.environ["KVTIER_TOKEN"], "$KVTIER_TOKEN")
     for candidate in (token_file, os.environ.get("KVTIER_TOKEN_FILE"), default_token_file()):
         if candidate and Path(candidate).is_file():
-            return Path(candidate).read_text().strip()
+            return _non_blank(Path(candidate).read_text(), f"the token file {candidate}")
     return None
+
+
+def _non_blank(token: str, where: str) -> str:
+    """`token` without surrounding whitespace; ValueError if nothing is left (an empty token would
+    let `Bearer ` with nothing after it in)."""
+    token = token.strip()
+    if not token:
+        raise ValueError(f"{where} is empty: a token must have characters (or unset it to get a fresh one)")
+    return token
 
 
 def create_token_file(path: Path) -> str:
@@ -66,10 +75,13 @@ def bearer(token: str) -> tuple[tuple[str, str], ...]:
 
 
 def token_matches(metadata, token: str) -> bool:
-    """True if the call's metadata carries exactly `token` (constant-time comparison)."""
+    """True if the call's metadata carries exactly `token` (constant-time comparison).
+
+    The auth scheme is case-insensitive (``Bearer``, ``bearer``), as HTTP's; the token is not.
+    """
     for key, value in metadata or ():
-        if key == METADATA_KEY and isinstance(value, str) and value.startswith("Bearer "):
-            return hmac.compare_digest(value[len("Bearer ") :].encode(), token.encode())
+        if key == METADATA_KEY and isinstance(value, str) and value[:7].lower() == "bearer ":
+            return hmac.compare_digest(value[7:].encode(), token.encode())
     return False
 
 

@@ -18,7 +18,7 @@ from time import perf_counter
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from kvtier import telemetry
 from kvtier.auth import ensure_run_dir, token_matches
@@ -35,6 +35,14 @@ SERVER_OPTIONS = [
 ]
 
 
+# Services that answer without the token: they reveal nothing a caller could use.
+OPEN_SERVICES = (
+    "/grpc.health.v1.Health/",
+    "/grpc.reflection.v1.ServerReflection/",
+    "/grpc.reflection.v1alpha.ServerReflection/",
+)
+
+
 class CallGuard:
     """Token check, request decoding and RPC timing, applied once per method when it is registered.
 
@@ -43,8 +51,10 @@ class CallGuard:
     interceptor chain (grpc.aio runs each interceptor's coroutine, and re-wraps the handler, on
     every call). Per call the wrapper
 
-    - refuses a call without the shared token with PERMISSION_DENIED (the health service stays
-      open so orchestrators can probe readiness without the secret),
+    - refuses a call without the shared token with UNAUTHENTICATED (PERMISSION_DENIED is for a
+      caller who is known but may not touch what it names). Health and server reflection stay
+      open, so orchestrators probe readiness and `grpcurl list` works without the secret;
+      every data RPC needs it,
     - parses the raw request bytes itself, so undecodable bytes get INVALID_ARGUMENT instead of
       grpc's UNKNOWN before any service code runs,
     - times unary and server-streaming calls into ``metrics.observe_rpc(short method name,
@@ -56,7 +66,7 @@ class CallGuard:
         server: grpc.aio.Server,
         token: str,
         metrics: RpcObserver | None = None,
-        open_prefixes: tuple[str, ...] = ("/grpc.health.v1.Health/",),
+        open_prefixes: tuple[str, ...] = OPEN_SERVICES,
     ) -> None:
         self._server = server
         self._token = token
@@ -140,7 +150,7 @@ class _GuardedMethod:
     def _admit(self, raw, context):
         """The parsed request, or `_Refused` naming why the call may not run."""
         if self._token is not None and not token_matches(context.invocation_metadata(), self._token):
-            raise _Refused(grpc.StatusCode.PERMISSION_DENIED, self._denied)
+            raise _Refused(grpc.StatusCode.UNAUTHENTICATED, self._denied)
         if self._parse is None:
             return raw
         try:
@@ -292,6 +302,28 @@ def restrict_socket(address: str) -> None:
         os.chmod(address[len("unix://") :], 0o600)
 
 
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+def add_reflection(guard: CallGuard, service_names: list[str]) -> None:
+    """Server reflection under both its names, ``v1`` (what current grpcurl asks first) and
+    ``v1alpha`` (what older clients ask).
+
+    NOTE: grpcio-reflection ships only the v1alpha servicer; the v1 protocol is the same messages
+    in another package, byte for byte, so the same servicer answers both. enable_server_reflection()
+    picks the aio servicer by isinstance(server, grpc.aio.Server), which the guard is not, so the
+    aio servicer is registered here directly.
+    """
+    servicer = reflection.aio.ReflectionServicer([*service_names, REFLECTION_V1, reflection.SERVICE_NAME])
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, guard)
+    v1 = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )
+    guard.add_registered_method_handlers(REFLECTION_V1, {"ServerReflectionInfo": v1})
+
+
 async def start_server(
     service_name: str,
     add_servicers,
@@ -307,6 +339,8 @@ async def start_server(
     of the server. With `metrics` (cachesvc.metrics.CacheMetrics / computesvc.metrics.ComputeMetrics), every RPC's
     latency is recorded per method and status code.
     """
+    if not token or not token.strip():
+        raise ValueError("the service token is empty: every call would pass the token check")
     # Only OTel's interceptor stays an interceptor; everything of ours is the guard, wrapped
     # into each handler at registration.
     server = grpc.aio.server(interceptors=telemetry.aio_server_interceptors() or None, options=SERVER_OPTIONS)
@@ -314,11 +348,7 @@ async def start_server(
     add_servicers(guard)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, guard)
-    # enable_server_reflection() picks the aio servicer by isinstance(server, grpc.aio.Server),
-    # which the guard is not, so the aio servicer is registered here directly.
-    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
-        reflection.aio.ReflectionServicer([service_name, health.SERVICE_NAME, reflection.SERVICE_NAME]), guard
-    )
+    add_reflection(guard, [service_name, health.SERVICE_NAME])
     address = bind(server, listen, tls_cert, tls_key)
     await server.start()
     restrict_socket(address)

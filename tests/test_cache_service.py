@@ -187,11 +187,11 @@ def test_calls_without_or_with_a_wrong_token_are_refused_but_health_is_open(serv
         c = CacheClient.connect(service.address, token)
         with pytest.raises(grpc.RpcError) as e:
             c.attach("intruder")
-        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert "token" in e.value.details()
         with pytest.raises(grpc.RpcError) as e:
             c.get_stats()
-        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
         c.close()
     with grpc.insecure_channel(service.address) as ch:
         reply = health_pb2_grpc.HealthStub(ch).Check(

@@ -79,7 +79,7 @@ def test_health_is_open_and_every_other_service_needs_the_token():
         )
         with pytest.raises(grpc.aio.AioRpcError) as denied:
             await echo_call(health_pb2.HealthCheckRequest(service="a"), timeout=10)
-        assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert denied.value.details() == (
             f"{ECHO}: missing or wrong token; send metadata 'authorization: Bearer <token>' "
             "(the token is in $KVTIER_TOKEN or the service's token file)"
@@ -89,27 +89,43 @@ def test_health_is_open_and_every_other_service_needs_the_token():
         )
         assert reply.service == "a"
 
+        # Reflection answers without the token (`grpcurl list`), under its v1alpha name ...
         reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
         list_services = reflection_pb2.ServerReflectionRequest(list_services="")
-        with pytest.raises(grpc.aio.AioRpcError) as denied_reflection:
-            [r async for r in reflect.ServerReflectionInfo(iter([list_services]), timeout=10)]
-        assert denied_reflection.value.code() == grpc.StatusCode.PERMISSION_DENIED
-        replies = [
-            r
-            async for r in reflect.ServerReflectionInfo(
-                iter([list_services]), metadata=bearer(TOKEN), timeout=10
-            )
-        ]
+        replies = [r async for r in reflect.ServerReflectionInfo(iter([list_services]), timeout=10)]
         names = {s.name for s in replies[0].list_services_response.service}
-        assert names == {"test.Echo", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"}
+        assert names == {
+            "test.Echo",
+            "grpc.health.v1.Health",
+            "grpc.reflection.v1.ServerReflection",
+            "grpc.reflection.v1alpha.ServerReflection",
+        }
+        # ... and under v1, the same messages in another package (what current grpcurl asks first).
+        reflect_v1 = channel.stream_stream(
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+        )
+        replies = [r async for r in reflect_v1(iter([list_services]), timeout=10)]
+        assert {s.name for s in replies[0].list_services_response.service} == names
+        # The token check is case-insensitive in its scheme only.
+        for scheme in ("bearer", "BEARER"):
+            metadata = (("authorization", f"{scheme} {TOKEN}"),)
+            reply = await echo_call(health_pb2.HealthCheckRequest(service="b"), metadata=metadata, timeout=10)
+            assert reply.service == "b"
+        with pytest.raises(grpc.aio.AioRpcError) as denied:
+            await echo_call(
+                health_pb2.HealthCheckRequest(service="c"), metadata=bearer(TOKEN.upper()), timeout=10
+            )
+        assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
     asyncio.run(serve_and(exercise, metrics, echo))
-    assert echo.calls == 1  # the refused call never reached the service
+    assert echo.calls == 3  # the refused calls never reached the service
     assert rpc_count(metrics, "Check", "OK") == 1
     assert rpc_count(metrics, "Watch", "CANCELLED") == 1
     assert rpc_count(metrics, "List", "UNIMPLEMENTED") == 1
-    assert rpc_count(metrics, "Echo", "PERMISSION_DENIED") == 1
-    assert rpc_count(metrics, "Echo", "OK") == 1
+    assert rpc_count(metrics, "Echo", "UNAUTHENTICATED") == 2
+    assert rpc_count(metrics, "Echo", "OK") == 3
     assert rpc_count(metrics, "ServerReflectionInfo", "OK") is None  # client-streaming: not timed
 
 

@@ -73,3 +73,19 @@ def test_a_tcp_port_in_use_is_a_one_line_error(tmp_path):
     assert refused.returncode == 2, refused.stderr[-2000:]
     assert f"cannot listen on tcp://127.0.0.1:{port}" in refused.stderr
     assert "Traceback" not in refused.stderr
+
+
+def test_a_blank_token_is_refused_at_start(tmp_path):
+    env = child_env(tmp_path)
+    env["KVTIER_TOKEN"] = "   "
+    refused = subprocess.run(
+        [sys.executable, "-m", "cachesvc", "--num-blocks", "8"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert "$KVTIER_TOKEN is empty" in refused.stderr
+    assert "Traceback" not in refused.stderr

@@ -122,7 +122,7 @@ def test_every_cache_rpc_refuses_a_valid_request_without_the_token_and_changes_n
     for method in CACHE_SERVICE.methods:
         with pytest.raises(grpc.RpcError) as e:
             raw_call(stack.cache_address, method, requests[method.name], metadata)
-        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED, f"{method.name}: {e.value.details()}"
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, f"{method.name}: {e.value.details()}"
         assert "token" in e.value.details(), method.name
         assert TOKEN not in e.value.details(), f"{method.name} echoes the token"
     assert stats_without_clock(owner.get_stats()) == before
@@ -147,7 +147,7 @@ def test_compute_generate_refuses_a_caller_without_the_token_before_touching_the
     queried = owner.get_stats().prefix_query_tokens
     with pytest.raises(grpc.RpcError) as e:
         generate(stack.compute_addresses[0], request, metadata)
-    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED, e.value.details()
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, e.value.details()
     assert "token" in e.value.details()
     assert owner.get_stats().prefix_query_tokens == queried, "a refused Generate reached the cache service"
 
@@ -173,7 +173,7 @@ def test_attach_without_the_token_carries_no_pool_spec_anywhere_in_the_reply(sta
         with pytest.raises(grpc.RpcError) as e:
             attach.with_call(request, timeout=10)
     error = e.value
-    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert error.code() == grpc.StatusCode.UNAUTHENTICATED
     leaked = repr(
         (error.details(), error.initial_metadata(), error.trailing_metadata(), error.debug_error_string())
     )
@@ -195,7 +195,7 @@ def test_a_cache_started_without_a_token_writes_an_owner_only_token_file_and_acc
         intruder = CacheClient.connect(svc.address, TOKEN)
         with pytest.raises(grpc.RpcError) as e:
             intruder.attach("intruder")
-        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
         intruder.close()
 
 
