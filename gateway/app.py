@@ -1,0 +1,392 @@
+"""The FastAPI app: routes, API-key check, Server-Sent Events, per-request metrics and failure logs."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+import kvtier
+from gateway import errors
+from gateway.engine import Choice, Engine, Job, Streams, usage_of
+from gateway.errors import APIError, bad_request, unsupported
+from gateway.metrics import GatewayMetrics
+from gateway.model import ServedModel
+from gateway.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ModelCard,
+    ModelList,
+    Usage,
+    _SamplingRequest,
+)
+
+log = logging.getLogger("kvtier.gateway")
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+ENDPOINTS = frozenset({COMPLETIONS, CHAT, "/v1/models", "/health", "/metrics", "/version"})
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(payload: bytes) -> bytes:
+    return b"data: " + payload + b"\n\n"
+
+
+class MetricsAndLogs:
+    """ASGI middleware: counts and times every request to its last byte (a stream's end), and logs
+    one line per failed request with the error message it answered."""
+
+    def __init__(self, app, metrics: GatewayMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start = time.monotonic()
+        path = scope["path"]
+        endpoint = path if path in ENDPOINTS else "other"
+        status, body = 500, b""
+
+        async def capture(message):
+            nonlocal status, body
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body" and status >= 400 and len(body) < 4096:
+                body += message.get("body", b"")
+            await send(message)
+
+        try:
+            await self.app(scope, receive, capture)
+        finally:
+            self.metrics.observe(endpoint, status, time.monotonic() - start)
+            if status >= 400:
+                try:
+                    message = json.loads(body)["error"]["message"]
+                except (ValueError, KeyError, TypeError):
+                    message = body[:200].decode(errors="replace")
+                log.warning("%s %s -> %d: %s", scope["method"], path, status, message)
+
+
+def create_app(
+    addresses: list[str],
+    model: ServedModel,
+    api_key: str | None = None,
+    max_n: int = 16,
+    token: str | None = None,
+) -> FastAPI:
+    engine = Engine(addresses, model, max_n, token)
+    metrics = GatewayMetrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await engine.start()
+        try:
+            yield
+        finally:
+            await engine.close()
+
+    app = FastAPI(title="kvtier gateway", version=kvtier.__version__, lifespan=lifespan)
+    app.state.engine, app.state.metrics = engine, metrics
+    errors.install(app)
+    app.add_middleware(MetricsAndLogs, metrics=metrics)
+
+    async def check_api_key(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not key:
+            raise APIError(
+                401, "no API key given: send `Authorization: Bearer <key>`", code="invalid_api_key"
+            )
+        if not hmac.compare_digest(key.strip().encode(), api_key.encode()):
+            raise APIError(401, "incorrect API key provided", code="invalid_api_key")
+
+    def check_request(req: _SamplingRequest) -> None:
+        if req.model is not None and req.model != model.name:
+            raise bad_request(
+                f"the model '{req.model}' does not exist; this server serves '{model.name}'",
+                param="model",
+                code="model_not_found",
+            )
+        if bad := req.unsupported_fields():
+            raise unsupported(bad)
+
+    @app.get("/health")
+    async def health() -> Response:
+        serving = await engine.healthy_replicas()
+        body = {
+            "status": "ok" if serving else "unavailable",
+            "replicas": serving,
+            "of": len(engine.addresses),
+        }
+        return Response(json.dumps(body), status_code=200 if serving else 503, media_type="application/json")
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": kvtier.__version__}
+
+    @app.get("/v1/models", dependencies=[Depends(check_api_key)])
+    async def models() -> Response:
+        card = ModelCard(id=model.name, root=model.root or model.name, max_model_len=model.max_model_len)
+        return json_response(ModelList(data=[card]).json_bytes())
+
+    @app.post(COMPLETIONS, dependencies=[Depends(check_api_key)])
+    async def completions(req: CompletionRequest, raw: Request) -> Response:
+        arrival = time.monotonic()
+        check_request(req)
+        prompts = completion_prompts(req.prompt, model)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        jobs = engine.jobs(rid, prompts, req, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
+        streams = await engine.open(jobs)
+        metrics.time_to_first_token.labels(COMPLETIONS).observe(time.monotonic() - arrival)
+        created = int(time.time())
+        if req.stream:
+            body = CompletionEvents(streams, engine, metrics, req, rid, created, model.name)
+            return StreamingResponse(body, media_type="text/event-stream")
+        choices = await until_done_or_gone(streams, raw, engine)
+        usage = usage_of(jobs, choices)
+        metrics.tokens(
+            usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens, usage.completion_tokens
+        )
+        response = CompletionResponse(
+            id=rid,
+            created=created,
+            model=model.name,
+            choices=[
+                CompletionChoice(
+                    index=c.index,
+                    text=c.text,
+                    finish_reason=c.finish_reason,
+                    logprobs=None,
+                    **({"token_ids": c.token_ids} if req.return_token_ids else {}),
+                )
+                for c in choices
+            ],
+            usage=usage,
+            **({"prompt_token_ids": prompts} if req.return_token_ids else {}),
+        )
+        return json_response(response.json_bytes())
+
+    @app.post(CHAT, dependencies=[Depends(check_api_key)])
+    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+        arrival = time.monotonic()
+        check_request(req)
+        prompt = chat_prompt(req, model)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        jobs = engine.jobs(rid, [prompt], req, req.requested_max_tokens, None)
+        streams = await engine.open(jobs)
+        metrics.time_to_first_token.labels(CHAT).observe(time.monotonic() - arrival)
+        created = int(time.time())
+        if req.stream:
+            body = ChatEvents(streams, engine, metrics, req, rid, created, model.name)
+            return StreamingResponse(body, media_type="text/event-stream")
+        choices = await until_done_or_gone(streams, raw, engine)
+        usage = usage_of(jobs, choices)
+        metrics.tokens(
+            usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens, usage.completion_tokens
+        )
+        response = ChatCompletionResponse(
+            id=rid,
+            created=created,
+            model=model.name,
+            choices=[
+                ChatChoice(
+                    index=c.index,
+                    message=AssistantMessage(content=c.text),
+                    finish_reason=c.finish_reason,
+                    logprobs=None,
+                    **({"token_ids": c.token_ids} if req.return_token_ids else {}),
+                )
+                for c in choices
+            ],
+            usage=usage,
+            **({"prompt_token_ids": prompt} if req.return_token_ids else {}),
+        )
+        return json_response(response.json_bytes())
+
+    return app
+
+
+def json_response(body: bytes) -> Response:
+    return Response(body, media_type="application/json")
+
+
+def completion_prompts(prompt: str | list, model: ServedModel) -> list[list[int]]:
+    """The prompts of a /v1/completions request as token-id lists (strings are tokenized here)."""
+    if isinstance(prompt, str):
+        return [model.encode(prompt)]
+    if not prompt:
+        raise bad_request("the prompt is empty", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    return [model.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+
+
+def chat_prompt(req: ChatCompletionRequest, model: ServedModel) -> list[int]:
+    messages = []
+    for i, m in enumerate(req.messages):
+        content = m.content
+        if isinstance(content, list):
+            if any(part.type != "text" for part in content):
+                kinds = sorted({part.type for part in content if part.type != "text"})
+                raise bad_request(
+                    f"message {i} has {', '.join(kinds)} content: only text is supported",
+                    param=f"messages.{i}.content",
+                    code="unsupported_parameter",
+                )
+            content = "\n".join(part.text or "" for part in content)
+        messages.append({"role": m.role, "content": content or ""})
+    try:
+        return model.render_chat(messages, req.add_generation_prompt, req.chat_template_kwargs)
+    except Exception as e:  # jinja errors from the model's own template (raise_exception in it, ...)
+        raise bad_request(f"the chat template cannot render these messages: {e}", param="messages") from e
+
+
+async def until_done_or_gone(streams: Streams, raw: Request, engine: Engine):
+    """Collect every choice; if the client disconnects first, cancel the Generate calls."""
+    collect = asyncio.ensure_future(streams.collect())
+    gone = asyncio.ensure_future(_disconnected(raw))
+    try:
+        await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not collect.done():
+            collect.cancel()
+            engine.close_soon(streams)
+    if not collect.done() or collect.cancelled():
+        raise APIError(499, "the client closed the connection", code="client_closed_request")
+    return collect.result()
+
+
+async def _disconnected(raw: Request) -> None:
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _Events:
+    """The SSE body of one streamed request: a chunk per Generate reply, a usage chunk when asked,
+    then [DONE]. An error after the status was sent becomes an error event before [DONE]."""
+
+    def __init__(
+        self,
+        streams: Streams,
+        engine: Engine,
+        metrics: GatewayMetrics,
+        req,
+        rid: str,
+        created: int,
+        name: str,
+    ):
+        self.streams, self.engine, self.metrics, self.req = streams, engine, metrics, req
+        self.head = {"id": rid, "created": created, "model": name}
+        if req.include_usage:
+            self.head["usage"] = None  # every chunk says usage: null; the last one carries it
+
+    def first_chunks(self) -> list[bytes]:
+        return []
+
+    def chunk(self, job: Job, reply) -> bytes:
+        raise NotImplementedError
+
+    def usage_chunk(self, usage: Usage) -> bytes:
+        raise NotImplementedError
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        choices = [Choice(job.index) for job in self.streams.jobs]
+        finished = False
+        try:
+            for event in self.first_chunks():
+                yield event
+            async for job, reply in self.streams:
+                choices[job.index].add(reply)
+                yield self.chunk(job, reply)
+            finished = True
+            usage = usage_of(self.streams.jobs, choices)
+            self.metrics.tokens(
+                usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens, usage.completion_tokens
+            )
+            if self.req.include_usage:
+                yield self.usage_chunk(usage)
+            yield DONE
+        except APIError as e:
+            log.warning("a stream failed after its first token: %s", e.message)
+            yield sse(e.body())
+            yield DONE
+        finally:
+            if not finished:  # the client went away (or the stream failed): stop the Generate calls
+                self.engine.close_soon(self.streams)
+
+    def _token_ids(self, reply) -> dict:
+        return {"token_ids": list(reply.token_ids)} if self.req.return_token_ids else {}
+
+
+class CompletionEvents(_Events):
+    def chunk(self, job: Job, reply) -> bytes:
+        choice = CompletionChoice(
+            index=job.index,
+            text=reply.text,
+            finish_reason=reply.finish_reason or None,
+            logprobs=None,
+            **self._token_ids(reply),
+        )
+        return sse(CompletionResponse(choices=[choice], **self.head).json_bytes())
+
+    def usage_chunk(self, usage: Usage) -> bytes:
+        return sse(CompletionResponse(choices=[], **(self.head | {"usage": usage})).json_bytes())
+
+
+class ChatEvents(_Events):
+    def first_chunks(self) -> list[bytes]:
+        """The assistant's role, once per choice, as OpenAI's streams begin."""
+        return [
+            sse(
+                ChatCompletionChunk(
+                    choices=[
+                        ChatChunkChoice(
+                            index=job.index,
+                            delta=DeltaMessage(role="assistant", content=""),
+                            finish_reason=None,
+                            logprobs=None,
+                        )
+                    ],
+                    **self.head,
+                ).json_bytes()
+            )
+            for job in self.streams.jobs
+        ]
+
+    def chunk(self, job: Job, reply) -> bytes:
+        choice = ChatChunkChoice(
+            index=job.index,
+            delta=DeltaMessage(content=reply.text),
+            finish_reason=reply.finish_reason or None,
+            logprobs=None,
+            **self._token_ids(reply),
+        )
+        return sse(ChatCompletionChunk(choices=[choice], **self.head).json_bytes())
+
+    def usage_chunk(self, usage: Usage) -> bytes:
+        return sse(ChatCompletionChunk(choices=[], **(self.head | {"usage": usage})).json_bytes())
