@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
 
 import kvtier
 from gateway import errors
@@ -28,6 +29,7 @@ from gateway.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChunkTemplate,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
@@ -304,15 +306,24 @@ class _Events:
         self.head = {"id": rid, "created": created, "model": name}
         if req.include_usage:
             self.head["usage"] = None  # every chunk says usage: null; the last one carries it
+        fields = ("index", "text", "finish_reason") + (("token_ids",) if req.return_token_ids else ())
+        self.template = ChunkTemplate(self.build_chunk, fields)
+
+    def build_chunk(self, **values) -> BaseModel:
+        """The chunk of one reply (model_construct: `values` may be ChunkTemplate's sentinels)."""
+        raise NotImplementedError
 
     def first_chunks(self) -> list[bytes]:
         return []
 
-    def chunk(self, job: Job, reply) -> bytes:
-        raise NotImplementedError
-
     def usage_chunk(self, usage: Usage) -> bytes:
         raise NotImplementedError
+
+    def chunk(self, job: Job, reply) -> bytes:
+        values = {"index": job.index, "text": reply.text, "finish_reason": reply.finish_reason or None}
+        if self.req.return_token_ids:
+            values["token_ids"] = list(reply.token_ids)
+        return self.template.render(**values)
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         choices = [Choice(job.index) for job in self.streams.jobs]
@@ -339,20 +350,13 @@ class _Events:
             if not finished:  # the client went away (or the stream failed): stop the Generate calls
                 self.engine.close_soon(self.streams)
 
-    def _token_ids(self, reply) -> dict:
-        return {"token_ids": list(reply.token_ids)} if self.req.return_token_ids else {}
-
 
 class CompletionEvents(_Events):
-    def chunk(self, job: Job, reply) -> bytes:
-        choice = CompletionChoice(
-            index=job.index,
-            text=reply.text,
-            finish_reason=reply.finish_reason or None,
-            logprobs=None,
-            **self._token_ids(reply),
+    def build_chunk(self, text, finish_reason, index, token_ids=None) -> BaseModel:
+        choice = CompletionChoice.model_construct(
+            index=index, text=text, finish_reason=finish_reason, logprobs=None, token_ids=token_ids
         )
-        return sse(CompletionResponse(choices=[choice], **self.head).json_bytes())
+        return CompletionResponse.model_construct(choices=[choice], object="text_completion", **self.head)
 
     def usage_chunk(self, usage: Usage) -> bytes:
         return sse(CompletionResponse(choices=[], **(self.head | {"usage": usage})).json_bytes())
@@ -378,15 +382,17 @@ class ChatEvents(_Events):
             for job in self.streams.jobs
         ]
 
-    def chunk(self, job: Job, reply) -> bytes:
-        choice = ChatChunkChoice(
-            index=job.index,
-            delta=DeltaMessage(content=reply.text),
-            finish_reason=reply.finish_reason or None,
+    def build_chunk(self, text, finish_reason, index, token_ids=None) -> BaseModel:
+        choice = ChatChunkChoice.model_construct(
+            index=index,
+            delta=DeltaMessage.model_construct(content=text, role=None),
+            finish_reason=finish_reason,
             logprobs=None,
-            **self._token_ids(reply),
+            token_ids=token_ids,
         )
-        return sse(ChatCompletionChunk(choices=[choice], **self.head).json_bytes())
+        return ChatCompletionChunk.model_construct(
+            choices=[choice], object="chat.completion.chunk", **self.head
+        )
 
     def usage_chunk(self, usage: Usage) -> bytes:
         return sse(ChatCompletionChunk(choices=[], **(self.head | {"usage": usage})).json_bytes())

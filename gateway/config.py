@@ -21,6 +21,7 @@ class GatewayConfig:
     token_file: str | None
     max_n: int
     access_log: bool
+    uvloop: bool
     log_level: str
 
     def describe(self) -> str:
@@ -80,6 +81,12 @@ def build_parser(prog: str = "python -m gateway") -> argparse.ArgumentParser:
         "--max-n", type=int, default=16, help="largest `n` (completions per prompt) a request may ask for"
     )
     p.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn's access log)")
+    p.add_argument(
+        "--no-uvloop",
+        dest="uvloop",
+        action="store_false",
+        help="run on asyncio's own event loop even when uvloop is installed (it is used when it is)",
+    )
     p.add_argument(
         "--log-level",
         default="INFO",
