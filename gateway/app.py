@@ -8,48 +8,38 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel
 
 import kvtier
 from gateway import errors
-from gateway.engine import Choice, Engine, Job, Streams, usage_of
+from gateway.engine import Engine, Streams, usage_of
 from gateway.errors import APIError, bad_request, unsupported
 from gateway.metrics import GatewayMetrics
 from gateway.model import ServedModel
 from gateway.protocol import (
     AssistantMessage,
     ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChunkTemplate,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
-    DeltaMessage,
     ModelCard,
     ModelList,
-    Usage,
     _SamplingRequest,
 )
+from gateway.streaming import ChatEvents, CompletionEvents, Events
 
 log = logging.getLogger("kvtier.gateway")
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 ENDPOINTS = frozenset({COMPLETIONS, CHAT, "/v1/models", "/health", "/metrics", "/version"})
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-DONE = b"data: [DONE]\n\n"
-
-
-def sse(payload: bytes) -> bytes:
-    return b"data: " + payload + b"\n\n"
+REPLICA_TTFT_HEADER = "x-kvtier-replica-ttft-s"  # on streamed responses: seconds, as the replica measured
 
 
 class MetricsAndLogs:
@@ -75,15 +65,19 @@ class MetricsAndLogs:
                 body += message.get("body", b"")
             await send(message)
 
+        crash = None
         try:
             await self.app(scope, receive, capture)
+        except Exception as e:  # answered with a 500 by Starlette's outermost middleware
+            crash = e
+            raise
         finally:
             self.metrics.observe(endpoint, status, time.monotonic() - start)
-            if status >= 400:
+            if status >= 400 or crash is not None:
                 try:
                     message = json.loads(body)["error"]["message"]
                 except (ValueError, KeyError, TypeError):
-                    message = body[:200].decode(errors="replace")
+                    message = body[:200].decode(errors="replace") or repr(crash)
                 log.warning("%s %s -> %d: %s", scope["method"], path, status, message)
 
 
@@ -155,79 +149,83 @@ def create_app(
         card = ModelCard(id=model.name, root=model.root or model.name, max_model_len=model.max_model_len)
         return json_response(ModelList(data=[card]).json_bytes())
 
-    @app.post(COMPLETIONS, dependencies=[Depends(check_api_key)])
-    async def completions(req: CompletionRequest, raw: Request) -> Response:
-        arrival = time.monotonic()
-        check_request(req)
-        prompts = completion_prompts(req.prompt, model)
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        jobs = engine.jobs(rid, prompts, req, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
+    async def generate(
+        endpoint: str, req: _SamplingRequest, raw: Request, arrival: float, prompts: list[list[int]], rid: str,
+        max_tokens: int | None, default_max_tokens: int | None, events: type[Events], respond,
+    ) -> Response:  # fmt: skip
+        """Run the request's Generate streams; answer with their events (stream) or `respond(...)`."""
+        jobs = engine.jobs(rid, prompts, req, max_tokens, default_max_tokens)
         streams = await engine.open(jobs)
-        metrics.time_to_first_token.labels(COMPLETIONS).observe(time.monotonic() - arrival)
+        metrics.time_to_first_token.labels(endpoint).observe(time.monotonic() - arrival)
         created = int(time.time())
         if req.stream:
-            body = CompletionEvents(streams, engine, metrics, req, rid, created, model.name)
-            return StreamingResponse(body, media_type="text/event-stream")
+            body = events(streams, engine, metrics, req, rid, created, model.name)
+            # The replica's own TTFT: a client subtracts it from what it measured to see the path's share.
+            headers = {REPLICA_TTFT_HEADER: f"{streams.replica_ttft_s:.6f}"}
+            return StreamingResponse(body, media_type="text/event-stream", headers=headers)
         choices = await until_done_or_gone(streams, raw, engine)
         usage = usage_of(jobs, choices)
         metrics.tokens(
             usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens, usage.completion_tokens
         )
-        response = CompletionResponse(
-            id=rid,
-            created=created,
-            model=model.name,
-            choices=[
-                CompletionChoice(
-                    index=c.index,
-                    text=c.text,
-                    finish_reason=c.finish_reason,
-                    logprobs=None,
-                    **({"token_ids": c.token_ids} if req.return_token_ids else {}),
-                )
-                for c in choices
-            ],
-            usage=usage,
-            **({"prompt_token_ids": prompts} if req.return_token_ids else {}),
-        )
-        return json_response(response.json_bytes())
+        ids = {"token_ids"} if req.return_token_ids else set()
+        return json_response(respond(rid, created, choices, usage, ids).json_bytes())
+
+    @app.post(COMPLETIONS, dependencies=[Depends(check_api_key)])
+    async def completions(req: CompletionRequest, raw: Request) -> Response:
+        arrival = time.monotonic()
+        check_request(req)
+        prompts = completion_prompts(req.prompt, model)
+
+        def respond(rid, created, choices, usage, ids) -> CompletionResponse:
+            return CompletionResponse(
+                id=rid,
+                created=created,
+                model=model.name,
+                choices=[
+                    CompletionChoice(
+                        index=c.index, text=c.text, finish_reason=c.finish_reason, logprobs=None
+                    ).model_copy(update={k: c.token_ids for k in ids})
+                    for c in choices
+                ],
+                usage=usage,
+                prompt_token_ids=prompts if ids else None,
+            )
+
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        return await generate(
+            COMPLETIONS, req, raw, arrival, prompts, rid, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS,
+            CompletionEvents, respond,
+        )  # fmt: skip
 
     @app.post(CHAT, dependencies=[Depends(check_api_key)])
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         arrival = time.monotonic()
         check_request(req)
         prompt = chat_prompt(req, model)
+
+        def respond(rid, created, choices, usage, ids) -> ChatCompletionResponse:
+            return ChatCompletionResponse(
+                id=rid,
+                created=created,
+                model=model.name,
+                choices=[
+                    ChatChoice(
+                        index=c.index,
+                        message=AssistantMessage(content=c.text),
+                        finish_reason=c.finish_reason,
+                        logprobs=None,
+                    ).model_copy(update={k: c.token_ids for k in ids})
+                    for c in choices
+                ],
+                usage=usage,
+                prompt_token_ids=prompt if ids else None,
+            )
+
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        jobs = engine.jobs(rid, [prompt], req, req.requested_max_tokens, None)
-        streams = await engine.open(jobs)
-        metrics.time_to_first_token.labels(CHAT).observe(time.monotonic() - arrival)
-        created = int(time.time())
-        if req.stream:
-            body = ChatEvents(streams, engine, metrics, req, rid, created, model.name)
-            return StreamingResponse(body, media_type="text/event-stream")
-        choices = await until_done_or_gone(streams, raw, engine)
-        usage = usage_of(jobs, choices)
-        metrics.tokens(
-            usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens, usage.completion_tokens
+        return await generate(
+            CHAT, req, raw, arrival, [prompt], rid, req.requested_max_tokens, None, ChatEvents, respond
         )
-        response = ChatCompletionResponse(
-            id=rid,
-            created=created,
-            model=model.name,
-            choices=[
-                ChatChoice(
-                    index=c.index,
-                    message=AssistantMessage(content=c.text),
-                    finish_reason=c.finish_reason,
-                    logprobs=None,
-                    **({"token_ids": c.token_ids} if req.return_token_ids else {}),
-                )
-                for c in choices
-            ],
-            usage=usage,
-            **({"prompt_token_ids": prompt} if req.return_token_ids else {}),
-        )
-        return json_response(response.json_bytes())
 
     return app
 
@@ -286,113 +284,3 @@ async def until_done_or_gone(streams: Streams, raw: Request, engine: Engine):
 async def _disconnected(raw: Request) -> None:
     while (await raw.receive())["type"] != "http.disconnect":
         pass
-
-
-class _Events:
-    """The SSE body of one streamed request: a chunk per Generate reply, a usage chunk when asked,
-    then [DONE]. An error after the status was sent becomes an error event before [DONE]."""
-
-    def __init__(
-        self,
-        streams: Streams,
-        engine: Engine,
-        metrics: GatewayMetrics,
-        req,
-        rid: str,
-        created: int,
-        name: str,
-    ):
-        self.streams, self.engine, self.metrics, self.req = streams, engine, metrics, req
-        self.head = {"id": rid, "created": created, "model": name}
-        if req.include_usage:
-            self.head["usage"] = None  # every chunk says usage: null; the last one carries it
-        fields = ("index", "text", "finish_reason") + (("token_ids",) if req.return_token_ids else ())
-        self.template = ChunkTemplate(self.build_chunk, fields)
-
-    def build_chunk(self, **values) -> BaseModel:
-        """The chunk of one reply (model_construct: `values` may be ChunkTemplate's sentinels)."""
-        raise NotImplementedError
-
-    def first_chunks(self) -> list[bytes]:
-        return []
-
-    def usage_chunk(self, usage: Usage) -> bytes:
-        raise NotImplementedError
-
-    def chunk(self, job: Job, reply) -> bytes:
-        values = {"index": job.index, "text": reply.text, "finish_reason": reply.finish_reason or None}
-        if self.req.return_token_ids:
-            values["token_ids"] = list(reply.token_ids)
-        return self.template.render(**values)
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        choices = [Choice(job.index) for job in self.streams.jobs]
-        finished = False
-        try:
-            for event in self.first_chunks():
-                yield event
-            async for job, reply in self.streams:
-                choices[job.index].add(reply)
-                yield self.chunk(job, reply)
-            finished = True
-            usage = usage_of(self.streams.jobs, choices)
-            self.metrics.tokens(
-                usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens, usage.completion_tokens
-            )
-            if self.req.include_usage:
-                yield self.usage_chunk(usage)
-            yield DONE
-        except APIError as e:
-            log.warning("a stream failed after its first token: %s", e.message)
-            yield sse(e.body())
-            yield DONE
-        finally:
-            if not finished:  # the client went away (or the stream failed): stop the Generate calls
-                self.engine.close_soon(self.streams)
-
-
-class CompletionEvents(_Events):
-    def build_chunk(self, text, finish_reason, index, token_ids=None) -> BaseModel:
-        choice = CompletionChoice.model_construct(
-            index=index, text=text, finish_reason=finish_reason, logprobs=None, token_ids=token_ids
-        )
-        return CompletionResponse.model_construct(choices=[choice], object="text_completion", **self.head)
-
-    def usage_chunk(self, usage: Usage) -> bytes:
-        return sse(CompletionResponse(choices=[], **(self.head | {"usage": usage})).json_bytes())
-
-
-class ChatEvents(_Events):
-    def first_chunks(self) -> list[bytes]:
-        """The assistant's role, once per choice, as OpenAI's streams begin."""
-        return [
-            sse(
-                ChatCompletionChunk(
-                    choices=[
-                        ChatChunkChoice(
-                            index=job.index,
-                            delta=DeltaMessage(role="assistant", content=""),
-                            finish_reason=None,
-                            logprobs=None,
-                        )
-                    ],
-                    **self.head,
-                ).json_bytes()
-            )
-            for job in self.streams.jobs
-        ]
-
-    def build_chunk(self, text, finish_reason, index, token_ids=None) -> BaseModel:
-        choice = ChatChunkChoice.model_construct(
-            index=index,
-            delta=DeltaMessage.model_construct(content=text, role=None),
-            finish_reason=finish_reason,
-            logprobs=None,
-            token_ids=token_ids,
-        )
-        return ChatCompletionChunk.model_construct(
-            choices=[choice], object="chat.completion.chunk", **self.head
-        )
-
-    def usage_chunk(self, usage: Usage) -> bytes:
-        return sse(ChatCompletionChunk(choices=[], **(self.head | {"usage": usage})).json_bytes())

@@ -90,6 +90,8 @@ class Streams:
         self, jobs: list[Job], gens: list[AsyncIterator], firsts: list[compute_pb2.GenerateResponse]
     ):
         self.jobs, self._gens, self._firsts = jobs, gens, firsts
+        # The replica's own time from a request's arrival to its first token (the earliest stream's).
+        self.replica_ttft_s = min(f.time_to_first_token_s for f in firsts)
         self._tasks: list[asyncio.Task] = []
 
     async def __aiter__(self) -> AsyncIterator[tuple[Job, compute_pb2.GenerateResponse]]:

@@ -434,6 +434,7 @@ def test_a_client_gone_mid_stream_cancels_generate_and_leaves_no_sequence_held(u
     before = generated_tokens(stack)
     with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=120) as reply:
         assert reply.status_code == 200
+        assert 0 < float(reply.headers["x-kvtier-replica-ttft-s"]) < 60  # the replica's own TTFT
         data = []
         for line in reply.iter_lines():
             if line.startswith("data: "):
