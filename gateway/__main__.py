@@ -45,9 +45,9 @@ async def serve(cfg: GatewayConfig) -> None:
             f"no token for the compute replicas: set $KVTIER_TOKEN or --token-file (a local stack's is "
             f"{auth.default_token_file()})"
         )
+    sock = bind(cfg.host, cfg.port)  # first: a port in use fails before the tokenizer loads
     model = load_served_model(cfg.model, cfg.served_model_name)
     app = create_app(cfg.compute, model, cfg.api_key, cfg.max_n, token)
-    sock = bind(cfg.host, cfg.port)
     server = uvicorn.Server(
         uvicorn.Config(
             app,

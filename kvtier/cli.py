@@ -86,7 +86,10 @@ def _stack(args) -> tuple[object, dict]:
         f"{' + the HTTP gateway' if gateway else ''} …",
         flush=True,
     )
-    stack.up()
+    try:
+        stack.up()
+    except (RuntimeError, TimeoutError) as e:  # a service exited or never got ready: its log says why
+        raise SystemExit(f"could not start the local stack: {e}") from None
     info = {"cache": stack.cache_address, "compute": stack.compute_addresses}
     if stack.gateway is not None:
         info["gateway"] = stack.gateway.address
