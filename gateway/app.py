@@ -266,7 +266,8 @@ def chat_prompt(req: ChatCompletionRequest, model: ServedModel) -> list[int]:
 
 
 async def until_done_or_gone(streams: Streams, raw: Request, engine: Engine):
-    """Collect every choice; if the client disconnects first, cancel the Generate calls."""
+    """Collect every choice; if the client disconnects first, or one stream fails, cancel the
+    Generate calls still running."""
     collect = asyncio.ensure_future(streams.collect())
     gone = asyncio.ensure_future(_disconnected(raw))
     try:
@@ -275,10 +276,11 @@ async def until_done_or_gone(streams: Streams, raw: Request, engine: Engine):
         gone.cancel()
         if not collect.done():
             collect.cancel()
+        if collect.cancelled() or not collect.done() or collect.exception() is not None:
             engine.close_soon(streams)
     if not collect.done() or collect.cancelled():
         raise APIError(499, "the client closed the connection", code="client_closed_request")
-    return collect.result()
+    return collect.result()  # raises the failed stream's APIError
 
 
 async def _disconnected(raw: Request) -> None:

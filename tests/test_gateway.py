@@ -450,6 +450,19 @@ def test_a_client_gone_mid_stream_cancels_generate_and_leaves_no_sequence_held(u
     assert 3 <= generated < max_tokens, generated
 
 
+def test_a_client_gone_before_a_whole_completion_cancels_generate_too(url, stack):
+    max_tokens, n = MAX_MODEL_LEN - 64, 8
+    body = {"prompt": "Wait for all of it", "max_tokens": max_tokens, "n": n, "ignore_eos": True, "seed": 1}
+    headers = {"authorization": f"Bearer {API_KEY}"}
+    before = generated_tokens(stack)
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=httpx.Timeout(60, read=0.5))
+    wait_until(lambda: cache_stats(stack).num_sequences == 0, 60, "the abandoned request's sequences freed")
+    generated = generated_tokens(stack) - before
+    print(f"the replicas generated {generated:.0f} of the {n * max_tokens} tokens asked for before the abort")
+    assert n <= generated < n * max_tokens, generated
+
+
 def test_32_concurrent_streams_all_complete(url):
     async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, int, str | None]:
         text, finish = "", None
