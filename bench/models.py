@@ -19,8 +19,11 @@ def random_llama_dir(
     num_kv_heads: int,
     max_positions: int,
     seed: int = 0,
+    intermediate_size: int | None = None,
+    vocab_size: int | None = None,
 ) -> Path:
-    """Save a seeded-random Llama (intermediate = 2 x hidden) and the byte tokenizer to `path`."""
+    """Save a seeded-random Llama (intermediate 2 x hidden unless given; the byte vocabulary unless
+    `vocab_size` is larger: ids past the bytes decode to nothing) and the byte tokenizer to `path`."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -31,11 +34,12 @@ def random_llama_dir(
         **{
             **TINY_LLAMA_CONFIG,
             "hidden_size": hidden_size,
-            "intermediate_size": 2 * hidden_size,
+            "intermediate_size": intermediate_size or 2 * hidden_size,
             "num_hidden_layers": num_layers,
             "num_attention_heads": num_heads,
             "num_key_value_heads": num_kv_heads,
             "max_position_embeddings": max_positions,
+            **({"vocab_size": vocab_size} if vocab_size else {}),
         }
     )
     torch.manual_seed(seed)

@@ -1,13 +1,14 @@
 """`kvtier`: run the cache service, compute replicas or the whole local stack, and talk to it.
 
-    kvtier up --replicas 2            # cache service + 2 compute replicas, until Ctrl-C
+    kvtier up --replicas 2            # cache service + 2 compute replicas + the HTTP gateway, until Ctrl-C
+    kvtier serve --port 8000          # the OpenAI-compatible gateway alone, in front of a running stack
     kvtier demo                       # a workload with shared system prompts against the stack
     kvtier generate "Once upon a time" --max-tokens 32
     kvtier stats                      # the cache service's block usage and hit rate
     kvtier cache --help / kvtier compute --help
 
-The services run as their own processes (`python -m cachesvc`, `python -m computesvc`); this
-module starts them and never imports them.
+The services run as their own processes (`python -m cachesvc`, `python -m computesvc`,
+`python -m gateway`); this module starts them and never imports them.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ DEMO_QUESTIONS = [
 ]
 
 
+PASSTHROUGH = {"cache": "cachesvc", "compute": "computesvc", "serve": "gateway"}
+
+
 def _passthrough(module: str, argv: list[str]) -> int:
     os.execv(sys.executable, [sys.executable, "-m", module, *argv])
     return 0  # pragma: no cover
@@ -67,13 +71,29 @@ def _stack(args) -> tuple[object, dict]:
     if args.model:
         cache_args += ["--model", args.model]
         compute_args += ["--model", args.model]
-    stack = LocalStack(run_dir, cache_args, compute_args, args.replicas)
+    gateway = getattr(args, "gateway", False)
+    stack = LocalStack(
+        run_dir,
+        cache_args,
+        compute_args,
+        args.replicas,
+        gateway_args=(["--model", args.model] if args.model else []) if gateway else None,
+        gateway_port=getattr(args, "gateway_port", 0),
+        model=args.model,
+    )
     print(
-        f"starting the local stack in {run_dir}: cache service + {args.replicas} compute replicas …",
+        f"starting the local stack in {run_dir}: cache service + {args.replicas} compute replicas"
+        f"{' + the HTTP gateway' if gateway else ''} …",
         flush=True,
     )
-    stack.up()
-    return stack, {"cache": stack.cache_address, "compute": stack.compute_addresses}
+    try:
+        stack.up()
+    except (RuntimeError, TimeoutError) as e:  # a service exited or never got ready: its log says why
+        raise SystemExit(f"could not start the local stack: {e}") from None
+    info = {"cache": stack.cache_address, "compute": stack.compute_addresses}
+    if stack.gateway is not None:
+        info["gateway"] = stack.gateway.address
+    return stack, info
 
 
 def cmd_up(args) -> int:
@@ -84,11 +104,14 @@ def cmd_up(args) -> int:
     print(f"cache service:    {info['cache']}")
     for address in info["compute"]:
         print(f"compute replica:  {address}")
+    if "gateway" in info:
+        print(f"OpenAI API:       {info['gateway']}/v1  (gateway; GET {info['gateway']}/health)")
     print(
-        f'logs in {stack.run_dir}; try `kvtier generate "hello"` or `kvtier demo` in another shell. Ctrl-C stops.'
+        f'logs in {stack.run_dir}; try `kvtier generate "hello"` or `kvtier demo` in another shell. Ctrl-C stops.',
+        flush=True,
     )
     try:
-        while all(p.alive() for p in [stack.cache, *stack.replicas]):
+        while all(p.alive() for p in stack.processes):
             time.sleep(0.5)
         print("a service exited; stopping the stack", file=sys.stderr)
         return 1
@@ -261,8 +284,28 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
 
-    up = sub.add_parser("up", help="start a cache service and compute replicas locally, until Ctrl-C")
+    sub.add_parser(
+        "serve",
+        help="run the OpenAI-compatible HTTP gateway (python -m gateway; see kvtier serve --help)",
+        add_help=False,
+    )
+
+    up = sub.add_parser(
+        "up", help="start a cache service, compute replicas and the HTTP gateway locally, until Ctrl-C"
+    )
     _stack_flags(up)
+    up.add_argument(
+        "--no-gateway",
+        dest="gateway",
+        action="store_false",
+        help="do not start the OpenAI-compatible gateway",
+    )
+    up.add_argument(
+        "--gateway-port",
+        type=int,
+        default=8000,
+        help="the gateway's HTTP port on 127.0.0.1 (0 = any free port)",
+    )
     up.set_defaults(func=cmd_up)
 
     demo = sub.add_parser("demo", help="run a shared-system-prompt workload and print a summary")
@@ -291,8 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ("cache", "compute"):
-        return _passthrough({"cache": "cachesvc", "compute": "computesvc"}[argv[0]], argv[1:])
+    if argv and argv[0] in PASSTHROUGH:
+        return _passthrough(PASSTHROUGH[argv[0]], argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -114,8 +114,9 @@ class ComputeClient:
                 await asyncio.sleep(min(0.1 * attempt, 0.5))
             i = next(self._next) % len(self._stubs)
             seen = 0
+            call = self._stubs[i].Generate(request, metadata=self.metadata)
             try:
-                async for reply in self._stubs[i].Generate(request, metadata=self.metadata):
+                async for reply in call:
                     ids = list(reply.token_ids)
                     # On a retry, skip what was delivered already (and check it is the same).
                     overlap = min(len(ids), len(delivered) - seen)
@@ -149,6 +150,10 @@ class ComputeClient:
                     attempt + 1,
                     attempts,
                 )
+            finally:
+                # A caller that stops reading early (an HTTP client gone) must not leave the
+                # replica generating: cancelling makes it abort the sequence and free its blocks.
+                call.cancel()  # a no-op once the call has finished
         raise last_error if last_error else RuntimeError("no replica answered")
 
     async def complete(

@@ -1,18 +1,22 @@
-"""Start the local stack (one cache service, N compute replicas) as processes, and stop it.
+"""Start the local stack (one cache service, N compute replicas, optionally the HTTP gateway) as
+processes, and stop it.
 
 Used by `kvtier up` / `kvtier demo`, by the tests and by the benchmarks: every service is a
 real process on a Unix socket in one run directory, ready once its gRPC health service says
-SERVING.
+SERVING; the gateway listens on TCP and is ready once its GET /health answers 200.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,6 +82,68 @@ def start(
     return Process(name, proc, address, log_path)
 
 
+GATEWAY_URL = re.compile(r"serving the OpenAI API on (http://\S+)")
+
+
+def spawn_gateway(
+    compute: list[str], args: list[str], run_dir: Path, env: dict[str, str], port: int = 0
+) -> Process:
+    """Start `python -m gateway` in front of `compute` on 127.0.0.1:port (0 = a free one); not
+    yet waited on (`wait_gateway`). Its Process.address becomes the base URL once it listens."""
+    argv = ["--host", "127.0.0.1", "--port", str(port), "--compute", *compute, *args]
+    return start("gateway", "gateway", argv, "", run_dir, env)
+
+
+def wait_gateway(p: Process, deadline_s: float = 180.0, ready_path: str = "/health") -> Process:
+    """Wait until the gateway's GET `ready_path` answers 200 (/health: a replica serves behind it;
+    /version: the gateway itself is up)."""
+    deadline = time.monotonic() + deadline_s
+    try:
+        while not p.address:  # the URL (the port chosen) is in the startup line of its log
+            _check_alive(p, deadline, deadline_s)
+            if m := GATEWAY_URL.search(p.log()):
+                p.address = m.group(1)
+            else:
+                time.sleep(0.05)
+        wait_http(p, ready_path, deadline - time.monotonic())
+    except BaseException:
+        p.stop(signal.SIGKILL)
+        raise
+    return p
+
+
+def start_gateway(
+    compute: list[str],
+    args: list[str],
+    run_dir: Path,
+    env: dict[str, str],
+    port: int = 0,
+    ready_path: str = "/health",
+) -> Process:
+    """`spawn_gateway` and `wait_gateway`."""
+    return wait_gateway(spawn_gateway(compute, args, run_dir, env, port), ready_path=ready_path)
+
+
+def wait_http(p: Process, path: str, deadline_s: float) -> None:
+    """Poll GET p.address + path until it answers 200; fail fast, with the log, if the process exits."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        _check_alive(p, deadline, deadline_s)
+        try:
+            with urllib.request.urlopen(p.address + path, timeout=2.0) as reply:
+                if reply.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            time.sleep(0.05)  # not listening yet, or no replica serving yet (503)
+
+
+def _check_alive(p: Process, deadline: float, deadline_s: float) -> None:
+    if not p.alive():
+        raise RuntimeError(f"{p.name} exited with {p.proc.returncode}:\n{p.log()[-4000:]}")
+    if time.monotonic() > deadline:
+        raise TimeoutError(f"{p.name} not ready after {deadline_s:.0f}s:\n{p.log()[-4000:]}")
+
+
 @dataclass
 class LocalStack:
     run_dir: Path
@@ -85,8 +151,13 @@ class LocalStack:
     compute_args: list[str] = field(default_factory=list)
     num_replicas: int = 2
     env: dict[str, str] | None = None
+    # The HTTP gateway: started after the replicas when gateway_args is not None.
+    gateway_args: list[str] | None = None
+    gateway_port: int = 8000
+    model: str | None = None  # recorded in the stack file, for clients that need the tokenizer
     cache: Process | None = None
     replicas: list[Process] = field(default_factory=list)
+    gateway: Process | None = None
 
     @property
     def cache_address(self) -> str:
@@ -132,22 +203,39 @@ class LocalStack:
         return start(f"compute-{i}", "computesvc", args, address, self.run_dir, self._env())
 
     def up(self) -> LocalStack:
-        """Start the cache service, then the replicas (in parallel), and wait until all serve."""
+        """Start the cache service, then the replicas and the gateway (in parallel), and wait until all serve."""
         try:
             self.start_cache()
             self.replicas = [self.start_replica(i) for i in range(self.num_replicas)]
+            if self.gateway_args is not None:  # it loads its tokenizer while the replicas load the model
+                self.gateway = spawn_gateway(
+                    self.compute_addresses, self.gateway_args, self.run_dir, self._env(), self.gateway_port
+                )
             for p in self.replicas:
                 wait_serving(p)
+            if self.gateway is not None:
+                wait_gateway(self.gateway)
         except BaseException:
             self.down()
             raise
-        (self.run_dir / STACK_FILE).write_text(
-            json.dumps({"cache": self.cache_address, "compute": self.compute_addresses, "pid": os.getpid()})
-        )
+        info = {"cache": self.cache_address, "compute": self.compute_addresses, "pid": os.getpid()}
+        if self.model:
+            info["model"] = self.model
+        if self.gateway:
+            info["gateway"] = self.gateway.address
+        (self.run_dir / STACK_FILE).write_text(json.dumps(info))
         return self
 
+    @property
+    def processes(self) -> list[Process]:
+        return [p for p in [self.cache, *self.replicas, self.gateway] if p is not None]
+
     def down(self) -> None:
-        procs = [*self.replicas, *([self.cache] if self.cache else [])]
+        procs = [
+            *([self.gateway] if self.gateway else []),
+            *self.replicas,
+            *([self.cache] if self.cache else []),
+        ]
         for p in procs:  # signal all first: they shut down in parallel
             if p.alive():
                 p.proc.send_signal(signal.SIGTERM)

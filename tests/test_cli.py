@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import selectors
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import httpx
+
+from kvtier.stack import Process, wait_gateway
 
 REPO = Path(__file__).resolve().parent.parent
 KVTIER = str(Path(sys.executable).parent / "kvtier")
@@ -19,7 +28,7 @@ def _env(tmp_path: Path) -> dict[str, str]:
 
 def test_help_lists_every_subcommand():
     out = subprocess.run([KVTIER, "--help"], capture_output=True, text=True, check=True).stdout
-    for command in ("cache", "compute", "up", "demo", "generate", "stats"):
+    for command in ("cache", "compute", "serve", "up", "demo", "generate", "stats"):
         assert command in out
 
 
@@ -56,3 +65,76 @@ def test_generate_streams_one_completion(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "[length: 6 prompt tokens (0 cached), 5 completion tokens]" in result.stderr
+
+
+def test_serve_help_explains_every_flag():
+    out = subprocess.run([KVTIER, "serve", "--help"], capture_output=True, text=True, check=True).stdout
+    for flag in (
+        "--host",
+        "--port",
+        "--compute",
+        "--api-key",
+        "--served-model-name",
+        "--model",
+        "--token-file",
+    ):
+        assert flag in out, flag
+    assert "OpenAI-compatible" in out and "KVTIER_API_KEY" in out and "(default: 8000)" in out
+
+
+def _read_until(proc: subprocess.Popen, pattern: str, timeout_s: float) -> tuple[re.Match, str]:
+    """Read proc's stdout until it matches `pattern` (fails with what it printed after timeout_s)."""
+    fd = proc.stdout.fileno()
+    os.set_blocking(fd, False)
+    sel = selectors.DefaultSelector()
+    sel.register(fd, selectors.EVENT_READ)
+    seen, deadline = "", time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        if sel.select(timeout=1.0):
+            seen += os.read(fd, 65536).decode(errors="replace")
+            if m := re.search(pattern, seen):
+                return m, seen
+    raise AssertionError(
+        f"no line matching {pattern!r} within {timeout_s:.0f}s (exit {proc.poll()}):\n{seen}"
+    )
+
+
+def test_up_starts_the_gateway_prints_its_url_and_serve_finds_the_stack(tmp_path):
+    env = _env(tmp_path)
+    env["KVTIER_RUN_DIR"] = str(tmp_path / "run")
+    up = subprocess.Popen(
+        [KVTIER, "up", "--replicas", "1", "--num-blocks", "256", "--gateway-port", "0"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    serve = None
+    try:
+        m, printed = _read_until(up, r"OpenAI API:\s+(http://127\.0\.0\.1:\d+)/v1", 240)
+        url = m.group(1)
+        assert "+ the HTTP gateway" in printed
+        assert json.loads((tmp_path / "run" / "stack.json").read_text())["gateway"] == url
+        assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+        reply = httpx.post(
+            f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, timeout=120
+        ).json()
+        assert reply["usage"]["completion_tokens"] <= 3 and reply["model"] == "kvtier-tiny"
+        # `kvtier serve` with no --compute serves the running stack's replicas.
+        with open(tmp_path / "serve.log", "w") as log:
+            proc = subprocess.Popen(
+                [KVTIER, "serve", "--port", "0", "--served-model-name", "tiny"],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        serve = wait_gateway(Process("serve", proc, "", tmp_path / "serve.log"))
+        assert "compute replicas (1): unix://" in serve.log()
+        models = httpx.get(f"{serve.address}/v1/models", timeout=30).json()
+        assert [m["id"] for m in models["data"]] == ["tiny"]
+    finally:
+        if serve is not None:
+            serve.stop()
+        up.send_signal(signal.SIGINT)
+        assert up.wait(60) == 0
+    assert not (tmp_path / "run" / "stack.json").exists()

@@ -1,0 +1,288 @@
+"""The FastAPI app: routes, API-key check, Server-Sent Events, per-request metrics and failure logs."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+import kvtier
+from gateway import errors
+from gateway.engine import Engine, Streams, usage_of
+from gateway.errors import APIError, bad_request, unsupported
+from gateway.metrics import GatewayMetrics
+from gateway.model import ServedModel
+from gateway.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    _SamplingRequest,
+)
+from gateway.streaming import ChatEvents, CompletionEvents, Events
+
+log = logging.getLogger("kvtier.gateway")
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+ENDPOINTS = frozenset({COMPLETIONS, CHAT, "/v1/models", "/health", "/metrics", "/version"})
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+REPLICA_TTFT_HEADER = "x-kvtier-replica-ttft-s"  # on streamed responses: seconds, as the replica measured
+
+
+class MetricsAndLogs:
+    """ASGI middleware: counts and times every request to its last byte (a stream's end), and logs
+    one line per failed request with the error message it answered."""
+
+    def __init__(self, app, metrics: GatewayMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start = time.monotonic()
+        path = scope["path"]
+        endpoint = path if path in ENDPOINTS else "other"
+        status, body = 500, b""
+
+        async def capture(message):
+            nonlocal status, body
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body" and status >= 400 and len(body) < 4096:
+                body += message.get("body", b"")
+            await send(message)
+
+        crash = None
+        try:
+            await self.app(scope, receive, capture)
+        except Exception as e:  # answered with a 500 by Starlette's outermost middleware
+            crash = e
+            raise
+        finally:
+            self.metrics.observe(endpoint, status, time.monotonic() - start)
+            if status >= 400 or crash is not None:
+                try:
+                    message = json.loads(body)["error"]["message"]
+                except (ValueError, KeyError, TypeError):
+                    message = body[:200].decode(errors="replace") or repr(crash)
+                log.warning("%s %s -> %d: %s", scope["method"], path, status, message)
+
+
+def create_app(
+    addresses: list[str],
+    model: ServedModel,
+    api_key: str | None = None,
+    max_n: int = 16,
+    token: str | None = None,
+) -> FastAPI:
+    engine = Engine(addresses, model, max_n, token)
+    metrics = GatewayMetrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await engine.start()
+        try:
+            yield
+        finally:
+            await engine.close()
+
+    app = FastAPI(title="kvtier gateway", version=kvtier.__version__, lifespan=lifespan)
+    app.state.engine, app.state.metrics = engine, metrics
+    errors.install(app)
+    app.add_middleware(MetricsAndLogs, metrics=metrics)
+
+    async def check_api_key(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not key:
+            raise APIError(
+                401, "no API key given: send `Authorization: Bearer <key>`", code="invalid_api_key"
+            )
+        if not hmac.compare_digest(key.strip().encode(), api_key.encode()):
+            raise APIError(401, "incorrect API key provided", code="invalid_api_key")
+
+    def check_request(req: _SamplingRequest) -> None:
+        if req.model is not None and req.model != model.name:
+            raise bad_request(
+                f"the model '{req.model}' does not exist; this server serves '{model.name}'",
+                param="model",
+                code="model_not_found",
+            )
+        if bad := req.unsupported_fields():
+            raise unsupported(bad)
+
+    @app.get("/health")
+    async def health() -> Response:
+        serving = await engine.healthy_replicas()
+        body = {
+            "status": "ok" if serving else "unavailable",
+            "replicas": serving,
+            "of": len(engine.addresses),
+        }
+        return Response(json.dumps(body), status_code=200 if serving else 503, media_type="application/json")
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": kvtier.__version__}
+
+    @app.get("/v1/models", dependencies=[Depends(check_api_key)])
+    async def models() -> Response:
+        card = ModelCard(id=model.name, root=model.root or model.name, max_model_len=model.max_model_len)
+        return json_response(ModelList(data=[card]).json_bytes())
+
+    async def generate(
+        endpoint: str, req: _SamplingRequest, raw: Request, arrival: float, prompts: list[list[int]], rid: str,
+        max_tokens: int | None, default_max_tokens: int | None, events: type[Events], respond,
+    ) -> Response:  # fmt: skip
+        """Run the request's Generate streams; answer with their events (stream) or `respond(...)`."""
+        jobs = engine.jobs(rid, prompts, req, max_tokens, default_max_tokens)
+        streams = await engine.open(jobs)
+        metrics.time_to_first_token.labels(endpoint).observe(time.monotonic() - arrival)
+        created = int(time.time())
+        if req.stream:
+            body = events(streams, engine, metrics, req, rid, created, model.name)
+            # The replica's own TTFT: a client subtracts it from what it measured to see the path's share.
+            headers = {REPLICA_TTFT_HEADER: f"{streams.replica_ttft_s:.6f}"}
+            return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+        choices = await until_done_or_gone(streams, raw, engine)
+        usage = usage_of(jobs, choices)
+        metrics.tokens(
+            usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens, usage.completion_tokens
+        )
+        ids = {"token_ids"} if req.return_token_ids else set()
+        return json_response(respond(rid, created, choices, usage, ids).json_bytes())
+
+    @app.post(COMPLETIONS, dependencies=[Depends(check_api_key)])
+    async def completions(req: CompletionRequest, raw: Request) -> Response:
+        arrival = time.monotonic()
+        check_request(req)
+        prompts = completion_prompts(req.prompt, model)
+
+        def respond(rid, created, choices, usage, ids) -> CompletionResponse:
+            return CompletionResponse(
+                id=rid,
+                created=created,
+                model=model.name,
+                choices=[
+                    CompletionChoice(
+                        index=c.index, text=c.text, finish_reason=c.finish_reason, logprobs=None
+                    ).model_copy(update={k: c.token_ids for k in ids})
+                    for c in choices
+                ],
+                usage=usage,
+                prompt_token_ids=prompts if ids else None,
+            )
+
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        return await generate(
+            COMPLETIONS, req, raw, arrival, prompts, rid, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS,
+            CompletionEvents, respond,
+        )  # fmt: skip
+
+    @app.post(CHAT, dependencies=[Depends(check_api_key)])
+    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+        arrival = time.monotonic()
+        check_request(req)
+        prompt = chat_prompt(req, model)
+
+        def respond(rid, created, choices, usage, ids) -> ChatCompletionResponse:
+            return ChatCompletionResponse(
+                id=rid,
+                created=created,
+                model=model.name,
+                choices=[
+                    ChatChoice(
+                        index=c.index,
+                        message=AssistantMessage(content=c.text),
+                        finish_reason=c.finish_reason,
+                        logprobs=None,
+                    ).model_copy(update={k: c.token_ids for k in ids})
+                    for c in choices
+                ],
+                usage=usage,
+                prompt_token_ids=prompt if ids else None,
+            )
+
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        return await generate(
+            CHAT, req, raw, arrival, [prompt], rid, req.requested_max_tokens, None, ChatEvents, respond
+        )
+
+    return app
+
+
+def json_response(body: bytes) -> Response:
+    return Response(body, media_type="application/json")
+
+
+def completion_prompts(prompt: str | list, model: ServedModel) -> list[list[int]]:
+    """The prompts of a /v1/completions request as token-id lists (strings are tokenized here)."""
+    if isinstance(prompt, str):
+        return [model.encode(prompt)]
+    if not prompt:
+        raise bad_request("the prompt is empty", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    return [model.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+
+
+def chat_prompt(req: ChatCompletionRequest, model: ServedModel) -> list[int]:
+    messages = []
+    for i, m in enumerate(req.messages):
+        content = m.content
+        if isinstance(content, list):
+            if any(part.type != "text" for part in content):
+                kinds = sorted({part.type for part in content if part.type != "text"})
+                raise bad_request(
+                    f"message {i} has {', '.join(kinds)} content: only text is supported",
+                    param=f"messages.{i}.content",
+                    code="unsupported_parameter",
+                )
+            content = "\n".join(part.text or "" for part in content)
+        messages.append({"role": m.role, "content": content or ""})
+    try:
+        return model.render_chat(messages, req.add_generation_prompt, req.chat_template_kwargs)
+    except Exception as e:  # jinja errors from the model's own template (raise_exception in it, ...)
+        raise bad_request(f"the chat template cannot render these messages: {e}", param="messages") from e
+
+
+async def until_done_or_gone(streams: Streams, raw: Request, engine: Engine):
+    """Collect every choice; if the client disconnects first, or one stream fails, cancel the
+    Generate calls still running."""
+    collect = asyncio.ensure_future(streams.collect())
+    gone = asyncio.ensure_future(_disconnected(raw))
+    try:
+        await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not collect.done():
+            collect.cancel()
+        if collect.cancelled() or not collect.done() or collect.exception() is not None:
+            engine.close_soon(streams)
+    if not collect.done() or collect.cancelled():
+        raise APIError(499, "the client closed the connection", code="client_closed_request")
+    return collect.result()  # raises the failed stream's APIError
+
+
+async def _disconnected(raw: Request) -> None:
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass

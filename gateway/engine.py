@@ -1,0 +1,275 @@
+"""The engine-facing half of the gateway: an HTTP request's prompts and sampling -> Generate streams.
+
+One completion (a prompt and a sample index) is one `Generate` call through `ComputeClient`,
+which fails over to another replica on a retryable error. A request's calls are started together
+and *primed* (their first reply awaited) before any HTTP status is sent, so a replica's refusal
+(INVALID_ARGUMENT) or no replica at all still answers as a 400 or a 503, not as a broken stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gateway.errors import APIError, bad_request, from_grpc, no_replica
+from gateway.model import ServedModel
+from gateway.protocol import Usage, _SamplingRequest
+from kvtier import auth
+from kvtier.api import compute_pb2
+from kvtier.compute_client import RECONNECT, ComputeClient
+
+log = logging.getLogger("kvtier.gateway")
+
+HEALTH_TIMEOUT_S = 1.0
+
+
+@dataclass
+class Job:
+    """One Generate call: choice `index` of the response, sample `sample` of prompt `prompt_index`."""
+
+    index: int
+    prompt_index: int
+    sample: int
+    prompt_ids: list[int]
+    request: compute_pb2.GenerateRequest
+
+
+@dataclass
+class Choice:
+    """What one Generate stream produced, accumulated."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+
+    def add(self, reply: compute_pb2.GenerateResponse) -> None:
+        self.text += reply.text
+        self.token_ids.extend(reply.token_ids)
+        if reply.finish_reason:
+            self.finish_reason = reply.finish_reason
+            self.completion_tokens = reply.usage.completion_tokens
+            self.cached_prompt_tokens = reply.usage.cached_prompt_tokens
+
+
+def usage_of(jobs: list[Job], choices: list[Choice]) -> Usage:
+    """Usage of a request: each prompt counted once; its cached tokens are the fewest any of its
+    samples found cached (every sample is its own Generate call, later ones hit what earlier wrote)."""
+    prompt = cached = 0
+    by_prompt: dict[int, list[Choice]] = {}
+    for job, choice in zip(jobs, choices, strict=True):
+        by_prompt.setdefault(job.prompt_index, []).append(choice)
+        if job.sample == 0:
+            prompt += len(job.prompt_ids)
+    cached = sum(min(c.cached_prompt_tokens for c in group) for group in by_prompt.values())
+    return Usage.of(prompt, sum(c.completion_tokens for c in choices), cached)
+
+
+def _as_api_error(error: BaseException) -> APIError:
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, grpc.aio.AioRpcError):
+        return from_grpc(error)
+    if isinstance(error, StopAsyncIteration):
+        return no_replica("a replica closed the stream without a reply")
+    log.error("Generate failed: %r", error)
+    return no_replica(f"{type(error).__name__}: {error}")
+
+
+class Streams:
+    """The primed Generate streams of one HTTP request; iterate for (job, reply) in arrival order."""
+
+    def __init__(
+        self, jobs: list[Job], gens: list[AsyncIterator], firsts: list[compute_pb2.GenerateResponse]
+    ):
+        self.jobs, self._gens, self._firsts = jobs, gens, firsts
+        # The replica's own time from a request's arrival to its first token (the earliest stream's).
+        self.replica_ttft_s = min(f.time_to_first_token_s for f in firsts)
+        self._tasks: list[asyncio.Task] = []
+
+    async def __aiter__(self) -> AsyncIterator[tuple[Job, compute_pb2.GenerateResponse]]:
+        for job, first in zip(self.jobs, self._firsts, strict=True):
+            yield job, first
+        try:
+            if len(self._gens) == 1:  # the common case: no tasks, no queue
+                async for reply in self._gens[0]:
+                    yield self.jobs[0], reply
+                return
+            async for item in self._merged():
+                yield item
+        except (grpc.aio.AioRpcError, RuntimeError) as e:
+            raise _as_api_error(e) from e
+
+    async def _merged(self) -> AsyncIterator[tuple[Job, compute_pb2.GenerateResponse]]:
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(job: Job, gen: AsyncIterator) -> None:
+            try:
+                async for reply in gen:
+                    queue.put_nowait((job, reply, None))
+                queue.put_nowait((job, None, None))
+            except Exception as e:
+                queue.put_nowait((job, None, e))
+
+        self._tasks = [asyncio.create_task(pump(j, g)) for j, g in zip(self.jobs, self._gens, strict=True)]
+        remaining = len(self._tasks)
+        while remaining:
+            job, reply, error = await queue.get()
+            if reply is not None:
+                yield job, reply
+                continue
+            remaining -= 1
+            if error is not None:
+                raise error
+
+    async def collect(self) -> list[Choice]:
+        """Run every stream to its end; the choices in index order."""
+        choices = [Choice(job.index) for job in self.jobs]
+        async for job, reply in self:
+            choices[job.index].add(reply)
+        return choices
+
+    async def aclose(self) -> None:
+        """Stop every stream that is still running: its Generate call is cancelled, so the replica
+        aborts the sequence and frees its blocks."""
+        for task in self._tasks:
+            task.cancel()
+        for gen in self._gens:
+            await gen.aclose()
+
+
+class Engine:
+    def __init__(self, addresses: list[str], model: ServedModel, max_n: int, token: str | None = None):
+        self.addresses = list(addresses)
+        self.model = model
+        self.max_n = max_n
+        self._token = token
+        self.client: ComputeClient | None = None
+        self._health: list[health_pb2_grpc.HealthStub] = []
+        self._channels: list[grpc.aio.Channel] = []
+        self._background: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        """Open the channels (on the running event loop: grpc.aio binds to it)."""
+        self.client = ComputeClient(self.addresses, self._token)
+        self._channels = [
+            grpc.aio.insecure_channel(auth.grpc_target(a), options=RECONNECT) for a in self.addresses
+        ]
+        self._health = [health_pb2_grpc.HealthStub(c) for c in self._channels]
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+        for channel in self._channels:
+            await channel.close()
+
+    async def healthy_replicas(self) -> list[str]:
+        """The replicas whose gRPC health service answers SERVING within HEALTH_TIMEOUT_S."""
+
+        async def serving(stub: health_pb2_grpc.HealthStub) -> bool:
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT_S)
+            except grpc.RpcError:
+                return False
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+        ok = await asyncio.gather(*(serving(s) for s in self._health))
+        return [a for a, good in zip(self.addresses, ok, strict=True) if good]
+
+    def jobs(
+        self,
+        request_id: str,
+        prompts: list[list[int]],
+        req: _SamplingRequest,
+        max_tokens: int | None,
+        default_max_tokens: int | None,
+    ) -> list[Job]:
+        """One Job per (prompt, sample), checked against the model's context.
+
+        max_tokens: what the client asked for; when None, `default_max_tokens`, or with that None
+        too, the rest of the context after the prompt. A seeded request's sample i uses seed + i.
+        """
+        if not 1 <= req.n <= self.max_n:
+            raise bad_request(f"n must be in [1, {self.max_n}], got {req.n}", param="n")
+        if max_tokens is not None and max_tokens < 1:
+            raise bad_request(f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
+        limit = self.model.max_model_len
+        jobs: list[Job] = []
+        for p, ids in enumerate(prompts):
+            if not ids:
+                raise bad_request("the prompt is empty", param="prompt")
+            want = max_tokens if max_tokens is not None else default_max_tokens
+            if want is None:
+                want = limit - len(ids)
+                if want < 1:
+                    raise bad_request(
+                        f"this model's context is {limit} tokens and the prompt has {len(ids)}: "
+                        "no room for a completion",
+                        param="messages",
+                        code="context_length_exceeded",
+                    )
+            if len(ids) + want > limit:
+                raise bad_request(
+                    f"this model's context is {limit} tokens, but the request needs {len(ids) + want} "
+                    f"({len(ids)} prompt + {want} max_tokens); shorten the prompt or lower max_tokens",
+                    param="max_tokens",
+                    code="context_length_exceeded",
+                )
+            for i in range(req.n):
+                jobs.append(
+                    Job(
+                        len(jobs),
+                        p,
+                        i,
+                        ids,
+                        self._generate_request(f"{request_id}-{len(jobs)}", ids, req, want, i),
+                    )
+                )
+        return jobs
+
+    @staticmethod
+    def _generate_request(
+        request_id: str, ids: list[int], req: _SamplingRequest, max_tokens: int, sample: int
+    ) -> compute_pb2.GenerateRequest:
+        return ComputeClient.request(
+            prompt_token_ids=ids,
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k in (None, -1) else req.top_k,
+            seed=None if req.seed is None else req.seed + sample,
+            stop=req.stop_list(),
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos,
+            request_id=request_id,
+            cache_salt=req.cache_salt or "",
+        )
+
+    async def open(self, jobs: list[Job]) -> Streams:
+        """Start every job's Generate stream and wait for each one's first reply.
+
+        Raises APIError (400 for a request a replica refuses, 503 when no replica answers); every
+        stream already started is then cancelled.
+        """
+        assert self.client is not None, "Engine.start() first"
+        gens = [self.client.stream(job.request) for job in jobs]
+        firsts = await asyncio.gather(*(anext(g) for g in gens), return_exceptions=True)
+        failed = next((r for r in firsts if isinstance(r, BaseException)), None)
+        if failed is not None:
+            for gen in gens:
+                await gen.aclose()
+            raise _as_api_error(failed)
+        return Streams(jobs, gens, firsts)
+
+    def close_soon(self, streams: Streams) -> None:
+        """Close `streams` from a task of its own (a cancelled HTTP handler cannot await anymore)."""
+        task = asyncio.get_running_loop().create_task(streams.aclose())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

@@ -1,0 +1,70 @@
+"""The gateway's own Prometheus metrics, on their own registry (served at GET /metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from kvtier.metrics import COMPUTE_RPC_BUCKETS
+
+# Seconds: first tokens come in milliseconds (prefix hits) to tens of seconds (long prefills).
+TTFT_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.08,
+    0.16,
+    0.32,
+    0.64,
+    1.28,
+    2.56,
+    5.12,
+    10.24,
+    20.48,
+)
+
+
+class GatewayMetrics:
+    """Requests by endpoint and status, latency, time to first token, tokens."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = r = registry if registry is not None else CollectorRegistry()
+        p = "kvtier_gateway"
+        self.requests = Counter(
+            f"{p}_requests",
+            "HTTP requests answered, by endpoint and status code.",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.request_duration = Histogram(
+            f"{p}_request_duration_seconds",
+            "Arrival to the last byte of the response (a stream's end).",
+            ["endpoint"],
+            buckets=COMPUTE_RPC_BUCKETS,
+            registry=r,
+        )
+        self.time_to_first_token = Histogram(
+            f"{p}_time_to_first_token_seconds",
+            "Arrival to the first generated token, as the gateway saw it.",
+            ["endpoint"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            f"{p}_prompt_tokens", "Prompt tokens of finished completions.", registry=r
+        )
+        self.cached_prompt_tokens = Counter(
+            f"{p}_cached_prompt_tokens", "Prompt tokens served from the prefix cache.", registry=r
+        )
+        self.generation_tokens = Counter(f"{p}_generation_tokens", "Completion tokens generated.", registry=r)
+
+    def observe(self, endpoint: str, status: int, seconds: float) -> None:
+        self.requests.labels(endpoint, str(status)).inc()
+        self.request_duration.labels(endpoint).observe(seconds)
+
+    def tokens(self, prompt: int, cached: int, completion: int) -> None:
+        self.prompt_tokens.inc(prompt)
+        self.cached_prompt_tokens.inc(cached)
+        self.generation_tokens.inc(completion)

@@ -1,0 +1,77 @@
+"""What the gateway knows about the served model: its name, tokenizer, chat template and context.
+
+The gateway tokenizes prompts itself (so it can check `prompt + max_tokens` against the context
+before any replica works on a request) and sends token ids to the replicas. It loads only the
+tokenizer and config.json of `--model`, never the weights; for the built-in tiny model it builds
+the same byte tokenizer the replicas use.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvtier.model_spec import ModelShape
+
+log = logging.getLogger("kvtier.gateway")
+
+# For tokenizers without a chat template (the built-in byte tokenizer, random benchmark models):
+# each message on its own line after a role tag, then the assistant's tag to answer after.
+SIMPLE_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+@dataclass
+class ServedModel:
+    name: str
+    tokenizer: Any  # a transformers PreTrainedTokenizerBase
+    max_model_len: int
+    vocab_size: int
+    root: str | None = None
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a completion prompt, with the special tokens the replica's encode adds (bos)."""
+        return list(self.tokenizer.encode(text))
+
+    def render_chat(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool, kwargs: dict | None = None
+    ) -> list[int]:
+        """Token ids of a conversation rendered with the tokenizer's chat template."""
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **(kwargs or {})
+        )
+        # The template writes the special tokens (bos) itself; encoding must not add them again.
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def load_served_model(model_dir: str | None, name: str) -> ServedModel:
+    """The tokenizer and context of `model_dir` (config.json + tokenizer files), or of the tiny model."""
+    if model_dir is None:
+        from computesvc.model import build_byte_tokenizer
+
+        tokenizer = build_byte_tokenizer()
+        shape = ModelShape.tiny()
+    else:
+        from transformers import AutoTokenizer
+
+        config_file = Path(model_dir) / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"no config.json in model directory {model_dir}")
+        shape = ModelShape.from_hf_config(json.loads(config_file.read_text()))
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    if not getattr(tokenizer, "chat_template", None):
+        log.info("the tokenizer has no chat template; chat uses kvtier's simple one (<|role|> lines)")
+        tokenizer.chat_template = SIMPLE_CHAT_TEMPLATE
+    return ServedModel(
+        name=name,
+        tokenizer=tokenizer,
+        max_model_len=shape.max_model_len,
+        vocab_size=shape.vocab_size,
+        root=str(Path(model_dir).resolve()) if model_dir else None,
+    )

@@ -1,0 +1,293 @@
+"""The OpenAI HTTP schema the gateway speaks, as pydantic models (the JSON shapes of OpenAI and vLLM).
+
+Requests accept unknown fields and ignore them, as OpenAI-compatible servers do (clients send
+newer fields than a server knows). Fields kvtier cannot honour yet are declared, so that a
+request setting one to a non-default value gets a clear 400 (`unsupported_fields`) instead of
+being silently ignored. In responses, the extensions (`token_ids`, `prompt_token_ids`) appear only
+when set; every OpenAI field appears, null included.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# --- requests ------------------------------------------------------------------------------------
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Request):
+    """Fields /v1/completions and /v1/chat/completions share."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = Field(default=None, description="vLLM extension; 0 or -1 = off")
+    n: int = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, description="vLLM extension")
+    seed: int | None = None
+    ignore_eos: bool = Field(default=False, description="vLLM extension")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    cache_salt: str | None = Field(
+        default=None, description="vLLM extension: tenant isolation of cached blocks"
+    )
+    return_token_ids: bool = Field(
+        default=False, description="vLLM extension: token ids of the prompt and of each choice"
+    )
+    # Accepted by the schema, not supported yet: a non-default value answers 400.
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def unsupported_fields(self) -> dict[str, Any]:
+        """{field: value} of the fields set to something kvtier cannot do yet."""
+        checks = {
+            "presence_penalty": self.presence_penalty not in (None, 0),
+            "frequency_penalty": self.frequency_penalty not in (None, 0),
+            "repetition_penalty": self.repetition_penalty not in (None, 1),
+            "min_p": self.min_p not in (None, 0),
+            "logit_bias": bool(self.logit_bias),
+        }
+        return {name: getattr(self, name) for name, bad in checks.items() if bad}
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingRequest):
+    # A string, a list of strings, token ids, or a list of token-id lists (one completion each).
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported_fields(self) -> dict[str, Any]:
+        out = super().unsupported_fields()
+        if self.logprobs is not None:
+            out["logprobs"] = self.logprobs
+        if self.echo:
+            out["echo"] = self.echo
+        if self.suffix:
+            out["suffix"] = self.suffix
+        if self.best_of not in (None, 1, self.n):
+            out["best_of"] = self.best_of
+        return out
+
+
+class ContentPart(_Request):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = Field(default=True, description="vLLM extension")
+    chat_template_kwargs: dict[str, Any] | None = Field(default=None, description="vLLM extension")
+
+    def unsupported_fields(self) -> dict[str, Any]:
+        out = super().unsupported_fields()
+        if self.logprobs:
+            out["logprobs"] = self.logprobs
+        if self.top_logprobs:
+            out["top_logprobs"] = self.top_logprobs
+        if self.tools:
+            out["tools"] = f"{len(self.tools)} tools"
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            out["response_format"] = self.response_format
+        return out
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# --- responses -----------------------------------------------------------------------------------
+
+
+def _extension(description: str) -> Any:
+    """An optional response field left out of the JSON when unset (None)."""
+    return Field(default=None, exclude_if=lambda v: v is None, description=description)
+
+
+class _Response(BaseModel):
+    def json_bytes(self) -> bytes:
+        return self.model_dump_json().encode()
+
+
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0
+
+
+class Usage(_Response):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @classmethod
+    def of(cls, prompt: int, completion: int, cached: int) -> Usage:
+        return cls(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        )
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: None = None
+    token_ids: list[int] | None = _extension("vLLM extension (return_token_ids): this choice's token ids")
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    prompt_token_ids: list[list[int]] | None = _extension("vLLM extension (return_token_ids)")
+
+
+class AssistantMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(_Response):
+    index: int
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: None = None
+    token_ids: list[int] | None = _extension("vLLM extension (return_token_ids): this choice's token ids")
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+    prompt_token_ids: list[int] | None = _extension("vLLM extension (return_token_ids)")
+
+
+class DeltaMessage(_Response):
+    role: Literal["assistant"] | None = Field(default=None, exclude_if=lambda v: v is None)
+    content: str | None = None
+
+
+class ChatChunkChoice(_Response):
+    index: int
+    delta: DeltaMessage
+    finish_reason: str | None = None
+    logprobs: None = None
+    token_ids: list[int] | None = _extension("vLLM extension (return_token_ids): this choice's token ids")
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "kvtier"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(_Response):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(_Response):
+    error: ErrorInfo
+
+
+# --- fast stream chunks --------------------------------------------------------------------------
+
+
+class ChunkTemplate:
+    """One response model serialized once with placeholders, filled in per stream chunk.
+
+    A stream sends one chunk per token; building and validating the pydantic model for each costs
+    more than the rest of the gateway's work on it. The template is the model's own JSON (so the
+    shape stays the schema's), made once per request from a `model_construct`ed instance whose
+    variable fields hold sentinel strings; `render` swaps each sentinel's JSON for the value's.
+    """
+
+    def __init__(self, build, fields: tuple[str, ...]):
+        """build(**{field: sentinel}) -> the model, constructed (no validation) around the sentinels."""
+        self._placeholders = {name: json.dumps(f"\x00{name}\x00").encode() for name in fields}
+        raw = build(**{name: f"\x00{name}\x00" for name in fields}).model_dump_json(warnings=False).encode()
+        for name, placeholder in self._placeholders.items():
+            if raw.count(placeholder) != 1:
+                raise ValueError(f"field {name!r} appears {raw.count(placeholder)} times in {raw!r}")
+        self._raw = b"data: " + raw + b"\n\n"
+
+    def render(self, **values: Any) -> bytes:
+        """The Server-Sent Event of the chunk with these values (`data: {json}\\n\\n`)."""
+        out = self._raw
+        for name, value in values.items():
+            out = out.replace(self._placeholders[name], _json(value), 1)
+        return out
+
+
+def _json(value: Any) -> bytes:
+    if value is None:
+        return b"null"
+    if isinstance(value, int):
+        return str(value).encode()
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()

@@ -1,0 +1,99 @@
+"""The gateway's schema pieces without a server: stream chunks rendered from a template must be the
+pydantic model's own JSON, and request checks name what they refuse."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gateway.protocol import (
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChunkTemplate,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+)
+
+TEXTS = [
+    "",
+    "plain",
+    'quotes " and \\ backslash',
+    "line\nbreak\ttab",
+    "héllo wörld ✓ \ufffd",
+    "\x00nul\x01",
+    '"\x00text\x00"',
+]
+
+
+def completion(index, text, finish_reason, token_ids=None, construct=False):
+    make_choice = CompletionChoice.model_construct if construct else CompletionChoice
+    make = CompletionResponse.model_construct if construct else CompletionResponse
+    choice = make_choice(
+        index=index, text=text, finish_reason=finish_reason, logprobs=None, token_ids=token_ids
+    )
+    return make(id="cmpl-1", object="text_completion", created=7, model="m", choices=[choice], usage=None)
+
+
+def chat(index, text, finish_reason, token_ids=None, construct=False):
+    make_choice = ChatChunkChoice.model_construct if construct else ChatChunkChoice
+    delta = (DeltaMessage.model_construct if construct else DeltaMessage)(content=text, role=None)
+    choice = make_choice(
+        index=index, delta=delta, finish_reason=finish_reason, logprobs=None, token_ids=token_ids
+    )
+    make = ChatCompletionChunk.model_construct if construct else ChatCompletionChunk
+    return make(
+        id="chat-1", object="chat.completion.chunk", created=7, model="m", choices=[choice], usage=None
+    )
+
+
+@pytest.mark.parametrize("build", [completion, chat])
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("finish_reason", [None, "stop", "length"])
+@pytest.mark.parametrize("token_ids", [None, [], [1, 257, 4095]])
+def test_template_chunks_equal_the_models_own_json(build, text, finish_reason, token_ids):
+    fields = ("index", "text", "finish_reason") + (() if token_ids is None else ("token_ids",))
+    template = ChunkTemplate(lambda **kw: build(construct=True, **kw), fields)
+    values = {"index": 3, "text": text, "finish_reason": finish_reason}
+    if token_ids is not None:
+        values["token_ids"] = token_ids
+    event = template.render(**values)
+    assert event.startswith(b"data: ") and event.endswith(b"\n\n")
+    expected = build(3, text, finish_reason, token_ids).model_dump_json()
+    assert json.loads(event[6:-2]) == json.loads(expected)
+    assert list(json.loads(event[6:-2])) == list(json.loads(expected))  # same keys in the same order
+
+
+def test_unsupported_fields_are_named_only_off_their_defaults():
+    defaults = CompletionRequest(
+        prompt="x", presence_penalty=0, frequency_penalty=0.0, repetition_penalty=1, min_p=0
+    )
+    assert defaults.unsupported_fields() == {}
+    bad = CompletionRequest(prompt="x", presence_penalty=0.5, logprobs=0, echo=True, best_of=3)
+    assert bad.unsupported_fields() == {"presence_penalty": 0.5, "logprobs": 0, "echo": True, "best_of": 3}
+    chat_req = ChatCompletionRequest(
+        messages=[{"role": "user", "content": "x"}],
+        logprobs=True,
+        top_logprobs=2,
+        response_format={"type": "json_object"},
+    )
+    assert set(chat_req.unsupported_fields()) == {"logprobs", "top_logprobs", "response_format"}
+    assert (
+        ChatCompletionRequest(
+            messages=[{"role": "user", "content": "x"}], logprobs=False
+        ).unsupported_fields()
+        == {}
+    )
+
+
+def test_chat_max_tokens_prefers_max_completion_tokens():
+    messages = [{"role": "user", "content": "x"}]
+    assert ChatCompletionRequest(messages=messages, max_tokens=5).requested_max_tokens == 5
+    assert (
+        ChatCompletionRequest(messages=messages, max_tokens=5, max_completion_tokens=9).requested_max_tokens
+        == 9
+    )
+    assert ChatCompletionRequest(messages=messages).requested_max_tokens is None
