@@ -191,7 +191,8 @@ class BlockManager:
         # a third of the call). An over-freed id puts back the counts this call dropped and
         # raises; the free queue is edited only after every id passed, so a refused call never
         # touches a link.
-        for k, i in enumerate(block_ids):
+        ids = iter(block_ids)
+        for i in ids:
             block = blocks[i]
             ref_cnt = block.ref_cnt
             if ref_cnt == 1:
@@ -200,6 +201,7 @@ class BlockManager:
             elif ref_cnt:
                 block.ref_cnt = ref_cnt - 1
             else:
+                k = len(block_ids) - 1 - sum(1 for _ in ids)  # the position of `i`: no counter in the loop
                 for j in block_ids[:k]:
                     blocks[j].ref_cnt += 1
                 raise InvalidArgument(f"block_ids[{k}] = {i} is not referenced (ref_cnt 0)")
