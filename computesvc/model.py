@@ -13,9 +13,10 @@ call, so concurrent runners never share hidden state.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +33,11 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from computesvc.generation_config import GENERATION_CONFIG, describe, read_generation_defaults
 from kernels import paged_decode_attention, paged_prefill_attention, write_kv
 from kvtier.model_spec import TINY_LLAMA_CONFIG, ModelShape
+
+log = logging.getLogger("kvtier.compute")
 
 ATTN_IMPLEMENTATION = "kvtier_paged"
 
@@ -99,12 +103,15 @@ class LoadedModel:
 
     `shape.dtype` is the checkpoint's dtype; the dtype the weights run in (and the pool must
     have) is `model.dtype`. `eos_token_ids` merges the generation config's and the tokenizer's.
+    `sampling_defaults` are the SamplingParams fields its generation_config.json sets (the
+    defaults of requests that leave them unset; computesvc.generation_config).
     """
 
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     shape: ModelShape
     eos_token_ids: list[int]
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 def load_model(
@@ -133,7 +140,10 @@ def load_model(
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     model = model.to(device).eval().requires_grad_(False)
     use_paged_attention(model)
-    return LoadedModel(model, tokenizer, shape, _eos_token_ids(model, tokenizer))
+    defaults = read_generation_defaults(model_dir)
+    if defaults:
+        log.info("sampling defaults from %s/%s: %s", model_dir, GENERATION_CONFIG, describe(defaults))
+    return LoadedModel(model, tokenizer, shape, _eos_token_ids(model, tokenizer), defaults)
 
 
 def use_paged_attention(model: PreTrainedModel) -> None:

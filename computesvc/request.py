@@ -12,7 +12,7 @@ import torch
 from opentelemetry import trace
 
 from computesvc.output import TextState
-from computesvc.sampling import SamplingParams
+from computesvc.sampling import PenaltyState, SamplingParams, TokenLogprob
 
 
 class Status(enum.Enum):
@@ -34,6 +34,7 @@ class StepOutput:
     cached_prompt_tokens: int = 0
     time_to_first_token_s: float = 0.0
     error: Exception | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry when the request asked
 
 
 @dataclass(eq=False)
@@ -59,6 +60,8 @@ class Request:
     first_token_at: float = 0.0  # time.monotonic() seconds; 0 = no token yet
     last_token_at: float = 0.0
     text_state: TextState = field(default_factory=TextState)  # how far the output is detokenized
+    # Token counts for the penalties (made at the first sample; None when the request has none).
+    penalty: PenaltyState | None = None
     aborted: bool = False
 
     @property

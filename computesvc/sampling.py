@@ -1,5 +1,11 @@
 """Turning logits into tokens: per-request sampling parameters and the batched sampler.
 
+Order of one step (each row with its own parameters): repetition penalty (Hugging Face: over the
+prompt and the output), frequency and presence penalties (OpenAI: over the output only), then
+for sampled rows temperature, min_p, top_k, top_p and the draw; greedy rows take the argmax
+after the penalties. Rows without penalties skip that work entirely. Logprobs are reported from
+the model's raw logits (before all of it), like vLLM's default `raw_logprobs`.
+
 Stop strings are not handled here: matching them needs the detokenized text, which the
 scheduler owns. The sampler only picks the next token id of each sequence.
 """
@@ -12,13 +18,16 @@ from dataclasses import dataclass, field
 import torch
 
 MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
+PENALTY_RANGE = (-2.0, 2.0)  # presence/frequency penalties, as OpenAI allows
 # torch.Generator.manual_seed accepts any 64-bit value, signed or unsigned.
 _SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
 
 
 @dataclass
 class SamplingParams:
-    """How one request picks its tokens. `temperature == 0` is greedy; `top_k == 0` is off."""
+    """How one request picks its tokens. `temperature == 0` is greedy; `top_k == 0`, `min_p == 0`,
+    penalties of 0 (presence, frequency) or 1 (repetition) are off; `logprobs` None = none returned."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -28,10 +37,20 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes this request's logits (it then needs a PenaltyState)."""
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
     def validate(self, *, vocab_size: int, max_model_len: int) -> None:
         """Raise ValueError naming the first field out of range, its value and the limit."""
@@ -43,6 +62,17 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        lo, hi = PENALTY_RANGE
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and lo <= value <= hi):
+                raise ValueError(f"{name} must be in [{lo:g}, {hi:g}], got {value}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        if not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if self.seed is not None and not _SEED_RANGE[0] <= self.seed <= _SEED_RANGE[1]:
@@ -64,6 +94,68 @@ class SamplingParams:
         return torch.Generator(device=device).manual_seed(self.seed)
 
 
+class PenaltyState:
+    """The token ids one request's penalties look at, kept up to date as its tokens are sampled
+    (one `add` per token, not a recount per step).
+
+    seen: [vocab] bool, tokens of the prompt or the output (repetition penalty).
+    counts: [vocab] float32, how often each token is in the output (frequency/presence penalties).
+    """
+
+    def __init__(
+        self, prompt_ids: list[int], output_ids: list[int], vocab_size: int, device: torch.device | str
+    ):
+        self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        self.seen[torch.tensor(prompt_ids, dtype=torch.long, device=device)] = True
+        self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+        for token in output_ids:
+            self.add(token)
+
+    def add(self, token: int) -> None:
+        """`token` was just sampled for this request."""
+        self.counts[token] += 1
+        self.seen[token] = True
+
+
+@dataclass
+class TokenLogprob:
+    """Log-probabilities (natural log, of the raw model distribution) around one sampled token."""
+
+    logprob: float  # the sampled token's
+    rank: int  # 1 = the most likely token
+    top_ids: list[int]  # the k most likely, most likely first
+    top_logprobs: list[float]
+
+
+def apply_penalties(
+    logits: torch.Tensor, params: list[SamplingParams], states: list[PenaltyState | None]
+) -> torch.Tensor:
+    """`logits` [num_seqs, vocab] fp32 with each row's penalties applied: a new tensor when some
+    row has one (the input stays the raw logits, for logprobs), the same tensor when none does."""
+    rows = [i for i, p in enumerate(params) if p.penalized]
+    if not rows:
+        return logits
+    missing = [i for i in rows if states[i] is None]
+    if missing:
+        raise ValueError(f"rows {missing} have penalties but no PenaltyState")
+    x = logits[rows]
+    rep = [params[i].repetition_penalty for i in rows]
+    if any(r != 1 for r in rep):
+        seen = torch.stack([states[i].seen for i in rows])
+        r = x.new_tensor(rep)[:, None]
+        # Hugging Face's rule: a penalty > 1 always makes a seen token less likely, whatever
+        # its logit's sign (dividing a negative logit would raise it).
+        x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+    freq = [params[i].frequency_penalty for i in rows]
+    pres = [params[i].presence_penalty for i in rows]
+    if any(freq) or any(pres):
+        counts = torch.stack([states[i].counts for i in rows])
+        x = x - x.new_tensor(freq)[:, None] * counts - x.new_tensor(pres)[:, None] * (counts > 0)
+    out = logits.clone()
+    out[rows] = x
+    return out
+
+
 class Sampler:
     """Picks one token per row of a logits batch, each row with its own parameters."""
 
@@ -72,12 +164,15 @@ class Sampler:
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
+        penalties: list[PenaltyState | None] | None = None,
     ) -> list[int]:
         """Next token of each sequence.
 
-        logits: [num_seqs, vocab_size], any float dtype (computed in fp32). Greedy rows take the
-        argmax; the others apply temperature, then top-k, then top-p, then draw with their own
-        generator (seeded -> reproducible regardless of the batch they are in).
+        logits: [num_seqs, vocab_size], any float dtype (computed in fp32; never modified).
+        penalties: each row's PenaltyState (None for rows without penalties; the list may be None
+        when no row has any). Penalties first; then greedy rows take the argmax, the others apply
+        temperature, min_p, top-k, top-p, then draw with their own generator (seeded ->
+        reproducible regardless of the batch they are in).
         """
         if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(generators):
             raise ValueError(
@@ -85,6 +180,8 @@ class Sampler:
                 f"len(params) ({len(params)}) == len(generators) ({len(generators)})"
             )
         logits = logits.float()
+        if penalties is not None:
+            logits = apply_penalties(logits, params, penalties)
         tokens = logits.argmax(dim=-1).tolist()
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if not rows:
@@ -96,6 +193,11 @@ class Sampler:
         top_k = torch.tensor([params[i].top_k or vocab_size for i in rows], device=logits.device)
         top_p = logits.new_tensor([params[i].top_p for i in rows])
         scaled = logits[rows] / temperature[:, None]
+        min_p = [params[i].min_p for i in rows]
+        if any(min_p):
+            # Relative to the most likely token: p < min_p * p_max <=> logit < max + log(min_p).
+            floor = scaled.max(dim=-1, keepdim=True).values + scaled.new_tensor(min_p)[:, None].log()
+            scaled = scaled.masked_fill(scaled < floor, -math.inf)
         sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True, stable=True)
         ranks = torch.arange(vocab_size, device=logits.device)
         sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= top_k[:, None], -math.inf)
@@ -107,3 +209,24 @@ class Sampler:
             pick = torch.multinomial(probs[j], 1, generator=generators[i])
             tokens[i] = int(sorted_ids[j, pick])
         return tokens
+
+    @staticmethod
+    def logprobs(logits: torch.Tensor, ks: list[int | None], tokens: list[int]) -> list[TokenLogprob | None]:
+        """Logprobs of each row's sampled token (`tokens`) and its `ks[i]` most likely tokens,
+        from the raw `logits` [num_seqs, vocab] (before penalties and temperature); None for rows
+        whose k is None. Batched over the rows that ask."""
+        out: list[TokenLogprob | None] = [None] * len(ks)
+        rows = [i for i, k in enumerate(ks) if k is not None]
+        if not rows:
+            return out
+        lp = logits[rows].float().log_softmax(dim=-1)
+        picked = torch.tensor([tokens[i] for i in rows], device=lp.device)[:, None]
+        chosen = lp.gather(1, picked)
+        ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
+        k_max = max(ks[i] for i in rows)
+        top_lp, top_ids = lp.topk(k_max, dim=-1) if k_max else (lp[:, :0], picked[:, :0])
+        chosen, top_lp, top_ids = chosen[:, 0].tolist(), top_lp.tolist(), top_ids.tolist()
+        for j, i in enumerate(rows):
+            k = ks[i]
+            out[i] = TokenLogprob(chosen[j], ranks[j], top_ids[j][:k], top_lp[j][:k])
+        return out

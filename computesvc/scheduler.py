@@ -43,7 +43,7 @@ from computesvc.model import LeaseExpired, ModelRunner, PrefillInput
 from computesvc.observer import SchedulerObserver
 from computesvc.output import OutputProcessor
 from computesvc.request import Request, Status, StepOutput
-from computesvc.sampling import Sampler
+from computesvc.sampling import PenaltyState, Sampler
 
 log = logging.getLogger("kvtier.compute")
 
@@ -373,12 +373,27 @@ class Scheduler:
     # ------------------------------------------------------------ sampling and output
 
     def _sample_and_emit(self, reqs: list[Request], logits: torch.Tensor) -> None:
-        """Sample one token per request from its row of `logits` [len(reqs), vocab] and stream it."""
-        tokens = self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        """Sample one token per request from its row of `logits` [len(reqs), vocab] and stream it
+        (with its logprobs, from these raw logits, when the request asked for them)."""
+        penalties = None
+        if any(r.params.penalized for r in reqs):
+            for r in reqs:
+                if r.params.penalized and r.penalty is None:
+                    r.penalty = PenaltyState(
+                        r.prompt_token_ids, r.output_token_ids, logits.shape[-1], logits.device
+                    )
+            penalties = [r.penalty for r in reqs]
+        params = [r.params for r in reqs]
+        tokens = self.sampler.sample(logits, params, [r.generator for r in reqs], penalties)
+        logprobs = [None] * len(reqs)
+        if any(p.logprobs is not None for p in params):
+            logprobs = self.sampler.logprobs(logits, [p.logprobs for p in params], tokens)
         now = time.monotonic()
         max_len = self.cache.max_model_len
-        for req, token in zip(reqs, tokens, strict=True):
+        for req, token, lp in zip(reqs, tokens, logprobs, strict=True):
             req.output_token_ids.append(token)
+            if req.penalty is not None:
+                req.penalty.add(token)
             ttft = 0.0
             if not req.first_token_at:
                 req.first_token_at = now
@@ -388,10 +403,13 @@ class Scheduler:
                 self.observer.on_token(False, now - req.last_token_at)
             req.last_token_at = now
             reason, text = self.output.process(req, token, max_len)
+            token_lps = None if lp is None else [lp]
             if reason:
-                self._finish(req, reason, text=text, token_ids=[token], ttft=ttft)
+                self._finish(req, reason, text=text, token_ids=[token], ttft=ttft, logprobs=token_lps)
             else:
-                req.outputs.put_nowait(StepOutput([token], text, time_to_first_token_s=ttft))
+                req.outputs.put_nowait(
+                    StepOutput([token], text, time_to_first_token_s=ttft, logprobs=token_lps)
+                )
 
     @staticmethod
     def _done(req: Request) -> bool:
@@ -406,6 +424,7 @@ class Scheduler:
         token_ids: list[int] | None = None,
         ttft: float = 0.0,
         error: Exception | None = None,
+        logprobs: list | None = None,
     ) -> None:
         req.status = Status.FINISHED
         out = StepOutput(
@@ -417,6 +436,7 @@ class Scheduler:
             cached_prompt_tokens=max(0, req.num_cached_prompt_tokens),
             time_to_first_token_s=ttft,
             error=error,
+            logprobs=logprobs,
         )
         req.outputs.put_nowait(out)
         self.observer.on_finished(reason)

@@ -21,13 +21,27 @@ class ComputeServicer(compute_pb2_grpc.ComputeServiceServicer):
     def __init__(self, replica: Replica):
         self.replica = replica
 
+    # Proto fields that are `optional`: unset ones take the model's default (its
+    # generation_config.json's, else SamplingParams'); the dataclass's defaults are the fallback.
+    _OPTIONAL = (
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "min_p",
+        "logprobs",
+    )
+
     def _sampling(self, msg: compute_pb2.SamplingParams) -> SamplingParams:
+        loaded = self.replica.loaded
+        values = dict(loaded.sampling_defaults) if loaded is not None else {}
+        values.update({name: getattr(msg, name) for name in self._OPTIONAL if msg.HasField(name)})
         return SamplingParams(
-            max_tokens=msg.max_tokens if msg.HasField("max_tokens") else 16,
-            temperature=msg.temperature if msg.HasField("temperature") else 1.0,
-            top_p=msg.top_p if msg.HasField("top_p") else 1.0,
-            top_k=msg.top_k,
-            seed=msg.seed if msg.HasField("seed") else None,
+            **values,
             stop=list(msg.stop),
             stop_token_ids=list(msg.stop_token_ids),
             ignore_eos=msg.ignore_eos,
@@ -110,6 +124,13 @@ class ComputeServicer(compute_pb2_grpc.ComputeServiceServicer):
             finish_reason=out.finish_reason,
             time_to_first_token_s=out.time_to_first_token_s,
         )
+        if out.logprobs:
+            reply.logprobs.extend(
+                compute_pb2.TokenLogprobs(
+                    logprob=lp.logprob, rank=lp.rank, top_token_ids=lp.top_ids, top_logprobs=lp.top_logprobs
+                )
+                for lp in out.logprobs
+            )
         if out.finish_reason:
             reply.usage.CopyFrom(
                 compute_pb2.Usage(

@@ -125,6 +125,8 @@ def create_app(
             )
         if bad := req.unsupported_fields():
             raise unsupported(bad)
+        if isinstance(req, ChatCompletionRequest) and req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
 
     @app.get("/health")
     async def health() -> Response:
@@ -184,7 +186,12 @@ def create_app(
                 model=model.name,
                 choices=[
                     CompletionChoice(
-                        index=c.index, text=c.text, finish_reason=c.finish_reason, logprobs=None
+                        index=c.index,
+                        text=c.text,
+                        finish_reason=c.finish_reason,
+                        logprobs=engine.logprobs.completion(c.token_ids, c.logprobs)[0]
+                        if req.logprobs is not None
+                        else None,
                     ).model_copy(update={k: c.token_ids for k in ids})
                     for c in choices
                 ],
@@ -214,7 +221,7 @@ def create_app(
                         index=c.index,
                         message=AssistantMessage(content=c.text),
                         finish_reason=c.finish_reason,
-                        logprobs=None,
+                        logprobs=engine.logprobs.chat(c.token_ids, c.logprobs) if req.logprobs else None,
                     ).model_copy(update={k: c.token_ids for k in ids})
                     for c in choices
                 ],

@@ -1,9 +1,18 @@
 """The engine-facing half of the gateway: an HTTP request's prompts and sampling -> Generate streams.
 
 One completion (a prompt and a sample index) is one `Generate` call through `ComputeClient`,
-which fails over to another replica on a retryable error. A request's calls are started together
-and *primed* (their first reply awaited) before any HTTP status is sent, so a replica's refusal
-(INVALID_ARGUMENT) or no replica at all still answers as a 400 or a 503, not as a broken stream.
+which fails over to another replica on a retryable error. A request's calls are *primed* (their
+first reply awaited) before any HTTP status is sent, so a replica's refusal (INVALID_ARGUMENT) or
+no replica at all still answers as a 400 or a 503, not as a broken stream.
+
+Samples of one prompt (`n` > 1) start in two waves: sample 0 of each prompt first, the others
+once its first reply arrived. NOTE: a replica publishes a prompt's blocks when it commits the
+prefilled prompt, right as the first token is sampled; calls started together would all miss
+and prefill the same prompt n times, while calls started after the first token hit every full
+block of it (the cost: the other samples' first token waits for sample 0's).
+
+Sampling fields the client left out are left unset on the Generate call, so the replica applies
+the model's generation_config.json defaults (and the proto's defaults after those).
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.errors import APIError, bad_request, from_grpc, no_replica
+from gateway.logprobs import LogprobFormatter
 from gateway.model import ServedModel
 from gateway.protocol import Usage, _SamplingRequest
 from kvtier import auth
@@ -49,10 +59,12 @@ class Choice:
     finish_reason: str | None = None
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0
+    logprobs: list[compute_pb2.TokenLogprobs] = field(default_factory=list)  # one per token, if asked
 
     def add(self, reply: compute_pb2.GenerateResponse) -> None:
         self.text += reply.text
         self.token_ids.extend(reply.token_ids)
+        self.logprobs.extend(reply.logprobs)
         if reply.finish_reason:
             self.finish_reason = reply.finish_reason
             self.completion_tokens = reply.usage.completion_tokens
@@ -149,6 +161,7 @@ class Engine:
     def __init__(self, addresses: list[str], model: ServedModel, max_n: int, token: str | None = None):
         self.addresses = list(addresses)
         self.model = model
+        self.logprobs = LogprobFormatter(model.tokenizer)
         self.max_n = max_n
         self._token = token
         self.client: ComputeClient | None = None
@@ -193,8 +206,10 @@ class Engine:
     ) -> list[Job]:
         """One Job per (prompt, sample), checked against the model's context.
 
-        max_tokens: what the client asked for; when None, `default_max_tokens`, or with that None
-        too, the rest of the context after the prompt. A seeded request's sample i uses seed + i.
+        max_tokens: what the client asked for; when None, the model's generation_config.json
+        max_new_tokens (capped to the room after the prompt), else `default_max_tokens`, or with
+        that None too, the rest of the context after the prompt. A seeded request's sample i uses
+        seed + i.
         """
         if not 1 <= req.n <= self.max_n:
             raise bad_request(f"n must be in [1, {self.max_n}], got {req.n}", param="n")
@@ -206,6 +221,8 @@ class Engine:
             if not ids:
                 raise bad_request("the prompt is empty", param="prompt")
             want = max_tokens if max_tokens is not None else default_max_tokens
+            if max_tokens is None and self.model.default_max_tokens is not None:
+                want = max(1, min(self.model.default_max_tokens, limit - len(ids)))
             if want is None:
                 want = limit - len(ids)
                 if want < 1:
@@ -238,12 +255,18 @@ class Engine:
     def _generate_request(
         request_id: str, ids: list[int], req: _SamplingRequest, max_tokens: int, sample: int
     ) -> compute_pb2.GenerateRequest:
+        # None stays unset: the replica fills in the model's defaults (generation_config.json).
         return ComputeClient.request(
             prompt_token_ids=ids,
             max_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=0 if req.top_k in (None, -1) else req.top_k,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=0 if req.top_k == -1 else req.top_k,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            min_p=req.min_p,
+            logprobs=req.num_logprobs(),
             seed=None if req.seed is None else req.seed + sample,
             stop=req.stop_list(),
             stop_token_ids=req.stop_token_ids,
@@ -253,19 +276,27 @@ class Engine:
         )
 
     async def open(self, jobs: list[Job]) -> Streams:
-        """Start every job's Generate stream and wait for each one's first reply.
+        """Start every job's Generate stream and wait for each one's first reply: sample 0 of
+        each prompt first, then the other samples (they hit the prompt's blocks; module doc).
 
         Raises APIError (400 for a request a replica refuses, 503 when no replica answers); every
         stream already started is then cancelled.
         """
         assert self.client is not None, "Engine.start() first"
         gens = [self.client.stream(job.request) for job in jobs]
-        firsts = await asyncio.gather(*(anext(g) for g in gens), return_exceptions=True)
-        failed = next((r for r in firsts if isinstance(r, BaseException)), None)
-        if failed is not None:
-            for gen in gens:
-                await gen.aclose()
-            raise _as_api_error(failed)
+        firsts: list = [None] * len(jobs)
+        for wave in (True, False):
+            rows = [i for i, job in enumerate(jobs) if (job.sample == 0) == wave]
+            if not rows:
+                continue
+            got = await asyncio.gather(*(anext(gens[i]) for i in rows), return_exceptions=True)
+            failed = next((r for r in got if isinstance(r, BaseException)), None)
+            if failed is not None:
+                for gen in gens:
+                    await gen.aclose()
+                raise _as_api_error(failed)
+            for i, reply in zip(rows, got, strict=True):
+                firsts[i] = reply
         return Streams(jobs, gens, firsts)
 
     def close_soon(self, streams: Streams) -> None:

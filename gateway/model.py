@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from computesvc.generation_config import GENERATION_CONFIG, describe, read_generation_defaults
 from kvtier.model_spec import ModelShape
 
 log = logging.getLogger("kvtier.gateway")
@@ -34,6 +35,8 @@ class ServedModel:
     max_model_len: int
     vocab_size: int
     root: str | None = None
+    # max_new_tokens of the model's generation_config.json: the default max_tokens (None = none).
+    default_max_tokens: int | None = None
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a completion prompt, with the special tokens the replica's encode adds (bos)."""
@@ -52,6 +55,10 @@ class ServedModel:
 
 def load_served_model(model_dir: str | None, name: str) -> ServedModel:
     """The tokenizer and context of `model_dir` (config.json + tokenizer files), or of the tiny model."""
+    defaults = read_generation_defaults(model_dir)
+    if defaults:
+        # The replicas apply the sampling ones; the gateway needs max_tokens to check the context.
+        log.info("sampling defaults from %s/%s: %s", model_dir, GENERATION_CONFIG, describe(defaults))
     if model_dir is None:
         from computesvc.model import build_byte_tokenizer
 
@@ -74,4 +81,5 @@ def load_served_model(model_dir: str | None, name: str) -> ServedModel:
         max_model_len=shape.max_model_len,
         vocab_size=shape.vocab_size,
         root=str(Path(model_dir).resolve()) if model_dir else None,
+        default_max_tokens=defaults.get("max_tokens"),
     )

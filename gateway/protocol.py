@@ -3,7 +3,8 @@
 Requests accept unknown fields and ignore them, as OpenAI-compatible servers do (clients send
 newer fields than a server knows). Fields kvtier cannot honour yet are declared, so that a
 request setting one to a non-default value gets a clear 400 (`unsupported_fields`) instead of
-being silently ignored. In responses, the extensions (`token_ids`, `prompt_token_ids`) appear only
+being silently ignored. Sampling fields left out (None) stay unset on the Generate call: the
+replica then applies the model's generation_config.json defaults, else the OpenAI defaults. In responses, the extensions (`token_ids`, `prompt_token_ids`) appear only
 when set; every OpenAI field appears, null included.
 """
 
@@ -48,23 +49,22 @@ class _SamplingRequest(_Request):
     return_token_ids: bool = Field(
         default=False, description="vLLM extension: token ids of the prompt and of each choice"
     )
+    presence_penalty: float | None = Field(default=None, description="[-2, 2], over the completion")
+    frequency_penalty: float | None = Field(default=None, description="[-2, 2], over the completion")
+    repetition_penalty: float | None = Field(
+        default=None, description="vLLM extension: > 0, Hugging Face's, over prompt and completion"
+    )
+    min_p: float | None = Field(default=None, description="vLLM extension: [0, 1]")
     # Accepted by the schema, not supported yet: a non-default value answers 400.
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    min_p: float | None = None
     logit_bias: dict[str, float] | None = None
 
     def unsupported_fields(self) -> dict[str, Any]:
         """{field: value} of the fields set to something kvtier cannot do yet."""
-        checks = {
-            "presence_penalty": self.presence_penalty not in (None, 0),
-            "frequency_penalty": self.frequency_penalty not in (None, 0),
-            "repetition_penalty": self.repetition_penalty not in (None, 1),
-            "min_p": self.min_p not in (None, 0),
-            "logit_bias": bool(self.logit_bias),
-        }
-        return {name: getattr(self, name) for name, bad in checks.items() if bad}
+        return {"logit_bias": self.logit_bias} if self.logit_bias else {}
+
+    def num_logprobs(self) -> int | None:
+        """Top alternatives per token to return (SamplingParams.logprobs); None = no logprobs."""
+        return None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -84,10 +84,11 @@ class CompletionRequest(_SamplingRequest):
     suffix: str | None = None
     best_of: int | None = None
 
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
     def unsupported_fields(self) -> dict[str, Any]:
         out = super().unsupported_fields()
-        if self.logprobs is not None:
-            out["logprobs"] = self.logprobs
         if self.echo:
             out["echo"] = self.echo
         if self.suffix:
@@ -118,12 +119,12 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = Field(default=True, description="vLLM extension")
     chat_template_kwargs: dict[str, Any] | None = Field(default=None, description="vLLM extension")
 
+    def num_logprobs(self) -> int | None:
+        # OpenAI: top_logprobs (0..20) counts only with logprobs: true (checked by the app).
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def unsupported_fields(self) -> dict[str, Any]:
         out = super().unsupported_fields()
-        if self.logprobs:
-            out["logprobs"] = self.logprobs
-        if self.top_logprobs:
-            out["top_logprobs"] = self.top_logprobs
         if self.tools:
             out["tools"] = f"{len(self.tools)} tools"
         if self.response_format and self.response_format.get("type", "text") != "text":
@@ -168,11 +169,21 @@ class Usage(_Response):
         )
 
 
+class CompletionLogprobs(_Response):
+    """Legacy completions logprobs: parallel lists, one entry per generated token."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    # {token text: logprob} of the `logprobs` most likely tokens and the sampled one.
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]  # characters from the start of the completion text to each token's
+
+
 class CompletionChoice(_Response):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     token_ids: list[int] | None = _extension("vLLM extension (return_token_ids): this choice's token ids")
 
 
@@ -191,11 +202,25 @@ class AssistantMessage(_Response):
     content: str | None = None
 
 
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None  # the token text's UTF-8 bytes
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]  # the `top_logprobs` most likely tokens, most likely first
+
+
+class ChatLogprobs(_Response):
+    content: list[ChatTokenLogprob] | None
+
+
 class ChatChoice(_Response):
     index: int
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     token_ids: list[int] | None = _extension("vLLM extension (return_token_ids): this choice's token ids")
 
 
@@ -218,7 +243,7 @@ class ChatChunkChoice(_Response):
     index: int
     delta: DeltaMessage
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     token_ids: list[int] | None = _extension("vLLM extension (return_token_ids): this choice's token ids")
 
 

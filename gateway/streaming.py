@@ -47,8 +47,11 @@ class Events:
         self.head = {"id": rid, "created": created, "model": name}
         if req.include_usage:
             self.head["usage"] = None  # every chunk says usage: null; the last one carries it
+        self.with_logprobs = req.num_logprobs() is not None
         fields = ("index", "text", "finish_reason") + (("token_ids",) if req.return_token_ids else ())
+        fields += ("logprobs",) if self.with_logprobs else ()
         self.template = ChunkTemplate(self.build_chunk, fields)
+        self.text_offsets = [0] * len(streams.jobs)  # completions' text_offset, per choice
 
     def build_chunk(self, **values) -> BaseModel:
         """The chunk of one reply (model_construct: `values` may be ChunkTemplate's sentinels)."""
@@ -64,7 +67,13 @@ class Events:
         values = {"index": job.index, "text": reply.text, "finish_reason": reply.finish_reason or None}
         if self.req.return_token_ids:
             values["token_ids"] = list(reply.token_ids)
+        if self.with_logprobs:
+            values["logprobs"] = self.chunk_logprobs(job, reply)
         return self.template.render(**values)
+
+    def chunk_logprobs(self, job: Job, reply) -> dict:
+        """The logprobs of one reply's tokens, as JSON-ready data of this endpoint's shape."""
+        raise NotImplementedError
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         choices = [Choice(job.index) for job in self.streams.jobs]
@@ -93,11 +102,17 @@ class Events:
 
 
 class CompletionEvents(Events):
-    def build_chunk(self, text, finish_reason, index, token_ids=None) -> BaseModel:
+    def build_chunk(self, text, finish_reason, index, token_ids=None, logprobs=None) -> BaseModel:
         choice = CompletionChoice.model_construct(
-            index=index, text=text, finish_reason=finish_reason, logprobs=None, token_ids=token_ids
+            index=index, text=text, finish_reason=finish_reason, logprobs=logprobs, token_ids=token_ids
         )
         return CompletionResponse.model_construct(choices=[choice], object="text_completion", **self.head)
+
+    def chunk_logprobs(self, job: Job, reply) -> dict:
+        out, self.text_offsets[job.index] = self.engine.logprobs.completion(
+            reply.token_ids, reply.logprobs, self.text_offsets[job.index]
+        )
+        return out.model_dump()
 
     def usage_chunk(self, usage: Usage) -> bytes:
         return sse(CompletionResponse(choices=[], **(self.head | {"usage": usage})).json_bytes())
@@ -123,17 +138,20 @@ class ChatEvents(Events):
             for job in self.streams.jobs
         ]
 
-    def build_chunk(self, text, finish_reason, index, token_ids=None) -> BaseModel:
+    def build_chunk(self, text, finish_reason, index, token_ids=None, logprobs=None) -> BaseModel:
         choice = ChatChunkChoice.model_construct(
             index=index,
             delta=DeltaMessage.model_construct(content=text, role=None),
             finish_reason=finish_reason,
-            logprobs=None,
+            logprobs=logprobs,
             token_ids=token_ids,
         )
         return ChatCompletionChunk.model_construct(
             choices=[choice], object="chat.completion.chunk", **self.head
         )
+
+    def chunk_logprobs(self, job: Job, reply) -> dict:
+        return self.engine.logprobs.chat(reply.token_ids, reply.logprobs).model_dump()
 
     def usage_chunk(self, usage: Usage) -> bytes:
         return sse(ChatCompletionChunk(choices=[], **(self.head | {"usage": usage})).json_bytes())

@@ -45,6 +45,8 @@ class Completion:
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0
     time_to_first_token_s: float = 0.0
+    # One per token_ids entry when the request set SamplingParams.logprobs; else empty.
+    logprobs: list[compute_pb2.TokenLogprobs] = field(default_factory=list)
 
 
 class ComputeClient:
@@ -71,28 +73,42 @@ class ComputeClient:
         prompt: str | None = None,
         prompt_token_ids: list[int] | None = None,
         *,
-        max_tokens: int = 16,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
         seed: int | None = None,
         stop: list[str] | None = None,
         stop_token_ids: list[int] | None = None,
         ignore_eos: bool = False,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        repetition_penalty: float | None = None,
+        min_p: float | None = None,
+        logprobs: int | None = None,
         request_id: str = "",
         cache_salt: str = "",
     ) -> compute_pb2.GenerateRequest:
+        """A GenerateRequest. A sampling argument left None stays unset: the replica then uses the
+        model's default (its generation_config.json's, else the proto's documented default)."""
         sampling = compute_pb2.SamplingParams(
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            stop=stop or [],
-            stop_token_ids=stop_token_ids or [],
-            ignore_eos=ignore_eos,
+            stop=stop or [], stop_token_ids=stop_token_ids or [], ignore_eos=ignore_eos
         )
-        if seed is not None:
-            sampling.seed = seed
+        optional = {
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": top_k,
+            "seed": seed,
+            "presence_penalty": presence_penalty,
+            "frequency_penalty": frequency_penalty,
+            "repetition_penalty": repetition_penalty,
+            "min_p": min_p,
+            "logprobs": logprobs,
+        }
+        for name, value in optional.items():
+            if value is not None:
+                setattr(sampling, name, value)
         return compute_pb2.GenerateRequest(
             request_id=request_id,
             prompt=prompt or "",
@@ -132,6 +148,10 @@ class ComputeClient:
                             continue
                         reply.ClearField("token_ids")
                         reply.token_ids.extend(ids)
+                        if reply.logprobs:  # parallel to token_ids: drop the same leading entries
+                            kept = list(reply.logprobs)[overlap:]
+                            reply.ClearField("logprobs")
+                            reply.logprobs.extend(kept)
                         reply.text = ""  # the text of skipped tokens was delivered before
                     seen += len(ids)
                     delivered += ids
@@ -165,6 +185,7 @@ class ComputeClient:
             out.request_id = reply.request_id
             out.text += reply.text
             out.token_ids += list(reply.token_ids)
+            out.logprobs += list(reply.logprobs)
             if reply.time_to_first_token_s and not out.time_to_first_token_s:
                 out.time_to_first_token_s = reply.time_to_first_token_s
             if reply.finish_reason:

@@ -11,11 +11,15 @@ from gateway.protocol import (
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatLogprobs,
+    ChatTokenLogprob,
     ChunkTemplate,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    TopLogprob,
 )
 
 TEXTS = [
@@ -29,20 +33,20 @@ TEXTS = [
 ]
 
 
-def completion(index, text, finish_reason, token_ids=None, construct=False):
+def completion(index, text, finish_reason, token_ids=None, construct=False, logprobs=None):
     make_choice = CompletionChoice.model_construct if construct else CompletionChoice
     make = CompletionResponse.model_construct if construct else CompletionResponse
     choice = make_choice(
-        index=index, text=text, finish_reason=finish_reason, logprobs=None, token_ids=token_ids
+        index=index, text=text, finish_reason=finish_reason, logprobs=logprobs, token_ids=token_ids
     )
     return make(id="cmpl-1", object="text_completion", created=7, model="m", choices=[choice], usage=None)
 
 
-def chat(index, text, finish_reason, token_ids=None, construct=False):
+def chat(index, text, finish_reason, token_ids=None, construct=False, logprobs=None):
     make_choice = ChatChunkChoice.model_construct if construct else ChatChunkChoice
     delta = (DeltaMessage.model_construct if construct else DeltaMessage)(content=text, role=None)
     choice = make_choice(
-        index=index, delta=delta, finish_reason=finish_reason, logprobs=None, token_ids=token_ids
+        index=index, delta=delta, finish_reason=finish_reason, logprobs=logprobs, token_ids=token_ids
     )
     make = ChatCompletionChunk.model_construct if construct else ChatCompletionChunk
     return make(
@@ -72,21 +76,67 @@ def test_unsupported_fields_are_named_only_off_their_defaults():
         prompt="x", presence_penalty=0, frequency_penalty=0.0, repetition_penalty=1, min_p=0
     )
     assert defaults.unsupported_fields() == {}
-    bad = CompletionRequest(prompt="x", presence_penalty=0.5, logprobs=0, echo=True, best_of=3)
-    assert bad.unsupported_fields() == {"presence_penalty": 0.5, "logprobs": 0, "echo": True, "best_of": 3}
+    bad = CompletionRequest(
+        prompt="x", presence_penalty=0.5, logprobs=0, echo=True, best_of=3, logit_bias={"1": 2.0}
+    )
+    assert bad.unsupported_fields() == {"echo": True, "best_of": 3, "logit_bias": {"1": 2.0}}
+    assert bad.num_logprobs() == 0
     chat_req = ChatCompletionRequest(
         messages=[{"role": "user", "content": "x"}],
         logprobs=True,
         top_logprobs=2,
         response_format={"type": "json_object"},
     )
-    assert set(chat_req.unsupported_fields()) == {"logprobs", "top_logprobs", "response_format"}
+    assert set(chat_req.unsupported_fields()) == {"response_format"}
+    assert chat_req.num_logprobs() == 2
     assert (
         ChatCompletionRequest(
             messages=[{"role": "user", "content": "x"}], logprobs=False
         ).unsupported_fields()
         == {}
     )
+
+
+def test_logprobs_mapping_of_both_endpoints():
+    messages = [{"role": "user", "content": "x"}]
+    assert ChatCompletionRequest(messages=messages).num_logprobs() is None
+    assert ChatCompletionRequest(messages=messages, logprobs=True).num_logprobs() == 0
+    assert ChatCompletionRequest(messages=messages, logprobs=False, top_logprobs=3).num_logprobs() is None
+    assert CompletionRequest(prompt="x").num_logprobs() is None
+    assert CompletionRequest(prompt="x", logprobs=5).num_logprobs() == 5
+
+
+COMPLETION_LOGPROBS = CompletionLogprobs(
+    tokens=["a", '\u00e9"'],
+    token_logprobs=[-0.5, -1.25],
+    top_logprobs=[{"a": -0.5, "b": -2.0}, {'\u00e9"': -1.25}],
+    text_offset=[0, 1],
+)
+CHAT_LOGPROBS = ChatLogprobs(
+    content=[
+        ChatTokenLogprob(
+            token="é",
+            logprob=-0.75,
+            bytes=[195, 169],
+            top_logprobs=[TopLogprob(token="x", logprob=-0.5, bytes=[120])],
+        )
+    ]
+)
+
+
+@pytest.mark.parametrize(
+    ("build", "logprobs"),
+    [(completion, COMPLETION_LOGPROBS), (chat, CHAT_LOGPROBS)],
+    ids=["completion", "chat"],
+)
+def test_template_chunks_with_logprobs_equal_the_models_own_json(build, logprobs):
+    template = ChunkTemplate(
+        lambda **kw: build(construct=True, **kw), ("index", "text", "finish_reason", "logprobs")
+    )
+    event = template.render(index=1, text="a\u00e9", finish_reason=None, logprobs=logprobs.model_dump())
+    expected = build(1, "a\u00e9", None, logprobs=logprobs).model_dump_json()
+    assert json.loads(event[6:-2]) == json.loads(expected)
+    assert list(json.loads(event[6:-2])) == list(json.loads(expected))
 
 
 def test_chat_max_tokens_prefers_max_completion_tokens():
