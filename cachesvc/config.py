@@ -6,6 +6,7 @@ import argparse
 import os
 from dataclasses import asdict, dataclass
 
+from kvtier import __version__
 from kvtier.auth import default_cache_address
 
 GIB = 1 << 30
@@ -51,6 +52,7 @@ def build_parser(prog: str = "python -m cachesvc") -> argparse.ArgumentParser:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    p.add_argument("--version", action="version", version=f"kvtier cache service {__version__}")
     net = p.add_argument_group("network and auth")
     net.add_argument(
         "--listen",

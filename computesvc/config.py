@@ -6,6 +6,7 @@ import argparse
 import os
 from dataclasses import asdict, dataclass
 
+from kvtier import __version__
 from kvtier.auth import default_cache_address, run_dir
 
 
@@ -41,6 +42,7 @@ def build_parser(prog: str = "python -m computesvc") -> argparse.ArgumentParser:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    p.add_argument("--version", action="version", version=f"kvtier compute replica {__version__}")
     p.add_argument(
         "--cache", default=default_cache_address(), help="cache service address (unix:///path or host:port)"
     )

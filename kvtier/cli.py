@@ -5,6 +5,7 @@
     kvtier demo                       # a workload with shared system prompts against the stack
     kvtier generate "Once upon a time" --max-tokens 32
     kvtier stats                      # the cache service's block usage and hit rate
+    kvtier down                       # stop the stack `kvtier up` runs, from another shell
     kvtier cache --help / kvtier compute --help
 
 The services run as their own processes (`python -m cachesvc`, `python -m computesvc`,
@@ -17,13 +18,14 @@ import argparse
 import asyncio
 import os
 import random
+import signal
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from kvtier import auth
+from kvtier import __version__, auth
 
 DEMO_SYSTEM_PROMPTS = [
     "You are a careful assistant for a bakery. Answer questions about bread, pastry, opening hours and "
@@ -96,21 +98,41 @@ def _stack(args) -> tuple[object, dict]:
     return stack, info
 
 
+class Terminated(SystemExit):
+    """SIGTERM or SIGHUP reached a command that started a stack: stop it on the way out."""
+
+
+def _stop_on_signals() -> None:
+    """Turn SIGTERM and SIGHUP into an exception, so the `finally` that stops the stack runs (a
+    signal's default action would end this process and orphan the services it started)."""
+
+    def terminate(_signum, _frame):
+        raise Terminated(0)  # a requested stop, like Ctrl-C: not a failure
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, terminate)
+
+
 def cmd_up(args) -> int:
-    stack, info = _stack(args)
-    if stack is None:
-        print(f"a stack is already serving in {auth.run_dir()}: {info}")
-        return 0
-    print(f"cache service:    {info['cache']}")
-    for address in info["compute"]:
-        print(f"compute replica:  {address}")
-    if "gateway" in info:
-        print(f"OpenAI API:       {info['gateway']}/v1  (gateway; GET {info['gateway']}/health)")
-    print(
-        f'logs in {stack.run_dir}; try `kvtier generate "hello"` or `kvtier demo` in another shell. Ctrl-C stops.',
-        flush=True,
-    )
+    _stop_on_signals()
+    stack = None
+    # NOTE: everything after the stack exists runs inside this try, so a signal that arrives at
+    # any point (even right after the line that says the stack serves) still stops every process.
     try:
+        stack, info = _stack(args)
+        if stack is None:
+            print(f"a stack is already serving in {auth.run_dir()}: {info}")
+            return 0
+        print(f"cache service:    {info['cache']}")
+        for address in info["compute"]:
+            print(f"compute replica:  {address}")
+        if "gateway" in info:
+            print(f"OpenAI API:       {info['gateway']}/v1  (gateway; GET {info['gateway']}/health)")
+        print(
+            f'logs in {stack.run_dir}; try `kvtier generate "hello"` or `kvtier demo` in another shell. '
+            "Ctrl-C or `kvtier down` stops.",
+            flush=True,
+        )
         while all(p.alive() for p in stack.processes):
             time.sleep(0.5)
         print("a service exited; stopping the stack", file=sys.stderr)
@@ -118,7 +140,21 @@ def cmd_up(args) -> int:
     except KeyboardInterrupt:
         return 0
     finally:
-        stack.down()
+        if stack is not None:
+            stack.down()
+
+
+def cmd_down(args) -> int:
+    """Stop the stack `kvtier up` runs in the run directory, from any shell."""
+    from kvtier.stack import stop_stack
+
+    run_dir = auth.run_dir()
+    stopped = stop_stack(run_dir, timeout_s=args.timeout)
+    if not stopped:
+        print(f"no stack runs in {run_dir} (no {run_dir}/stack.json, or its processes are gone)")
+        return 0
+    print(f"stopped {', '.join(stopped)} in {run_dir}")
+    return 0
 
 
 async def _generate(info: dict, args) -> int:
@@ -149,8 +185,10 @@ async def _generate(info: dict, args) -> int:
 
 
 def cmd_generate(args) -> int:
-    stack, info = _stack(args)
+    _stop_on_signals()
+    stack = None
     try:
+        stack, info = _stack(args)
         return asyncio.run(_generate(info, args))
     finally:
         if stack is not None:
@@ -221,8 +259,10 @@ async def _demo(info: dict, args) -> dict:
 
 
 def cmd_demo(args) -> int:
-    stack, info = _stack(args)
+    _stop_on_signals()
+    stack = None
     try:
+        stack, info = _stack(args)
         summary = asyncio.run(_demo(info, args))
     finally:
         if stack is not None:
@@ -249,13 +289,27 @@ def cmd_demo(args) -> int:
 
 
 def cmd_stats(args) -> int:
+    import grpc
     from google.protobuf.json_format import MessageToJson
 
     from kvtier.cache_client import CacheClient
 
-    client = CacheClient.connect(args.cache)
-    print(MessageToJson(client.get_stats(), preserving_proto_field_name=True))
-    client.close()
+    try:
+        client = CacheClient.connect(args.cache, timeout_s=5.0)
+    except (RuntimeError, ValueError) as e:  # no token, or a blank one
+        print(f"kvtier stats: {e}", file=sys.stderr)
+        return 1
+    try:
+        print(MessageToJson(client.get_stats(), preserving_proto_field_name=True))
+    except grpc.RpcError as e:
+        print(
+            f"kvtier stats: the cache service at {args.cache} answered {e.code().name}: {e.details()} "
+            "(is a stack running? `kvtier up`)",
+            file=sys.stderr,
+        )
+        return 1
+    finally:
+        client.close()
     return 0
 
 
@@ -274,6 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser(
         "cache", help="run the cache service (python -m cachesvc; see kvtier cache --help)", add_help=False
@@ -307,6 +362,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="the gateway's HTTP port on 127.0.0.1 (0 = any free port)",
     )
     up.set_defaults(func=cmd_up)
+
+    down = sub.add_parser("down", help="stop the stack `kvtier up` runs in the run directory")
+    down.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for it to stop")
+    down.set_defaults(func=cmd_down)
 
     demo = sub.add_parser("demo", help="run a shared-system-prompt workload and print a summary")
     _stack_flags(demo)

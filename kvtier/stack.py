@@ -218,7 +218,13 @@ class LocalStack:
         except BaseException:
             self.down()
             raise
-        info = {"cache": self.cache_address, "compute": self.compute_addresses, "pid": os.getpid()}
+        info = {
+            "cache": self.cache_address,
+            "compute": self.compute_addresses,
+            "pid": os.getpid(),
+            # Each service's pid, so `kvtier down` can stop them even if this process was killed.
+            "pids": {p.name: p.proc.pid for p in self.processes},
+        }
         if self.model:
             info["model"] = self.model
         if self.gateway:
@@ -248,6 +254,60 @@ class LocalStack:
 
     def __exit__(self, *exc) -> None:
         self.down()
+
+
+def stop_stack(run_dir: Path, timeout_s: float = 30.0) -> list[str]:
+    """Stop the stack recorded in run_dir's stack file; returns the names of what was stopped.
+
+    The process that started the stack (`kvtier up`) gets SIGTERM and stops its services itself.
+    A service it left behind (it was SIGKILLed) gets SIGTERM directly, but only if its command
+    line still names this run directory: a recorded pid may have been reused by another process.
+    """
+    path = run_dir / STACK_FILE
+    if not path.is_file():
+        return []
+    info = json.loads(path.read_text())
+    stopped: list[str] = []
+    owner = info.get("pid")
+    if owner and owner != os.getpid() and _signal_if_ours(owner, run_dir, signal.SIGTERM, any_cmdline=True):
+        stopped.append(f"kvtier up (pid {owner})")
+        _wait_gone(owner, timeout_s)
+    for name, pid in info.get("pids", {}).items():
+        if _signal_if_ours(pid, run_dir, signal.SIGTERM):
+            stopped.append(f"{name} (pid {pid})")
+            _wait_gone(pid, timeout_s)
+    path.unlink(missing_ok=True)
+    return stopped
+
+
+def _signal_if_ours(pid: int, run_dir: Path, sig: int, any_cmdline: bool = False) -> bool:
+    """Send `sig` to `pid` if it is alive and (unless `any_cmdline`) its command line names run_dir."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return False  # gone
+    if not any_cmdline and str(run_dir) not in cmdline:
+        return False
+    if any_cmdline and "kvtier" not in cmdline:
+        return False
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _wait_gone(pid: int, timeout_s: float) -> None:
+    """Wait until `pid` has exited (a zombie waiting for its parent counts as exited)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return
+        if state == "Z":
+            return
+        time.sleep(0.05)  # polling another process's exit with a deadline
 
 
 def running_stack(run_dir: Path) -> dict | None:

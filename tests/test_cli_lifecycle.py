@@ -1,0 +1,124 @@
+"""`kvtier up` / `kvtier down` as an operator uses them: signals stop everything, nothing is orphaned."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvtier.stack import STACK_FILE
+
+REPO = Path(__file__).resolve().parent.parent
+KVTIER = str(Path(sys.executable).parent / "kvtier")
+
+
+def _env(run_dir: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "KVTIER_"))}
+    env.update(KVTIER_RUN_DIR=str(run_dir), KVTIER_TOKEN="lifecycle-token", PYTHONUNBUFFERED="1")
+    return env
+
+
+def start_up(run_dir: Path, deadline_s: float = 240.0) -> tuple[subprocess.Popen, dict]:
+    """`kvtier up` with one replica and no gateway, read until it says the stack serves."""
+    proc = subprocess.Popen(
+        [KVTIER, "up", "--replicas", "1", "--no-gateway", "--num-blocks", "64"],
+        cwd=REPO,
+        env=_env(run_dir),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + deadline_s
+    seen = []
+    for line in proc.stdout:  # each line is progress; the deadline bounds the whole start
+        seen.append(line)
+        if "Ctrl-C or `kvtier down` stops" in line:
+            return proc, json.loads((run_dir / STACK_FILE).read_text())
+        assert time.monotonic() < deadline, "".join(seen)
+    raise AssertionError(f"kvtier up exited with {proc.wait()}:\n{''.join(seen)}")
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def wait_all_gone(pids, timeout_s: float = 60.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        left = [p for p in pids if alive(p)]
+        if not left:
+            return []
+        time.sleep(0.1)  # polling process exits with a deadline
+    return [p for p in pids if alive(p)]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_signal_to_kvtier_up_stops_every_process_it_started(tmp_path, sig):
+    proc, info = start_up(tmp_path)
+    services = list(info["pids"].values())
+    assert len(services) == 2 and all(alive(p) for p in services)
+    proc.send_signal(sig)
+    proc.wait(timeout=60)
+    assert wait_all_gone(services) == [], "kvtier up left services running"
+    assert not (tmp_path / STACK_FILE).exists()
+
+
+def test_kvtier_down_stops_a_stack_started_in_another_shell(tmp_path):
+    proc, info = start_up(tmp_path)
+    services = list(info["pids"].values())
+    down = subprocess.run(
+        [KVTIER, "down"], cwd=REPO, env=_env(tmp_path), capture_output=True, text=True, timeout=120
+    )
+    assert down.returncode == 0, down.stderr
+    assert "stopped kvtier up" in down.stdout
+    assert proc.wait(timeout=60) == 0
+    assert wait_all_gone(services) == []
+
+
+def test_kvtier_down_stops_services_whose_kvtier_up_was_killed(tmp_path):
+    proc, info = start_up(tmp_path)
+    services = list(info["pids"].values())
+    proc.kill()  # SIGKILL: kvtier up cannot stop anything; its services are orphans now
+    proc.wait(timeout=30)
+    assert all(alive(p) for p in services)
+    down = subprocess.run(
+        [KVTIER, "down"], cwd=REPO, env=_env(tmp_path), capture_output=True, text=True, timeout=120
+    )
+    assert down.returncode == 0, down.stderr
+    assert "cache (pid" in down.stdout and "compute-0 (pid" in down.stdout
+    assert wait_all_gone(services) == []
+
+
+def test_kvtier_down_with_no_stack_says_so(tmp_path):
+    down = subprocess.run([KVTIER, "down"], env=_env(tmp_path), capture_output=True, text=True, timeout=60)
+    assert down.returncode == 0
+    assert "no stack runs in" in down.stdout
+
+
+def test_kvtier_stats_without_a_stack_or_a_token_is_one_line(tmp_path):
+    env = _env(tmp_path)
+    no_stack = subprocess.run([KVTIER, "stats"], env=env, capture_output=True, text=True, timeout=60)
+    assert no_stack.returncode == 1
+    assert "UNAVAILABLE" in no_stack.stderr and "Traceback" not in no_stack.stderr
+    del env["KVTIER_TOKEN"]
+    no_token = subprocess.run([KVTIER, "stats"], env=env, capture_output=True, text=True, timeout=60)
+    assert no_token.returncode == 1
+    assert "no cache service token" in no_token.stderr and "Traceback" not in no_token.stderr
+
+
+def test_every_entry_point_has_a_version():
+    from kvtier import __version__
+
+    for argv in ([KVTIER], [sys.executable, "-m", "cachesvc"], [sys.executable, "-m", "computesvc"]):
+        out = subprocess.run([*argv, "--version"], capture_output=True, text=True, timeout=60, check=True)
+        assert out.stdout.strip().endswith(__version__), out.stdout
