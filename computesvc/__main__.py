@@ -46,6 +46,7 @@ async def serve(cfg: ComputeConfig) -> None:
         token,
         metrics=metrics,
     )
+    report_attachment(replica, health)
     log.info(
         "compute replica %s serving on %s (model %s, max %d seqs)",
         cfg.name,
@@ -58,6 +59,25 @@ async def serve(cfg: ComputeConfig) -> None:
     finally:
         await replica.stop()
         telemetry.shutdown_tracing()
+
+
+def report_attachment(replica, health) -> None:
+    """Health says NOT_SERVING while the replica has lost its cache service, SERVING once it is
+    attached again: a load balancer or `kvtier.healthcheck` then routes around a replica that
+    could only fail requests."""
+    from grpc_health.v1 import health_pb2
+
+    def report(attached: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if attached else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for service in ("kvtier.v1.ComputeService", ""):
+            asyncio.ensure_future(health.set(service, status))
+        log.info("health: %s", health_pb2.HealthCheckResponse.ServingStatus.Name(status))
+
+    replica.on_attached_change = report
+    if not replica.connected.is_set():  # lost between attaching and serving
+        report(False)
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m computesvc") -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -59,6 +60,9 @@ class Replica:
         self.pool = None
         self.scheduler: Scheduler | None = None
         self.connected = asyncio.Event()
+        # Told True when the replica (re-)attaches and False when it loses its cache service;
+        # the service points it at its gRPC health status.
+        self.on_attached_change: Callable[[bool], None] = lambda attached: None
         self._tasks: list[asyncio.Task] = []
         self._attach_sent_at = 0.0
         self._lease_valid_until = 0.0
@@ -155,6 +159,7 @@ class Replica:
         else:
             self.scheduler.runner, self.scheduler.cache = runner, cache
         self.connected.set()
+        self.on_attached_change(True)
         spec = client.pool
         log.info(
             "attached to %s: lease %s…, pool %s %s %s (%d blocks of %d tokens)",
@@ -198,6 +203,7 @@ class Replica:
         if self.connected.is_set():
             log.error("lost the cache service (%s): failing in-flight requests and re-attaching", error)
             self.connected.clear()
+            self.on_attached_change(False)
             self.scheduler.fail_all(error)
 
     async def _reconnect(self) -> None:
