@@ -36,9 +36,12 @@ class ComputeServicer(compute_pb2_grpc.ComputeServiceServicer):
         "logprobs",
     )
 
-    def _sampling(self, msg: compute_pb2.SamplingParams) -> SamplingParams:
+    def _defaults(self) -> dict:
         loaded = self.replica.loaded
-        values = dict(loaded.sampling_defaults) if loaded is not None else {}
+        return loaded.sampling_defaults if loaded is not None else {}
+
+    def _sampling(self, msg: compute_pb2.SamplingParams) -> SamplingParams:
+        values = dict(self._defaults())
         values.update({name: getattr(msg, name) for name in self._OPTIONAL if msg.HasField(name)})
         return SamplingParams(
             **values,
@@ -65,8 +68,11 @@ class ComputeServicer(compute_pb2_grpc.ComputeServiceServicer):
         """Validate and translate; ValueError names the bad field and its limit."""
         shape = self.replica.shape
         params = self._sampling(request.sampling)
-        params.validate(vocab_size=shape.vocab_size, max_model_len=shape.max_model_len)
         ids = self._prompt_token_ids(request)
+        if not request.sampling.HasField("max_tokens") and "max_tokens" in self._defaults():
+            # The model's max_new_tokens is a default, not a demand: it yields to the context.
+            params.max_tokens = max(1, min(params.max_tokens, shape.max_model_len - len(ids)))
+        params.validate(vocab_size=shape.vocab_size, max_model_len=shape.max_model_len)
         if len(ids) + params.max_tokens > shape.max_model_len:
             raise ValueError(
                 f"this model's context is {shape.max_model_len} tokens, but the request needs "

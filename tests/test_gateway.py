@@ -329,38 +329,35 @@ def test_openai_client_raises_the_documented_errors(client, url):
             "temperature must be >= 0",
         ),  # from the replica
         ("/v1/completions", {"prompt": [5, 99999]}, None, "outside the vocabulary"),  # from the replica
+        # Sampling fields out of range: refused by the replica (INVALID_ARGUMENT), naming the range.
         (
             "/v1/completions",
-            {"prompt": "x", "presence_penalty": 0.5},
-            "presence_penalty",
-            "not supported yet",
+            {"prompt": "x", "presence_penalty": 2.5},
+            None,
+            "presence_penalty must be in [-2, 2]",
         ),
         (
             "/v1/completions",
-            {"prompt": "x", "frequency_penalty": -1},
-            "frequency_penalty",
-            "not supported yet",
+            {"prompt": "x", "frequency_penalty": -3},
+            None,
+            "frequency_penalty must be in [-2, 2]",
         ),
-        (
-            "/v1/completions",
-            {"prompt": "x", "repetition_penalty": 1.1},
-            "repetition_penalty",
-            "not supported yet",
-        ),
-        ("/v1/completions", {"prompt": "x", "min_p": 0.05}, "min_p", "not supported yet"),
-        ("/v1/completions", {"prompt": "x", "logprobs": 2}, "logprobs", "not supported yet"),
+        ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, None, "repetition_penalty must be > 0"),
+        ("/v1/completions", {"prompt": "x", "min_p": 1.5}, None, "min_p must be in [0, 1]"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 21}, None, "logprobs must be in [0, 20]"),
         (
             "/v1/chat/completions",
-            {"messages": [{"role": "user", "content": "x"}], "logprobs": True},
-            "logprobs",
-            "",
+            {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 25},
+            None,
+            "logprobs must be in [0, 20]",
         ),
         (
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3},
             "top_logprobs",
-            "not supported yet",
+            "needs logprobs: true",
         ),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias", "not supported yet"),
     ],
 )
 def test_bad_requests_answer_400_in_openai_format(url, path, body, param, says):
@@ -368,7 +365,7 @@ def test_bad_requests_answer_400_in_openai_format(url, path, body, param, says):
     assert error["type"] == "invalid_request_error"
 
 
-def test_defaults_of_unsupported_parameters_are_accepted(client):
+def test_neutral_values_of_the_penalties_are_accepted(client):
     reply = client.completions.create(
         model=MODEL,
         prompt="x",

@@ -37,6 +37,7 @@ GENERATION_CONFIG = {
     "temperature": 0.7,
     "top_p": 0.9,
     "top_k": 20,
+    "max_new_tokens": 12,
 }
 PROMPT = [BOS, *b"the cat sat on the mat and the cat"]
 TOLERANCE = 1e-4  # logprobs: fp32 forward here vs paged attention there, then float32 on the wire
@@ -148,6 +149,19 @@ def test_unset_fields_take_the_generation_config_and_match_hf_generate(stack, cl
         extra_body={"return_token_ids": True, "repetition_penalty": 1.0},
     )
     assert via_http.choices[0].model_extra["token_ids"] == plain
+
+
+def test_max_new_tokens_is_the_default_max_tokens(stack, client):
+    out = grpc_complete(stack, prompt_token_ids=PROMPT, ignore_eos=True)
+    assert len(out.token_ids) == out.completion_tokens == 12 and out.finish_reason == "length"
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], extra_body={"ignore_eos": True}
+    )
+    assert chat.usage.completion_tokens == 12 and chat.choices[0].finish_reason == "length"
+    # Near the end of the context the default yields to the room left instead of failing.
+    room = TINY_LLAMA_CONFIG["max_position_embeddings"] - 5
+    long = grpc_complete(stack, prompt_token_ids=[BOS] + [65] * (room - 1), ignore_eos=True)
+    assert long.completion_tokens == 5
 
 
 # --- logprobs ---------------------------------------------------------------------------------
