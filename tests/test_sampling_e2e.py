@@ -1,5 +1,5 @@
 """Sampling end to end: a model directory with its own generation_config.json, a real stack (cache
-service, one compute replica, the gateway) and real clients (gRPC ComputeClient, the official
+service, two compute replicas, the gateway) and real clients (gRPC ComputeClient, the official
 `openai` package).
 
 Checked against Hugging Face on the same directory: greedy output under the generation config's
@@ -9,6 +9,8 @@ repetition penalty (`generate`), and logprobs (log_softmax of a plain fp32 forwa
 from __future__ import annotations
 
 import json
+import logging
+import signal
 
 import grpc
 import httpx
@@ -62,7 +64,7 @@ def stack(model_dir, tmp_path_factory):
         run_dir,
         cache_args=[*model, "--num-blocks", "1024", "--block-size", str(BLOCK_SIZE), "--lease-ttl", "2"],
         compute_args=[*model, "--metrics-port", "0"],
-        num_replicas=1,
+        num_replicas=2,
         env=child_env(run_dir),
         gateway_args=[*model, "--api-key", API_KEY, "--served-model-name", MODEL],
         gateway_port=0,
@@ -378,3 +380,40 @@ def test_n_samples_share_the_prompt_blocks_and_are_reproducible(stack, client):
     assert [c.index for c in first.choices] == [0, 1, 2]
     assert texts == [c.text for c in second.choices]
     assert len(set(texts)) > 1, texts  # three samples, not one repeated
+
+
+# --- failover (last: it kills a replica) ------------------------------------------------------
+
+
+def test_failover_drops_the_delivered_logprobs_with_their_tokens(stack, caplog):
+    # Long enough that the replica is still generating when it is killed (not all buffered).
+    kw = dict(prompt_token_ids=PROMPT, max_tokens=400, logprobs=2, ignore_eos=True)
+    expected = grpc_complete(stack, **kw)
+    victim = stack.replicas[0]
+
+    async def stream_and_kill() -> tuple[list[int], list]:
+        # Attempt 1 goes to compute-0 (the first address); the retry to compute-1, which
+        # regenerates the same tokens: the client skips those it delivered, logprobs included.
+        client = ComputeClient(stack.compute_addresses, TOKEN)
+        tokens, logprobs = [], []
+        try:
+            async for reply in client.stream(ComputeClient.request(**kw)):
+                assert len(reply.logprobs) == len(reply.token_ids)
+                tokens += reply.token_ids
+                logprobs += reply.logprobs
+                if len(tokens) >= 5 and victim.alive():
+                    victim.proc.send_signal(signal.SIGKILL)
+                    victim.proc.wait()
+        finally:
+            await client.close()
+        return tokens, logprobs
+
+    with caplog.at_level(logging.WARNING, logger="kvtier.client"):
+        tokens, logprobs = LOOP.run(stream_and_kill(), timeout_s=300)
+    stack.replicas[0] = stack.start_replica(0)  # the stack stops what it started
+    assert any("retrying on another" in r.getMessage() for r in caplog.records), "no failover happened"
+    assert tokens == expected.token_ids
+    assert len(logprobs) == len(tokens)
+    for got, want in zip(logprobs, expected.logprobs, strict=True):
+        assert got.rank == want.rank and list(got.top_token_ids) == list(want.top_token_ids)
+        assert got.logprob == pytest.approx(want.logprob, abs=TOLERANCE)
