@@ -52,7 +52,10 @@ class LeaseTable:
         return lease
 
     def renew(self, lease_id: str) -> Lease:
-        lease = self.get(lease_id)
+        return self.touch(self.get(lease_id))
+
+    def touch(self, lease: Lease) -> Lease:
+        """A full TTL from now for a live ``lease`` (from ``get``)."""
         lease.expires_at = self.clock() + self.ttl_s
         return lease
 

@@ -93,6 +93,12 @@ class CacheNode:
         self.events.extend(self.sequences.block_manager.take_event_records())
         return result
 
+    def _succeeded(self, lease: Lease, result):
+        """``result`` of a call that succeeded under ``lease``: the call renews the lease (its
+        client is evidently alive, even if a heartbeat is late) and its events are logged."""
+        self.leases.touch(lease)
+        return self._logged(result)
+
     # ------------------------------------------------------------ leases
 
     def attach(self, client_name: str, model_fingerprint: str = "") -> Lease:
@@ -135,22 +141,24 @@ class CacheNode:
 
     def allocate(self, lease_id: str, items: list[AllocateItem]) -> list[SequenceBlocks]:
         lease = self.leases.get(lease_id)
-        return self._logged(self.sequences.allocate(lease.lease_id, _nonempty("items", items)))
+        return self._succeeded(lease, self.sequences.allocate(lease.lease_id, _nonempty("items", items)))
 
     def extend(self, lease_id: str, items: list[tuple[int, int]]) -> list[SequenceBlocks]:
         """Per ``(sequence_id, num_tokens)``: room for that many tokens more."""
         lease = self.leases.get(lease_id)
-        return self._logged(self.sequences.extend(lease.lease_id, _nonempty("items", items)))
+        return self._succeeded(lease, self.sequences.extend(lease.lease_id, _nonempty("items", items)))
 
     def commit(self, lease_id: str, items: list[tuple[int, list[int], int]]) -> int:
         """Per ``(sequence_id, new_token_ids, num_computed_tokens)``; returns blocks published."""
         lease = self.leases.get(lease_id)
-        return self._logged(self.sequences.commit(lease.lease_id, _nonempty("items", items)))
+        return self._succeeded(lease, self.sequences.commit(lease.lease_id, _nonempty("items", items)))
 
     def free(self, lease_id: str, sequence_ids: list[int]) -> int:
         """Returns the device blocks released."""
         lease = self.leases.get(lease_id)
-        return self._logged(self.sequences.free(lease.lease_id, _nonempty("sequence_ids", sequence_ids)))
+        return self._succeeded(
+            lease, self.sequences.free(lease.lease_id, _nonempty("sequence_ids", sequence_ids))
+        )
 
     def lookup_prefix(self, items: list[tuple[list[int], str, str]]) -> list[int]:
         """Per ``(token_ids, cache_salt, adapter_id)``: leading tokens cached. Needs no lease."""
@@ -159,12 +167,16 @@ class CacheNode:
     def swap_out(self, lease_id: str, sequence_ids: list[int]) -> tuple[int, int]:
         """Returns ``(blocks, bytes)`` copied to the host tier."""
         lease = self.leases.get(lease_id)
-        return self._logged(self.sequences.swap_out(lease.lease_id, _nonempty("sequence_ids", sequence_ids)))
+        return self._succeeded(
+            lease, self.sequences.swap_out(lease.lease_id, _nonempty("sequence_ids", sequence_ids))
+        )
 
     def swap_in(self, lease_id: str, sequence_ids: list[int]) -> tuple[list[SequenceBlocks], int, int]:
         """Returns the sequences' new blocks and ``(blocks, bytes)`` copied back to the device."""
         lease = self.leases.get(lease_id)
-        return self._logged(self.sequences.swap_in(lease.lease_id, _nonempty("sequence_ids", sequence_ids)))
+        return self._succeeded(
+            lease, self.sequences.swap_in(lease.lease_id, _nonempty("sequence_ids", sequence_ids))
+        )
 
     # ------------------------------------------------------------ observation
 

@@ -8,6 +8,9 @@ code -> RuntimeError naming it.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import grpc
 
 from computesvc.cache_port import (
@@ -28,16 +31,24 @@ def _blocks(seqs) -> list[SequenceBlocks]:
 
 
 class RemoteCache:
-    def __init__(self, client: CacheClient):
+    def __init__(self, client: CacheClient, on_renewed: Callable[[float], None] = lambda sent_at: None):
+        """`on_renewed(sent_at)` hears of every successful call: the service renews the lease on
+        each one, so a busy replica's lease stays alive even when a heartbeat is late."""
         if client.pool is None:
             raise ValueError("attach the client before wrapping it")
         self.client = client
+        self.on_renewed = on_renewed
         self.block_size = client.pool.block_size
         self.max_model_len = client.pool.max_model_len
 
     async def _rpc(self, call):
+        # NOTE: taken microseconds after the call was started; the quarter-TTL margin of the
+        # replica's write deadline dwarfs that.
+        sent_at = time.monotonic()
         try:
-            return await call
+            reply = await call
+            self.on_renewed(sent_at)
+            return reply
         except grpc.aio.AioRpcError as e:
             code = e.code()
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:

@@ -17,6 +17,7 @@ import grpc
 
 from computesvc.cache_port import CacheUnavailable
 from computesvc.config import ComputeConfig
+from computesvc.lease_keeper import LeaseKeeper
 from computesvc.model import LoadedModel, ModelRunner, load_model
 from computesvc.observer import MetricsObserver, SchedulerObserver
 from computesvc.remote_cache import RemoteCache
@@ -66,6 +67,7 @@ class Replica:
         self._tasks: list[asyncio.Task] = []
         self._attach_sent_at = 0.0
         self._lease_valid_until = 0.0
+        self._lost = asyncio.Event()  # set when the cache service is lost, cleared on re-attach
 
     # ------------------------------------------------------------ attach
 
@@ -141,7 +143,7 @@ class Replica:
         self.pool = attach_pool(client.pool)
         runner = ModelRunner(self.loaded.model, self.pool.tensor, client.pool.block_size)
         runner.write_deadline = self._lease_deadline
-        cache = RemoteCache(client)
+        cache = RemoteCache(client, on_renewed=self._renewed)
         if self.scheduler is None:
             self.scheduler = Scheduler(
                 runner,
@@ -158,6 +160,7 @@ class Replica:
             self.scheduler.on_cache_lost = self._cache_lost
         else:
             self.scheduler.runner, self.scheduler.cache = runner, cache
+        self._lost.clear()
         self.connected.set()
         self.on_attached_change(True)
         spec = client.pool
@@ -178,31 +181,41 @@ class Replica:
         return self._lease_valid_until
 
     def _renewed(self, sent_at: float) -> None:
-        # NOTE: counted from when the renewal was *sent*: the service's clock started later, so
-        # our deadline always falls before its expiry. A quarter TTL of margin covers the step in
-        # flight between checks.
-        self._lease_valid_until = sent_at + 0.75 * self.client.lease_ttl_s
+        """The lease was renewed by a call sent at `sent_at` (a heartbeat, or any control call
+        that succeeded). Called from the loop and from the lease keeper's thread.
+
+        NOTE: counted from when the renewal was *sent*: the service's clock started later, so our
+        deadline always falls before its expiry. A quarter TTL of margin covers the step in
+        flight between checks. Two threads may race here; the later deadline normally wins, and
+        losing a race only keeps a slightly earlier (still valid) deadline.
+        """
+        self._lease_valid_until = max(self._lease_valid_until, sent_at + 0.75 * self.client.lease_ttl_s)
 
     async def _keep_lease(self) -> None:
+        """Heartbeats from their own thread and channel (computesvc.lease_keeper); re-attach when lost."""
+        loop = asyncio.get_running_loop()
         while True:
-            await asyncio.sleep(self.client.lease_ttl_s / 3)
-            sent_at = time.monotonic()
+            client = self.client
+            beats = CacheClient.connect(
+                self.cfg.cache, self.token, tls_ca=self.cfg.tls_ca, timeout_s=client.lease_ttl_s / 2
+            )
+            beats.lease_id = client.lease_id
+            keeper = LeaseKeeper(beats, client.lease_ttl_s, self._renewed, self._heartbeat_lost, loop).start()
             try:
-                await self.client.heartbeat()
-                self._renewed(sent_at)
-            except grpc.aio.AioRpcError as e:
-                self._cache_lost(
-                    CacheUnavailable(
-                        f"lost the cache service at {self.cfg.cache} (heartbeat: {e.code().name}: {e.details()})"
-                    )
-                )
-            if not self.connected.is_set():
-                await self._reconnect()
+                await self._lost.wait()
+            finally:
+                keeper.stop()
+            await self._reconnect()
+
+    def _heartbeat_lost(self, error: Exception) -> None:
+        self._cache_lost(CacheUnavailable(f"lost the cache service at {self.cfg.cache} ({error})"))
 
     def _cache_lost(self, error: Exception) -> None:
         if self.connected.is_set():
             log.error("lost the cache service (%s): failing in-flight requests and re-attaching", error)
             self.connected.clear()
+            self._lost.set()
+            self._lease_valid_until = 0.0  # no KV write under a lease we no longer hold
             self.on_attached_change(False)
             self.scheduler.fail_all(error)
 

@@ -13,6 +13,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -560,3 +561,21 @@ def test_tcp_with_tls_serves_a_client_that_trusts_the_certificate_and_refuses_pl
         plain.close()
     finally:
         proc.stop()
+
+
+def test_successful_control_calls_renew_the_lease_without_heartbeats(tmp_path):
+    # A replica whose heartbeats are late but whose calls succeed is alive: each call renews.
+    with cache_service(tmp_path, "--num-blocks", "16", "--lease-ttl", "1") as svc:
+        c = CacheClient.connect(svc.address, TOKEN, timeout_s=5.0)
+        try:
+            c.attach("busy")  # never heartbeats
+            (seq,) = c.allocate([[1, 2, 3]]).sequences
+            started = time.monotonic()
+            while time.monotonic() - started < 3.0:  # three TTLs
+                c.extend([(seq.sequence_id, 1)])
+                time.sleep(0.2)  # pacing the calls, well inside the 1 s TTL
+            assert c.heartbeat().lease_ttl_s > 0.5
+            stats = c.get_stats()
+            assert stats.num_expired_leases == 0 and stats.num_sequences == 1
+        finally:
+            c.close()
