@@ -153,6 +153,15 @@ async def _serve_pool(cfg: CacheConfig, shape: ModelShape, plan: PoolPlan, pool,
         port = start_metrics_server(cfg.metrics_port, metrics.registry)
         log.info("Prometheus metrics on http://0.0.0.0:%d/metrics", port)
     node = CacheNode(sequences, LeaseTable(cfg.lease_ttl))
+    kv_events = start_kv_events(cfg, node, plan.backend)
+    try:
+        await _run_server(cfg, node, pool, token, metrics)
+    finally:
+        if kv_events is not None:
+            kv_events.close()
+
+
+async def _run_server(cfg: CacheConfig, node: CacheNode, pool, token: str, metrics) -> None:
     servicer = CacheServicer(node, pool.spec)
     server, health, address = await start_server(
         "kvtier.v1.CacheService",
@@ -178,6 +187,34 @@ async def _serve_pool(cfg: CacheConfig, shape: ModelShape, plan: PoolPlan, pool,
         reaper.cancel()
         if metrics is not None:
             refresher.cancel()
+
+
+def start_kv_events(cfg: CacheConfig, node: CacheNode, backend: str):
+    """The ZMQ KV-event publisher of --kv-events-endpoint, subscribed to the node's log; None if off."""
+    if not cfg.kv_events_endpoint:
+        return None
+    import zmq
+
+    from cachesvc.kv_events_zmq import KvEventsPublisher
+
+    try:
+        publisher = KvEventsPublisher(
+            cfg.kv_events_endpoint,
+            node.events.block_size,
+            replay_endpoint=cfg.kv_events_replay_endpoint,
+            topic=cfg.kv_events_topic,
+            medium="GPU" if backend == "cuda" else "CPU",
+        )
+    except zmq.ZMQError as e:  # address in use, malformed endpoint
+        raise ValueError(f"--kv-events-endpoint / --kv-events-replay-endpoint: {e}") from e
+    node.events.sinks.append(publisher)
+    log.info(
+        "KV events (vLLM wire format) on %s, topic %r%s",
+        publisher.endpoint,
+        cfg.kv_events_topic,
+        f", replay on {publisher.replay_endpoint}" if publisher.replay_endpoint else "",
+    )
+    return publisher
 
 
 async def refresh_metrics(node: CacheNode, metrics, period_s: float = 1.0) -> None:

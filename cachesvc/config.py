@@ -37,6 +37,9 @@ class CacheConfig:
     max_batch: int
     metrics_port: int | None
     log_level: str
+    kv_events_endpoint: str | None
+    kv_events_replay_endpoint: str | None
+    kv_events_topic: str
 
     def describe(self) -> str:
         return " ".join(f"{k}={v}" for k, v in asdict(self).items())
@@ -134,9 +137,26 @@ def build_parser(prog: str = "python -m cachesvc") -> argparse.ArgumentParser:
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         help="log verbosity (stderr)",
     )
+    events = p.add_argument_group(
+        "KV events over ZMQ (vLLM's KV-event wire format, beside the gRPC WatchEvents stream)"
+    )
+    events.add_argument(
+        "--kv-events-endpoint",
+        help="bind a ZMQ PUB socket here (e.g. tcp://127.0.0.1:5557) and publish BlockStored / "
+        "BlockRemoved batches as vLLM's publisher does; off when not given",
+    )
+    events.add_argument(
+        "--kv-events-replay-endpoint",
+        help="bind a ZMQ ROUTER socket here (e.g. tcp://127.0.0.1:5558) that replays kept batches "
+        "from a sequence number; needs --kv-events-endpoint",
+    )
+    events.add_argument("--kv-events-topic", default="kv-events", help="topic frame of every published batch")
     return p
 
 
 def parse_config(argv: list[str] | None = None, prog: str = "python -m cachesvc") -> CacheConfig:
-    args = build_parser(prog).parse_args(argv)
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    if args.kv_events_replay_endpoint and not args.kv_events_endpoint:
+        parser.error("--kv-events-replay-endpoint needs --kv-events-endpoint")
     return CacheConfig(**vars(args))

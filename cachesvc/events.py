@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from cachesvc.errors import CacheError
@@ -89,6 +90,9 @@ class EventLog:
         self._num_kept = 0
         self.last_event_id = 0
         self._changed = asyncio.Event()
+        self.sinks: list[Callable[[list[EventRecord]], None]] = []
+        """Called with each non-empty ``extend``'s records, after numbering (e.g. the ZMQ
+        publisher of ``--kv-events-endpoint``). They run on the loop and must not block."""
 
     def extend(self, records: list[EventRecord]) -> None:
         """Number and keep `records` (from `BlockManager.take_event_records()`), then wake the watchers."""
@@ -106,6 +110,8 @@ class EventLog:
         # Waking resolves each waiter's future, so clearing right after does not un-wake them.
         self._changed.set()
         self._changed.clear()
+        for sink in self.sinks:
+            sink(records)
 
     def since(self, event_id: int) -> list[tuple[int, BlockEvent]]:
         """``(event id, event)`` for ids > `event_id` (0: every event kept), oldest first.

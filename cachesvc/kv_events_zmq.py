@@ -1,0 +1,194 @@
+"""Block events in vLLM's KV-event wire format over ZMQ (``--kv-events-endpoint``).
+
+A second way out for what ``EventLog`` numbers for ``WatchEvents``: routers and cache managers
+written against vLLM's KV-event publisher (llm-d's kv-cache manager, Dynamo, ...) subscribe to
+the cache service as they would to a vLLM engine. The wire format (docs/architecture.md,
+"KV events over ZMQ"):
+
+- PUB, multipart ``[topic, seq (8 bytes, big-endian), payload]``, one message per batch; ``seq``
+  counts batches from 0, with a gap only where batches were dropped (queue full).
+- ``payload`` is msgpack of ``[ts, events, data_parallel_rank]``, each event a positional array
+  led by its tag: ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
+  lora_id, medium, lora_name]``, ``["BlockRemoved", block_hashes, medium]``,
+  ``["AllBlocksCleared"]`` (vLLM's msgspec structs with ``array_like=True``).
+- ROUTER (``--kv-events-replay-endpoint``): a DEALER sends ``[b"", start_seq (8 bytes BE)]`` and
+  gets ``[b"", seq, payload]`` for every kept batch with ``seq >= start_seq``, then
+  ``[b"", seq = -1 (8 bytes BE, signed), b""]``.
+
+Block hashes are our 32-byte chain values (``kvtier.block_hash``), not vLLM's; ``token_ids`` are
+always sent so a consumer can compute its own keys.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+
+import msgpack
+import zmq
+
+from cachesvc.events import REMOVED, EventRecord
+
+log = logging.getLogger("kvtier.cache")
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+"""Sequence number of the replay's end marker."""
+
+_STOP = object()
+
+
+def encode_record(record: EventRecord, block_size: int, medium: str) -> list:
+    """The vLLM event (a positional list, tag first) one EventRecord stands for.
+
+    A STORED record is a run of consecutive blocks of one chain: one BlockStored carries all of
+    them, ``token_ids`` being the tokens of every block in order (as vLLM's does).
+    """
+    if record[0] == REMOVED:
+        return ["BlockRemoved", list(record[1]), medium]
+    _, hashes, _block_ids, token_bytes, parent = record
+    num_tokens = len(hashes) * block_size
+    token_ids = list(struct.unpack_from(f"<{num_tokens}i", token_bytes))  # pack_token_ids form
+    # lora_id (deprecated in vLLM) and lora_name: adapters enter our chain through its root
+    # (extra_key), so neither is needed to read the hashes; both stay None.
+    return ["BlockStored", list(hashes), parent, token_ids, block_size, None, medium, None]
+
+
+def encode_batch(ts: float, events: list, data_parallel_rank: int | None = 0) -> bytes:
+    """msgpack of a KVEventBatch: ``[ts, events, data_parallel_rank]``."""
+    return msgpack.packb([ts, events, data_parallel_rank], use_bin_type=True)
+
+
+class KvEventsPublisher:
+    """Publishes the node's event records as vLLM KV-event batches; replays kept batches.
+
+    ``__call__(records)`` is an ``EventLog`` sink: it runs on the service's asyncio loop and only
+    enqueues. A daemon thread owns both sockets: it encodes, numbers, sends and keeps the newest
+    ``buffer_batches`` payloads for replay.
+    """
+
+    # NOTE: a thread with a queue, as vLLM's publisher has, rather than NOBLOCK sends on the
+    # loop: encoding a commit's token lists costs microseconds per block that RPCs should not
+    # wait for, and the ROUTER needs a reader anyway, which a blocking poll in a thread gives
+    # without a timer on the loop. Records are immutable tuples, so handing them over is safe.
+
+    def __init__(
+        self,
+        endpoint: str,
+        block_size: int,
+        *,
+        replay_endpoint: str | None = None,
+        topic: str = "kv-events",
+        medium: str = "GPU",
+        buffer_batches: int = 10_000,
+        max_queue: int = 100_000,
+        hwm: int = 100_000,
+    ) -> None:
+        self.block_size = block_size
+        self.medium = medium
+        self.topic = topic.encode("utf-8")
+        self.num_dropped = 0  # batches refused because the queue was full
+        self._queue: queue.Queue = queue.Queue(max_queue)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
+        self._next_seq = 0
+        self._dropped_seen = 0  # num_dropped already turned into skipped numbers
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._replay: zmq.Socket | None = None
+        try:
+            self._pub.set_hwm(hwm)
+            self._pub.bind(endpoint)
+            if replay_endpoint:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                # A ROUTER drops what exceeds its send HWM: leave room for a whole replay.
+                self._replay.set_hwm(buffer_batches + 1)
+                self._replay.bind(replay_endpoint)
+        except zmq.ZMQError:
+            self._close_sockets()
+            raise
+        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT) if self._replay else None
+        # A new service holds no block: consumers that knew an earlier one here start over.
+        self._queue.put((time.time(), [["AllBlocksCleared"]]))
+        self._thread = threading.Thread(target=self._run, name="kv-events-zmq", daemon=True)
+        self._thread.start()
+
+    def __call__(self, records: list[EventRecord]) -> None:
+        """EventLog sink: queue one batch holding the events of ``records`` (from one call)."""
+        try:
+            self._queue.put_nowait((time.time(), records))
+        except queue.Full:
+            # NOTE: dropped rather than blocking the loop. The dropped batches' numbers are
+            # skipped (see _send), so subscribers see a gap that no replay fills and know their
+            # view went stale. Only the loop writes num_dropped, only the publisher thread reads it.
+            self.num_dropped += 1
+            if self.num_dropped == 1 or self.num_dropped % 1000 == 0:
+                log.warning("kv events: queue full, %d batches dropped so far", self.num_dropped)
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Send what is queued (within ``timeout_s``), then close the sockets."""
+        if self._thread.is_alive():
+            self._queue.put(_STOP)
+            self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.warning("kv events: publisher thread still busy after %.1fs; closing anyway", timeout_s)
+            return  # the daemon thread owns the sockets; the process exit reclaims them
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                sock.close(linger=0)
+        self._ctx.term()
+
+    # ------------------------------------------------------------ the publisher thread
+
+    def _encode(self, ts: float, records: Iterable) -> bytes:
+        # A record is an EventRecord (kind int first) or, for the startup batch, an event already.
+        events = [
+            record if isinstance(record[0], str) else encode_record(record, self.block_size, self.medium)
+            for record in records
+        ]
+        return encode_batch(ts, events)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                if self._replay is not None and self._replay.poll(0):
+                    self._serve_replay()
+                try:
+                    item = self._queue.get(timeout=0.05 if self._replay is not None else None)
+                except queue.Empty:
+                    continue
+                if item is _STOP:
+                    return
+                self._send(*item)
+        except Exception:
+            log.exception("kv events: publisher thread failed; no more events are published")
+
+    def _send(self, ts: float, records: list) -> None:
+        payload = self._encode(ts, records)
+        dropped = self.num_dropped
+        seq = self._next_seq + dropped - self._dropped_seen
+        self._dropped_seen = dropped
+        self._next_seq = seq + 1
+        self._buffer.append((seq, payload))
+        self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload), copy=False)
+
+    def _serve_replay(self) -> None:
+        assert self._replay is not None
+        while self._replay.poll(0):
+            frames = self._replay.recv_multipart()
+            if len(frames) != 3 or len(frames[2]) != 8:
+                log.warning("kv events: malformed replay request of %d frames ignored", len(frames))
+                continue
+            identity, _, start = frames
+            start_seq = int.from_bytes(start, "big")
+            for seq, payload in list(self._buffer):
+                if seq >= start_seq:
+                    self._replay.send_multipart((identity, b"", seq.to_bytes(8, "big"), payload))
+            self._replay.send_multipart((identity, b"", END_SEQ, b""))
