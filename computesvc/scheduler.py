@@ -268,10 +268,11 @@ class Scheduler:
             if req.num_computed == req.num_tokens:
                 done.append((req, i))
         if done:
+            # Publish the prompts before their first tokens go out: a request that starts when it
+            # sees one (the other n choices of a prompt, a client's next turn) then hits them.
+            await self._commit([r for r, _ in done])
             rows = torch.tensor([i for _, i in done])
             self._sample_and_emit([r for r, _ in done], logits.index_select(0, rows))
-            # Publish the prompts now so a concurrent request with the same prefix hits them.
-            await self._commit([r for r, _ in done])
         return True
 
     # ------------------------------------------------------------ decode

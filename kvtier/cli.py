@@ -111,6 +111,10 @@ def _stop_on_signals() -> None:
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, terminate)
+    # NOTE: a process started in the background of a non-interactive shell inherits SIGINT as
+    # ignored, and Python then never raises KeyboardInterrupt: Ctrl-C (or `kill -INT`) must stop
+    # the stack however this process was started.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def cmd_up(args) -> int:

@@ -24,8 +24,14 @@ def _env(run_dir: Path) -> dict[str, str]:
     return env
 
 
+def ignore_sigint() -> None:
+    """What a non-interactive shell does to a command it starts in the background."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def start_up(run_dir: Path, deadline_s: float = 240.0) -> tuple[subprocess.Popen, dict]:
-    """`kvtier up` with one replica and no gateway, read until it says the stack serves."""
+    """`kvtier up` with one replica and no gateway, started as a background job of a script
+    (SIGINT ignored), read until it says the stack serves."""
     proc = subprocess.Popen(
         [KVTIER, "up", "--replicas", "1", "--no-gateway", "--num-blocks", "64"],
         cwd=REPO,
@@ -33,6 +39,7 @@ def start_up(run_dir: Path, deadline_s: float = 240.0) -> tuple[subprocess.Popen
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        preexec_fn=ignore_sigint,
     )
     deadline = time.monotonic() + deadline_s
     seen = []
@@ -62,7 +69,9 @@ def wait_all_gone(pids, timeout_s: float = 60.0) -> list[int]:
     return [p for p in pids if alive(p)]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+@pytest.mark.parametrize(
+    "sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT], ids=["SIGTERM", "SIGHUP", "SIGINT"]
+)
 def test_a_signal_to_kvtier_up_stops_every_process_it_started(tmp_path, sig):
     proc, info = start_up(tmp_path)
     services = list(info["pids"].values())
