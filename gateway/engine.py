@@ -6,8 +6,8 @@ first reply awaited) before any HTTP status is sent, so a replica's refusal (INV
 no replica at all still answers as a 400 or a 503, not as a broken stream.
 
 Samples of one prompt (`n` > 1) start in two waves: sample 0 of each prompt first, the others
-once its first reply arrived. NOTE: a replica publishes a prompt's blocks when it commits the
-prefilled prompt, right as the first token is sampled; calls started together would all miss
+once its first reply arrived. NOTE: a replica commits a prefilled prompt (publishing its full
+blocks) before it streams the first token (computesvc.scheduler); calls started together would all miss
 and prefill the same prompt n times, while calls started after the first token hit every full
 block of it (the cost: the other samples' first token waits for sample 0's).
 
