@@ -17,7 +17,6 @@ import grpc
 
 from computesvc.cache_port import CacheUnavailable
 from computesvc.config import ComputeConfig
-from computesvc.lease_keeper import LeaseKeeper
 from computesvc.model import LoadedModel, ModelRunner, load_model
 from computesvc.observer import MetricsObserver, SchedulerObserver
 from computesvc.remote_cache import RemoteCache
@@ -192,19 +191,32 @@ class Replica:
         self._lease_valid_until = max(self._lease_valid_until, sent_at + 0.75 * self.client.lease_ttl_s)
 
     async def _keep_lease(self) -> None:
-        """Heartbeats from their own thread and channel (computesvc.lease_keeper); re-attach when lost."""
+        """Renew the lease from a thread and channel of its own; re-attach when it is lost.
+
+        NOTE: the replica's event loop can be busy for long stretches (a batch's sampling and
+        detokenization, a prompt's tokenization, the garbage collector) and its cores are shared
+        with the model's forward and other processes; a heartbeat scheduled on the loop then
+        goes out late and the service expires a live replica's lease. Margins, with TTL the
+        service's ``--lease-ttl``: a beat every TTL/3 with a deadline of TTL/2 (two can be late
+        or lost before the lease runs out); KV writes only before ``sent + 0.75 TTL`` of the
+        latest renewal (`_renewed`); every successful control call renews too.
+        """
         loop = asyncio.get_running_loop()
         while True:
             client = self.client
             beats = CacheClient.connect(
                 self.cfg.cache, self.token, tls_ca=self.cfg.tls_ca, timeout_s=client.lease_ttl_s / 2
             )
-            beats.lease_id = client.lease_id
-            keeper = LeaseKeeper(beats, client.lease_ttl_s, self._renewed, self._heartbeat_lost, loop).start()
+            beats.lease_id, beats.lease_ttl_s = client.lease_id, client.lease_ttl_s
+            stop = beats.start_heartbeat_thread(
+                self._renewed,
+                lambda error: loop.call_soon_threadsafe(self._heartbeat_lost, error),
+                close_when_done=True,
+            )
             try:
                 await self._lost.wait()
             finally:
-                keeper.stop()
+                stop.set()
             await self._reconnect()
 
     def _heartbeat_lost(self, error: Exception) -> None:

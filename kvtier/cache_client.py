@@ -15,8 +15,10 @@ Requests carry the shared token as call metadata and the lease opened by `attach
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +29,8 @@ from kvtier.api import cache_pb2, cache_pb2_grpc
 from kvtier.grpc_server import MAX_MESSAGE_BYTES
 from kvtier.pool import PoolSpec
 from kvtier.wire import pool_spec_from_proto
+
+log = logging.getLogger("kvtier.client")
 
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -127,16 +131,45 @@ class CacheClient:
     def heartbeat(self):
         return self._call(self.stub.Heartbeat, cache_pb2.HeartbeatRequest(lease_id=self.lease_id))
 
-    def start_heartbeat_thread(self) -> threading.Event:
-        """Sync channels: renew the lease every third of its TTL from a daemon thread; set the event to stop."""
+    def start_heartbeat_thread(
+        self,
+        on_renewed: Callable[[float], None] | None = None,
+        on_lost: Callable[[Exception], None] | None = None,
+        *,
+        close_when_done: bool = False,
+    ) -> threading.Event:
+        """Sync channels: renew the lease every third of its TTL from a daemon thread, until the
+        returned event is set or the lease is lost.
+
+        ``on_renewed(sent_at)`` runs in the thread after each successful heartbeat (``sent_at`` on
+        the ``time.monotonic`` clock); ``on_lost(error)`` runs in the thread when a heartbeat fails
+        for any reason but its deadline (the service is gone, or no longer knows the lease), and
+        the thread ends. A heartbeat that only ran past its deadline is retried at the next beat.
+        ``close_when_done`` closes this client's channel when the thread ends (a client made for
+        the heartbeats alone).
+        """
         stop = threading.Event()
 
         def beat():
-            while not stop.wait(self.lease_ttl_s / 3):
-                try:
-                    self.heartbeat()
-                except grpc.RpcError:
-                    return
+            try:
+                while not stop.wait(self.lease_ttl_s / 3):
+                    sent_at = time.monotonic()
+                    try:
+                        self.heartbeat()
+                    except grpc.RpcError as e:
+                        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                            log.warning(
+                                "heartbeat ran past its deadline (%s); retrying at the next beat", e.details()
+                            )
+                            continue
+                        if on_lost is not None:
+                            on_lost(ConnectionError(f"heartbeat: {e.code().name}: {e.details()}"))
+                        return
+                    if on_renewed is not None:
+                        on_renewed(sent_at)
+            finally:
+                if close_when_done:
+                    self.close()
 
         threading.Thread(target=beat, name="kvtier-heartbeat", daemon=True).start()
         return stop

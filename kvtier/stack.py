@@ -269,26 +269,25 @@ def stop_stack(run_dir: Path, timeout_s: float = 30.0) -> list[str]:
     info = json.loads(path.read_text())
     stopped: list[str] = []
     owner = info.get("pid")
-    if owner and owner != os.getpid() and _signal_if_ours(owner, run_dir, signal.SIGTERM, any_cmdline=True):
+    if owner and owner != os.getpid() and _signal_if_ours(owner, "kvtier", signal.SIGTERM):
         stopped.append(f"kvtier up (pid {owner})")
         _wait_gone(owner, timeout_s)
     for name, pid in info.get("pids", {}).items():
-        if _signal_if_ours(pid, run_dir, signal.SIGTERM):
+        if _signal_if_ours(pid, str(run_dir), signal.SIGTERM):
             stopped.append(f"{name} (pid {pid})")
             _wait_gone(pid, timeout_s)
     path.unlink(missing_ok=True)
     return stopped
 
 
-def _signal_if_ours(pid: int, run_dir: Path, sig: int, any_cmdline: bool = False) -> bool:
-    """Send `sig` to `pid` if it is alive and (unless `any_cmdline`) its command line names run_dir."""
+def _signal_if_ours(pid: int, marker: str, sig: int) -> bool:
+    """Send `sig` to `pid` if it is alive and its command line contains `marker` (a recorded pid
+    may have been reused by an unrelated process)."""
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return False  # gone
-    if not any_cmdline and str(run_dir) not in cmdline:
-        return False
-    if any_cmdline and "kvtier" not in cmdline:
+    if marker not in cmdline:
         return False
     try:
         os.kill(pid, sig)
