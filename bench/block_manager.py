@@ -20,6 +20,14 @@ token of the lifecycle (prompt + decode); "sha/life" counts the blocks SHA-256 r
     python bench/block_manager.py            # 2000 sequences, 5 runs
     python bench/block_manager.py --quick    # 300 sequences
 
+A second section replays a pressure trace: requests in waves of --wave concurrent ones (a new
+shared prefix is missed, and committed, by every request of its wave), Zipf-popular prefixes
+whose blocks together exceed the pool. It reports the prompt tokens hit and the evictions under
+two policies in the same run: the block manager's (vLLM's order: a freed unpublished block goes
+to the free queue's head, a published one to its tail; duplicates kept as copies) and the one
+before it (every freed block to the tail, duplicates never offered). "allowed" is how many
+evictions the allocations could not avoid: blocks beyond the unpublished free ones.
+
 Targets: <= 100 µs per lifecycle excluding hashing; hashing <= 50 ns per token.
 The last line is the headline.
 """
@@ -40,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cachesvc.block_manager import BlockManager  # noqa: E402
 from cachesvc.events import EventLog  # noqa: E402
+from cachesvc.free_queue import Block, FreeBlockQueue  # noqa: E402
 from cachesvc.records import AllocateItem  # noqa: E402
 from cachesvc.sequences import SequenceTable  # noqa: E402
 from kvtier.block_hash import extra_key, hash_full_blocks, pack_token_ids  # noqa: E402
@@ -143,6 +152,130 @@ class Runner:
         return time.perf_counter_ns() - t0
 
 
+# ---------------------------------------------------------------------- pressure trace
+
+
+class TailOnlyQueue(FreeBlockQueue):
+    """The policy before vLLM's order was adopted: every freed block goes to the tail."""
+
+    def release(self, blocks: list[Block], block_ids) -> int:
+        released = []
+        for i in block_ids:
+            block = blocks[i]
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                released.append(block)
+        self.append_n(released)
+        return len(released)
+
+
+class DropDuplicates(BlockManager):
+    """The policy before copies were kept: a duplicate of published content is never offered."""
+
+    def _add_copy(self, block, block_hash, key) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    manager: type[BlockManager] = BlockManager
+    queue: type[FreeBlockQueue] | None = None  # None: the manager's own
+
+
+POLICIES = (
+    Policy("kvtier (vLLM order)"),
+    Policy("before: tail only, no copies", DropDuplicates, TailOnlyQueue),
+)
+
+
+@dataclass
+class PressureResult:
+    query_tokens: int = 0  # prompt tokens looked up
+    hit_tokens: int = 0  # of those, served from the prefix cache
+    evictions: int = 0  # cached blocks dropped to make room
+    max_evictions: int = 0  # what the policy allows: blocks beyond the unpublished free ones, per allocation
+
+
+def pressure_replay(
+    args: argparse.Namespace, trace: Trace, policy: Policy, num_blocks: int
+) -> PressureResult:
+    """Replay ``trace`` in waves of ``args.wave`` concurrent requests on a pool of ``num_blocks``.
+
+    A wave allocates every prompt first (so requests sharing a new prefix all miss and commit
+    duplicates), then decodes, commits and frees them all. Counts hit tokens and evictions, and
+    the evictions the policy allows: an allocation may evict only what the unpublished free
+    blocks (the never-used and the freed-unpublished ones) cannot cover.
+    """
+    bm = policy.manager(num_blocks, args.block_size, record_events=False)
+    if policy.queue is not None:
+        bm.free_queue = policy.queue(bm.blocks)
+    table = SequenceTable(
+        bm,
+        None,
+        model_fingerprint=FINGERPRINT,
+        vocab_size=VOCAB,
+        max_model_len=args.prompt_len + args.decode + 64,
+    )
+    allocate = bm.allocate
+    out = PressureResult()
+
+    def counted(n: int) -> list[int]:
+        unpublished = sum(1 for b in bm.blocks if b.ref_cnt == 0 and b.block_hash is None)
+        before = bm.num_evictions
+        ids = allocate(n)
+        out.evictions += bm.num_evictions - before
+        out.max_evictions += max(0, n - unpublished)
+        return ids
+
+    bm.allocate = counted
+    for first in range(0, len(trace.prompts), args.wave):
+        wave = range(first, min(first + args.wave, len(trace.prompts)))
+        sids = []
+        for k in wave:
+            (blocks,) = table.allocate(LEASE, [AllocateItem(trace.prompts[k])])
+            out.query_tokens += len(trace.prompts[k])
+            out.hit_tokens += blocks.num_cached_tokens
+            sids.append(blocks.sequence_id)
+        table.extend(LEASE, [(sid, args.decode) for sid in sids])
+        table.commit(
+            LEASE,
+            [
+                (sid, trace.generated[k], len(trace.prompts[k]) + args.decode)
+                for sid, k in zip(sids, wave, strict=True)
+            ],
+        )
+        table.free(LEASE, sids)
+    return out
+
+
+def pressure_section(args: argparse.Namespace) -> None:
+    """The pressure trace: Zipf-popular shared prefixes, a pool smaller than the working set."""
+    pargs = argparse.Namespace(**vars(args))
+    pargs.prefixes, pargs.prefix_len, pargs.prompt_len = args.pressure_prefixes, 256, 392
+    trace = make_trace(pargs)
+    working_set = args.pressure_prefixes * pargs.prefix_len // args.block_size
+    wave_blocks = args.wave * ((pargs.prompt_len + args.decode) // args.block_size + 1)
+    num_blocks = wave_blocks + working_set // 2
+    print(
+        f"pressure trace: {pargs.sequences} requests in waves of {args.wave}, {args.pressure_prefixes} shared "
+        f"prefixes of {pargs.prefix_len} tokens (Zipf {args.zipf}) + {pargs.prompt_len - pargs.prefix_len} unique; "
+        f"pool {num_blocks} blocks = one wave ({wave_blocks}) + half the prefixes' {working_set}"
+    )
+    print(f"{'policy':<30} {'hit %':>6} {'evictions':>9} {'allowed':>8}")
+    results = {}
+    for policy in POLICIES:
+        r = results[policy.name] = pressure_replay(pargs, trace, policy, num_blocks)
+        print(
+            f"{policy.name:<30} {100 * r.hit_tokens / r.query_tokens:>6.1f} {r.evictions:>9} {r.max_evictions:>8}"
+        )
+    now, before = results[POLICIES[0].name], results[POLICIES[1].name]
+    print(
+        f"pressure: {100 * now.hit_tokens / now.query_tokens:.1f}% of prompt tokens hit with vLLM's order and copies, "
+        f"{100 * before.hit_tokens / before.query_tokens:.1f}% with the policy before; evictions {now.evictions} vs {before.evictions}"
+    )
+
+
 CHUNK = 100
 
 
@@ -212,6 +345,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-blocks", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=5, help="runs; each lifecycle's best counts")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--wave", type=int, default=16, help="pressure trace: concurrent requests per wave")
+    parser.add_argument(
+        "--pressure-prefixes",
+        type=int,
+        default=64,
+        help="pressure trace: distinct shared prefixes (the working set)",
+    )
     parser.add_argument("--quick", action="store_true", help="300 sequences")
     args = parser.parse_args(argv)
     if args.quick:
@@ -282,6 +422,7 @@ def main(argv: list[str] | None = None) -> None:
         f"(µs per lifecycle, the sum of its phases, each the best of the runs; extend is per call; alloc and commit include "
         f"their hashing; {clock_ns} ns of clock read taken out of every timed interval)"
     )
+    pressure_section(args)
     pc, base = rows["prefix caching"], rows["baseline (no hits)"]
     print(
         f"headline: {pc['excl_us']:.1f} µs per lifecycle excluding hashing with prefix caching "

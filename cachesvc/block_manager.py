@@ -15,9 +15,10 @@ digest, so a wrong hit still takes a SHA-256 collision, exactly as with a digest
 
 Lifecycle of a block
 --------------------
-free (in the LRU queue, maybe still cached) --allocate/touch--> referenced --free--> queue tail
---commit--> published in the prefix index (hash set) while referenced or free; evicted from the
-index only when ``allocate`` pops it from the queue head because no other block is free.
+free (in the LRU queue, maybe still cached) --allocate/touch--> referenced --commit--> published
+in the prefix index (hash set) --free--> queue tail, still published; evicted from the index only
+when ``allocate`` pops it from the queue head because no other block is free. A block freed
+unpublished goes to the queue head instead: it is reused before any cached block.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from collections.abc import Iterable, Sequence
 
 from cachesvc.errors import InvalidArgument, ResourceExhausted
 from cachesvc.events import REMOVED, STORED, BlockEvent, EventRecord, decode_events
-from cachesvc.free_queue import Block, FreeBlockQueue
+from cachesvc.free_queue import Block, FreeBlockQueue, OverFreed
 from kvtier.block_hash import (
     BlockHash,
     InvalidHashInput,
@@ -57,6 +58,11 @@ class BlockManager:
         self.free_queue = FreeBlockQueue(self.blocks)
         # Hash preimage (parent || token bytes) -> published block. See the module docstring.
         self.prefix_index: dict[bytes, Block] = {}
+        # Other blocks holding the same content as an indexed one (several requests committed
+        # the same new prefix at once): preimage -> those blocks. Each carries the hash too and
+        # takes the indexed block's place when that one is evicted, so the content stays
+        # findable while any copy lives. Empty unless duplicates exist.
+        self.copies: dict[bytes, list[Block]] = {}
         self.num_evictions = 0
         # Events for a global prefix index, as EventRecords; the servicer drains them with
         # take_event_records() after every call.
@@ -133,15 +139,7 @@ class BlockManager:
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """Take a reference on each block (a prefix hit); a free block leaves the free queue."""
-        blocks = self.blocks
-        taken: list[Block] = []
-        for i in block_ids:
-            block = blocks[i]
-            if block.ref_cnt == 0:
-                taken.append(block)
-            block.ref_cnt += 1
-        if taken:
-            self.free_queue.remove_n(taken)
+        self.free_queue.acquire(self.blocks, block_ids)
 
     def allocate(self, num_blocks: int) -> list[int]:
         """Pop ``num_blocks`` blocks from the LRU head, each with ref_cnt 1.
@@ -158,55 +156,55 @@ class BlockManager:
                 f"need {num_blocks} blocks but only {queue.num_free} of {self.num_blocks} are free"
             )
         ids: list[int] = []
-        append = ids.append
-        index = self.prefix_index
-        evicted_hashes: list[BlockHash] = []
-        evicted_ids: list[int] = []
-        for block in queue.popleft_n(num_blocks):
-            block_hash = block.block_hash
-            if block_hash is not None:
-                del index[block.index_key]
-                block.block_hash = block.index_key = None
-                evicted_hashes.append(block_hash)
-                evicted_ids.append(block.block_id)
-            block.ref_cnt = 1
-            append(block.block_id)
-        if evicted_hashes:
-            self.num_evictions += len(evicted_hashes)
-            if self.record_events:
-                self._events.append((REMOVED, tuple(evicted_hashes), tuple(evicted_ids)))
+        cached = queue.pop_acquire_n(num_blocks, ids)
+        if cached:
+            self._evict(cached)
         return ids
 
-    def free(self, block_ids: Sequence[int]) -> int:
-        """Drop one reference per id, in the given order; blocks reaching 0 go to the queue tail.
+    def _evict(self, blocks: list[Block]) -> None:
+        """Drop the hashes of ``blocks``, just taken from the queue for reuse.
 
-        Callers pass a block table REVERSED, so the tail of a chain sits nearer the head of the
-        queue and is evicted before its prefix. Returns how many blocks reached 0. Freeing a
-        block with ref_cnt 0 raises InvalidArgument and changes nothing.
+        An indexed block with a live copy hands the index entry to that copy (the hash stays
+        stored: no event); otherwise the hash leaves the index (a BlockRemoved event). A copy
+        just leaves its list.
         """
-        blocks = self.blocks
-        released: list[Block] = []
-        append = released.append
-        # NOTE: one pass drops the references as it reads the ids (a second validation pass cost
-        # a third of the call). An over-freed id puts back the counts this call dropped and
-        # raises; the free queue is edited only after every id passed, so a refused call never
-        # touches a link.
-        ids = iter(block_ids)
-        for i in ids:
-            block = blocks[i]
-            ref_cnt = block.ref_cnt
-            if ref_cnt == 1:
-                block.ref_cnt = 0
-                append(block)
-            elif ref_cnt:
-                block.ref_cnt = ref_cnt - 1
+        index, copies = self.prefix_index, self.copies
+        removed: list[Block] = []
+        for block in blocks:
+            key = block.index_key
+            others = copies.get(key) if copies else None
+            if others is None:
+                del index[key]
+                removed.append(block)
+            elif index[key] is block:
+                index[key] = others.pop()
+                if not others:
+                    del copies[key]
             else:
-                k = len(block_ids) - 1 - sum(1 for _ in ids)  # the position of `i`: no counter in the loop
-                for j in block_ids[:k]:
-                    blocks[j].ref_cnt += 1
-                raise InvalidArgument(f"block_ids[{k}] = {i} is not referenced (ref_cnt 0)")
-        self.free_queue.append_n(released)
-        return len(released)
+                others.remove(block)
+                if not others:
+                    del copies[key]
+        self.num_evictions += len(blocks)
+        if self.record_events and removed:
+            self._events.append(
+                (REMOVED, tuple(b.block_hash for b in removed), tuple(b.block_id for b in removed))
+            )
+        for block in blocks:
+            block.block_hash = block.index_key = None
+
+    def free(self, block_ids: Sequence[int]) -> int:
+        """Drop one reference per id, in the given order; return how many blocks reached 0.
+
+        A block reaching 0 that is published goes to the queue tail (evicted last); one that
+        is not (a partial tail block, a block never committed) goes to the head, to be reused
+        before any cached block, as in vLLM. Callers pass a block table REVERSED, so the tail
+        of a chain sits nearer the head of the queue and is evicted before its prefix. Freeing
+        a block with ref_cnt 0 raises InvalidArgument and changes nothing.
+        """
+        try:
+            return self.free_queue.release(self.blocks, block_ids)
+        except OverFreed as e:
+            raise InvalidArgument(str(e)) from None
 
     def publish(
         self, block_id: int, parent_block_hash: BlockHash | None, token_ids: list[int], extra: bytes
@@ -214,9 +212,10 @@ class BlockManager:
         """Enter one committed full block into the prefix index (a BlockStored event).
 
         ``parent_block_hash`` is the previous block's hash (None for a sequence's first block),
-        ``token_ids`` the block's ``block_size`` tokens. Returns the block's
-        hash, or None and changes nothing if the block already carries a hash or another block
-        is already published for the same chain (the first one stays; no duplicates).
+        ``token_ids`` the block's ``block_size`` tokens. Returns the block's hash; None if the
+        block already carries a hash (nothing changes) or another block is already published for
+        the same chain: that one stays indexed and this one becomes its copy (``copies``), which
+        takes its place if it is evicted first. No event for a copy.
         """
         if len(token_ids) != self.block_size:
             raise InvalidArgument(f"len(token_ids) = {len(token_ids)} is not block_size {self.block_size}")
@@ -227,9 +226,12 @@ class BlockManager:
             raise InvalidArgument(str(e)) from None
         hashes: list[BlockHash] = []
         (key,) = chain_preimages(token_bytes, self.block_size, parent_block_hash or extra, hashes, 0)
-        if block.block_hash is not None or key in self.prefix_index:
-            return None
         block_hash = hashes[0]
+        if block.block_hash is not None:
+            return None
+        if key in self.prefix_index:
+            self._add_copy(block, block_hash, key)
+            return None
         block.block_hash, block.index_key = block_hash, key
         self.prefix_index[key] = block
         if self.record_events:
@@ -253,8 +255,8 @@ class BlockManager:
         hashes (at least ``start``); hashes missing up to ``end`` are computed and appended.
         ``packed`` may hold the leading tokens already as ``pack_token_ids`` bytes (the prompt):
         those are not converted again. Token ids must be valid int32 (the caller checked them).
-        Returns how many blocks were newly published (duplicates and already-hashed blocks are
-        skipped).
+        Returns how many blocks were newly published; already-hashed blocks are skipped and
+        duplicates of published content become copies, as in ``publish``.
         """
         bs = self.block_size
         step = 4 * bs
@@ -274,6 +276,8 @@ class BlockManager:
                 block.block_hash, block.index_key = block_hashes[j], key
                 index[key] = block
             else:
+                if block.block_hash is None:
+                    self._add_copy(block, block_hashes[j], key)
                 skipped.append(j)
             j += 1
         if self.record_events:
@@ -293,6 +297,12 @@ class BlockManager:
                 run_start = j + 1
         return end - start - len(skipped)
 
+    def _add_copy(self, block: Block, block_hash: BlockHash, key: bytes) -> None:
+        """File ``block`` as another holder of the content indexed under ``key`` (no event:
+        the hash is already stored)."""
+        block.block_hash, block.index_key = block_hash, key
+        self.copies.setdefault(key, []).append(block)
+
     def reset_prefix_cache(self) -> bool:
         """Drop every hash (BlockRemoved events) if no block is referenced; else False, no change."""
         if self.free_queue.num_free != self.num_blocks:
@@ -303,7 +313,11 @@ class BlockManager:
             self._events.append((REMOVED, hashes, tuple(b.block_id for b in blocks)))
         for block in blocks:
             block.block_hash = block.index_key = None
+        for others in self.copies.values():
+            for block in others:
+                block.block_hash = block.index_key = None
         self.prefix_index.clear()
+        self.copies.clear()
         return True
 
     def take_event_records(self) -> list[EventRecord]:
@@ -350,12 +364,21 @@ class BlockManager:
                 f"block {block.block_id}: block_hash and index_key must be set together"
             )
             if block.block_hash is not None:
-                assert self.prefix_index.get(block.index_key) is block, (
-                    f"block {block.block_id} carries hash {block.block_hash.hex()[:16]} that the index does not map to it"
+                assert self.prefix_index.get(block.index_key) is block or block in self.copies.get(
+                    block.index_key, ()
+                ), (
+                    f"block {block.block_id} carries hash {block.block_hash.hex()[:16]} that neither the "
+                    "index nor its copies map to it"
                 )
         assert used + queue.num_free == self.num_blocks, (
             f"used {used} + free {queue.num_free} != total {self.num_blocks}"
         )
+        for key, others in self.copies.items():
+            assert others and key in self.prefix_index, "a copies entry without an indexed block"
+            for block in others:
+                assert block.index_key == key and block is not self.prefix_index[key], (
+                    f"block {block.block_id} is filed as a copy under a key it does not carry"
+                )
         for key, block in self.prefix_index.items():
             assert block.index_key == key and block.block_hash == hash_preimage(key), (
                 f"index maps a key to block {block.block_id}, which carries another key or hash"

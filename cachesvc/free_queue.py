@@ -6,7 +6,18 @@ manager moves blocks in and out of the queue with its batch operations.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
 from kvtier.block_hash import BlockHash
+
+
+class OverFreed(Exception):
+    """``release`` met a block whose reference count is already 0; nothing was changed."""
+
+    def __init__(self, position: int, block_id: int) -> None:
+        super().__init__(f"block_ids[{position}] = {block_id} is not referenced (ref_cnt 0)")
+        self.position = position
+        self.block_id = block_id
 
 
 class Block:
@@ -36,10 +47,18 @@ class FreeBlockQueue:
     to the tail. Removing a block from the middle (a prefix hit on a free cached block) is O(1),
     unlike ``deque.remove``. The links live on the blocks, so the queue allocates nothing.
 
+    A block is in the queue exactly when its reference count is 0, so the queue also owns the
+    transitions of that count across 0: ``acquire`` (a prefix hit), ``pop_acquire_n`` (an
+    allocation) and ``release`` (a free) change counts and links in the same pass. The block
+    manager calls these on its hot paths; the plain list edits (``popleft_n``, ``append_n``,
+    ``appendleft_n``, ``remove_n``) leave counts alone.
+
     NOTE: every operation takes or returns a whole batch and loops inside: these run once per
     block of every sequence, and a method call per block cost more than the list edit itself.
-    Callers guarantee membership (a block passed to ``append_n`` is not in the queue, one
-    passed to ``remove_n`` is); nothing is checked on these paths but in ``check_links``.
+    One pass per batch, too: a separate pass to collect blocks and another to link them cost
+    about a tenth of a whole sequence lifecycle (bench/block_manager.py). Callers guarantee
+    membership (a block passed to ``append_n`` is not in the queue, one passed to ``remove_n``
+    is); nothing is checked on these paths but in ``check_links``.
     NOTE: a block leaving the queue keeps its stale links (clearing them cost a sixth of an
     allocation); inserting a block sets both of its links, and whether a block is in the queue is
     decided by its reference count, never by its links.
@@ -50,6 +69,7 @@ class FreeBlockQueue:
         self.tail = Block(-1)
         self.head.next_free = self.tail
         self.tail.prev_free = self.head
+        self._spare = Block(-1)  # where ``release`` builds its run for the head
         self.num_free = 0
         self.append_n(blocks)
 
@@ -96,6 +116,97 @@ class FreeBlockQueue:
             prev.next_free = nxt
             nxt.prev_free = prev
         self.num_free -= len(blocks)
+
+    # ------------------------------------------------------------ reference-count transitions
+
+    def acquire(self, blocks: list[Block], block_ids: Iterable[int]) -> None:
+        """Take one reference on ``blocks[i]`` per ``i`` in ``block_ids``; a block whose count
+        was 0 leaves the queue from wherever it sits."""
+        taken = 0
+        for i in block_ids:
+            block = blocks[i]
+            if block.ref_cnt == 0:
+                prev, nxt = block.prev_free, block.next_free
+                prev.next_free = nxt
+                nxt.prev_free = prev
+                taken += 1
+            block.ref_cnt += 1
+        self.num_free -= taken
+
+    def pop_acquire_n(self, n: int, ids: list[int]) -> list[Block]:
+        """Unlink the ``n`` blocks at the head, give each ref_cnt 1 and append its id to ``ids``.
+
+        Returns the popped blocks that still carry a hash, for the caller to evict. Needs
+        ``n <= num_free``.
+        """
+        cached: list[Block] = []
+        append = ids.append
+        head = self.head
+        block = head.next_free
+        for _ in range(n):
+            if block.block_hash is not None:
+                cached.append(block)
+            block.ref_cnt = 1
+            append(block.block_id)
+            block = block.next_free
+        head.next_free = block
+        block.prev_free = head
+        self.num_free -= n
+        return cached
+
+    def release(self, blocks: list[Block], block_ids: Sequence[int]) -> int:
+        """Drop one reference on ``blocks[i]`` per ``i`` in ``block_ids``, in order; return how
+        many reached 0.
+
+        A block reaching 0 that carries a hash goes behind the tail, in order: it stays
+        findable longest. One that carries none (a partial or never-published block, worth
+        nothing to anyone) goes to the head, to be reused before any cached block.
+        An id whose count is already 0 raises ``OverFreed`` naming its position, after every
+        count and link this call changed is put back.
+        """
+        tail = self.tail
+        last = start = tail.prev_free
+        # The head run is built behind a spare sentinel and spliced in once, after the loop, so
+        # it never shares a link with the tail run (an empty queue has head == start).
+        spare = self._spare
+        front = spare
+        released = 0
+        ids = iter(block_ids)
+        for i in ids:
+            block = blocks[i]
+            ref_cnt = block.ref_cnt
+            if ref_cnt == 1:
+                block.ref_cnt = 0
+                if block.block_hash is None:
+                    front.next_free = block
+                    block.prev_free = front
+                    front = block
+                else:
+                    last.next_free = block
+                    block.prev_free = last
+                    last = block
+                released += 1
+            elif ref_cnt:
+                block.ref_cnt = ref_cnt - 1
+            else:
+                # The tail sentinel's prev link and the head run are not in the queue yet:
+                # re-linking the old last block drops the tail run; then restore the counts.
+                start.next_free = tail
+                k = len(block_ids) - 1 - sum(1 for _ in ids)  # the position of `i`: no counter in the loop
+                for j in block_ids[:k]:
+                    blocks[j].ref_cnt += 1
+                raise OverFreed(k, i)
+        last.next_free = tail
+        tail.prev_free = last
+        if front is not spare:
+            head = self.head
+            first, nxt = spare.next_free, head.next_free
+            head.next_free = first
+            first.prev_free = head
+            front.next_free = nxt
+            nxt.prev_free = front
+        self.num_free += released
+        return released
 
     def block_ids(self) -> list[int]:
         """Block ids from head (evicted first) to tail. O(num_free): for tests and debugging."""

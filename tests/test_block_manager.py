@@ -113,7 +113,7 @@ def test_touch_removes_a_free_block_from_the_middle_of_the_queue() -> None:
     bm.touch([2])
     assert bm.ref_count(2) == 2
     assert bm.free([2, 2]) == 1
-    assert bm.free_block_ids() == [0, 1, 3, 4, 2]
+    assert bm.free_block_ids() == [2, 0, 1, 3, 4]  # unpublished: to the head, reused first
     bm.check_invariants([])
 
 
@@ -153,8 +153,38 @@ def test_free_of_a_block_named_more_often_than_it_is_referenced_raises_and_chang
     assert [bm.ref_count(i) for i in range(4)] == [1, 2, 0, 0]
     assert bm.free_block_ids() == [2, 3]
     assert bm.free([1, 1, 0]) == 2
-    assert bm.free_block_ids() == [2, 3, 1, 0]
+    assert bm.free_block_ids() == [1, 0, 2, 3]  # unpublished blocks go to the head
     bm.check_invariants([])
+
+
+@pytest.mark.parametrize("others_free", [0, 2])
+def test_free_sends_published_blocks_to_the_tail_and_unpublished_ones_to_the_head(others_free) -> None:
+    """vLLM's order: a block worth nothing to the prefix cache is reused before any cached one,
+    so cached blocks live longer. With an empty queue both runs meet in the middle."""
+    bm = BlockManager(num_blocks=6 + others_free, block_size=4)
+    ids = bm.allocate(6)
+    publish_chain(bm, ids[:3], list(range(12)))  # ids[0..2] published, ids[3..5] not
+    bm.take_events()
+    assert bm.free(ids[::-1]) == 6  # a block table is freed reversed
+    expected = [ids[5], ids[4], ids[3], *range(6, 6 + others_free), ids[2], ids[1], ids[0]]
+    assert bm.free_block_ids() == expected
+    bm.check_invariants([])
+    # The next allocation takes the unpublished blocks and evicts nothing.
+    assert bm.allocate(3) == ids[5:2:-1]
+    assert bm.num_evictions == 0 and bm.take_events() == []
+
+
+def test_an_over_free_among_published_and_unpublished_blocks_is_undone_to_the_link() -> None:
+    bm = BlockManager(num_blocks=6, block_size=4)
+    ids = bm.allocate(5)
+    publish_chain(bm, ids[:2], list(range(8)))
+    before = bm.free_block_ids()
+    bm.free([ids[4]])
+    with pytest.raises(InvalidArgument, match=rf"block_ids\[4\] = {ids[4]} is not referenced"):
+        bm.free([ids[3], ids[1], ids[2], ids[0], ids[4]])
+    assert [bm.ref_count(i) for i in ids] == [1, 1, 1, 1, 0]
+    assert bm.free_block_ids() == [ids[4], *before]
+    bm.check_invariants([ids[:4]])
 
 
 def test_free_queue_batch_operations_keep_lru_order() -> None:
@@ -195,18 +225,61 @@ def test_published_blocks_are_found_by_match_prefix() -> None:
     assert bm.take_events() == []
 
 
-def test_publish_keeps_the_first_block_for_a_duplicate_hash() -> None:
+def test_publish_keeps_the_first_block_indexed_and_files_a_duplicate_as_its_copy() -> None:
     bm = BlockManager(num_blocks=4, block_size=4)
     a, b = bm.allocate(2)
     h = hash_block(None, [1, 2, 3, 4], EXTRA)
     assert bm.publish(a, None, [1, 2, 3, 4], EXTRA) == h
-    assert bm.publish(b, None, [1, 2, 3, 4], EXTRA) is None
-    assert bm.block_hash(b) is None
+    assert bm.publish(b, None, [1, 2, 3, 4], EXTRA) is None  # not newly published: a copy
+    assert bm.block_hash(b) == h
     assert cached(bm, [1, 2, 3, 4]) == [a]
+    assert bm.num_cached_blocks == 1
+    assert bm.take_events() == [BlockStored(h, None, a, [1, 2, 3, 4])]  # one hash, one event
     # A block that already carries a hash is not re-keyed.
     assert bm.publish(a, None, [5, 6, 7, 8], EXTRA) is None
     assert bm.block_hash(a) == h
     bm.check_invariants([[a], [b]])
+
+
+def test_duplicate_content_stays_findable_while_any_copy_lives() -> None:
+    """Three requests commit the same new block at once (all missed): evicting the indexed
+    block hands the hash to a copy without an event; only the last copy's eviction removes it."""
+    bm = BlockManager(num_blocks=4, block_size=4)
+    ids = bm.allocate(3)
+    tokens = [7, 7, 7, 7]
+    h = hash_block(None, tokens, EXTRA)
+    for block_id in ids:
+        bm.publish(block_id, None, tokens, EXTRA)
+    bm.take_events()
+    bm.free([ids[0]])  # the indexed one is freed first, then evicted first
+    bm.free([ids[2]])
+    assert bm.allocate(2) == [3, ids[0]]  # the never-used block, then the indexed copy
+    assert bm.take_events() == []  # the hash is still stored: a copy took its place
+    assert bm.block_hash(ids[0]) is None
+    assert bm.num_evictions == 1
+    assert cached(bm, tokens) in ([ids[1]], [ids[2]])
+    bm.check_invariants([[3], [ids[0]], [ids[1]]])
+    assert bm.allocate(1) == [ids[2]]  # evict the free copy (indexed or not)
+    assert bm.take_events() == [] and cached(bm, tokens) == [ids[1]]
+    bm.free([ids[1]])
+    bm.free([3, ids[0], ids[2]])
+    bm.allocate(4)  # the last copy goes: now the hash is removed
+    assert bm.take_events() == [BlockRemoved(h, ids[1])]
+    assert cached(bm, tokens) == [] and bm.copies == {}
+    bm.check_invariants([[0, 1, 2, 3]])
+
+
+def test_reset_prefix_cache_drops_copies_too() -> None:
+    bm = BlockManager(num_blocks=2, block_size=4)
+    a, b = bm.allocate(2)
+    bm.publish(a, None, [1, 2, 3, 4], EXTRA)
+    bm.publish(b, None, [1, 2, 3, 4], EXTRA)
+    bm.free([a, b])
+    bm.take_events()
+    assert bm.reset_prefix_cache()
+    assert bm.block_hash(b) is None and bm.copies == {} and bm.num_cached_blocks == 0
+    assert len(bm.take_events()) == 1
+    bm.check_invariants([])
 
 
 def test_tail_of_a_chain_is_evicted_first() -> None:
@@ -303,3 +376,24 @@ def test_a_block_hits_only_on_its_own_exact_tokens_even_if_hashes_collide(
     assert cached(bm, tokens) == table
     assert cached(bm, [1, 2, 3, 4, 9, 9, 9, 9]) == table[:1]
     assert cached(bm, [9, 2, 3, 4, 5, 6, 7, 8]) == []
+
+
+# ---------------------------------------------------------------------- the pressure trace
+
+
+def test_pressure_trace_evicts_only_what_the_unpublished_free_blocks_cannot_cover() -> None:
+    """bench/block_manager.py's pressure trace, small: the policy evicts a cached block only when
+    no unpublished free block is left, and hits at least as many tokens as the policy before it
+    (every freed block to the tail, duplicates never offered), which broke that bound."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import block_manager as bench  # noqa: PLC0415
+
+    args = bench.parse_args(["--sequences", "160", "--decode", "8", "--wave", "8"])
+    args.prefixes, args.prefix_len, args.prompt_len = 24, 64, 100  # a partial last block per prompt
+    trace = bench.make_trace(args)
+    num_blocks = 8 * 8 + 24 * 64 // 16 // 2
+    now, before = (bench.pressure_replay(args, trace, policy, num_blocks) for policy in bench.POLICIES)
+    assert now.evictions > 0, "the pool must be under pressure for this test to mean anything"
+    assert now.evictions == now.max_evictions
+    assert before.evictions > before.max_evictions
+    assert now.hit_tokens >= before.hit_tokens > 0
