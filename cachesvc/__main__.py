@@ -16,6 +16,7 @@ from cachesvc.leases import LeaseTable
 from cachesvc.node import CacheNode
 from cachesvc.sequences import SequenceTable
 from cachesvc.servicer import CacheServicer
+from cachesvc.wire_limits import request_limits, request_scans
 from kvtier import auth, telemetry
 from kvtier.api import cache_pb2_grpc
 from kvtier.grpc_server import AddressInUse, start_server, wait_for_termination
@@ -143,6 +144,9 @@ async def _serve_pool(cfg: CacheConfig, shape: ModelShape, plan: PoolPlan, pool,
         vocab_size=shape.vocab_size,
         max_model_len=shape.max_model_len,
         max_batch=cfg.max_batch,
+        max_blocks_per_tenant=cfg.max_blocks_per_tenant,
+        tenant_quotas=tenant_quotas(cfg, token),
+        max_blocks_per_lease=cfg.max_blocks_per_lease,
     )
     metrics = None
     if cfg.metrics_port is not None:
@@ -162,7 +166,8 @@ async def _serve_pool(cfg: CacheConfig, shape: ModelShape, plan: PoolPlan, pool,
 
 
 async def _run_server(cfg: CacheConfig, node: CacheNode, pool, token: str, metrics) -> None:
-    servicer = CacheServicer(node, pool.spec)
+    servicer = CacheServicer(node, pool.spec, max_watch_streams=cfg.max_watch_streams)
+    seqs = node.sequences
     server, health, address = await start_server(
         "kvtier.v1.CacheService",
         lambda s: cache_pb2_grpc.add_CacheServiceServicer_to_server(servicer, s),
@@ -171,6 +176,10 @@ async def _run_server(cfg: CacheConfig, node: CacheNode, pool, token: str, metri
         cfg.tls_cert,
         cfg.tls_key,
         metrics,
+        max_request_bytes=request_limits(
+            seqs.max_batch, seqs.max_model_len, seqs.vocab_size, cfg.max_request_bytes
+        ),
+        raw_checks=request_scans(seqs.max_batch, seqs.max_model_len),
     )
     log.info("cache service listening on %s (lease ttl %.1fs)", address, cfg.lease_ttl)
     # NOTE: the Block objects (one per pool block), the tables and the gRPC machinery live as long
@@ -187,6 +196,18 @@ async def _run_server(cfg: CacheConfig, node: CacheNode, pool, token: str, metri
         reaper.cancel()
         if metrics is not None:
             refresher.cancel()
+
+
+def tenant_quotas(cfg: CacheConfig, token: str) -> dict[str, int]:
+    """Per-tenant quotas from --tenant-quotas (the api-keys file; a client key equal to the node
+    token is refused, as the compute service refuses it)."""
+    if not cfg.tenant_quotas:
+        return {}
+    from kvtier.api_keys import ApiKeys
+
+    quotas = ApiKeys.load(cfg.tenant_quotas, node_token=token).quotas()
+    log.info("tenant quotas: %s", ", ".join(f"{t}={q}" for t, q in sorted(quotas.items())) or "none")
+    return quotas
 
 
 def start_kv_events(cfg: CacheConfig, node: CacheNode, backend: str):

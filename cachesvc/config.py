@@ -35,11 +35,16 @@ class CacheConfig:
     swap_space: float
     lease_ttl: float
     max_batch: int
+    max_blocks_per_tenant: int
+    max_blocks_per_lease: int
+    tenant_quotas: str | None
     metrics_port: int | None
     log_level: str
     kv_events_endpoint: str | None
     kv_events_replay_endpoint: str | None
     kv_events_topic: str
+    max_request_bytes: int | None
+    max_watch_streams: int
 
     def describe(self) -> str:
         return " ".join(f"{k}={v}" for k, v in asdict(self).items())
@@ -129,6 +134,25 @@ def build_parser(prog: str = "python -m cachesvc") -> argparse.ArgumentParser:
     )
     svc.add_argument("--max-batch", type=int, default=1024, help="most sequences one call may carry")
     svc.add_argument(
+        "--max-blocks-per-tenant",
+        type=int,
+        default=0,
+        help="most blocks one tenant's live sequences may hold (0 = no limit); a tenant's own "
+        "max_blocks in --tenant-quotas wins",
+    )
+    svc.add_argument(
+        "--max-blocks-per-lease",
+        type=int,
+        default=0,
+        help="most blocks one lease (one compute replica) may hold (0 = no limit)",
+    )
+    svc.add_argument(
+        "--tenant-quotas",
+        metavar="FILE",
+        help="the api-keys JSON file of the compute replicas (kvtier/api_keys.py): each tenant's "
+        "max_blocks becomes its quota here (its keys are checked, never accepted by this service)",
+    )
+    svc.add_argument(
         "--metrics-port", type=int, help="serve Prometheus metrics on this port (0 = any free port)"
     )
     svc.add_argument(
@@ -136,6 +160,18 @@ def build_parser(prog: str = "python -m cachesvc") -> argparse.ArgumentParser:
         default="INFO",
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         help="log verbosity (stderr)",
+    )
+    svc.add_argument(
+        "--max-request-bytes",
+        type=int,
+        help="largest Allocate / Commit / LookupPrefix request in bytes (default: what max-batch items "
+        "of max-model-len tokens take); larger ones are RESOURCE_EXHAUSTED before they are parsed",
+    )
+    svc.add_argument(
+        "--max-watch-streams",
+        type=int,
+        default=64,
+        help="most WatchEvents streams open at once; one more is RESOURCE_EXHAUSTED",
     )
     events = p.add_argument_group(
         "KV events over ZMQ (vLLM's KV-event wire format, beside the gRPC WatchEvents stream)"
@@ -159,4 +195,11 @@ def parse_config(argv: list[str] | None = None, prog: str = "python -m cachesvc"
     args = parser.parse_args(argv)
     if args.kv_events_replay_endpoint and not args.kv_events_endpoint:
         parser.error("--kv-events-replay-endpoint needs --kv-events-endpoint")
+    if args.max_request_bytes is not None and args.max_request_bytes < 1:
+        parser.error(f"--max-request-bytes must be > 0, got {args.max_request_bytes}")
+    if args.max_watch_streams < 0:
+        parser.error(f"--max-watch-streams must be >= 0, got {args.max_watch_streams}")
+    for flag in ("max_blocks_per_tenant", "max_blocks_per_lease"):
+        if getattr(args, flag) < 0:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 0 (0 = no limit), got {getattr(args, flag)}")
     return CacheConfig(**vars(args))

@@ -30,6 +30,12 @@ class ResourceExhausted(CacheError):
     """No device blocks even after eviction, or no host-tier room: the caller preempts (RESOURCE_EXHAUSTED)."""
 
 
+class ExceedsLimit(ResourceExhausted):
+    """One item alone needs more blocks than its tenant's quota, the per-lease limit or the whole
+    pool: it can never fit, so waiting will not help. RESOURCE_EXHAUSTED with the reason
+    ``kvtier.status.EXCEEDS_LIMIT``."""
+
+
 class PermissionDenied(CacheError):
     """The sequence belongs to another lease (PERMISSION_DENIED)."""
 

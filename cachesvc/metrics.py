@@ -104,6 +104,19 @@ class CacheMetrics(RpcLatency):
         self.expired_leases = Counter(
             f"{p}_expired_leases", "Leases that missed their heartbeats.", registry=r
         )
+        self.tenant_blocks = Gauge(
+            f"{p}_tenant_blocks",
+            "Blocks a tenant's live sequences hold (device and host tier; a shared prefix block "
+            'counts once per holder). Tenant "" = callers without a client API key.',
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_quota_blocks = Gauge(
+            f"{p}_tenant_quota_blocks",
+            "Most blocks a tenant may hold (0 = no limit).",
+            ["tenant"],
+            registry=r,
+        )
         # (counter attribute, label values) -> last cumulative value seen in a snapshot
         self._last_cumulative: dict[tuple[str, tuple[str, ...]], float] = {}
 
@@ -123,6 +136,11 @@ class CacheMetrics(RpcLatency):
             counter = getattr(self, attr)
             if delta:
                 (counter.labels(*labels) if labels else counter).inc(delta)
+        self.tenant_blocks.clear()
+        self.tenant_quota_blocks.clear()
+        for t in snapshot.tenants:
+            self.tenant_blocks.labels(t.tenant).set(t.num_blocks)
+            self.tenant_quota_blocks.labels(t.tenant).set(t.max_blocks)
         if snapshot.num_token_slots:
             self.slot_waste_ratio.set(1.0 - snapshot.num_tokens / snapshot.num_token_slots)
         queries = self._last_cumulative.get(("prefix_query_tokens", ()), 0.0)

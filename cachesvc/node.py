@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cachesvc.errors import FailedPrecondition, InvalidArgument
 from cachesvc.events import EventLog
@@ -32,6 +32,17 @@ class LeaseSnapshot:
     num_host_blocks: int  # host-tier slots of its swapped-out sequences
     expires_in_s: float
     num_tokens: int  # tokens of its sequences on the device
+
+
+@dataclass(slots=True)
+class TenantSnapshot:
+    """One tenant's share of the cache: blocks its live sequences hold on either tier (a shared
+    prefix block counts once per holder, as the quota counts it) and its quota (0 = none)."""
+
+    tenant: str
+    num_sequences: int
+    num_blocks: int
+    max_blocks: int
 
 
 @dataclass(slots=True)
@@ -63,6 +74,8 @@ class CacheSnapshot:
     num_expired_leases: int
     num_tokens: int  # tokens of every sequence on the device
     num_token_slots: int  # tokens their block tables have room for
+    tenants: list[TenantSnapshot] = field(default_factory=list)
+    max_blocks_per_lease: int = 0  # 0 = no limit
 
     @property
     def num_leases(self) -> int:
@@ -228,4 +241,6 @@ class CacheNode:
             num_expired_leases=self.leases.num_expired,
             num_tokens=num_tokens,
             num_token_slots=num_token_slots,
+            tenants=[TenantSnapshot(t, *usage) for t, usage in sorted(seqs.tenant_usage().items())],
+            max_blocks_per_lease=seqs.max_blocks_per_lease,
         )

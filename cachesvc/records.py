@@ -24,6 +24,7 @@ class AllocateItem:
     adapter_id: str = ""
     num_lookahead_tokens: int = 0
     request_id: str = ""
+    tenant: str = ""  # whose quota the sequence's blocks count against
 
 
 @dataclass(slots=True)
@@ -58,6 +59,7 @@ class Sequence:
     # published), in token order; computed once, never recomputed.
     block_hashes: list[BlockHash]
     request_id: str = ""
+    tenant: str = ""  # whose quota its blocks count against (SequenceTable's per-tenant limits)
     # Tokens the block table can hold without new blocks: min(len(block_table) * block_size,
     # max_model_len), 0 while on the host. Kept with the table so the per-step Extend check is
     # one comparison.

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from cachesvc.block_manager import BlockManager
-from cachesvc.errors import InvalidArgument, NotFound, ResourceExhausted
+from cachesvc.errors import ExceedsLimit, InvalidArgument, NotFound, ResourceExhausted
 from cachesvc.records import DEVICE, HOST, AllocateItem, CacheStats, Sequence, SequenceBlocks
 from cachesvc.swap import Swapping
 from cachesvc.validation import ExtraKeys, check_batch, check_unique, owned, pack_checked
@@ -49,6 +49,13 @@ class SequenceTable(Swapping):
 
     Units: tokens unless a name says blocks. Limits: ``vocab_size`` (token ids must be below it),
     ``max_model_len`` (tokens per sequence, lookahead included), ``max_batch`` (items per call).
+
+    Quotas (0 = none): ``max_blocks_per_tenant`` (a tenant's default), ``tenant_quotas`` (per
+    tenant, over the default) and ``max_blocks_per_lease``. A tenant's or lease's blocks are the
+    blocks its live sequences hold on either tier (``Sequence.num_blocks``; a prefix block two of
+    them share counts for each holder), so swapping never changes them. Allocate and Extend
+    refuse growth past a quota with ResourceExhausted (the caller waits or preempts); an
+    Allocate item that alone exceeds a quota or the pool gets ExceedsLimit (it never fits).
     """
 
     def __init__(
@@ -60,6 +67,9 @@ class SequenceTable(Swapping):
         vocab_size: int,
         max_model_len: int,
         max_batch: int = 1024,
+        max_blocks_per_tenant: int = 0,
+        tenant_quotas: dict[str, int] | None = None,
+        max_blocks_per_lease: int = 0,
     ) -> None:
         self.block_manager = block_manager
         self.host_tier = host_tier
@@ -73,6 +83,13 @@ class SequenceTable(Swapping):
         self._by_lease: dict[str, dict[int, Sequence]] = {}
         self._next_sequence_id = 1
         self._extra_keys = ExtraKeys(model_fingerprint)
+        self.max_blocks_per_tenant = max_blocks_per_tenant
+        self.tenant_quotas = dict(tenant_quotas or {})
+        self.max_blocks_per_lease = max_blocks_per_lease
+        self._limited = bool(max_blocks_per_tenant or self.tenant_quotas or max_blocks_per_lease)
+        # Blocks held (either tier) per tenant and per lease; a key leaves when it reaches 0.
+        self.tenant_blocks: dict[str, int] = {}
+        self.lease_blocks: dict[str, int] = {}
 
     # ------------------------------------------------------------------ reading
 
@@ -109,6 +126,64 @@ class SequenceTable(Swapping):
             seq.cached_blocks = blocks
         return blocks
 
+    # ------------------------------------------------------------------ quotas
+
+    def tenant_quota(self, tenant: str) -> int:
+        """Most blocks ``tenant`` may hold; 0 = no limit."""
+        return self.tenant_quotas.get(tenant, self.max_blocks_per_tenant)
+
+    def _charge(self, tenant: str, lease_id: str, blocks: int) -> None:
+        """Count ``blocks`` (negative: released) against a tenant and a lease."""
+        if not blocks:
+            return
+        for counts, key in ((self.tenant_blocks, tenant), (self.lease_blocks, lease_id)):
+            left = counts.get(key, 0) + blocks
+            if left:
+                counts[key] = left
+            else:
+                del counts[key]
+
+    def _check_fits(self, where: str, tenant: str, blocks: int) -> None:
+        """ExceedsLimit if one sequence of ``blocks`` blocks can never be held."""
+        limits = (
+            (self.block_manager.num_blocks, "the whole pool holds"),
+            (self.tenant_quota(tenant), f"tenant {tenant!r} may hold (its quota)"),
+            (self.max_blocks_per_lease, "one lease may hold (--max-blocks-per-lease)"),
+        )
+        for limit, what in limits:
+            if limit and blocks > limit:
+                raise ExceedsLimit(
+                    f"{where} needs {blocks} blocks but {what} {limit} blocks: it can never fit; "
+                    "shorten the prompt or max_tokens"
+                )
+
+    def _check_quotas(self, lease_id: str, more_by_tenant: dict[str, int], more: int) -> None:
+        """ResourceExhausted if ``more`` new blocks of a call would take its lease or a tenant
+        past a quota (they would fit once the holder's own sequences finish)."""
+        limit = self.max_blocks_per_lease
+        if limit and more:
+            held = self.lease_blocks.get(lease_id, 0)
+            if held + more > limit:
+                raise ResourceExhausted(
+                    f"lease {lease_id[:8]}… holds {held} of the {limit} blocks one lease may hold "
+                    f"(--max-blocks-per-lease); this call needs {more} more"
+                )
+        for tenant, want in more_by_tenant.items():
+            quota = self.tenant_quota(tenant)
+            held = self.tenant_blocks.get(tenant, 0)
+            if quota and want and held + want > quota:
+                raise ResourceExhausted(
+                    f"tenant {tenant!r} holds {held} of its {quota}-block quota; this call needs {want} more"
+                )
+
+    def tenant_usage(self) -> dict[str, tuple[int, int, int]]:
+        """Tenant -> (live sequences, blocks held, quota or 0), for every tenant with sequences
+        or a quota of its own."""
+        seqs: dict[str, int] = dict.fromkeys(self.tenant_quotas, 0)
+        for seq in self._sequences.values():
+            seqs[seq.tenant] = seqs.get(seq.tenant, 0) + 1
+        return {t: (n, self.tenant_blocks.get(t, 0), self.tenant_quota(t)) for t, n in seqs.items()}
+
     # ------------------------------------------------------------------ lifecycle
 
     def allocate(self, lease_id: str, items: list[AllocateItem]) -> list[SequenceBlocks]:
@@ -125,6 +200,7 @@ class SequenceTable(Swapping):
         plans: list[_AllocatePlan] = []
         touched: list[int] = []
         total_new = 0
+        held_by_tenant: dict[str, int] = {}
         for k, item in enumerate(items):
             tokens = item.token_ids
             n = len(tokens)
@@ -145,9 +221,14 @@ class SequenceTable(Swapping):
             # Cap: the last prompt token is always computed (its logits are needed).
             hit, hashes = bm.match_prefix(data, extra, (n - 1) // bs)
             num_new = -(-(n + lookahead) // bs) - len(hit)
+            if self._limited or num_new + len(hit) > bm.num_blocks:
+                self._check_fits(f"items[{k}]", item.tenant, num_new + len(hit))
+                held_by_tenant[item.tenant] = held_by_tenant.get(item.tenant, 0) + num_new + len(hit)
             total_new += num_new
             touched += hit
             plans.append(_AllocatePlan(hashes, hit, num_new, extra, data))
+        if self._limited:
+            self._check_quotas(lease_id, held_by_tenant, sum(held_by_tenant.values()))
         if not bm.can_allocate(total_new, touched):
             raise ResourceExhausted(
                 f"allocate needs {total_new} new blocks for {len(items)} sequences but only "
@@ -180,11 +261,13 @@ class SequenceTable(Swapping):
                 prompt_bytes=plan.prompt_bytes,
                 block_hashes=plan.block_hashes,
                 request_id=item.request_id,
+                tenant=item.tenant,
                 room=self._room(table),
                 num_published_blocks=len(hit),
             )
             self._sequences[sid] = seq
             self._by_lease.setdefault(lease_id, {})[sid] = seq
+            self._charge(item.tenant, lease_id, len(table))
             stats.prefix_query_tokens += len(seq.token_ids)
             stats.prefix_hit_tokens += num_cached
             out.append(self._blocks_of(seq))
@@ -212,6 +295,7 @@ class SequenceTable(Swapping):
         max_len = self.max_model_len
         seqs: list[Sequence] = []
         total_new = 0
+        more_by_tenant: dict[str, int] = {}
         # NOTE: extend runs once per decode step per sequence, so validation is one combined
         # test per item; the slow path re-walks the batch to name the first bad item.
         for sid, num_tokens in items:
@@ -226,10 +310,14 @@ class SequenceTable(Swapping):
             more = (len(seq.token_ids) + num_tokens + bs - 1) // bs - len(seq.block_table)
             if more > 0:
                 total_new += more
+                if self._limited:
+                    more_by_tenant[seq.tenant] = more_by_tenant.get(seq.tenant, 0) + more
             seqs.append(seq)
         if len(items) > 1:
             check_unique([sid for sid, _ in items])
         bm = self.block_manager
+        if more_by_tenant:
+            self._check_quotas(lease_id, more_by_tenant, total_new)
         if total_new > bm.num_free_blocks:
             raise ResourceExhausted(
                 f"extend needs {total_new} new blocks but only {bm.num_free_blocks} of {bm.num_blocks} are free"
@@ -241,6 +329,7 @@ class SequenceTable(Swapping):
             for seq, (_, num_tokens) in zip(seqs, items, strict=True):
                 more = (len(seq.token_ids) + num_tokens + bs - 1) // bs - len(seq.block_table)
                 if more > 0:
+                    self._charge(seq.tenant, lease_id, more)
                     seq.block_table += new_ids[pos : pos + more]
                     seq.room = self._room(seq.block_table)
                     seq.cached_blocks = None
@@ -353,6 +442,7 @@ class SequenceTable(Swapping):
         return sum(self._release(seq) for seq in seqs)
 
     def _release(self, seq: Sequence) -> int:
+        self._charge(seq.tenant, seq.lease_id, -seq.num_blocks)
         if seq.location == DEVICE:
             released = self.block_manager.free(seq.block_table[::-1])
         else:
@@ -437,6 +527,16 @@ class SequenceTable(Swapping):
             f"lease index holds {n_lease_seqs} sequences, table holds {len(self._sequences)}"
         )
         assert all(self._by_lease.values()), "lease index keeps an empty lease"
+        by_tenant: dict[str, int] = {}
+        by_lease: dict[str, int] = {}
+        for seq in self._sequences.values():
+            if seq.num_blocks:
+                by_tenant[seq.tenant] = by_tenant.get(seq.tenant, 0) + seq.num_blocks
+                by_lease[seq.lease_id] = by_lease.get(seq.lease_id, 0) + seq.num_blocks
+        assert by_tenant == self.tenant_blocks, (
+            f"tenant block counts {self.tenant_blocks} != held {by_tenant}"
+        )
+        assert by_lease == self.lease_blocks, f"lease block counts {self.lease_blocks} != held {by_lease}"
         self.block_manager.check_invariants(device_tables)
         host = self.host_tier
         if host is None:

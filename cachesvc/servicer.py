@@ -15,6 +15,7 @@ import grpc
 
 from cachesvc.errors import (
     CacheError,
+    ExceedsLimit,
     FailedPrecondition,
     InvalidArgument,
     LeaseExpired,
@@ -25,6 +26,13 @@ from cachesvc.errors import (
 from cachesvc.events import BlockEvent, BlockRemoved, EventGap
 from cachesvc.node import CacheNode, CacheSnapshot
 from cachesvc.records import AllocateItem, SequenceBlocks
+from cachesvc.validation import (
+    MAX_LEASE_ID_BYTES,
+    MAX_NAME_BYTES,
+    check_batch,
+    check_item_sizes,
+    check_text,
+)
 from kvtier import status
 from kvtier.api import cache_pb2, cache_pb2_grpc
 from kvtier.pool import PoolSpec
@@ -37,29 +45,53 @@ STATUS = {
     NotFound: grpc.StatusCode.NOT_FOUND,
     LeaseExpired: grpc.StatusCode.NOT_FOUND,
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ExceedsLimit: grpc.StatusCode.RESOURCE_EXHAUSTED,
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     EventGap: grpc.StatusCode.OUT_OF_RANGE,
 }
 # Errors a caller must tell apart from others of the same code: an ErrorInfo reason rides along.
-REASON = {LeaseExpired: status.LEASE_EXPIRED}
+REASON = {LeaseExpired: status.LEASE_EXPIRED, ExceedsLimit: status.EXCEEDS_LIMIT}
 
 
 def rpc(method):
-    """Map domain errors to status codes (with an ErrorInfo reason where one is defined)."""
+    """Map domain errors to status codes (with an ErrorInfo reason where one is defined).
+
+    NOTE: the abort is raised outside the ``except`` block and after dropping ``request``: the
+    abort's traceback holds this frame, and chaining it to the domain error would hold the
+    frames that built lists from the request, for as long as grpc keeps the abort.
+    """
 
     @functools.wraps(method)
     async def wrapper(self: CacheServicer, request, context):
+        handling, request = method(self, request, context), None
         try:
-            return await method(self, request, context)
+            return await handling
         except CacheError as e:
             code = STATUS.get(type(e), grpc.StatusCode.INTERNAL)
-            log.debug("%s -> %s: %s", method.__name__, code.name, e)
+            details = str(e)
+            log.debug("%s -> %s: %s", method.__name__, code.name, details)
             reason = REASON.get(type(e))
-            trailer = status.details_trailer(code, str(e), reason) if reason else ()
-            await context.abort(code, str(e), trailing_metadata=trailer)
+        handling = None
+        trailer = status.details_trailer(code, details, reason) if reason else ()
+        await context.abort(code, details, trailing_metadata=trailer)
 
     return wrapper
+
+
+def _lease_id(request) -> str:
+    """The request's lease id, bounded (a lease id is 32 hex digits)."""
+    check_text("lease_id", request.lease_id, MAX_LEASE_ID_BYTES)
+    return request.lease_id
+
+
+def _sequence_ids(request, max_batch: int) -> list[int]:
+    check_batch(len(request.sequence_ids), max_batch, "sequence_ids")
+    return list(request.sequence_ids)
+
+
+# Events a WatchEvents stream builds at a time from the log.
+WATCH_CHUNK = 256
 
 
 def _add_blocks(sequences, blocks: list[SequenceBlocks]) -> None:
@@ -81,8 +113,10 @@ def _add_blocks(sequences, blocks: list[SequenceBlocks]) -> None:
 def stats_to_proto(snapshot: CacheSnapshot) -> cache_pb2.GetStatsResponse:
     """GetStatsResponse of a snapshot. NOTE: the snapshot's field names are the message's."""
     leases = [cache_pb2.LeaseStats(**asdict(lease)) for lease in snapshot.leases]
-    scalars = {f.name: getattr(snapshot, f.name) for f in fields(snapshot) if f.name != "leases"}
-    return cache_pb2.GetStatsResponse(**scalars, leases=leases)
+    tenants = [cache_pb2.TenantStats(**asdict(t)) for t in snapshot.tenants]
+    lists = ("leases", "tenants")
+    scalars = {f.name: getattr(snapshot, f.name) for f in fields(snapshot) if f.name not in lists}
+    return cache_pb2.GetStatsResponse(**scalars, leases=leases, tenants=tenants)
 
 
 def event_to_proto(event_id: int, event: BlockEvent) -> cache_pb2.CacheEvent:
@@ -100,14 +134,26 @@ def event_to_proto(event_id: int, event: BlockEvent) -> cache_pb2.CacheEvent:
 
 
 class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
-    def __init__(self, node: CacheNode, pool_spec: PoolSpec):
+    """The CacheService RPCs. Repeated fields are bounded (items per call, tokens per item,
+    string sizes) on the wire message before any Python list is built from them.
+
+    `max_watch_streams`: most WatchEvents streams open at once; one more is RESOURCE_EXHAUSTED.
+    """
+
+    def __init__(self, node: CacheNode, pool_spec: PoolSpec, max_watch_streams: int = 64):
         self.node = node
         self.pool_spec = pool_spec
+        self.max_batch = node.sequences.max_batch
+        self.max_model_len = node.sequences.max_model_len
+        self.max_watch_streams = max_watch_streams
+        self.num_watch_streams = 0
 
     # ------------------------------------------------------------ leases
 
     @rpc
     async def Attach(self, request, context):
+        check_text("client_name", request.client_name, MAX_NAME_BYTES)
+        check_text("model_fingerprint", request.model_fingerprint, MAX_NAME_BYTES)
         lease = self.node.attach(request.client_name or context.peer(), request.model_fingerprint)
         return cache_pb2.AttachResponse(
             lease_id=lease.lease_id,
@@ -118,56 +164,82 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
 
     @rpc
     async def Heartbeat(self, request, context):
-        return cache_pb2.HeartbeatResponse(lease_ttl_s=self.node.heartbeat(request.lease_id))
+        return cache_pb2.HeartbeatResponse(lease_ttl_s=self.node.heartbeat(_lease_id(request)))
 
     # ------------------------------------------------------------ sequences
 
     @rpc
     async def Allocate(self, request, context):
-        items = [
-            AllocateItem(
-                token_ids=list(item.token_ids),
-                cache_salt=item.cache_salt,
-                adapter_id=item.adapter_id,
-                num_lookahead_tokens=item.num_lookahead_tokens,
-                request_id=item.request_id,
+        lease_id = _lease_id(request)
+        check_batch(len(request.items), self.max_batch)
+        items = []
+        for k, item in enumerate(request.items):
+            tokens = item.token_ids
+            check_item_sizes(
+                k, len(tokens), self.max_model_len, item.cache_salt, item.adapter_id, item.request_id
             )
-            for item in request.items
-        ]
+            if len(item.tenant) > MAX_NAME_BYTES // 4:
+                check_text(f"items[{k}].tenant", item.tenant, MAX_NAME_BYTES)
+            items.append(
+                AllocateItem(
+                    token_ids=list(tokens),
+                    cache_salt=item.cache_salt,
+                    adapter_id=item.adapter_id,
+                    num_lookahead_tokens=item.num_lookahead_tokens,
+                    request_id=item.request_id,
+                    tenant=item.tenant,
+                )
+            )
         response = cache_pb2.AllocateResponse()
-        _add_blocks(response.sequences, self.node.allocate(request.lease_id, items))
+        _add_blocks(response.sequences, self.node.allocate(lease_id, items))
         return response
 
     @rpc
     async def Extend(self, request, context):
+        lease_id = _lease_id(request)
+        check_batch(len(request.items), self.max_batch)
         items = [(i.sequence_id, i.num_tokens) for i in request.items]
         response = cache_pb2.ExtendResponse()
-        _add_blocks(response.sequences, self.node.extend(request.lease_id, items))
+        _add_blocks(response.sequences, self.node.extend(lease_id, items))
         return response
 
     @rpc
     async def Commit(self, request, context):
-        items = [(i.sequence_id, list(i.token_ids), i.num_computed_tokens) for i in request.items]
-        return cache_pb2.CommitResponse(num_blocks_published=self.node.commit(request.lease_id, items))
+        lease_id = _lease_id(request)
+        check_batch(len(request.items), self.max_batch)
+        max_len = self.max_model_len
+        items = []
+        for k, i in enumerate(request.items):
+            if len(i.token_ids) > max_len:
+                check_item_sizes(k, len(i.token_ids), max_len, "", "")
+            items.append((i.sequence_id, list(i.token_ids), i.num_computed_tokens))
+        return cache_pb2.CommitResponse(num_blocks_published=self.node.commit(lease_id, items))
 
     @rpc
     async def Free(self, request, context):
-        released = self.node.free(request.lease_id, list(request.sequence_ids))
+        lease_id = _lease_id(request)
+        released = self.node.free(lease_id, _sequence_ids(request, self.max_batch))
         return cache_pb2.FreeResponse(num_blocks_released=released)
 
     @rpc
     async def LookupPrefix(self, request, context):
-        items = [(list(i.token_ids), i.cache_salt, i.adapter_id) for i in request.items]
+        check_batch(len(request.items), self.max_batch)
+        items = []
+        for k, i in enumerate(request.items):
+            check_item_sizes(k, len(i.token_ids), self.max_model_len, i.cache_salt, i.adapter_id)
+            items.append((list(i.token_ids), i.cache_salt, i.adapter_id))
         return cache_pb2.LookupPrefixResponse(num_cached_tokens=self.node.lookup_prefix(items))
 
     @rpc
     async def SwapOut(self, request, context):
-        num_blocks, num_bytes = self.node.swap_out(request.lease_id, list(request.sequence_ids))
+        lease_id = _lease_id(request)
+        num_blocks, num_bytes = self.node.swap_out(lease_id, _sequence_ids(request, self.max_batch))
         return cache_pb2.SwapOutResponse(num_blocks=num_blocks, num_bytes=num_bytes)
 
     @rpc
     async def SwapIn(self, request, context):
-        blocks, num_blocks, num_bytes = self.node.swap_in(request.lease_id, list(request.sequence_ids))
+        lease_id = _lease_id(request)
+        blocks, num_blocks, num_bytes = self.node.swap_in(lease_id, _sequence_ids(request, self.max_batch))
         response = cache_pb2.SwapInResponse(num_blocks=num_blocks, num_bytes=num_bytes)
         _add_blocks(response.sequences, blocks)
         return response
@@ -179,17 +251,37 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         return stats_to_proto(self.node.snapshot())
 
     async def WatchEvents(self, request, context):
-        events = self.node.events
-        next_id = request.since_event_id
-        while True:
-            try:
-                batch = events.since(next_id)
-            except EventGap as e:
-                await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(e))
-            for event_id, event in batch:
-                yield event_to_proto(event_id, event)
-                next_id = event_id
-            # Events that arrived while the batch was being sent are not waited for. Nothing else
-            # runs on the loop between this check and wait() registering, so none slips through.
-            if events.last_event_id <= next_id:
-                await events.wait()
+        """Events after ``since_event_id``, read from the shared log one chunk at a time.
+
+        A stream holds one chunk of events (WATCH_CHUNK), never its backlog: that stays in the
+        log, which keeps the newest events for every stream. A reader that falls behind the log
+        is ended with OUT_OF_RANGE (resynchronize, watch from 0).
+        """
+        if self.num_watch_streams >= self.max_watch_streams:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.num_watch_streams} WatchEvents streams are open, the most this service "
+                f"allows (--max-watch-streams {self.max_watch_streams}): close one, or retry later",
+            )
+        self.num_watch_streams += 1
+        try:
+            events = self.node.events
+            next_id = request.since_event_id
+            while True:
+                try:
+                    chunk = events.since(next_id, WATCH_CHUNK)
+                except EventGap as e:
+                    details = str(e)
+                    chunk = None
+                if chunk is None:
+                    await context.abort(grpc.StatusCode.OUT_OF_RANGE, details)
+                for event_id, event in chunk:
+                    yield event_to_proto(event_id, event)
+                    next_id = event_id
+                # Events that arrived while the chunk was being sent are not waited for. Nothing
+                # else runs on the loop between this check and wait() registering, so none slips
+                # through.
+                if events.last_event_id <= next_id:
+                    await events.wait()
+        finally:
+            self.num_watch_streams -= 1

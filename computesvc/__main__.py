@@ -13,12 +13,15 @@ from computesvc.config import ComputeConfig, parse_config
 
 log = logging.getLogger("kvtier.compute")
 
+GENERATE = "/kvtier.v1.ComputeService/Generate"
+
 
 async def serve(cfg: ComputeConfig) -> None:
     from computesvc.replica import Replica
     from computesvc.servicer import ComputeServicer
     from kvtier import auth, telemetry
     from kvtier.api import compute_pb2_grpc
+    from kvtier.api_keys import ApiKeys, ClientKeys
     from kvtier.grpc_server import start_server, wait_for_termination
 
     telemetry.setup_tracing("kvtier-compute")
@@ -27,6 +30,16 @@ async def serve(cfg: ComputeConfig) -> None:
         raise ConnectionError(
             f"no token for the cache service: set $KVTIER_TOKEN, --token-file, or start the cache service "
             f"first (it writes {auth.default_token_file()})"
+        )
+    credentials = None
+    if cfg.api_keys:  # read before the model loads: a bad file fails at once
+        keys = ApiKeys.load(cfg.api_keys, node_token=token)
+        generate = ClientKeys(keys, node_token=token if cfg.allow_node_token else None)
+        credentials = {GENERATE: generate}
+        log.info(
+            "Generate takes client API keys of %d tenants%s",
+            len(keys.tenants),
+            " (and the node token)" if cfg.allow_node_token else "",
         )
     metrics = None
     if cfg.metrics_port is not None:
@@ -45,6 +58,7 @@ async def serve(cfg: ComputeConfig) -> None:
         cfg.listen,
         token,
         metrics=metrics,
+        credentials=credentials,
     )
     report_attachment(replica, health)
     log.info(

@@ -15,6 +15,11 @@ class NoFreeBlocks(Exception):
     """The cache has no room for this call (RESOURCE_EXHAUSTED): preempt or wait."""
 
 
+class ExceedsLimit(NoFreeBlocks):
+    """The request can never fit (RESOURCE_EXHAUSTED with reason EXCEEDS_LIMIT): it alone needs
+    more blocks than its tenant's quota, the per-lease limit or the whole pool. Fail it at once."""
+
+
 class CacheUnavailable(Exception):
     """The cache service cannot be reached (or restarted and forgot our lease): retryable."""
 
@@ -39,6 +44,7 @@ class AllocateItem(NamedTuple):
     token_ids: list[int]  # every token so far (prompt, plus output when recomputing)
     cache_salt: str = ""  # only sequences with the same salt share prefix-cache blocks
     num_lookahead_tokens: int = 0  # slots reserved beyond the tokens, for the next decode steps
+    tenant: str = ""  # whose quota the blocks count against ("" = the default tenant)
 
 
 class ExtendItem(NamedTuple):

@@ -23,10 +23,14 @@ class ComputeConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     lookahead_blocks: int
+    admit_timeout_s: float
+    max_prompt_bytes: int | None
     connect_timeout: float
     metrics_port: int | None
     name: str
     log_level: str
+    api_keys: str | None
+    allow_node_token: bool
 
     def describe(self) -> str:
         return " ".join(f"{k}={v}" for k, v in asdict(self).items())
@@ -84,6 +88,19 @@ def build_parser(prog: str = "python -m computesvc") -> argparse.ArgumentParser:
         help="blocks reserved ahead of each decoding sequence, so most steps make no cache call",
     )
     p.add_argument(
+        "--admit-timeout-s",
+        type=float,
+        default=60.0,
+        help="seconds a request may wait for KV blocks (the pool held by others) before it fails with "
+        "RESOURCE_EXHAUSTED; a request that can never fit (over its tenant's quota or the pool) fails at once",
+    )
+    p.add_argument(
+        "--max-prompt-bytes",
+        type=int,
+        help="longest text prompt, in UTF-8 bytes, a request may send (refused with INVALID_ARGUMENT "
+        "before it is tokenized); default: 16 bytes per token of the model's context",
+    )
+    p.add_argument(
         "--connect-timeout",
         type=float,
         default=30.0,
@@ -101,6 +118,18 @@ def build_parser(prog: str = "python -m computesvc") -> argparse.ArgumentParser:
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         help="log verbosity (stderr)",
     )
+    p.add_argument(
+        "--api-keys",
+        metavar="FILE",
+        help="JSON file of client API keys per tenant (format: kvtier/api_keys.py). With it, Generate "
+        "takes a client key (and charges its tenant), not the node token; without it, the node token "
+        "works for Generate, as one tenant",
+    )
+    p.add_argument(
+        "--allow-node-token",
+        action="store_true",
+        help="with --api-keys: also accept the node token for Generate (as the default tenant)",
+    )
     return p
 
 
@@ -109,4 +138,10 @@ def parse_config(argv: list[str] | None = None, prog: str = "python -m computesv
     for flag in ("max_num_seqs", "max_num_batched_tokens", "lookahead_blocks", "threads"):
         if getattr(cfg, flag) < 1:
             raise SystemExit(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(cfg, flag)}")
+    if cfg.max_prompt_bytes is not None and cfg.max_prompt_bytes < 1:
+        raise SystemExit(f"--max-prompt-bytes must be >= 1, got {cfg.max_prompt_bytes}")
+    if not cfg.admit_timeout_s > 0:
+        raise SystemExit(f"--admit-timeout-s must be > 0, got {cfg.admit_timeout_s}")
+    if cfg.allow_node_token and not cfg.api_keys:
+        raise SystemExit("--allow-node-token needs --api-keys (without keys the node token works anyway)")
     return cfg

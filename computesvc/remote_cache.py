@@ -2,8 +2,9 @@
 
 This is the one place where compute turns cache-service status codes into the port's
 exceptions: RESOURCE_EXHAUSTED -> NoFreeBlocks (preempt or wait); UNAVAILABLE, DEADLINE_EXCEEDED
-or NOT_FOUND with reason LEASE_EXPIRED -> CacheUnavailable (the replica re-attaches); any other
-code -> RuntimeError naming it.
+or NOT_FOUND with reason LEASE_EXPIRED -> CacheUnavailable (the replica re-attaches);
+INVALID_ARGUMENT -> ValueError (the scheduler retries a batched Allocate item by item and fails
+only the refused requests); any other code -> RuntimeError naming it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from computesvc.cache_port import (
     AllocateItem,
     CacheUnavailable,
     CommitItem,
+    ExceedsLimit,
     ExtendItem,
     NoFreeBlocks,
     SequenceBlocks,
@@ -52,17 +54,22 @@ class RemoteCache:
         except grpc.aio.AioRpcError as e:
             code = e.code()
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                raise NoFreeBlocks(e.details()) from None
+                never = status.reason_of(e) == status.EXCEEDS_LIMIT
+                raise (ExceedsLimit if never else NoFreeBlocks)(e.details()) from None
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or (
                 code == grpc.StatusCode.NOT_FOUND and status.reason_of(e) == status.LEASE_EXPIRED
             ):
                 raise CacheUnavailable(f"cache service: {code.name}: {e.details()}") from None
+            if code == grpc.StatusCode.INVALID_ARGUMENT:
+                raise ValueError(f"cache service refused the call: {code.name}: {e.details()}") from None
             # Anything else is a bug on one side: say what the cache service refused, briefly.
             raise RuntimeError(f"cache service refused the call: {code.name}: {e.details()}") from None
 
     async def allocate(self, items: list[AllocateItem]) -> list[SequenceBlocks]:
         wire = [
-            cache_client.AllocateItem(i.token_ids, i.cache_salt, num_lookahead_tokens=i.num_lookahead_tokens)
+            cache_client.AllocateItem(
+                i.token_ids, i.cache_salt, num_lookahead_tokens=i.num_lookahead_tokens, tenant=i.tenant
+            )
             for i in items
         ]
         return _blocks((await self._rpc(self.client.allocate(wire))).sequences)

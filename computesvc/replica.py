@@ -9,6 +9,7 @@ with a retryable status; the replica itself carries on).
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -67,6 +68,8 @@ class Replica:
         self._attach_sent_at = 0.0
         self._lease_valid_until = 0.0
         self._lost = asyncio.Event()  # set when the cache service is lost, cleared on re-attach
+        self._retired: list = []  # pools of earlier attachments, closed, until they are unmapped
+        self._unmapping: asyncio.Task | None = None
 
     # ------------------------------------------------------------ attach
 
@@ -137,9 +140,7 @@ class Replica:
         """Map the client's pool and point the scheduler at it."""
         self.client = client
         self._renewed(self._attach_sent_at)
-        # NOTE: the old pool object (after a re-attach) is dropped, not closed: a step in flight
-        # may still use its tensor, and the mapping lives until the last view is gone.
-        self.pool = attach_pool(client.pool)
+        old, self.pool = self.pool, attach_pool(client.pool)
         runner = ModelRunner(self.loaded.model, self.pool.tensor, client.pool.block_size)
         runner.write_deadline = self._lease_deadline
         cache = RemoteCache(client, on_renewed=self._renewed)
@@ -153,12 +154,15 @@ class Replica:
                     max_num_seqs=self.cfg.max_num_seqs,
                     max_num_batched_tokens=self.cfg.max_num_batched_tokens,
                     lookahead_blocks=self.cfg.lookahead_blocks,
+                    admit_timeout_s=self.cfg.admit_timeout_s,
                 ),
                 observer=SchedulerObserver() if self.metrics is None else MetricsObserver(self.metrics),
             )
             self.scheduler.on_cache_lost = self._cache_lost
         else:
             self.scheduler.runner, self.scheduler.cache = runner, cache
+        if old is not None:
+            self._retire(old)
         self._lost.clear()
         self.connected.set()
         self.on_attached_change(True)
@@ -173,6 +177,40 @@ class Replica:
             spec.num_blocks,
             spec.block_size,
         )
+
+    def _retire(self, pool) -> None:
+        """Close the pool of an earlier attachment (after a re-attach) and see that it is unmapped.
+
+        A dead cache service's pool must not stay mapped (on CUDA it pins the old allocation's
+        device memory). Closing is safe at any time: the mapping goes only when no tensor view of it
+        is left (kvtier.pool), so a step in flight keeps it until it ends. What keeps views longer
+        is garbage: the traceback of a LeaseExpired raised mid-forward holds the forward's frames
+        and their views of the pool, in reference cycles a collection pass frees.
+        """
+        pool.close()
+        self._retired.append(pool)
+        if self._unmapping is None or self._unmapping.done():
+            self._unmapping = asyncio.ensure_future(self._collect_retired())
+
+    async def _collect_retired(self, period_s: float = 0.5, give_up_s: float = 120.0) -> None:
+        """Collect garbage until every retired pool is unmapped (a step in flight lets go of its
+        views when it ends); warn if one is still mapped after `give_up_s`."""
+        deadline = time.monotonic() + give_up_s
+        while True:
+            self._retired = [p for p in self._retired if p.mapped()]
+            if not self._retired:
+                return
+            if time.monotonic() > deadline:
+                log.warning(
+                    "%d pool(s) of an earlier cache service are still mapped after %.0fs: something holds "
+                    "a tensor view of them",
+                    len(self._retired),
+                    give_up_s,
+                )
+                return
+            gc.collect()
+            if any(p.mapped() for p in self._retired):
+                await asyncio.sleep(period_s)
 
     # ------------------------------------------------------------ lease and reconnect
 
@@ -223,6 +261,9 @@ class Replica:
         self._cache_lost(CacheUnavailable(f"lost the cache service at {self.cfg.cache} ({error})"))
 
     def _cache_lost(self, error: Exception) -> None:
+        # The requests this fails keep `error`; its traceback (a LeaseExpired's: the forward's
+        # frames) would keep their views of the pool, and so its mapping, alive with them.
+        error.__traceback__ = None
         if self.connected.is_set():
             log.error("lost the cache service (%s): failing in-flight requests and re-attaching", error)
             self.connected.clear()
@@ -250,7 +291,7 @@ class Replica:
         self.scheduler.add(request)
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        for task in [*self._tasks, *([self._unmapping] if self._unmapping else [])]:
             task.cancel()
         if self.client is not None:
             await self.client.close()

@@ -42,7 +42,10 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    # The salt the cache hashes this request's blocks with: kvtier.api_keys.tenant_salt(tenant,
+    # the client's cache_salt), so tenants never share blocks.
     cache_salt: str = ""
+    tenant: str = ""  # the client key's tenant ("" = node credential, or no keys configured)
     arrival: float = field(default_factory=time.monotonic)  # time.monotonic() seconds
     outputs: asyncio.Queue[StepOutput] = field(default_factory=asyncio.Queue)
     generator: torch.Generator | None = None

@@ -35,6 +35,7 @@ from computesvc.cache_port import (
     BlockCache,
     CacheUnavailable,
     CommitItem,
+    ExceedsLimit,
     ExtendItem,
     NoFreeBlocks,
     SequenceBlocks,
@@ -50,6 +51,24 @@ log = logging.getLogger("kvtier.compute")
 
 class StepFailed(Exception):
     """A scheduler step raised something unexpected: the requests in flight failed with it (INTERNAL)."""
+
+
+class RequestFailed(Exception):
+    """One request failed on its own (its sampling, its output): only it fails (INTERNAL)."""
+
+
+class RequestRefused(Exception):
+    """The cache service refused this request's own item of a batched call (INVALID_ARGUMENT)."""
+
+
+def _public(error: Exception) -> str:
+    """What every request of a failed step may be told of `error`: its text only when it names no
+    one item of a batched call (the cache's per-item errors say `items[k]`, and may quote that
+    request's salt or tokens); the replica's log has it all."""
+    text = str(error)
+    if "items[" in text:
+        text = "a batched cache call refused one of its items (see the replica's log)"
+    return f"{type(error).__name__}: {text}"
 
 
 @dataclass
@@ -118,7 +137,7 @@ class Scheduler:
                 # NOTE: the loop must survive a bug or a cache error it does not expect: if this
                 # task died, every request after it would wait forever on a live-looking replica.
                 log.exception("scheduler step failed: failing the requests in flight")
-                await self._abandon_all(StepFailed(f"scheduler step failed: {type(e).__name__}: {e}"))
+                await self._abandon_all(StepFailed(f"scheduler step failed: {_public(e)}"))
                 continue
             if not progressed:
                 # Nothing could run (no blocks anywhere): let other replicas free some.
@@ -197,15 +216,24 @@ class Scheduler:
                 break
             batch.append(req)
             budget -= req.num_tokens
+        seqs: list[SequenceBlocks] = []  # none when no room (max_num_seqs running)
         while batch:
             try:
                 seqs = await self._allocate(batch)
                 break
-            except NoFreeBlocks:
+            except NoFreeBlocks as e:
                 if len(batch) == 1:
-                    self._expire_stuck(batch[0])
+                    self._expire_stuck(batch[0], e)
                     return
                 batch = batch[: len(batch) // 2]
+            except ValueError as e:
+                # The cache refused an item (INVALID_ARGUMENT): find it, one call per item, and
+                # fail only the refused requests, each with its own item's error.
+                if len(batch) == 1:
+                    self._refuse(batch[0], e)
+                    return
+                batch, seqs = await self._allocate_one_by_one(batch)
+                break
         for req, seq in zip(batch, seqs, strict=True):
             self.waiting.popleft()
             req.sequence_id = seq.sequence_id
@@ -223,13 +251,41 @@ class Scheduler:
         lookahead = self.config.lookahead_blocks * self.block_size
         max_len = self.cache.max_model_len
         items = [
-            AllocateItem(r.token_ids, r.cache_salt, max(0, min(lookahead, max_len - r.num_tokens)))
+            AllocateItem(r.token_ids, r.cache_salt, max(0, min(lookahead, max_len - r.num_tokens)), r.tenant)
             for r in batch
         ]
         return await self._call(self.cache.allocate(items))
 
-    def _expire_stuck(self, req: Request) -> None:
-        if not self.running and time.monotonic() - req.arrival > self.config.admit_timeout_s:
+    async def _allocate_one_by_one(self, batch: list[Request]) -> tuple[list[Request], list[SequenceBlocks]]:
+        """Allocate `batch` one request per call after a batched Allocate was refused: refused
+        requests leave the queue failed; stop at the first that finds no room. Returns the
+        admitted requests (the head of the queue, in order) and their blocks."""
+        admitted: list[Request] = []
+        seqs: list[SequenceBlocks] = []
+        for req in batch:
+            try:
+                (seq,) = await self._allocate([req])
+            except ValueError as e:
+                self._refuse(req, e)
+                continue
+            except NoFreeBlocks:
+                break
+            admitted.append(req)
+            seqs.append(seq)
+        return admitted, seqs
+
+    def _refuse(self, req: Request, error: ValueError) -> None:
+        self.waiting.remove(req)
+        log.warning("request %s refused by the cache service: %s", req.request_id, error)
+        self._finish(req, "", error=RequestRefused(str(error)))
+
+    def _expire_stuck(self, req: Request, error: NoFreeBlocks) -> None:
+        """Fail a request that found no blocks: at once if it can never fit (ExceedsLimit: over
+        its tenant's quota or the pool), else once it has waited admit_timeout_s."""
+        if isinstance(error, ExceedsLimit):
+            self.waiting.remove(req)
+            self._finish(req, "", error=error)
+        elif not self.running and time.monotonic() - req.arrival > self.config.admit_timeout_s:
             self.waiting.remove(req)
             self._finish(
                 req,
@@ -385,13 +441,17 @@ class Scheduler:
                     )
             penalties = [r.penalty for r in reqs]
         params = [r.params for r in reqs]
-        tokens = self.sampler.sample(logits, params, [r.generator for r in reqs], penalties)
+        tokens, failed = self.sampler.sample_isolated(logits, params, [r.generator for r in reqs], penalties)
         logprobs = [None] * len(reqs)
         if any(p.logprobs is not None for p in params):
-            logprobs = self.sampler.logprobs(logits, [p.logprobs for p in params], tokens)
+            ks = [None if i in failed else p.logprobs for i, p in enumerate(params)]
+            logprobs = self.sampler.logprobs(logits, ks, tokens)
         now = time.monotonic()
         max_len = self.cache.max_model_len
-        for req, token, lp in zip(reqs, tokens, logprobs, strict=True):
+        for i, (req, token, lp) in enumerate(zip(reqs, tokens, logprobs, strict=True)):
+            if i in failed:
+                self._fail_one(req, failed[i])
+                continue
             req.output_token_ids.append(token)
             if req.penalty is not None:
                 req.penalty.add(token)
@@ -403,7 +463,11 @@ class Scheduler:
             else:
                 self.observer.on_token(False, now - req.last_token_at)
             req.last_token_at = now
-            reason, text = self.output.process(req, token, max_len)
+            try:
+                reason, text = self.output.process(req, token, max_len)
+            except Exception as e:  # detokenizing this request's output: it alone fails
+                self._fail_one(req, f"output processing failed: {type(e).__name__}: {e}")
+                continue
             token_lps = None if lp is None else [lp]
             if reason:
                 self._finish(req, reason, text=text, token_ids=[token], ttft=ttft, logprobs=token_lps)
@@ -411,6 +475,11 @@ class Scheduler:
                 req.outputs.put_nowait(
                     StepOutput([token], text, time_to_first_token_s=ttft, logprobs=token_lps)
                 )
+
+    def _fail_one(self, req: Request, why: str) -> None:
+        """Fail `req` alone (the rest of its batch carries on); `why` names nothing of another request."""
+        log.error("request %s failed: %s", req.request_id, why)
+        self._finish(req, "", error=RequestFailed(why))
 
     @staticmethod
     def _done(req: Request) -> bool:

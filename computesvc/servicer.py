@@ -2,24 +2,35 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from opentelemetry import trace
 
-from computesvc.cache_port import CacheUnavailable, NoFreeBlocks
+from computesvc.cache_port import CacheUnavailable, ExceedsLimit, NoFreeBlocks
 from computesvc.replica import Replica
 from computesvc.request import Request, StepOutput, new_request_id
 from computesvc.sampling import SamplingParams
-from computesvc.scheduler import StepFailed
+from computesvc.scheduler import RequestFailed, RequestRefused, StepFailed
 from kvtier.api import compute_pb2, compute_pb2_grpc
+from kvtier.api_keys import tenant_salt
+from kvtier.grpc_server import caller
 
 log = logging.getLogger("kvtier.compute")
+
+MAX_CACHE_SALT_BYTES = 256
+MAX_REQUEST_ID_BYTES = 256
+PROMPT_BYTES_PER_TOKEN = 16  # --max-prompt-bytes default: this many bytes per token of context
 
 
 class ComputeServicer(compute_pb2_grpc.ComputeServiceServicer):
     def __init__(self, replica: Replica):
         self.replica = replica
+        # NOTE: text prompts are tokenized here, off the event loop (which serves every stream
+        # and the scheduler) and off the default executor (which runs the model's forwards).
+        self._tokenize = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
 
     # Proto fields that are `optional`: unset ones take the model's default (its
     # generation_config.json's, else SamplingParams'); the dataclass's defaults are the fallback.
@@ -50,10 +61,24 @@ class ComputeServicer(compute_pb2_grpc.ComputeServiceServicer):
             ignore_eos=msg.ignore_eos,
         )
 
-    def _prompt_token_ids(self, request: compute_pb2.GenerateRequest) -> list[int]:
+    @property
+    def max_prompt_bytes(self) -> int:
+        limit = self.replica.cfg.max_prompt_bytes
+        return limit if limit else PROMPT_BYTES_PER_TOKEN * self.replica.shape.max_model_len
+
+    def _prompt_token_ids(self, request: compute_pb2.GenerateRequest) -> list[int] | None:
+        """The checked token ids of a `prompt_token_ids` request; None for a text prompt whose
+        size is within --max-prompt-bytes (the caller tokenizes it). Sizes are checked before
+        any per-token work."""
         if request.prompt and request.prompt_token_ids:
             raise ValueError("give either prompt or prompt_token_ids, not both")
         if request.prompt_token_ids:
+            max_len = self.replica.shape.max_model_len
+            if len(request.prompt_token_ids) >= max_len:
+                raise ValueError(
+                    f"this model's context is {max_len} tokens, but prompt_token_ids alone has "
+                    f"{len(request.prompt_token_ids)} (at least 1 more is generated)"
+                )
             ids = list(request.prompt_token_ids)
             vocab = self.replica.shape.vocab_size
             bad = [t for t in ids if not 0 <= t < vocab]
@@ -62,13 +87,37 @@ class ComputeServicer(compute_pb2_grpc.ComputeServiceServicer):
             return ids
         if not request.prompt:
             raise ValueError("the prompt is empty: give prompt text or prompt_token_ids")
-        return self.replica.loaded.tokenizer.encode(request.prompt)
+        limit, text = self.max_prompt_bytes, request.prompt
+        # A character is at least one byte: a long string fails before it is encoded.
+        size = len(text) if len(text) > limit else len(text.encode())
+        if size > limit:
+            raise ValueError(
+                f"the prompt is {size} bytes of text; this replica takes at most {limit} (--max-prompt-bytes)"
+            )
+        return None
 
-    def build_request(self, request: compute_pb2.GenerateRequest) -> Request:
-        """Validate and translate; ValueError names the bad field and its limit."""
+    @staticmethod
+    def _check_strings(request: compute_pb2.GenerateRequest) -> None:
+        salt = request.cache_salt
+        if "\0" in salt:
+            raise ValueError("cache_salt contains a NUL character, which is not allowed")
+        if len(salt) > MAX_CACHE_SALT_BYTES or len(salt.encode()) > MAX_CACHE_SALT_BYTES:
+            raise ValueError(f"cache_salt is longer than {MAX_CACHE_SALT_BYTES} bytes")
+        rid = request.request_id
+        if len(rid) > MAX_REQUEST_ID_BYTES or len(rid.encode()) > MAX_REQUEST_ID_BYTES:
+            raise ValueError(f"request_id is longer than {MAX_REQUEST_ID_BYTES} bytes")
+
+    async def build_request(self, request: compute_pb2.GenerateRequest, tenant: str = "") -> Request:
+        """Validate and translate; ValueError names the bad field and its limit. The request's
+        blocks are hashed with the tenant's salt (tenant_salt) and charged to `tenant`."""
         shape = self.replica.shape
+        self._check_strings(request)
         params = self._sampling(request.sampling)
         ids = self._prompt_token_ids(request)
+        if ids is None:
+            tokenizer = self.replica.loaded.tokenizer
+            loop = asyncio.get_running_loop()
+            ids = await loop.run_in_executor(self._tokenize, tokenizer.encode, request.prompt)
         if not request.sampling.HasField("max_tokens") and "max_tokens" in self._defaults():
             # The model's max_new_tokens is a default, not a demand: it yields to the context.
             params.max_tokens = max(1, min(params.max_tokens, shape.max_model_len - len(ids)))
@@ -82,7 +131,8 @@ class ComputeServicer(compute_pb2_grpc.ComputeServiceServicer):
             request_id=request.request_id or new_request_id(),
             prompt_token_ids=ids,
             params=params,
-            cache_salt=request.cache_salt,
+            cache_salt=tenant_salt(tenant, request.cache_salt),
+            tenant=tenant,
             span_context=trace.get_current_span().get_span_context(),
         )
 
@@ -90,7 +140,7 @@ class ComputeServicer(compute_pb2_grpc.ComputeServiceServicer):
         if self.replica.loaded is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the replica is still starting; retry")
         try:
-            req = self.build_request(request)
+            req = await self.build_request(request, caller())
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         span = trace.get_current_span()
@@ -107,9 +157,13 @@ class ComputeServicer(compute_pb2_grpc.ComputeServiceServicer):
                 if out.error is not None:
                     finished = True
                     code, advice = grpc.StatusCode.UNAVAILABLE, "; retry"
-                    if isinstance(out.error, NoFreeBlocks):
+                    if isinstance(out.error, ExceedsLimit):  # over its tenant's quota or the pool
+                        code, advice = grpc.StatusCode.RESOURCE_EXHAUSTED, ""
+                    elif isinstance(out.error, NoFreeBlocks):
                         code = grpc.StatusCode.RESOURCE_EXHAUSTED
-                    elif isinstance(out.error, StepFailed):
+                    elif isinstance(out.error, RequestRefused):
+                        code, advice = grpc.StatusCode.INVALID_ARGUMENT, ""
+                    elif isinstance(out.error, (StepFailed, RequestFailed)):
                         code, advice = grpc.StatusCode.INTERNAL, " (see the replica's log)"
                     await context.abort(code, f"request {req.request_id}: {out.error}{advice}")
                 finished = bool(out.finish_reason)

@@ -38,16 +38,21 @@ async def serve(cfg: GatewayConfig) -> None:
     from gateway.app import create_app
     from gateway.model import load_served_model
     from kvtier import auth
+    from kvtier.api_keys import ApiKeys
 
     token = auth.load_token(cfg.token_file)
-    if token is None:
+    keys = None
+    if cfg.api_keys:  # each caller's key goes to Generate: the node token is not used
+        keys = ApiKeys.load(cfg.api_keys, node_token=token)
+        token = None
+    elif token is None:
         raise ConnectionError(
             f"no token for the compute replicas: set $KVTIER_TOKEN or --token-file (a local stack's is "
             f"{auth.default_token_file()})"
         )
     sock = bind(cfg.host, cfg.port)  # first: a port in use fails before the tokenizer loads
     model = load_served_model(cfg.model, cfg.served_model_name)
-    app = create_app(cfg.compute, model, cfg.api_key, cfg.max_n, token)
+    app = create_app(cfg.compute, model, cfg.api_key, cfg.max_n, token, keys)
     server = uvicorn.Server(
         uvicorn.Config(
             app,
@@ -62,7 +67,7 @@ async def serve(cfg: GatewayConfig) -> None:
     print(
         f"kvtier gateway serving the OpenAI API on {url_of(sock)} (model {model.name}, max_model_len "
         f"{model.max_model_len}, compute replicas ({len(cfg.compute)}): {' '.join(cfg.compute)}; API key "
-        f"{'required' if cfg.api_key else 'not required'})",
+        f"{'required' if cfg.api_key else 'per tenant' if keys else 'not required'})",
         file=sys.stderr,
         flush=True,
     )

@@ -33,6 +33,7 @@ from gateway.protocol import (
     _SamplingRequest,
 )
 from gateway.streaming import ChatEvents, CompletionEvents, Events
+from kvtier.api_keys import ApiKeys
 
 log = logging.getLogger("kvtier.gateway")
 
@@ -87,8 +88,12 @@ def create_app(
     api_key: str | None = None,
     max_n: int = 16,
     token: str | None = None,
+    keys: ApiKeys | None = None,
 ) -> FastAPI:
-    engine = Engine(addresses, model, max_n, token)
+    """`api_key`: the one key /v1 requests need (calls go on with the node `token`). `keys`:
+    client API keys per tenant (kvtier.api_keys); each request's own key is checked here and
+    forwarded to Generate, so the replica charges that key's tenant and no node token is needed."""
+    engine = Engine(addresses, model, max_n, token, forward_keys=keys is not None)
     metrics = GatewayMetrics()
 
     @asynccontextmanager
@@ -105,15 +110,20 @@ def create_app(
     app.add_middleware(MetricsAndLogs, metrics=metrics)
 
     async def check_api_key(request: Request) -> None:
-        if api_key is None:
+        if api_key is None and keys is None:
             return
         header = request.headers.get("authorization", "")
         scheme, _, key = header.partition(" ")
+        key = key.strip()
         if scheme.lower() != "bearer" or not key:
             raise APIError(
                 401, "no API key given: send `Authorization: Bearer <key>`", code="invalid_api_key"
             )
-        if not hmac.compare_digest(key.strip().encode(), api_key.encode()):
+        if keys is not None:
+            if keys.tenant_of(key) is None:
+                raise APIError(401, "incorrect API key provided", code="invalid_api_key")
+            request.state.api_key = key  # forwarded to Generate
+        elif not hmac.compare_digest(key.encode(), api_key.encode()):
             raise APIError(401, "incorrect API key provided", code="invalid_api_key")
 
     def check_request(req: _SamplingRequest) -> None:
@@ -157,7 +167,7 @@ def create_app(
     ) -> Response:  # fmt: skip
         """Run the request's Generate streams; answer with their events (stream) or `respond(...)`."""
         jobs = engine.jobs(rid, prompts, req, max_tokens, default_max_tokens)
-        streams = await engine.open(jobs)
+        streams = await engine.open(jobs, getattr(raw.state, "api_key", None))
         metrics.time_to_first_token.labels(endpoint).observe(time.monotonic() - arrival)
         created = int(time.time())
         if req.stream:

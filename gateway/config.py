@@ -16,6 +16,7 @@ class GatewayConfig:
     port: int
     compute: list[str]
     api_key: str | None
+    api_keys: str | None
     served_model_name: str
     model: str | None
     token_file: str | None
@@ -61,6 +62,13 @@ def build_parser(prog: str = "python -m gateway") -> argparse.ArgumentParser:
     p.add_argument(
         "--api-key",
         help="require `Authorization: Bearer <key>` on /v1 requests (default: $KVTIER_API_KEY; none = no auth)",
+    )
+    p.add_argument(
+        "--api-keys",
+        metavar="FILE",
+        help="client API keys per tenant (JSON; format: kvtier/api_keys.py), the replicas' --api-keys "
+        "file: a /v1 request needs one of them, and its key is what the gateway sends to Generate "
+        "(the replica charges that key's tenant); no node token is needed then",
     )
     p.add_argument(
         "--served-model-name",
@@ -114,6 +122,8 @@ def parse_config(argv: list[str] | None = None, prog: str = "python -m gateway")
         args.model = args.model or stack.get("model")
     if args.served_model_name is None:
         args.served_model_name = Path(args.model).resolve().name if args.model else TINY_MODEL_NAME
+    if args.api_keys and args.api_key:
+        raise SystemExit("give --api-key (one shared key) or --api-keys FILE (keys per tenant), not both")
     if args.max_n < 1:
         raise SystemExit(f"--max-n must be >= 1, got {args.max_n}")
     return GatewayConfig(**vars(args))

@@ -158,12 +158,22 @@ class Streams:
 
 
 class Engine:
-    def __init__(self, addresses: list[str], model: ServedModel, max_n: int, token: str | None = None):
+    def __init__(
+        self,
+        addresses: list[str],
+        model: ServedModel,
+        max_n: int,
+        token: str | None = None,
+        forward_keys: bool = False,
+    ):
+        """`forward_keys`: each `open` names the caller's API key, sent to Generate in place of
+        `token` (which is then not needed)."""
         self.addresses = list(addresses)
         self.model = model
         self.logprobs = LogprobFormatter(model.tokenizer)
         self.max_n = max_n
         self._token = token
+        self._forward_keys = forward_keys
         self.client: ComputeClient | None = None
         self._health: list[health_pb2_grpc.HealthStub] = []
         self._channels: list[grpc.aio.Channel] = []
@@ -171,7 +181,7 @@ class Engine:
 
     async def start(self) -> None:
         """Open the channels (on the running event loop: grpc.aio binds to it)."""
-        self.client = ComputeClient(self.addresses, self._token)
+        self.client = ComputeClient(self.addresses, self._token, per_call_credential=self._forward_keys)
         self._channels = [
             grpc.aio.insecure_channel(auth.grpc_target(a), options=RECONNECT) for a in self.addresses
         ]
@@ -275,7 +285,7 @@ class Engine:
             cache_salt=req.cache_salt or "",
         )
 
-    async def open(self, jobs: list[Job]) -> Streams:
+    async def open(self, jobs: list[Job], credential: str | None = None) -> Streams:
         """Start every job's Generate stream and wait for each one's first reply: sample 0 of
         each prompt first, then the other samples (they hit the prompt's blocks; module doc).
 
@@ -283,7 +293,7 @@ class Engine:
         stream already started is then cancelled.
         """
         assert self.client is not None, "Engine.start() first"
-        gens = [self.client.stream(job.request) for job in jobs]
+        gens = [self.client.stream(job.request, credential=credential) for job in jobs]
         firsts: list = [None] * len(jobs)
         for wave in (True, False):
             rows = [i for i, job in enumerate(jobs) if (job.sample == 0) == wave]

@@ -47,6 +47,7 @@ class AllocateItem:
     adapter_id: str = ""  # LoRA adapter: part of the prefix-cache key
     num_lookahead_tokens: int = 0  # slots reserved beyond the tokens, for the next decode steps
     request_id: str = ""  # the caller's request id, for the cache service's logs and traces
+    tenant: str = ""  # whose quota the sequence counts against ("" = the default tenant)
 
     def message_fields(self) -> dict:
         """The fields that differ from the message's defaults (see the NOTE on filling requests)."""
@@ -59,6 +60,8 @@ class AllocateItem:
             fields["num_lookahead_tokens"] = self.num_lookahead_tokens
         if self.request_id:
             fields["request_id"] = self.request_id
+        if self.tenant:
+            fields["tenant"] = self.tenant
         return fields
 
 

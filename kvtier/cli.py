@@ -57,6 +57,17 @@ def _passthrough(module: str, argv: list[str]) -> int:
     return 0  # pragma: no cover
 
 
+def _checked_api_keys(path: str) -> str:
+    """The api-keys file as an absolute path, after checking it loads (its error at once, here)."""
+    from kvtier.api_keys import ApiKeys, ApiKeysError
+
+    try:
+        ApiKeys.load(path)
+    except ApiKeysError as e:
+        raise SystemExit(str(e)) from None
+    return str(Path(path).resolve())
+
+
 def _stack(args) -> tuple[object, dict]:
     """A running stack in the run dir, or a new one (returned so the caller stops it)."""
     from kvtier.stack import LocalStack, running_stack
@@ -74,12 +85,18 @@ def _stack(args) -> tuple[object, dict]:
         cache_args += ["--model", args.model]
         compute_args += ["--model", args.model]
     gateway = getattr(args, "gateway", False)
+    gateway_args = ["--model", args.model] if args.model else []
+    if keys := getattr(args, "api_keys", None):
+        keys = _checked_api_keys(keys)
+        cache_args += ["--tenant-quotas", keys]
+        compute_args += ["--api-keys", keys]
+        gateway_args += ["--api-keys", keys]
     stack = LocalStack(
         run_dir,
         cache_args,
         compute_args,
         args.replicas,
-        gateway_args=(["--model", args.model] if args.model else []) if gateway else None,
+        gateway_args=gateway_args if gateway else None,
         gateway_port=getattr(args, "gateway_port", 0),
         model=args.model,
     )
@@ -364,6 +381,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=8000,
         help="the gateway's HTTP port on 127.0.0.1 (0 = any free port)",
+    )
+    up.add_argument(
+        "--api-keys",
+        metavar="FILE",
+        help="client API keys per tenant (JSON; kvtier/api_keys.py): the replicas and the gateway take "
+        "them instead of the node token for Generate, and the cache service reads each tenant's "
+        "max_blocks quota from the same file",
     )
     up.set_defaults(func=cmd_up)
 

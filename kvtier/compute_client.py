@@ -5,6 +5,12 @@ the client sends the same request to the next replica. The prompt's committed bl
 hits there, and tokens already delivered are not delivered twice (greedy or seeded sampling
 regenerates the same ones; the client checks).
 
+A replica that stops answering without dying (frozen: SIGSTOP, a hung host, a stuck scheduler)
+is failed over too: keepalive pings close a connection whose replica does not answer them
+(`KEEPALIVE`), and each attempt has a first-token and an inter-token deadline
+(`first_token_timeout_s`, `progress_timeout_s`). A replica that failed is passed over by new
+requests for `AVOID_S`, while others serve.
+
     client = ComputeClient(["unix:///tmp/kvtier-0/compute-0.sock", "unix:///tmp/kvtier-0/compute-1.sock"])
     async for reply in client.generate(prompt="Hello", max_tokens=32, temperature=0):
         print(reply.text, end="")
@@ -15,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -32,6 +39,31 @@ RECONNECT = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 500),
 ]
+# A ping every 5 s on each connection, also between calls. grpc's own threads answer pings, so a
+# replica whose Python loop is busy (a long prefill, the garbage collector) still answers; one
+# that does not answer within 5 s is frozen, and its connection is closed: its streams fail with
+# UNAVAILABLE and are retried elsewhere, and new calls fail over at once instead of waiting.
+# NOTE: grpc waits `ping_timeout_ms` (60 s by default) for a ping's answer, whatever
+# keepalive_timeout_ms says; both are set. Servers permit these pings (grpc_server.server_options).
+KEEPALIVE = [
+    ("grpc.keepalive_time_ms", 5000),
+    ("grpc.keepalive_timeout_ms", 5000),
+    ("grpc.http2.ping_timeout_ms", 5000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),  # keep pinging a stream that is waiting for data
+]
+# Per-attempt deadlines, in seconds (None: no deadline). The first token includes queueing behind
+# other requests and the prompt's prefill under load; 30 s is far above what a healthy replica
+# takes on a busy 2-core machine with the tiny model (well under a second) and leaves room for
+# long prompts on a real one. Between two replies a healthy replica runs one decode step of its
+# batch (milliseconds to a few hundred); 10 s covers a preempted sequence's swap-in and a loaded
+# host. A replica past either deadline is treated as failed: the call is cancelled and retried on
+# the next replica, which resumes from the committed blocks.
+FIRST_TOKEN_TIMEOUT_S = 30.0
+PROGRESS_TIMEOUT_S = 10.0
+# How long a replica that failed a call is passed over by new requests (unless every replica
+# failed): long enough for keepalive to close a frozen replica's connection (10 s at most).
+AVOID_S = 10.0
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
@@ -50,19 +82,48 @@ class Completion:
 
 
 class ComputeClient:
-    def __init__(self, addresses: list[str], token: str | None = None):
+    def __init__(
+        self,
+        addresses: list[str],
+        token: str | None = None,
+        *,
+        per_call_credential: bool = False,
+        first_token_timeout_s: float | None = FIRST_TOKEN_TIMEOUT_S,
+        progress_timeout_s: float | None = PROGRESS_TIMEOUT_S,
+    ):
+        """`token`: what calls carry (the node token, or a client API key); default $KVTIER_TOKEN /
+        the token file. `per_call_credential`: hold none; every `stream` names its `credential`
+        (the gateway forwarding each HTTP caller's API key). `first_token_timeout_s`: how long
+        an attempt waits for its replica's first reply; `progress_timeout_s`: for each later
+        one (None: no deadline); past either, the request fails over to the next replica."""
         if not addresses:
             raise ValueError("give at least one compute replica address")
-        token = token if token is not None else auth.load_token()
-        if token is None:
+        for name, value in (
+            ("first_token_timeout_s", first_token_timeout_s),
+            ("progress_timeout_s", progress_timeout_s),
+        ):
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be a positive number of seconds or None, not {value!r}")
+        self.first_token_timeout_s = first_token_timeout_s
+        self.progress_timeout_s = progress_timeout_s
+        token = token if token is not None or per_call_credential else auth.load_token()
+        if token is None and not per_call_credential:
             raise RuntimeError("no token: set $KVTIER_TOKEN or $KVTIER_TOKEN_FILE")
         self.addresses = list(addresses)
-        self.metadata = auth.bearer(token)
+        self.metadata = auth.bearer(token) if token is not None else ()
         self._channels = [
-            telemetry.aio_channel(auth.grpc_target(a), options=RECONNECT) for a in self.addresses
+            telemetry.aio_channel(auth.grpc_target(a), options=RECONNECT + KEEPALIVE) for a in self.addresses
         ]
         self._stubs = [compute_pb2_grpc.ComputeServiceStub(c) for c in self._channels]
         self._next = itertools.count()
+        self._avoid_until = [0.0] * len(self.addresses)
+
+    def _pick(self) -> int:
+        """The next replica in turn, passing over those that failed within AVOID_S (unless all did)."""
+        start, now, n = next(self._next), time.monotonic(), len(self._stubs)
+        return next(
+            (i for i in ((start + k) % n for k in range(n)) if self._avoid_until[i] <= now), start % n
+        )
 
     async def close(self) -> None:
         for channel in self._channels:
@@ -118,9 +179,15 @@ class ComputeClient:
         )
 
     async def stream(
-        self, request: compute_pb2.GenerateRequest, max_attempts: int | None = None
+        self,
+        request: compute_pb2.GenerateRequest,
+        max_attempts: int | None = None,
+        *,
+        credential: str | None = None,
     ) -> AsyncIterator[compute_pb2.GenerateResponse]:
-        """Stream replies, failing over to the next replica on a retryable error."""
+        """Stream replies, failing over to the next replica on a retryable error. `credential`
+        (a client API key) is sent in place of the client's own token."""
+        metadata = self.metadata if credential is None else auth.bearer(credential)
         attempts = max_attempts or 2 * len(self.addresses) + 2
         delivered: list[int] = []
         last_error: grpc.RpcError | None = None
@@ -128,11 +195,20 @@ class ComputeClient:
             if attempt:
                 # Back off a little: a replica that is restarting needs a moment to be reachable.
                 await asyncio.sleep(min(0.1 * attempt, 0.5))
-            i = next(self._next) % len(self._stubs)
+            i = self._pick()
             seen = 0
-            call = self._stubs[i].Generate(request, metadata=self.metadata)
+            call = self._stubs[i].Generate(request, metadata=metadata)
+            timeout, awaited = self.first_token_timeout_s, "its first reply"
             try:
-                async for reply in call:
+                while True:
+                    try:
+                        async with asyncio.timeout(timeout):
+                            reply = await call.read()
+                    except TimeoutError:  # frozen or stuck: fail over (below) as for a dead replica
+                        raise _stalled(self.addresses[i], timeout, awaited) from None
+                    if reply is grpc.aio.EOF:
+                        break
+                    timeout, awaited = self.progress_timeout_s, "its next reply"
                     ids = list(reply.token_ids)
                     # On a retry, skip what was delivered already (and check it is the same).
                     overlap = min(len(ids), len(delivered) - seen)
@@ -162,6 +238,7 @@ class ComputeClient:
                 if e.code() not in RETRYABLE:
                     raise
                 last_error = e
+                self._avoid_until[i] = time.monotonic() + AVOID_S
                 log.warning(
                     "replica %s failed (%s: %s); retrying on another (attempt %d/%d)",
                     self.addresses[i],
@@ -194,3 +271,15 @@ class ComputeClient:
                 out.completion_tokens = reply.usage.completion_tokens
                 out.cached_prompt_tokens = reply.usage.cached_prompt_tokens
         return out
+
+
+def _stalled(address: str, timeout_s: float, what: str) -> grpc.aio.AioRpcError:
+    """The DEADLINE_EXCEEDED an attempt ends with when its replica sent nothing for `timeout_s`
+    (retryable: the request fails over, as for a dead replica)."""
+    return grpc.aio.AioRpcError(
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.aio.Metadata(),
+        grpc.aio.Metadata(),
+        details=f"replica {address} sent nothing for {timeout_s:g}s while the client waited for {what} "
+        "(frozen or stuck); the request fails over to the next replica",
+    )

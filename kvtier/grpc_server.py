@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import inspect
 import logging
 import os
@@ -15,6 +16,7 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 from time import perf_counter
+from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -26,13 +28,22 @@ from kvtier.metrics import RpcObserver, rpc_status_name
 
 log = logging.getLogger("kvtier.server")
 
-# Generous but bounded: a 1k-sequence batch of 8k-token prompts is ~70 MB of int64s.
+# The most any message may be, either way, unless a service sets tighter per-method limits (then
+# grpc refuses what is over the largest of them before any of our code runs).
 MAX_MESSAGE_BYTES = 128 << 20
-SERVER_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.so_reuseport", 0),
-]
+
+
+def server_options(max_receive_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", max_receive_bytes),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.so_reuseport", 0),
+        # Clients probe a stream's connection with keepalive pings (kvtier.compute_client.KEEPALIVE,
+        # every 5 s, also between calls); without these, grpc counts pings more often than every
+        # 5 minutes as abuse and closes the connection (GOAWAY too_many_pings).
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
+    ]
 
 
 # Services that answer without the token: they reveal nothing a caller could use.
@@ -43,18 +54,56 @@ OPEN_SERVICES = (
 )
 
 
+# The identity the guard admitted the current call as (its tenant; "" for the node credential and
+# open methods). Set by the guard before the handler runs, in the call's own task.
+_CALLER: contextvars.ContextVar[str] = contextvars.ContextVar("kvtier_caller", default="")
+
+
+def caller() -> str:
+    """The tenant the running call was admitted as ("" = node credential, or no client keys)."""
+    return _CALLER.get()
+
+
+class Credential(Protocol):
+    """What a guarded method accepts: ``identify`` returns the caller's tenant, None to refuse."""
+
+    def identify(self, metadata) -> str | None: ...
+    def refusal(self, method: str) -> str: ...
+
+
+class NodeToken:
+    """The node credential: the cache service's shared token, admitted as tenant ""."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    def identify(self, metadata) -> str | None:
+        return "" if token_matches(metadata, self._token) else None
+
+    def refusal(self, method: str) -> str:
+        return (
+            f"{method}: missing or wrong token; send metadata 'authorization: Bearer <token>' "
+            "(the token is in $KVTIER_TOKEN or the service's token file)"
+        )
+
+
 class CallGuard:
-    """Token check, request decoding and RPC timing, applied once per method when it is registered.
+    """Credential check, request decoding and RPC timing, applied once per method when it is registered.
 
     Pass the guard to the generated ``add_*_to_server(servicer, guard)`` in place of the server:
     every method handler is wrapped on its way in, so a call runs one wrapper and no per-call
     interceptor chain (grpc.aio runs each interceptor's coroutine, and re-wraps the handler, on
     every call). Per call the wrapper
 
-    - refuses a call without the shared token with UNAUTHENTICATED (PERMISSION_DENIED is for a
-      caller who is known but may not touch what it names). Health and server reflection stay
-      open, so orchestrators probe readiness and `grpcurl list` works without the secret;
-      every data RPC needs it,
+    - refuses a call without the method's credential with UNAUTHENTICATED (PERMISSION_DENIED is
+      for a caller who is known but may not touch what it names). A method needs the node token
+      unless `credentials` names another `Credential` for it (the compute service's Generate
+      takes client API keys: kvtier.api_keys.ClientKeys); the tenant it identifies is `caller()`
+      while the handler runs. Health and server reflection stay open, so orchestrators probe
+      readiness and `grpcurl list` works without the secret; every data RPC needs one,
+    - refuses a request over its method's byte limit (`max_request_bytes`) with
+      RESOURCE_EXHAUSTED on the raw bytes, after the credential and before parsing, then runs
+      the method's `raw_checks` on them (a message: INVALID_ARGUMENT, still unparsed),
     - parses the raw request bytes itself, so undecodable bytes get INVALID_ARGUMENT instead of
       grpc's UNKNOWN before any service code runs,
     - times unary and server-streaming calls into ``metrics.observe_rpc(short method name,
@@ -67,11 +116,22 @@ class CallGuard:
         token: str,
         metrics: RpcObserver | None = None,
         open_prefixes: tuple[str, ...] = OPEN_SERVICES,
+        credentials: dict[str, Credential] | None = None,
+        max_request_bytes: dict[str, int] | None = None,
+        raw_checks: dict[str, Callable[[bytes], str | None]] | None = None,
     ) -> None:
+        """`credentials`: full method name (``/package.Service/Method``) -> what it accepts in
+        place of the node token. `max_request_bytes`: full method name -> the largest request
+        it takes, in serialized bytes (methods not named: grpc's receive limit only).
+        `raw_checks`: full method name -> a check of the raw request that returns what is wrong
+        with it, or None (it must cost far less than parsing)."""
         self._server = server
-        self._token = token
+        self._node = NodeToken(token)
         self._metrics = metrics
         self._open = open_prefixes
+        self._credentials = dict(credentials or {})
+        self._max_bytes = dict(max_request_bytes or {})
+        self._raw_checks = dict(raw_checks or {})
 
     def add_registered_method_handlers(
         self, service_name: str, method_handlers: dict[str, grpc.RpcMethodHandler]
@@ -91,25 +151,40 @@ class CallGuard:
 
     def wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         """The guarded handler for `method` (``/package.Service/Method``)."""
-        token = None if method.startswith(self._open) else self._token
+        credential = None if method.startswith(self._open) else self._credentials.get(method, self._node)
         # Client-streaming calls (reflection) are not timed, as before the guard.
         observe = None if self._metrics is None or handler.request_streaming else self._metrics.observe_rpc
-        return _GuardedMethod(method, handler, token, observe).handler
+        limits = (self._max_bytes.get(method), self._raw_checks.get(method))
+        return _GuardedMethod(method, handler, credential, observe, *limits).handler
 
 
 class _GuardedMethod:
     """One method's wrapper; everything that does not depend on the call is computed here, once."""
 
-    __slots__ = ("_behavior", "_parse", "_token", "_denied", "_method", "_short_name", "_observe", "handler")
+    __slots__ = (
+        "_behavior",
+        "_parse",
+        "_credential",
+        "_denied",
+        "_method",
+        "_short_name",
+        "_observe",
+        "_max_bytes",
+        "_raw_check",
+        "handler",
+    )
 
     def __init__(
         self,
         method: str,
         handler: grpc.RpcMethodHandler,
-        token: str | None,
+        credential: Credential | None,
         observe: Callable[[str, float, str], None] | None,
+        max_bytes: int | None = None,
+        raw_check: Callable[[bytes], str | None] | None = None,
     ) -> None:
-        """`token` None leaves the method open; `observe` None leaves it untimed."""
+        """`credential` None leaves the method open; `observe` None leaves it untimed; `max_bytes`
+        None leaves the request's size to grpc's receive limit; `raw_check`: see CallGuard."""
         behavior = next(
             b
             for b in (handler.unary_unary, handler.unary_stream, handler.stream_unary, handler.stream_stream)
@@ -123,14 +198,13 @@ class _GuardedMethod:
         self._behavior = behavior
         self._method = method
         self._short_name = method.rsplit("/", 1)[-1]
-        self._token = token
-        self._denied = (
-            f"{method}: missing or wrong token; send metadata 'authorization: Bearer <token>' "
-            "(the token is in $KVTIER_TOKEN or the service's token file)"
-        )
+        self._credential = credential
+        self._denied = credential.refusal(method) if credential is not None else ""
         # Streamed requests are parsed by grpc as they arrive; only a unary request is ours to parse.
         self._parse = None if handler.request_streaming else handler.request_deserializer
         self._observe = observe
+        self._max_bytes = max_bytes
+        self._raw_check = raw_check
         # grpc.aio drives an async generator with `async for` and awaits a coroutine (a streaming
         # one writes with context.write), telling them apart by function type: keep the kind.
         run = self.stream if is_generator else self.call
@@ -149,8 +223,20 @@ class _GuardedMethod:
 
     def _admit(self, raw, context):
         """The parsed request, or `_Refused` naming why the call may not run."""
-        if self._token is not None and not token_matches(context.invocation_metadata(), self._token):
-            raise _Refused(grpc.StatusCode.UNAUTHENTICATED, self._denied)
+        if self._credential is not None:
+            tenant = self._credential.identify(context.invocation_metadata())
+            if tenant is None:
+                raise _Refused(grpc.StatusCode.UNAUTHENTICATED, self._denied)
+            _CALLER.set(tenant)
+        if self._max_bytes is not None and len(raw) > self._max_bytes:
+            raise _Refused(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self._method}: the request is {len(raw)} bytes, over this method's limit of "
+                f"{self._max_bytes} bytes; send fewer or shorter items (the cache service derives "
+                "the limit from max_batch and max_model_len; --max-request-bytes sets it)",
+            )
+        if self._raw_check is not None and (wrong := self._raw_check(raw)) is not None:
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{self._method}: {wrong}")
         if self._parse is None:
             return raw
         try:
@@ -160,31 +246,50 @@ class _GuardedMethod:
                 grpc.StatusCode.INVALID_ARGUMENT, f"{self._method}: the request is not a valid message ({e})"
             ) from None
 
+    def _admit_or_refusal(self, raw, context):
+        """``(request, None)``, or ``(None, _Refused)`` of a call that may not run.
+
+        NOTE: the caller aborts outside any ``except`` block and drops ``raw`` first. Aborting
+        inside one chains the abort to the refusal, whose traceback holds the frames that hold
+        ``raw`` (up to grpc's receive limit), and kept an exception in a local that its own
+        traceback's frame refers to: a cycle that kept every refused request alive until a
+        garbage-collector pass.
+        """
+        try:
+            return self._admit(raw, context), None
+        except _Refused as refused:
+            refused.__traceback__ = None
+            return None, refused
+
     async def call(self, raw, context):
         """Unary response, or a streaming handler that writes with context.write()."""
         start, error = perf_counter(), None
         try:
-            try:
-                request = self._admit(raw, context)
-            except _Refused as refused:
+            request, refused = self._admit_or_refusal(raw, context)
+            raw = None
+            if refused is not None:
                 await context.abort(refused.code, refused.details)
-            return await self._behavior(request, context)
+            # Only the handler's frame holds the request: an abort's traceback holds this frame.
+            handling, request = self._behavior(request, context), None
+            return await handling
         except BaseException as e:
             error = e
             raise
         finally:
             if self._observe is not None:
                 self._observe(self._short_name, perf_counter() - start, rpc_status_name(context, error))
+            error = None  # the exception's traceback holds this frame: no cycle through it
 
     async def stream(self, raw, context):
         """Streaming response from an async generator handler."""
         start, error = perf_counter(), None
         try:
-            try:
-                request = self._admit(raw, context)
-            except _Refused as refused:
+            request, refused = self._admit_or_refusal(raw, context)
+            raw = None
+            if refused is not None:
                 await context.abort(refused.code, refused.details)
-            async for reply in self._behavior(request, context):
+            replies, request = self._behavior(request, context), None
+            async for reply in replies:
                 yield reply
         except BaseException as e:
             error = e
@@ -192,6 +297,7 @@ class _GuardedMethod:
         finally:
             if self._observe is not None:
                 self._observe(self._short_name, perf_counter() - start, rpc_status_name(context, error))
+            error = None  # as in call()
 
 
 def _run_inline(behavior: Callable):
@@ -245,10 +351,18 @@ def bind(
     """Bind `listen` (unix:///path or tcp://host:port); returns the address clients should dial."""
     if listen.startswith("unix://"):
         path = Path(listen[len("unix://") :])
-        if not path.parent.exists():
-            ensure_run_dir(path.parent)  # a directory we create is owner-only
+        # Created owner-only if missing; refused (auth.UntrustedPath) if it is another user's or
+        # others can write it: they could move our socket aside and take the token of a client.
+        ensure_run_dir(path.parent)
         clear_stale_socket(path)
-        server.add_insecure_port(f"unix://{path}")
+        # NOTE: grpc creates and binds the socket here. The umask makes it 0600 from its creation
+        # (a chmod after would leave a window, and would follow a link put in its place). The
+        # umask is the process's: a file another thread creates meanwhile is only made tighter.
+        umask = os.umask(0o177)
+        try:
+            server.add_insecure_port(f"unix://{path}")
+        finally:
+            os.umask(umask)
         return f"unix://{path}"
     host_port = listen[len("tcp://") :] if listen.startswith("tcp://") else listen
     if bool(tls_cert) != bool(tls_key):
@@ -296,12 +410,6 @@ def clear_stale_socket(path: Path) -> None:
     )
 
 
-def restrict_socket(address: str) -> None:
-    """Owner-only permissions on a Unix socket (the token is the second line of defence)."""
-    if address.startswith("unix://"):
-        os.chmod(address[len("unix://") :], 0o600)
-
-
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 
 
@@ -332,26 +440,40 @@ async def start_server(
     tls_cert: str | None = None,
     tls_key: str | None = None,
     metrics=None,
+    credentials: dict[str, Credential] | None = None,
+    max_request_bytes: dict[str, int] | None = None,
+    raw_checks: dict[str, Callable[[bytes], str | None]] | None = None,
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, str]:
     """Create, bind and start an aio server; `add_servicers(guard)` registers the service's own.
 
     `add_servicers` receives a `CallGuard` to hand to the generated ``add_*_to_server`` in place
     of the server. With `metrics` (cachesvc.metrics.CacheMetrics / computesvc.metrics.ComputeMetrics), every RPC's
-    latency is recorded per method and status code.
+    latency is recorded per method and status code. `credentials`, `max_request_bytes`,
+    `raw_checks`: see `CallGuard`; with `max_request_bytes`, grpc itself refuses (RESOURCE_EXHAUSTED) any message
+    over the largest of them, so no request bigger than that is ever buffered whole.
     """
     if not token or not token.strip():
         raise ValueError("the service token is empty: every call would pass the token check")
+    receive_limit = max(max_request_bytes.values()) if max_request_bytes else MAX_MESSAGE_BYTES
     # Only OTel's interceptor stays an interceptor; everything of ours is the guard, wrapped
     # into each handler at registration.
-    server = grpc.aio.server(interceptors=telemetry.aio_server_interceptors() or None, options=SERVER_OPTIONS)
-    guard = CallGuard(server, token, metrics)
+    server = grpc.aio.server(
+        interceptors=telemetry.aio_server_interceptors() or None, options=server_options(receive_limit)
+    )
+    guard = CallGuard(
+        server,
+        token,
+        metrics,
+        credentials=credentials,
+        max_request_bytes=max_request_bytes,
+        raw_checks=raw_checks,
+    )
     add_servicers(guard)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, guard)
     add_reflection(guard, [service_name, health.SERVICE_NAME])
     address = bind(server, listen, tls_cert, tls_key)
     await server.start()
-    restrict_socket(address)
     await health_servicer.set(service_name, health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     return server, health_servicer, address

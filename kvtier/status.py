@@ -18,6 +18,10 @@ DOMAIN = "kvtier.v1"
 LEASE_EXPIRED = "LEASE_EXPIRED"
 """The call named a lease the cache service does not hold (expired, or the service restarted)."""
 
+EXCEEDS_LIMIT = "EXCEEDS_LIMIT"
+"""RESOURCE_EXHAUSTED that waiting cannot cure: the request alone needs more blocks than a quota
+(its tenant's, the per-lease limit) or the whole pool holds."""
+
 
 def details_trailer(code, message: str, reason: str) -> tuple[tuple[str, bytes], ...]:
     """Trailing metadata carrying ``ErrorInfo(reason)`` for a status ``code`` (a grpc.StatusCode)."""

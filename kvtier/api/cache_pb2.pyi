@@ -68,18 +68,20 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, lease_ttl_s: _Optional[float] = ...) -> None: ...
 
 class AllocateItem(_message.Message):
-    __slots__ = ("token_ids", "cache_salt", "adapter_id", "num_lookahead_tokens", "request_id")
+    __slots__ = ("token_ids", "cache_salt", "adapter_id", "num_lookahead_tokens", "request_id", "tenant")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     cache_salt: str
     adapter_id: str
     num_lookahead_tokens: int
     request_id: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., adapter_id: _Optional[str] = ..., num_lookahead_tokens: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+    tenant: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., adapter_id: _Optional[str] = ..., num_lookahead_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
     __slots__ = ("lease_id", "items")
@@ -246,7 +248,7 @@ class LeaseStats(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., client_name: _Optional[str] = ..., num_sequences: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., expires_in_s: _Optional[float] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("num_blocks_total", "num_blocks_free", "num_blocks_used", "num_blocks_cached", "usage_percent", "prefix_query_tokens", "prefix_hit_tokens", "num_evictions", "num_host_blocks_total", "num_host_blocks_used", "num_swap_out_blocks", "num_swap_in_blocks", "num_sequences", "num_swapped_sequences", "leases", "block_size", "num_expired_leases", "num_swap_out_bytes", "num_swap_in_bytes", "num_tokens", "num_token_slots")
+    __slots__ = ("num_blocks_total", "num_blocks_free", "num_blocks_used", "num_blocks_cached", "usage_percent", "prefix_query_tokens", "prefix_hit_tokens", "num_evictions", "num_host_blocks_total", "num_host_blocks_used", "num_swap_out_blocks", "num_swap_in_blocks", "num_sequences", "num_swapped_sequences", "leases", "block_size", "num_expired_leases", "num_swap_out_bytes", "num_swap_in_bytes", "num_tokens", "num_token_slots", "tenants", "max_blocks_per_lease")
     NUM_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
@@ -268,6 +270,8 @@ class GetStatsResponse(_message.Message):
     NUM_SWAP_IN_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKEN_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCKS_PER_LEASE_FIELD_NUMBER: _ClassVar[int]
     num_blocks_total: int
     num_blocks_free: int
     num_blocks_used: int
@@ -289,7 +293,21 @@ class GetStatsResponse(_message.Message):
     num_swap_in_bytes: int
     num_tokens: int
     num_token_slots: int
-    def __init__(self, num_blocks_total: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_cached: _Optional[int] = ..., usage_percent: _Optional[float] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_host_blocks_total: _Optional[int] = ..., num_host_blocks_used: _Optional[int] = ..., num_swap_out_blocks: _Optional[int] = ..., num_swap_in_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., num_swapped_sequences: _Optional[int] = ..., leases: _Optional[_Iterable[_Union[LeaseStats, _Mapping]]] = ..., block_size: _Optional[int] = ..., num_expired_leases: _Optional[int] = ..., num_swap_out_bytes: _Optional[int] = ..., num_swap_in_bytes: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_token_slots: _Optional[int] = ...) -> None: ...
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
+    max_blocks_per_lease: int
+    def __init__(self, num_blocks_total: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_cached: _Optional[int] = ..., usage_percent: _Optional[float] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_host_blocks_total: _Optional[int] = ..., num_host_blocks_used: _Optional[int] = ..., num_swap_out_blocks: _Optional[int] = ..., num_swap_in_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., num_swapped_sequences: _Optional[int] = ..., leases: _Optional[_Iterable[_Union[LeaseStats, _Mapping]]] = ..., block_size: _Optional[int] = ..., num_expired_leases: _Optional[int] = ..., num_swap_out_bytes: _Optional[int] = ..., num_swap_in_bytes: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_token_slots: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., max_blocks_per_lease: _Optional[int] = ...) -> None: ...
+
+class TenantStats(_message.Message):
+    __slots__ = ("tenant", "num_sequences", "num_blocks", "max_blocks")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    num_sequences: int
+    num_blocks: int
+    max_blocks: int
+    def __init__(self, tenant: _Optional[str] = ..., num_sequences: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_blocks: _Optional[int] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
     __slots__ = ("since_event_id",)
