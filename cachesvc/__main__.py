@@ -19,7 +19,12 @@ from cachesvc.servicer import CacheServicer
 from cachesvc.wire_limits import request_limits, request_scans
 from kvtier import auth, telemetry
 from kvtier.api import cache_pb2_grpc
-from kvtier.grpc_server import AddressInUse, start_server, wait_for_termination
+from kvtier.grpc_server import (
+    AddressInUse,
+    return_large_buffers_to_the_os,
+    start_server,
+    wait_for_termination,
+)
 from kvtier.model_spec import ModelShape
 from kvtier.pool import PoolUnavailable, create_pool, default_backend, pool_shape, require_cuda
 
@@ -151,12 +156,13 @@ async def _serve_pool(cfg: CacheConfig, shape: ModelShape, plan: PoolPlan, pool,
     metrics = None
     if cfg.metrics_port is not None:
         from cachesvc.metrics import CacheMetrics
-        from kvtier.metrics import start_metrics_server
+        from kvtier.metrics import serve_metrics
 
         metrics = CacheMetrics()
-        port = start_metrics_server(cfg.metrics_port, metrics.registry)
-        log.info("Prometheus metrics on http://0.0.0.0:%d/metrics", port)
-    node = CacheNode(sequences, LeaseTable(cfg.lease_ttl))
+        swap_bytes = num_host * plan.block_bytes
+        metrics.describe_pool(cfg.block_size, plan.num_blocks, num_host, plan.dtype, swap_bytes, plan.backend)
+        serve_metrics(metrics, cfg, log)
+    node = CacheNode(sequences, LeaseTable(cfg.lease_ttl), fence_hold_s=cfg.fence_hold_s)
     kv_events = start_kv_events(cfg, node, plan.backend)
     try:
         await _run_server(cfg, node, pool, token, metrics)
@@ -251,6 +257,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m cachesvc") -> int
         level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
     log.info("config: %s", cfg.describe())
+    return_large_buffers_to_the_os()
     try:
         asyncio.run(serve(cfg))
     except (ValueError, PoolUnavailable, FileNotFoundError, AddressInUse) as e:

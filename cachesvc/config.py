@@ -34,11 +34,14 @@ class CacheConfig:
     kv_cache_space: float
     swap_space: float
     lease_ttl: float
+    fence_hold_s: float
     max_batch: int
     max_blocks_per_tenant: int
     max_blocks_per_lease: int
     tenant_quotas: str | None
     metrics_port: int | None
+    metrics_host: str | None
+    vllm_metrics: bool
     log_level: str
     kv_events_endpoint: str | None
     kv_events_replay_endpoint: str | None
@@ -132,6 +135,15 @@ def build_parser(prog: str = "python -m cachesvc") -> argparse.ArgumentParser:
         default=10.0,
         help="seconds a client lease lives without a heartbeat; then its sequences are released",
     )
+    svc.add_argument(
+        "--fence-hold-s",
+        type=float,
+        default=120.0,
+        help="seconds the blocks an expired lease may still be writing (those with uncommitted "
+        "slots) stay out of reuse after its sequences are released (one --lease-ttl after expiry), "
+        "so a replica frozen inside a KV write cannot finish it into another lease's block unless "
+        "it stays frozen longer than --lease-ttl + this; committed blocks return at once",
+    )
     svc.add_argument("--max-batch", type=int, default=1024, help="most sequences one call may carry")
     svc.add_argument(
         "--max-blocks-per-tenant",
@@ -154,6 +166,16 @@ def build_parser(prog: str = "python -m cachesvc") -> argparse.ArgumentParser:
     )
     svc.add_argument(
         "--metrics-port", type=int, help="serve Prometheus metrics on this port (0 = any free port)"
+    )
+    svc.add_argument(
+        "--metrics-host",
+        help="address the metrics server binds (default: the host of --listen; 127.0.0.1 for a Unix socket)",
+    )
+    svc.add_argument(
+        "--vllm-metrics",
+        action="store_true",
+        help="also export the series vLLM dashboards and autoscalers read under vLLM's vllm: names, with a "
+        "model_name label (README, Metrics)",
     )
     svc.add_argument(
         "--log-level",
@@ -197,6 +219,8 @@ def parse_config(argv: list[str] | None = None, prog: str = "python -m cachesvc"
         parser.error("--kv-events-replay-endpoint needs --kv-events-endpoint")
     if args.max_request_bytes is not None and args.max_request_bytes < 1:
         parser.error(f"--max-request-bytes must be > 0, got {args.max_request_bytes}")
+    if args.fence_hold_s < 0:
+        parser.error(f"--fence-hold-s must be >= 0 seconds, got {args.fence_hold_s}")
     if args.max_watch_streams < 0:
         parser.error(f"--max-watch-streams must be >= 0, got {args.max_watch_streams}")
     for flag in ("max_blocks_per_tenant", "max_blocks_per_lease"):

@@ -55,9 +55,9 @@ class CacheSnapshot:
 
     num_blocks_total: int
     num_blocks_free: int  # in the free queue, cached or empty
-    num_blocks_used: int  # referenced by a sequence
+    num_blocks_used: int  # referenced by a sequence (free + used + fenced = total)
     num_blocks_cached: int  # holding a hash in the prefix index, referenced or not
-    usage_percent: float  # used / total, 0..100
+    usage_percent: float  # (used + fenced) / total, 0..100: what is not free
     prefix_query_tokens: int
     prefix_hit_tokens: int
     num_evictions: int
@@ -76,6 +76,7 @@ class CacheSnapshot:
     num_token_slots: int  # tokens their block tables have room for
     tenants: list[TenantSnapshot] = field(default_factory=list)
     max_blocks_per_lease: int = 0  # 0 = no limit
+    num_blocks_fenced: int = 0  # held back from expired leases (fencing), neither free nor used
 
     @property
     def num_leases(self) -> int:
@@ -96,9 +97,12 @@ class CacheNode:
     causes are in ``events`` when it returns.
     """
 
-    def __init__(self, sequences: SequenceTable, leases: LeaseTable) -> None:
+    def __init__(self, sequences: SequenceTable, leases: LeaseTable, fence_hold_s: float = 120.0) -> None:
+        """``fence_hold_s``: how long past its release an expired lease's unwritten blocks stay
+        fenced (see ``release_expired_leases``)."""
         self.sequences = sequences
         self.leases = leases
+        self.fence_hold_s = fence_hold_s
         self.events = EventLog(sequences.block_size)
 
     def _logged(self, result):
@@ -131,16 +135,32 @@ class CacheNode:
         return self.leases.expires_in(self.leases.renew(lease_id))
 
     def release_expired_leases(self) -> int:
-        """Release the sequences of every expired lease; returns how many leases expired."""
+        """Release the sequences of every expired lease; returns how many leases expired.
+
+        Fencing: a replica frozen inside a KV write (SIGSTOP, a VM pause) may finish that write
+        whenever it wakes, long after its lease ran out. The blocks it could be writing (from
+        each sequence's first block with an uncommitted slot on) are therefore not reused at
+        once but held for ``fence_hold_s``; committed blocks go back (still cached) at once.
+        Fenced blocks whose time is up are freed here too.
+        """
+        seqs = self.sequences
         expired = self.leases.pop_expired()
+        now = self.leases.clock()
         for lease in expired:
-            released = self.sequences.free_lease(lease.lease_id)
+            fenced_before = seqs.num_fenced_blocks
+            released = seqs.free_lease(lease.lease_id, fence_until=now + self.fence_hold_s)
             log.warning(
-                "lease %s… of %s expired: released its sequences (%d blocks back to the free queue)",
+                "lease %s… of %s expired: released its sequences (%d blocks back to the free queue, "
+                "%d fenced for %.0fs)",
                 lease.lease_id[:8],
                 lease.client_name,
                 released,
+                seqs.num_fenced_blocks - fenced_before,
+                self.fence_hold_s,
             )
+        unfenced = seqs.release_fenced(now)
+        if unfenced:
+            log.info("%d fenced blocks of expired leases are free again", unfenced)
         return self._logged(len(expired))
 
     async def reap_leases_forever(self) -> None:
@@ -222,7 +242,7 @@ class CacheNode:
         return CacheSnapshot(
             num_blocks_total=bm.num_blocks,
             num_blocks_free=bm.num_free_blocks,
-            num_blocks_used=bm.num_used_blocks,
+            num_blocks_used=bm.num_used_blocks - seqs.num_fenced_blocks,
             num_blocks_cached=bm.num_cached_blocks,
             usage_percent=100.0 * bm.num_used_blocks / bm.num_blocks,
             prefix_query_tokens=stats.prefix_query_tokens,
@@ -243,4 +263,5 @@ class CacheNode:
             num_token_slots=num_token_slots,
             tenants=[TenantSnapshot(t, *usage) for t, usage in sorted(seqs.tenant_usage().items())],
             max_blocks_per_lease=seqs.max_blocks_per_lease,
+            num_blocks_fenced=seqs.num_fenced_blocks,
         )

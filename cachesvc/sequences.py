@@ -83,6 +83,10 @@ class SequenceTable(Swapping):
         self._by_lease: dict[str, dict[int, Sequence]] = {}
         self._next_sequence_id = 1
         self._extra_keys = ExtraKeys(model_fingerprint)
+        # Fencing: blocks of expired leases that a frozen writer could still be writing, held
+        # (still referenced) until a deadline; (release time on the caller's clock, block ids),
+        # oldest first. See ``free_lease``.
+        self.fenced: list[tuple[float, list[int]]] = []
         self.max_blocks_per_tenant = max_blocks_per_tenant
         self.tenant_quotas = dict(tenant_quotas or {})
         self.max_blocks_per_lease = max_blocks_per_lease
@@ -455,13 +459,45 @@ class SequenceTable(Swapping):
             del self._by_lease[seq.lease_id]
         return released
 
-    def free_lease(self, lease_id: str) -> int:
+    def free_lease(self, lease_id: str, fence_until: float | None = None) -> int:
         """Release every sequence of a lease, on the device and on the host (lease expiry).
 
         Committed blocks stay in the prefix cache, so a retry elsewhere hits them. Returns
         device blocks released; an unknown lease releases nothing.
+
+        With ``fence_until``, a device sequence's blocks from the first one holding an
+        uncommitted slot on are not released but fenced until that time (``release_fenced``):
+        a writer of the lease frozen inside a KV write can only finish it into them. Blocks
+        wholly committed are never written again, so they are released at once.
         """
-        return sum(self._release(seq) for seq in self.sequences_of(lease_id))
+        fenced: list[int] = []
+        released = 0
+        bs = self.block_size
+        for seq in self.sequences_of(lease_id):
+            if fence_until is not None and seq.location == DEVICE:
+                first_open = seq.num_computed_tokens // bs
+                held = seq.block_table[first_open:]
+                if held:  # charged to no tenant or lease while fenced
+                    self._charge(seq.tenant, seq.lease_id, -len(held))
+                    seq.block_table = seq.block_table[:first_open]
+                    fenced += held
+            released += self._release(seq)
+        if fenced:
+            self.fenced.append((fence_until, fenced))
+        return released
+
+    @property
+    def num_fenced_blocks(self) -> int:
+        return sum(len(ids) for _, ids in self.fenced)
+
+    def release_fenced(self, now: float) -> int:
+        """Free the fenced blocks whose time is up; returns how many."""
+        released = 0
+        while self.fenced and self.fenced[0][0] <= now:
+            _, ids = self.fenced.pop(0)
+            released += len(ids)
+            self.block_manager.free(ids[::-1])
+        return released
 
     def lookup_prefix(self, items: list[tuple[list[int], str, str]]) -> list[int]:
         """Per ``(token_ids, cache_salt, adapter_id)``: leading tokens cached on the device.
@@ -537,7 +573,7 @@ class SequenceTable(Swapping):
             f"tenant block counts {self.tenant_blocks} != held {by_tenant}"
         )
         assert by_lease == self.lease_blocks, f"lease block counts {self.lease_blocks} != held {by_lease}"
-        self.block_manager.check_invariants(device_tables)
+        self.block_manager.check_invariants(device_tables + [ids for _, ids in self.fenced])
         host = self.host_tier
         if host is None:
             assert not host_slots, "sequences hold host slots but there is no host tier"

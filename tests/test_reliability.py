@@ -53,7 +53,8 @@ MAX_MODEL_LEN = TINY_LLAMA_CONFIG["max_position_embeddings"]
 BS = 16
 LEASE_TTL_S = 2.0  # tests/servers.py local_stack's default
 # Small enough that 64 concurrent requests wait for blocks at admission (backpressure).
-POOL = ["--num-blocks", "128", "--swap-space", "0.01"]
+# Fenced blocks of a killed or frozen replica's lease come back after 15 s, within the module.
+POOL = ["--num-blocks", "128", "--swap-space", "0.01", "--fence-hold-s", "15"]
 
 LOOP = ModuleLoop()
 run = LOOP.run
@@ -85,8 +86,9 @@ def serves(address: str) -> bool:
 def released_everything(stack: LocalStack):
     """GetStats once no sequence and no block is referenced (None before)."""
     s = cache_stats(stack)
-    assert s.num_blocks_free + s.num_blocks_used == s.num_blocks_total
-    return s if s.num_sequences == 0 and s.num_blocks_used == 0 and s.num_host_blocks_used == 0 else None
+    assert s.num_blocks_free + s.num_blocks_used + s.num_blocks_fenced == s.num_blocks_total
+    idle = s.num_sequences == s.num_blocks_used == s.num_host_blocks_used == s.num_blocks_fenced == 0
+    return s if idle else None
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +120,7 @@ def stack(module_stack: LocalStack) -> LocalStack:
 
 
 def test_client_that_stops_heartbeating_loses_its_lease_and_sequences_and_later_calls_get_not_found(tmp_path):
-    with cache_service(tmp_path, "--num-blocks", "16", "--lease-ttl", "1") as svc:
+    with cache_service(tmp_path, "--num-blocks", "16", "--lease-ttl", "1", "--fence-hold-s", "600") as svc:
         watcher = CacheClient.connect(svc.address, TOKEN, timeout_s=5.0)
         silent = CacheClient.connect(svc.address, TOKEN, timeout_s=5.0)
         watcher.attach("watcher")
@@ -137,7 +139,10 @@ def test_client_that_stops_heartbeating_loses_its_lease_and_sequences_and_later_
         stats = wait_until(expired, 10.0, "the silent client's lease to expire")
         assert time.monotonic() - started < 3.0, "released much later than a TTL (1 s) plus a reaper period"
         assert stats.num_sequences == 0 and stats.num_blocks_used == 0
-        assert stats.num_blocks_free == stats.num_blocks_total == 16
+        # Fencing: the blocks it might still be writing (from each sequence's first block with an
+        # uncommitted slot: the third of the committed one, both of the other) stay out of reuse.
+        assert stats.num_blocks_fenced == 1 + 2
+        assert stats.num_blocks_free == stats.num_blocks_total - 3 == 13
         assert [lease.client_name for lease in stats.leases] == ["watcher"]
         # Its committed blocks stay cached for whoever asks next.
         assert watcher.lookup_prefix([[7] * 40]).num_cached_tokens[0] == 2 * BS
@@ -283,7 +288,9 @@ def test_replica_sigkilled_under_load_its_requests_finish_elsewhere_and_nothing_
     assert [r.token_ids for r in again] == [r.token_ids for r in results]
 
     stats = wait_until(
-        lambda: released_everything(stack), 4 * LEASE_TTL_S + 5, "the dead replica's blocks released"
+        lambda: released_everything(stack),
+        4 * LEASE_TTL_S + 30,
+        "the dead replica's blocks released (and unfenced)",
     )
     assert stats.num_expired_leases == before.num_expired_leases + 1
     assert sorted(lease.client_name for lease in stats.leases) == ["compute-1"]
@@ -426,9 +433,10 @@ class StatsSampler:
             s = self.client.get_stats()
             self.samples += 1
             self.max_used = max(self.max_used, s.num_blocks_used)
-            if s.num_blocks_free + s.num_blocks_used != s.num_blocks_total:
+            if s.num_blocks_free + s.num_blocks_used + s.num_blocks_fenced != s.num_blocks_total:
                 self.violations.append(
-                    f"free {s.num_blocks_free} + used {s.num_blocks_used} != {s.num_blocks_total}"
+                    f"free {s.num_blocks_free} + used {s.num_blocks_used} + fenced {s.num_blocks_fenced} "
+                    f"!= {s.num_blocks_total}"
                 )
             if not 0 <= s.num_blocks_used <= s.num_blocks_total:
                 self.violations.append(f"used {s.num_blocks_used} outside [0, {s.num_blocks_total}]")
@@ -492,7 +500,7 @@ def test_64_client_processes_for_20s_beside_two_cpu_burners_get_no_errors_and_ke
     # Every prompt shares a 32-token system prefix: all but the first wave of requests hit it.
     assert sum(r["cached_prompt_tokens"] for r in out) >= 2 * BS * (served - num_clients)
 
-    stats = wait_until(lambda: released_everything(stack), 10.0, "every sequence released after the load")
+    stats = wait_until(lambda: released_everything(stack), 40.0, "every sequence released after the load")
     assert stats.num_blocks_free == stats.num_blocks_total
     assert sorted(lease.client_name for lease in stats.leases) == ["compute-0", "compute-1"]
     assert all(
@@ -588,7 +596,9 @@ def test_a_replica_paused_past_its_lease_starts_no_write_into_blocks_given_to_an
                 4 * LEASE_TTL_S,
                 "the lease expiry",
             )
-            # Take every free block (the paused replica's among them) and mark it.
+            # The blocks it may still be writing are fenced; take every free block (its committed
+            # ones among them) and mark it.
+            assert cache_stats(stack).num_blocks_fenced >= 1, "the paused lease's open blocks are not fenced"
             free = cache_stats(stack).num_blocks_free
             per_seq = MAX_MODEL_LEN // BS
             lengths = [per_seq] * (free // per_seq) + ([free % per_seq] if free % per_seq else [])
@@ -621,11 +631,11 @@ def test_a_replica_paused_past_its_lease_starts_no_write_into_blocks_given_to_an
         stop_beating.set()
         owner.close()
     # NOTE: what fencing guarantees: no write *starts* after the lease deadline (checked before
-    # every layer's write). A write already running when the process froze cannot be revoked
-    # (plain stores into shared memory), so at most that one token slot of the one sequence in
-    # flight may change; without fencing the woken replica wrote whole further decode steps.
+    # every layer's write), and a write already running when the process froze (plain stores
+    # into shared memory, which nothing can revoke) lands in a block the cache fenced: it holds
+    # an uncommitted slot, so it is not reused for --fence-hold-s after the lease's release.
     touched = sum(len(offsets) for offsets in overwritten.values())
-    assert touched <= 1, (
+    assert touched == 0, (
         f"the replica woke up after its lease expired and wrote K/V into blocks {overwritten} "
         "(block: token offsets) that the cache had given to another lease"
     )

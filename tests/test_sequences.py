@@ -325,6 +325,31 @@ def test_free_lease_releases_device_and_host_sequences() -> None:
     table.check_invariants()
 
 
+def test_an_expired_lease_s_blocks_with_uncommitted_slots_are_fenced_until_their_time() -> None:
+    """Fencing: a writer frozen inside a KV write may finish it after its lease is released, so
+    the blocks it could be writing (from the first one with an uncommitted slot) are held back;
+    committed blocks go back to the prefix cache at once."""
+    table = make_table(num_blocks=8, host_blocks=None)
+    a = alloc(table, list(range(10)))  # 3 blocks
+    table.commit(LEASE, [(a, [], 9)])  # blocks 0-1 committed, block 2 holds slot 9 unwritten
+    alloc(table, [5, 6])  # 1 block, nothing committed
+    other = alloc(table, [7], lease=OTHER)
+    free_before = table.block_manager.num_free_blocks
+    assert table.free_lease(LEASE, fence_until=100.0) == 2  # the two committed blocks
+    assert table.num_fenced_blocks == 2
+    assert table.block_manager.num_free_blocks == free_before + 2
+    table.check_invariants()
+    # Nothing can take a fenced block: allocating every free block leaves them out.
+    fenced = {i for _, ids in table.fenced for i in ids}
+    taken = alloc(table, [9] * (BS * table.block_manager.num_free_blocks), lease=OTHER)
+    assert not fenced & set(table.get(taken).block_table)
+    table.free(OTHER, [taken, other])
+    assert table.release_fenced(now=99.0) == 0 and table.num_fenced_blocks == 2
+    assert table.release_fenced(now=100.0) == 2 and table.num_fenced_blocks == 0
+    assert table.block_manager.num_free_blocks == 8
+    table.check_invariants()
+
+
 def test_batch_capacity_is_all_or_nothing() -> None:
     table = make_table(num_blocks=6)
     a = alloc(table, [1] * 8)  # 2 blocks; 4 free
