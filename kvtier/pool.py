@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import secrets
+import weakref
 from dataclasses import dataclass, field
 from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
@@ -96,8 +97,18 @@ class ShmPool:
     tensor: torch.Tensor
     _shm: shared_memory.SharedMemory = field(repr=False)
     _owner: bool = False
+    _mapping: weakref.ref = field(init=False, repr=False)
 
     backend = "cpu-shm"
+
+    def __post_init__(self) -> None:
+        self._mapping = weakref.ref(self._shm._mmap)
+
+    def mapped(self) -> bool:
+        """Whether the segment is still mapped in this process (after `close`, until the last
+        tensor view of it is gone)."""
+        mapping = self._mapping()
+        return mapping is not None and not mapping.closed
 
     @classmethod
     def create(cls, shape: list[int], dtype: str, **spec_fields) -> ShmPool:
@@ -151,8 +162,8 @@ class ShmPool:
         """Drop our mapping (and unlink the segment if we created it).
 
         NOTE: closing the mapping while a tensor view of it is alive would segfault on the next
-        access, so the mapping is only closed once no view can reach it; otherwise it stays mapped
-        until the process exits.
+        access, so the mapping is only closed once no view can reach it; otherwise it is unmapped
+        when the last view is gone (`mapped()` tells).
         """
         self.tensor = None  # type: ignore[assignment]
         if self._owner:
@@ -257,10 +268,17 @@ class CudaPool:
 
     spec: PoolSpec
     tensor: torch.Tensor
-    _memory: object = field(repr=False)  # cupy Memory (owner) or the opened IPC pointer (client)
+    # cupy Memory (owner), or a weak reference to the _IpcMapping that the views hold (client)
+    _memory: object = field(repr=False)
     _owner: bool = False
 
     backend = "cuda"
+
+    def mapped(self) -> bool:
+        """Whether this process still holds the allocation (a client: the opened IPC handle)."""
+        if self._owner:
+            return self._memory is not None
+        return self._memory is not None and self._memory() is not None
 
     @classmethod
     def create(cls, shape: list[int], dtype: str, device: int = 0, **spec_fields) -> CudaPool:
@@ -302,19 +320,37 @@ class CudaPool:
         device = local[spec.device_uuid]
         with cupy.cuda.Device(device):
             ptr = cupy.cuda.runtime.ipcOpenMemHandle(spec.cuda_ipc_handle)
-            memory = cupy.cuda.UnownedMemory(ptr, spec.size_bytes, owner=None, device_id=device)
+            # The views hold the array, the array the memory, the memory its owner: the handle is
+            # closed when the last view is gone (_IpcMapping), never under a live one.
+            mapping = _IpcMapping(ptr, device)
+            memory = cupy.cuda.UnownedMemory(ptr, spec.size_bytes, owner=mapping, device_id=device)
             raw = cupy.ndarray(
                 (spec.size_bytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0)
             )
-        return cls(spec=spec, tensor=_torch_view(raw, spec), _memory=ptr, _owner=False)
+        return cls(spec=spec, tensor=_torch_view(raw, spec), _memory=weakref.ref(mapping), _owner=False)
 
     def close(self) -> None:
+        """Let go of the allocation: a client's IPC handle is closed at once if no tensor view of
+        it is left, else when the last one is gone (as the shm backend's mapping)."""
         self.tensor = None  # type: ignore[assignment]
-        if not self._owner and self._memory is not None:
-            cupy = require_cuda()
-            with contextlib.suppress(Exception):
-                cupy.cuda.runtime.ipcCloseMemHandle(self._memory)
-        self._memory = None
+        if self._owner:
+            self._memory = None
+
+
+class _IpcMapping:
+    """Owns one opened CUDA IPC handle and closes it when it is garbage: the CuPy memory of the
+    pool's tensor holds it, so that is when no view of the pool is left."""
+
+    def __init__(self, ptr: int, device: int) -> None:
+        self.ptr = ptr
+        weakref.finalize(self, _close_ipc_handle, ptr, device)
+
+
+def _close_ipc_handle(ptr: int, device: int) -> None:
+    with contextlib.suppress(Exception):  # at exit, CUDA may be gone before us: nothing to close then
+        cupy = require_cuda()
+        with cupy.cuda.Device(device):
+            cupy.cuda.runtime.ipcCloseMemHandle(ptr)
 
 
 def _torch_view(raw, spec: PoolSpec) -> torch.Tensor:
