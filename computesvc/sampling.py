@@ -8,16 +8,30 @@ the model's raw logits (before all of it), like vLLM's default `raw_logprobs`.
 
 Stop strings are not handled here: matching them needs the detokenized text, which the
 scheduler owns. The sampler only picks the next token id of each sequence.
+
+One bad row never fails the batch: `Sampler.sample_isolated` falls back to sampling row by row
+when the batch has a non-finite row or the batched pass raises, and reports the rows that fail
+on their own (their requests fail; the others get their tokens). The common path pays one
+`isfinite` reduction over the rows' maxima. A temperature in (0, MIN_TEMPERATURE) is sampled as
+MIN_TEMPERATURE, as vLLM does: dividing logits by less overflows them to inf and NaN.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
 import torch
 
+log = logging.getLogger("kvtier.compute")
+
 MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256  # characters of one stop string
+MAX_STOP_TOKEN_IDS = 256
+MIN_TEMPERATURE = 1e-2  # smaller positive temperatures are sampled as this (vLLM's _MAX_TEMP)
+MAX_TEMPERATURE = 100.0  # far past any API's range (OpenAI: 2); keeps logits / T finite
+REPETITION_PENALTY_RANGE = (1e-2, 100.0)  # 1 = off; beyond these, logits under/overflow in fp32
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
 PENALTY_RANGE = (-2.0, 2.0)  # presence/frequency penalties, as OpenAI allows
 # torch.Generator.manual_seed accepts any 64-bit value, signed or unsigned.
@@ -53,13 +67,17 @@ class SamplingParams:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
     def validate(self, *, vocab_size: int, max_model_len: int) -> None:
-        """Raise ValueError naming the first field out of range, its value and the limit."""
+        """Raise ValueError naming the first field out of range, its value and the limit. Every
+        float must be finite; a temperature in (0, MIN_TEMPERATURE) is valid (sampled as
+        MIN_TEMPERATURE)."""
         if not 1 <= self.max_tokens <= max_model_len:
             raise ValueError(
                 f"max_tokens must be in [1, {max_model_len}] (max_model_len), got {self.max_tokens}"
             )
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.temperature > MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be at most {MAX_TEMPERATURE:g}, got {self.temperature}")
         if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         lo, hi = PENALTY_RANGE
@@ -69,6 +87,9 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [{lo:g}, {hi:g}], got {value}")
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
             raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        lo, hi = REPETITION_PENALTY_RANGE
+        if not lo <= self.repetition_penalty <= hi:
+            raise ValueError(f"repetition_penalty must be in [{lo:g}, {hi:g}], got {self.repetition_penalty}")
         if not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
@@ -81,6 +102,15 @@ class SamplingParams:
             raise ValueError(f"stop has {len(self.stop)} strings, at most {MAX_STOP_STRINGS} allowed")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            longest = max(map(len, self.stop))
+            raise ValueError(
+                f"a stop string has {longest} characters, at most {MAX_STOP_STRING_CHARS} allowed"
+            )
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(
+                f"stop_token_ids has {len(self.stop_token_ids)} entries, at most {MAX_STOP_TOKEN_IDS} allowed"
+            )
         for token_id in self.stop_token_ids:
             if not 0 <= token_id < vocab_size:
                 raise ValueError(
@@ -92,6 +122,14 @@ class SamplingParams:
         if self.seed is None:
             return None
         return torch.Generator(device=device).manual_seed(self.seed)
+
+
+class NonFiniteLogits(ValueError):
+    """Rows of a logits batch hold NaN or +inf (or nothing but -inf): they cannot be sampled."""
+
+    def __init__(self, rows: list[int]):
+        super().__init__(f"rows {rows} of the logits are not finite (NaN or inf)")
+        self.rows = rows
 
 
 class PenaltyState:
@@ -182,6 +220,12 @@ class Sampler:
         logits = logits.float()
         if penalties is not None:
             logits = apply_penalties(logits, params, penalties)
+        # NOTE: one reduction guards the batch: a row holding NaN or +inf (or only -inf) has a
+        # non-finite maximum; -inf entries alone (masked tokens) are fine.
+        row_max = logits.amax(dim=-1)
+        if not bool(torch.isfinite(row_max).all()):
+            bad = (~torch.isfinite(row_max)).nonzero().flatten().tolist()
+            raise NonFiniteLogits(bad)
         tokens = logits.argmax(dim=-1).tolist()
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if not rows:
@@ -189,7 +233,7 @@ class Sampler:
         # NOTE: filtering is batched over the sampled rows; only the draw loops, since each row
         # draws from its own generator.
         vocab_size = logits.shape[1]
-        temperature = logits.new_tensor([params[i].temperature for i in rows])
+        temperature = logits.new_tensor([max(params[i].temperature, MIN_TEMPERATURE) for i in rows])
         top_k = torch.tensor([params[i].top_k or vocab_size for i in rows], device=logits.device)
         top_p = logits.new_tensor([params[i].top_p for i in rows])
         scaled = logits[rows] / temperature[:, None]
@@ -209,6 +253,33 @@ class Sampler:
             pick = torch.multinomial(probs[j], 1, generator=generators[i])
             tokens[i] = int(sorted_ids[j, pick])
         return tokens
+
+    def sample_isolated(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        penalties: list[PenaltyState | None] | None = None,
+    ) -> tuple[list[int], dict[int, str]]:
+        """`sample`, with one bad row failing alone: (tokens, {row: why it failed}). A failed
+        row's token is -1. When the batch has a non-finite row or the batched pass raises, each
+        row is sampled on its own (rare: a row that would fail was checked before any draw, so
+        seeded rows still draw once; only an error inside the draw loop redraws a seeded row)."""
+        try:
+            return self.sample(logits, params, generators, penalties), {}
+        except Exception as e:
+            log.warning("batched sampling failed (%s: %s): sampling row by row", type(e).__name__, e)
+        tokens: list[int] = [-1] * len(params)
+        failed: dict[int, str] = {}
+        for i in range(len(params)):
+            row_penalties = None if penalties is None else [penalties[i]]
+            try:
+                tokens[i] = self.sample(logits[i : i + 1], [params[i]], [generators[i]], row_penalties)[0]
+            except NonFiniteLogits:
+                failed[i] = "the model's logits for this request are not finite (NaN or inf)"
+            except Exception as e:
+                failed[i] = f"sampling failed: {type(e).__name__}: {e}"
+        return tokens, failed
 
     @staticmethod
     def logprobs(logits: torch.Tensor, ks: list[int | None], tokens: list[int]) -> list[TokenLogprob | None]:

@@ -1,0 +1,259 @@
+"""One bad request never hurts another (issue 16, item 4; the compute side of item 5).
+
+The sampler fails only a non-finite row (in process, on tensors); then one real stack (a cache
+service and one compute replica with the built-in tiny Llama) serves seven greedy neighbours
+while bad requests arrive on the same replica: each bad one fails alone with INVALID_ARGUMENT (or,
+for a tiny positive temperature, is served at the minimum temperature), and every neighbour
+finishes with exactly Hugging Face's greedy tokens, its stream untouched by the other request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+import grpc
+import pytest
+import torch
+from servers import TOKEN, ModuleLoop, greedy_request, local_stack
+
+from computesvc.model import build_tiny_model
+from computesvc.sampling import NonFiniteLogits, Sampler, SamplingParams
+from computesvc.servicer import MAX_CACHE_SALT_BYTES, PROMPT_BYTES_PER_TOKEN
+from kvtier.compute_client import Completion, ComputeClient
+from kvtier.model_spec import TINY_LLAMA_CONFIG
+
+BOS = TINY_LLAMA_CONFIG["bos_token_id"]
+MAX_MODEL_LEN = TINY_LLAMA_CONFIG["max_position_embeddings"]
+NUM_NEIGHBOURS = 7
+NEIGHBOUR_TOKENS = 160  # long enough to be in flight while the bad requests come and go
+LOOP = ModuleLoop()
+run = LOOP.run
+
+
+# ---------------------------------------------------------------- the sampler, in process
+
+
+def test_a_batch_with_one_non_finite_row_fails_only_that_row():
+    logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(3)) * 3
+    logits[2, 7] = math.nan
+    logits[4, 0] = math.inf
+    logits[1, :5] = -math.inf  # masked tokens alone are fine
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.8, seed=11),
+        SamplingParams(temperature=0.8, seed=12),
+        SamplingParams(temperature=0.5, top_k=5, seed=13),
+        SamplingParams(temperature=0),
+    ]
+    sampler = Sampler()
+    with pytest.raises(NonFiniteLogits) as e:
+        sampler.sample(logits, params, [p.make_generator() for p in params])
+    assert e.value.rows == [2, 4]
+
+    tokens, failed = sampler.sample_isolated(logits, params, [p.make_generator() for p in params])
+    assert sorted(failed) == [2, 4]
+    assert all("not finite" in why for why in failed.values())
+    assert tokens[2] == tokens[4] == -1
+    # Every other row gets the token it gets alone (seeded rows drew exactly once).
+    for i in (0, 1, 3):
+        alone = sampler.sample(logits[i : i + 1], [params[i]], [params[i].make_generator()])
+        assert tokens[i] == alone[0], f"row {i}"
+    assert tokens[0] == int(logits[0].argmax())
+
+
+def test_a_temperature_below_the_minimum_samples_finitely_at_the_minimum():
+    logits = torch.randn(2, 40, generator=torch.Generator().manual_seed(4)) * 30
+    tiny = SamplingParams(temperature=1e-40, seed=5)
+    tiny.validate(vocab_size=40, max_model_len=64)  # valid: sampled as MIN_TEMPERATURE
+    at_min = SamplingParams(temperature=1e-2, seed=5)
+    tokens, failed = Sampler().sample_isolated(logits, [tiny, at_min], [tiny.make_generator(), None])
+    assert failed == {}
+    again = Sampler().sample(logits[:1], [at_min], [at_min.make_generator()])
+    assert tokens[0] == again[0]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("temperature", math.inf, "temperature must be >= 0"),
+        ("temperature", 1e6, "temperature must be at most 100"),
+        ("repetition_penalty", 1e-39, r"repetition_penalty must be in \[0.01, 100\]"),
+        ("stop", ["x" * 257], "a stop string has 257 characters, at most 256"),
+        ("stop_token_ids", [1] * 257, "stop_token_ids has 257 entries, at most 256"),
+    ],
+)
+def test_validate_refuses_values_that_would_overflow_or_cost_without_bound(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**{field: value}).validate(vocab_size=40, max_model_len=64)
+
+
+# ---------------------------------------------------------------- the stack
+
+
+def neighbour_prompt(k: int) -> list[int]:
+    g = torch.Generator().manual_seed(4241 + k)
+    return [BOS, *torch.randint(0, 256, (23,), generator=g).tolist()]
+
+
+@pytest.fixture(scope="module")
+def expected() -> list[list[int]]:
+    """Hugging Face greedy generation of each neighbour's prompt, in this process."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the replica needs the other core
+    model = build_tiny_model(0)
+    model.generation_config.eos_token_id = None  # exactly max_new_tokens, as ignore_eos
+    out = []
+    with torch.inference_mode():
+        for k in range(NUM_NEIGHBOURS):
+            ids = torch.tensor([neighbour_prompt(k)])
+            full = model.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEIGHBOUR_TOKENS
+            )
+            out.append(full[0, ids.shape[1] :].tolist())
+    torch.set_num_threads(threads)
+    return out
+
+
+@pytest.fixture(scope="module")
+def address(tmp_path_factory) -> str:
+    run_dir = tmp_path_factory.mktemp("isolation")
+    with local_stack(run_dir, ["--num-blocks", "256"], replicas=1) as stack:
+        yield stack.replicas[0].address
+
+
+def salt_of(k: int) -> str:
+    return f"neighbour-{k}-secret-salt"
+
+
+def with_neighbours(address: str, bad: list) -> tuple[list[list[int]], list, int]:
+    """Stream seven greedy neighbours on the replica; once each has its first token, send the
+    `bad` requests (one attempt each). Returns each neighbour's tokens, each bad request's
+    Completion or error, and how many neighbours were still streaming when the last bad one ended."""
+
+    async def scenario():
+        client = ComputeClient([address], TOKEN)
+        started = [asyncio.Event() for _ in range(NUM_NEIGHBOURS)]
+        done = [False] * NUM_NEIGHBOURS
+
+        async def neighbour(k: int) -> list[int]:
+            tokens: list[int] = []
+            request = greedy_request(neighbour_prompt(k), NEIGHBOUR_TOKENS, cache_salt=salt_of(k))
+            async for reply in client.stream(request, max_attempts=1):
+                tokens += reply.token_ids
+                started[k].set()
+            done[k] = True
+            return tokens
+
+        async def one_bad(request):
+            try:
+                return await client.complete(request, max_attempts=1)
+            except grpc.aio.AioRpcError as e:
+                return e
+
+        try:
+            streams = [asyncio.create_task(neighbour(k)) for k in range(NUM_NEIGHBOURS)]
+            await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 60)
+            results = await asyncio.gather(*(one_bad(r) for r in bad))
+            in_flight = done.count(False)
+            return await asyncio.gather(*streams), results, in_flight
+        finally:
+            await client.close()
+
+    return run(scenario(), 120)
+
+
+def assert_invalid(result, *words: str) -> str:
+    assert isinstance(result, grpc.aio.AioRpcError), f"expected INVALID_ARGUMENT, got {result!r}"
+    assert result.code() == grpc.StatusCode.INVALID_ARGUMENT, result.details()
+    for word in words:
+        assert word in result.details()
+    return result.details()
+
+
+def test_a_nan_making_temperature_and_non_finite_fields_fail_or_serve_alone(address, expected):
+    request = ComputeClient.request
+    ids = [BOS, 5, 6, 7]
+    bad = [
+        # 1e-40 used to turn the batch's logits into NaN and fail every request in flight:
+        # now it is sampled at the minimum temperature, as vLLM does.
+        request(prompt_token_ids=ids, max_tokens=8, temperature=1e-40, ignore_eos=True),
+        request(prompt_token_ids=ids, max_tokens=8, temperature=math.inf),
+        request(prompt_token_ids=ids, max_tokens=8, temperature=1.0, top_p=math.nan),
+        request(prompt_token_ids=ids, max_tokens=8, temperature=0.0, min_p=math.nan),
+        request(prompt_token_ids=ids, max_tokens=8, presence_penalty=-math.inf),
+        request(prompt_token_ids=ids, max_tokens=8, repetition_penalty=1e-39),
+    ]
+    neighbours, results, in_flight = with_neighbours(address, bad)
+    served = results[0]
+    assert isinstance(served, Completion), f"temperature 1e-40 failed: {served!r}"
+    assert (len(served.token_ids), served.finish_reason) == (8, "length")
+    fields = ["temperature", "top_p", "min_p", "presence_penalty", "repetition_penalty"]
+    for result, field in zip(results[1:], fields, strict=True):
+        assert_invalid(result, field)
+    assert in_flight == NUM_NEIGHBOURS, "the neighbours finished before the bad requests: nothing was tested"
+    assert neighbours == expected
+
+
+def test_a_salt_with_a_nul_fails_alone_and_no_error_carries_another_requests_data(address, expected):
+    bad_salt = "tenant-b\0secret"
+    bad = [
+        greedy_request([BOS, 9, 9, 9], 8, cache_salt=bad_salt),
+        greedy_request([BOS, 9, 9, 9], 8, cache_salt="s" * (MAX_CACHE_SALT_BYTES + 1)),
+        greedy_request([BOS, 9, 9, 9], 8, request_id="r" * 300),
+    ]
+    neighbours, results, in_flight = with_neighbours(address, bad)
+    details = assert_invalid(results[0], "cache_salt", "NUL")
+    assert_invalid(results[1], "cache_salt", str(MAX_CACHE_SALT_BYTES))
+    assert_invalid(results[2], "request_id")
+    for k in range(NUM_NEIGHBOURS):
+        assert salt_of(k) not in details
+    assert "secret" not in details  # not even its own salt is echoed
+    assert in_flight == NUM_NEIGHBOURS, "the neighbours finished before the bad requests: nothing was tested"
+    assert neighbours == expected
+
+
+def test_an_oversized_text_prompt_is_refused_before_tokenizing_and_neighbours_carry_on(address, expected):
+    limit = PROMPT_BYTES_PER_TOKEN * MAX_MODEL_LEN
+    huge = "x" * (2 * 1024 * 1024)
+    just_over = "é" * (limit // 2 + 1)  # fewer characters than the limit, more bytes
+    bad = [
+        ComputeClient.request(prompt=huge, max_tokens=4),
+        ComputeClient.request(prompt=just_over, max_tokens=4),
+    ]
+    started = time.monotonic()
+    neighbours, results, in_flight = with_neighbours(address, bad)
+    assert_invalid(results[0], f"{len(huge)} bytes", f"at most {limit}", "--max-prompt-bytes")
+    assert_invalid(results[1], f"{2 * len(just_over)} bytes", f"at most {limit}")
+    assert time.monotonic() - started < 60, "a deadline for progress, not a performance target"
+    assert in_flight == NUM_NEIGHBOURS, "the neighbours finished before the bad requests: nothing was tested"
+    assert neighbours == expected
+
+
+def test_a_text_prompt_within_the_limit_is_tokenized_and_served(address):
+    async def one():
+        client = ComputeClient([address], TOKEN)
+        try:
+            return await client.complete(
+                ComputeClient.request(prompt="hello " * 20, max_tokens=4, temperature=0.0, ignore_eos=True), 1
+            )
+        finally:
+            await client.close()
+
+    done = run(one())
+    assert done.prompt_tokens == 1 + len("hello " * 20)  # bos + one token per byte
+    assert len(done.token_ids) == 4
+
+
+def test_prompt_token_ids_longer_than_the_context_are_refused_by_their_count(address):
+    async def one():
+        client = ComputeClient([address], TOKEN)
+        try:
+            return await client.complete(greedy_request([1] * 200_000, 4), 1)
+        except grpc.aio.AioRpcError as e:
+            return e
+        finally:
+            await client.close()
+
+    assert_invalid(run(one()), f"context is {MAX_MODEL_LEN} tokens", "200000")
