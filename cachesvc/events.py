@@ -6,6 +6,8 @@ Domain types only: the servicer turns ``(event_id, event)`` pairs into ``CacheEv
 from __future__ import annotations
 
 import asyncio
+import itertools
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,14 +59,20 @@ def num_events(record: EventRecord) -> int:
     return len(record[1])
 
 
-def decode_events(record: EventRecord, block_size: int) -> list[BlockEvent]:
-    """The ``BlockStored`` / ``BlockRemoved`` events an ``EventRecord`` stands for, in order."""
+def decode_events(
+    record: EventRecord, block_size: int, start: int = 0, stop: int | None = None
+) -> list[BlockEvent]:
+    """The ``BlockStored`` / ``BlockRemoved`` events an ``EventRecord`` stands for, in order
+    (those numbered ``start`` to ``stop`` within the record, by default all)."""
     if record[0] == REMOVED:
-        return [BlockRemoved(h, i) for h, i in zip(record[1], record[2], strict=True)]
+        return [BlockRemoved(h, i) for h, i in zip(record[1][start:stop], record[2][start:stop], strict=True)]
     _, hashes, block_ids, token_bytes, parent = record
+    if start:
+        parent = hashes[start - 1]
     events: list[BlockEvent] = []
-    for i, (block_hash, block_id) in enumerate(zip(hashes, block_ids, strict=True)):
-        events.append(BlockStored(block_hash, parent, block_id, unpack_block(token_bytes, block_size, i)))
+    for i in range(start, len(hashes) if stop is None else min(stop, len(hashes))):
+        block_hash = hashes[i]
+        events.append(BlockStored(block_hash, parent, block_ids[i], unpack_block(token_bytes, block_size, i)))
         parent = block_hash
     return events
 
@@ -113,32 +121,40 @@ class EventLog:
         for sink in self.sinks:
             sink(records)
 
-    def since(self, event_id: int) -> list[tuple[int, BlockEvent]]:
-        """``(event id, event)`` for ids > `event_id` (0: every event kept), oldest first.
+    def since(self, event_id: int, max_events: int | None = None) -> list[tuple[int, BlockEvent]]:
+        """``(event id, event)`` for ids > `event_id` (0: every event kept), oldest first; at most
+        `max_events` of them (the next ones, by default all).
 
+        Only the events returned are built: a watcher reads the log in chunks from where it is,
+        so a stream costs one chunk of events, not a copy of the history it has yet to send.
         Raises EventGap if some of them were already dropped.
         """
         if event_id >= self.last_event_id:
             return []
-        oldest = self._ring[0][0]
+        ring = self._ring
+        oldest = ring[0][0]
         if event_id and event_id + 1 < oldest:
             raise EventGap(
-                f"since_event_id {event_id} is older than the oldest kept event {oldest}: "
-                "resynchronize with LookupPrefix and watch from 0"
+                f"since_event_id {event_id} is older than the oldest kept event {oldest}: the events "
+                f"between were dropped (the log keeps the newest {self.capacity}): resynchronize with "
+                "LookupPrefix and watch from 0 (every kept event)"
             )
-        # Walk back from the newest record to the one holding event_id + 1.
-        picked: list[tuple[int, EventRecord]] = []
-        for first, record in reversed(self._ring):
-            picked.append((first, record))
-            if first <= event_id + 1:
-                break
+        wanted = self.last_event_id - event_id if max_events is None else max_events
+        # The record holding event_id + 1: the last one that starts at or before it.
+        at = max(bisect_right(ring, event_id + 1, key=_first_id) - 1, 0)
         out: list[tuple[int, BlockEvent]] = []
-        for first, record in reversed(picked):
-            for k, event in enumerate(decode_events(record, self.block_size)):
-                if first + k > event_id:
-                    out.append((first + k, event))
+        for first, record in itertools.islice(ring, at, None):
+            skip = max(event_id + 1 - first, 0)
+            events = decode_events(record, self.block_size, skip, skip + wanted - len(out))
+            out.extend(zip(itertools.count(first + skip), events))
+            if len(out) >= wanted:
+                break
         return out
 
     async def wait(self) -> None:
         """Return when new events arrive."""
         await self._changed.wait()
+
+
+def _first_id(entry: tuple[int, EventRecord]) -> int:
+    return entry[0]

@@ -18,9 +18,41 @@ from kvtier.block_hash import InvalidHashInput, extra_key, pack_token_ids
 _MAX_EXTRA_KEYS = 4096
 
 
-def check_batch(n: int, max_batch: int) -> None:
+# Most UTF-8 bytes of a request's strings: they are hashed, kept with a sequence or lease, logged
+# and reported by GetStats, so one request's strings must not cost the service (or every GetStats
+# reader) more than this. Lease ids are 32 hex digits.
+MAX_SALT_BYTES = 1024  # cache_salt: room for a high-entropy salt in any encoding
+MAX_NAME_BYTES = 256  # client_name, adapter_id, request_id
+MAX_LEASE_ID_BYTES = 64
+
+
+def check_batch(n: int, max_batch: int, field: str = "items") -> None:
     if n > max_batch:
-        raise InvalidArgument(f"len(items) = {n} exceeds max_batch {max_batch}")
+        raise InvalidArgument(f"len({field}) = {n} exceeds max_batch {max_batch}")
+
+
+def check_text(where: str, value: str, limit: int) -> None:
+    """InvalidArgument if ``value`` is over ``limit`` bytes of UTF-8."""
+    # A str of n characters is at most 4n bytes: most values need no encoding to pass.
+    if len(value) * 4 > limit and (size := len(value.encode())) > limit:
+        raise InvalidArgument(f"{where} is {size} bytes, over the limit of {limit} bytes")
+
+
+def check_item_sizes(
+    k: int, num_tokens: int, max_model_len: int, cache_salt: str, adapter_id: str, request_id: str = ""
+) -> None:
+    """Bounds of item ``k`` of a call carrying token lists, checked on the wire message before
+    any list is built from it: ``num_tokens`` (len of its token ids) and its strings."""
+    if num_tokens > max_model_len:
+        raise InvalidArgument(
+            f"items[{k}]: len(token_ids) = {num_tokens} exceeds max_model_len {max_model_len}"
+        )
+    if len(cache_salt) > MAX_SALT_BYTES // 4:
+        check_text(f"items[{k}].cache_salt", cache_salt, MAX_SALT_BYTES)
+    if len(adapter_id) > MAX_NAME_BYTES // 4:
+        check_text(f"items[{k}].adapter_id", adapter_id, MAX_NAME_BYTES)
+    if len(request_id) > MAX_NAME_BYTES // 4:
+        check_text(f"items[{k}].request_id", request_id, MAX_NAME_BYTES)
 
 
 def owned(

@@ -38,10 +38,10 @@ from hypothesis.stateful import (
 )
 from servers import TOKEN, cache_service, stats_without_clock
 
+from cachesvc.wire_limits import request_limits
 from kvtier.api import cache_pb2
 from kvtier.auth import bearer, grpc_target
 from kvtier.cache_client import CacheClient
-from kvtier.grpc_server import MAX_MESSAGE_BYTES
 
 NUM_BLOCKS = 24
 MAX_BATCH = 4
@@ -643,22 +643,25 @@ def test_random_bytes_as_an_allocate_request_never_crash_or_change_the_service(s
     assert stats_without_clock(leases[0].get_stats()) == before
 
 
-def test_a_message_just_over_the_128_mib_limit_is_resource_exhausted_and_the_service_keeps_serving(
+def test_a_message_just_over_allocates_limit_is_resource_exhausted_and_the_service_keeps_serving(
     service, leases
 ):
     def request_of(size: int) -> bytes:
-        # AllocateRequest{lease_id: "x" * n}: tag (1 byte) + varint length (4 bytes) + n bytes.
-        body = cache_pb2.AllocateRequest(lease_id="x" * (size - 5)).SerializeToString()
+        # AllocateRequest{lease_id: "x" * n}: tag (1 byte) + varint length (3 bytes) + n bytes.
+        body = cache_pb2.AllocateRequest(lease_id="x" * (size - 4)).SerializeToString()
         assert len(body) == size
         return body
 
-    unlimited = [("grpc.max_send_message_length", -1)]
+    # The cache service's limit for Allocate (max_batch items of max_model_len tokens), the
+    # largest of its methods' limits: over it, grpc refuses the message unread.
+    limit = request_limits(MAX_BATCH, MAX_LEN, VOCAB)[ALLOCATE]
+    assert 1 << 14 < limit < 1 << 21
     with pytest.raises(grpc.RpcError) as e:
-        raw_allocate(service.address, request_of(MAX_MESSAGE_BYTES + 1), unlimited)
+        raw_allocate(service.address, request_of(limit + 1))
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
-    # Exactly at the limit, the message is read and refused on its merits (no such lease).
+    # Exactly at the limit, the message is read and refused on its merits (a lease id that long).
     with pytest.raises(grpc.RpcError) as e:
-        raw_allocate(service.address, request_of(MAX_MESSAGE_BYTES), unlimited)
-    assert e.value.code() == grpc.StatusCode.NOT_FOUND, e.value.details()
-    assert "xxxxxxxx" in e.value.details() and len(e.value.details()) < 200
+        raw_allocate(service.address, request_of(limit))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+    assert "lease_id is" in e.value.details() and len(e.value.details()) < 200
     still_serves(service.address)
