@@ -25,6 +25,7 @@ from kvtier.grpc_server import (
     start_server,
     wait_for_termination,
 )
+from kvtier.memory_plan import DevicePoolPlan, model_needs, plan_device_pool
 from kvtier.model_spec import ModelShape
 from kvtier.pool import PoolUnavailable, create_pool, default_backend, pool_shape, require_cuda
 
@@ -69,8 +70,9 @@ def plan_pool(cfg: CacheConfig, shape: ModelShape) -> PoolPlan:
         import torch
 
         require_cuda()
-        free, _total = torch.cuda.mem_get_info(cfg.device)
-        num_blocks = int(free * cfg.memory_fraction) // block_bytes
+        free, total = torch.cuda.mem_get_info(cfg.device)
+        device = f"cuda:{cfg.device} ({torch.cuda.get_device_name(cfg.device)})"
+        num_blocks = device_pool_plan(cfg, dtype, block_bytes, device, total, free).num_blocks
     else:
         budget = int(cfg.kv_cache_space * GIB)
         shm_free = shutil.disk_usage("/dev/shm").free
@@ -85,6 +87,27 @@ def plan_pool(cfg: CacheConfig, shape: ModelShape) -> PoolPlan:
             f"the pool would hold {num_blocks} blocks of {block_bytes} bytes: give it more memory"
         )
     return PoolPlan(backend, dtype, num_blocks, block_bytes)
+
+
+def device_pool_plan(
+    cfg: CacheConfig, dtype: str, block_bytes: int, device: str, total: int, free: int
+) -> DevicePoolPlan:
+    """The cuda pool's share of a device of ``total`` bytes, ``free`` free now (kvtier/memory_plan.py),
+    logged as one block; MemoryPlanError (a ValueError) when it leaves less than one block."""
+    reserve = None if cfg.activation_reserve_gib is None else int(cfg.activation_reserve_gib * GIB)
+    weights, reserve_of = model_needs(cfg.model, dtype, reserve)
+    plan = plan_device_pool(
+        device=device,
+        total_bytes=total,
+        free_bytes=free,
+        memory_fraction=cfg.memory_fraction,
+        block_bytes=block_bytes,
+        num_replicas=cfg.compute_replicas,
+        weights=weights,
+        reserve=reserve_of,
+    )
+    log.info("%s", plan.describe())
+    return plan
 
 
 async def serve(cfg: CacheConfig) -> None:

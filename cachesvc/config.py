@@ -31,6 +31,8 @@ class CacheConfig:
     block_size: int
     num_blocks: int | None
     memory_fraction: float
+    compute_replicas: int
+    activation_reserve_gib: float | None
     kv_cache_space: float
     swap_space: float
     lease_ttl: float
@@ -116,7 +118,24 @@ def build_parser(prog: str = "python -m cachesvc") -> argparse.ArgumentParser:
         "--memory-fraction",
         type=float,
         default=0.9,
-        help="cuda: fraction of the device's free memory (measured at startup) given to the pool",
+        help="cuda: fraction of the device's TOTAL memory for everything kvtier runs on it (vLLM's "
+        "--gpu-memory-utilization); the pool gets that budget minus what others hold at startup minus "
+        "--compute-replicas x (the model's weights + activation reserve); the arithmetic is logged",
+    )
+    pool.add_argument(
+        "--compute-replicas",
+        type=int,
+        default=2,
+        help="cuda: compute replicas that will load the model on this device after the pool is made "
+        "(their weights and activation reserve are kept out of the pool; 0 when they run elsewhere or "
+        "are already loaded)",
+    )
+    pool.add_argument(
+        "--activation-reserve-gib",
+        type=float,
+        help="cuda: GiB each compute replica needs beyond its weights (activations of its largest "
+        "forward, CUDA context); default: estimated from the model shape and the compute defaults "
+        "(2048 batched tokens, 64 sequences)",
     )
     pool.add_argument(
         "--kv-cache-space", type=float, default=1.0, help="cpu-shm: GiB of shared memory given to the pool"
@@ -221,6 +240,12 @@ def parse_config(argv: list[str] | None = None, prog: str = "python -m cachesvc"
         parser.error(f"--max-request-bytes must be > 0, got {args.max_request_bytes}")
     if args.fence_hold_s < 0:
         parser.error(f"--fence-hold-s must be >= 0 seconds, got {args.fence_hold_s}")
+    if not 0 < args.memory_fraction <= 1:
+        parser.error(f"--memory-fraction must be in (0, 1], got {args.memory_fraction}")
+    if args.compute_replicas < 0:
+        parser.error(f"--compute-replicas must be >= 0, got {args.compute_replicas}")
+    if args.activation_reserve_gib is not None and args.activation_reserve_gib < 0:
+        parser.error(f"--activation-reserve-gib must be >= 0, got {args.activation_reserve_gib}")
     if args.max_watch_streams < 0:
         parser.error(f"--max-watch-streams must be >= 0, got {args.max_watch_streams}")
     for flag in ("max_blocks_per_tenant", "max_blocks_per_lease"):

@@ -35,6 +35,7 @@ from transformers import (
 
 from computesvc.generation_config import GENERATION_CONFIG, describe, read_generation_defaults
 from kernels import paged_decode_attention, paged_prefill_attention, write_kv
+from kvtier.memory_plan import check_replica_fits, model_needs
 from kvtier.model_spec import TINY_LLAMA_CONFIG, ModelShape
 
 log = logging.getLogger("kvtier.compute")
@@ -115,16 +116,28 @@ class LoadedModel:
 
 
 def load_model(
-    model_dir: str | Path | None, *, dtype: str = "auto", device: str = "cpu", seed: int = 0
+    model_dir: str | Path | None,
+    *,
+    dtype: str = "auto",
+    device: str = "cpu",
+    seed: int = 0,
+    activation_reserve_bytes: int | None = None,
 ) -> LoadedModel:
     """Load a local Llama/Qwen2/Mistral directory offline, or the tiny model when `model_dir` is None.
 
     dtype: "auto" (the checkpoint's dtype; float32 for the tiny model), "float32", "float16" or
     "bfloat16". seed: weights of the tiny model (ignored for a directory). Raises
-    FileNotFoundError / ValueError naming the directory when it holds no supported model.
+    FileNotFoundError / ValueError naming the directory when it holds no supported model. On cuda,
+    free device memory is checked first (`check_device_memory`): MemoryPlanError (a ValueError)
+    with the numbers when the weights and the activation reserve do not fit.
     """
     if dtype != "auto" and dtype not in _TORCH_DTYPES:
         raise ValueError(f"dtype must be 'auto' or one of {sorted(_TORCH_DTYPES)}, got {dtype!r}")
+    if torch.device(device).type == "cuda":
+        run_dtype = dtype
+        if dtype == "auto":
+            run_dtype = ModelShape.from_model_dir(model_dir).dtype if model_dir else "float32"
+        check_device_memory(model_dir, run_dtype, device, activation_reserve_bytes)
     if model_dir is None:
         model = build_tiny_model(seed, _TORCH_DTYPES["float32" if dtype == "auto" else dtype])
         tokenizer: PreTrainedTokenizerBase = build_byte_tokenizer()
@@ -144,6 +157,26 @@ def load_model(
     if defaults:
         log.info("sampling defaults from %s/%s: %s", model_dir, GENERATION_CONFIG, describe(defaults))
     return LoadedModel(model, tokenizer, shape, _eos_token_ids(model, tokenizer), defaults)
+
+
+def check_device_memory(
+    model_dir: str | Path | None, dtype: str, device: str, activation_reserve_bytes: int | None = None
+) -> None:
+    """Before any weight is read: refuse (MemoryPlanError, with the numbers) unless the device's
+    free memory holds the model's weights at `dtype` (from the checkpoint's safetensors headers)
+    plus its activation reserve (estimated from the shape unless given; kvtier/memory_plan.py)."""
+    weights, reserve = model_needs(model_dir, dtype, activation_reserve_bytes)
+    dev = torch.device(device)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    free, total = torch.cuda.mem_get_info(index)
+    figures = check_replica_fits(
+        device=f"cuda:{index} ({torch.cuda.get_device_name(index)})",
+        total_bytes=total,
+        free_bytes=free,
+        weights=weights,
+        reserve=reserve,
+    )
+    log.info("device memory before loading: %s", figures)
 
 
 def use_paged_attention(model: PreTrainedModel) -> None:
