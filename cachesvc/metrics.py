@@ -4,12 +4,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Info
 
-from kvtier.metrics import CACHE_RPC_BUCKETS, RpcLatency
+from kvtier.metrics import CACHE_RPC_BUCKETS, RpcLatency, VllmAliases
 
 if TYPE_CHECKING:
     from cachesvc.node import CacheSnapshot
+
+
+# The unary RPCs (proto/kvtier/v1/cache.proto), labelled (method, OK) from the start.
+CACHE_RPCS = (
+    "Attach", "Heartbeat", "Allocate", "Extend", "Commit", "Free", "LookupPrefix", "SwapOut", "SwapIn", "GetStats",
+)  # fmt: skip
 
 
 class CacheMetrics(RpcLatency):
@@ -52,6 +58,17 @@ class CacheMetrics(RpcLatency):
         r, p = self.registry, "kvtier_cache"
         self.block_usage_percent = Gauge(
             f"{p}_block_usage_percent", "Used blocks / total blocks, 0..100.", registry=r
+        )
+        self.kv_usage_ratio = Gauge(
+            f"{p}_kv_usage_ratio",
+            "Used blocks / total blocks, 0..1 (vLLM's kv_cache_usage_perc).",
+            registry=r,
+        )
+        self.config = Info(
+            f"{p}_config",
+            "The pool: block_size (tokens), num_gpu_blocks, num_cpu_blocks (host tier), cache_dtype, "
+            "swap_space_bytes, backend.",
+            registry=r,
         )
         self.capacity_blocks = Gauge(f"{p}_capacity_blocks", "Blocks in the device pool.", registry=r)
         self.free_blocks = Gauge(
@@ -117,6 +134,12 @@ class CacheMetrics(RpcLatency):
             ["tenant"],
             registry=r,
         )
+        # Label values known up front: the series exist at 0 before the first swap or call.
+        for direction in ("out", "in"):
+            self.swapped_blocks.labels(direction)
+            self.swapped_bytes.labels(direction)
+        for method in CACHE_RPCS:
+            self.rpc_duration.labels(method, "OK")
         # (counter attribute, label values) -> last cumulative value seen in a snapshot
         self._last_cumulative: dict[tuple[str, tuple[str, ...]], float] = {}
 
@@ -128,6 +151,7 @@ class CacheMetrics(RpcLatency):
         """
         for name, attr in self._GAUGES:
             getattr(self, attr).set(getattr(snapshot, name))
+        self.kv_usage_ratio.set(snapshot.usage_percent / 100.0)
         for name, attr, labels in self._COUNTERS:
             value = float(getattr(snapshot, name))
             last = self._last_cumulative.get((attr, labels), 0.0)
@@ -146,3 +170,36 @@ class CacheMetrics(RpcLatency):
         queries = self._last_cumulative.get(("prefix_query_tokens", ()), 0.0)
         if queries:
             self.prefix_hit_ratio.set(self._last_cumulative.get(("prefix_hit_tokens", ()), 0.0) / queries)
+
+    def describe_pool(
+        self,
+        block_size: int,
+        num_blocks: int,
+        num_host_blocks: int,
+        dtype: str,
+        swap_bytes: int,
+        backend: str,
+    ) -> None:
+        """Set the config info (once, at start): what vLLM's cache_config_info says of its cache."""
+        self.capacity_blocks.set(num_blocks)
+        self.config.info(
+            {
+                "block_size": str(block_size),
+                "num_gpu_blocks": str(num_blocks),
+                "num_cpu_blocks": str(num_host_blocks),
+                "cache_dtype": dtype,
+                "swap_space_bytes": str(swap_bytes),
+                "enable_prefix_caching": "True",
+                "backend": backend,
+            }
+        )
+
+    def vllm_aliases(self, model_name: str) -> VllmAliases:
+        """KV cache usage and the cache config under vLLM's names (register on ``self.registry``).
+        The pool is the node's, shared by its replicas: it is exported here, once per node; the
+        prefix-cache queries and hits under vLLM's names come from each replica's own admissions
+        (computesvc/metrics.py), so a sum over pods counts each lookup once."""
+        return VllmAliases(
+            model_name,
+            [(self.kv_usage_ratio, ("vllm:kv_cache_usage_perc",)), (self.config, ("vllm:cache_config",))],
+        )

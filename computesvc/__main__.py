@@ -44,11 +44,10 @@ async def serve(cfg: ComputeConfig) -> None:
     metrics = None
     if cfg.metrics_port is not None:
         from computesvc.metrics import ComputeMetrics
-        from kvtier.metrics import start_metrics_server
+        from kvtier.metrics import serve_metrics
 
         metrics = ComputeMetrics()
-        port = start_metrics_server(cfg.metrics_port, metrics.registry)
-        log.info("Prometheus metrics on http://0.0.0.0:%d/metrics", port)
+        serve_metrics(metrics, cfg, log)
     replica = Replica(cfg, token, metrics)
     await replica.start()
     servicer = ComputeServicer(replica)

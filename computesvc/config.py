@@ -27,6 +27,8 @@ class ComputeConfig:
     max_prompt_bytes: int | None
     connect_timeout: float
     metrics_port: int | None
+    metrics_host: str | None
+    vllm_metrics: bool
     name: str
     log_level: str
     api_keys: str | None
@@ -108,6 +110,16 @@ def build_parser(prog: str = "python -m computesvc") -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--metrics-port", type=int, help="serve Prometheus metrics on this port (0 = any free port)"
+    )
+    p.add_argument(
+        "--metrics-host",
+        help="address the metrics server binds (default: the host of --listen; 127.0.0.1 for a Unix socket)",
+    )
+    p.add_argument(
+        "--vllm-metrics",
+        action="store_true",
+        help="also export the series vLLM dashboards and autoscalers read under vLLM's vllm: names, with a "
+        "model_name label (README, Metrics)",
     )
     p.add_argument(
         "--name", default=f"compute-{os.getpid()}", help="replica name shown in the cache service's stats"

@@ -8,17 +8,18 @@ tracing is off); `MetricsObserver` also updates a replica's `ComputeMetrics`.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from opentelemetry import trace
 
+from computesvc.request import Request, Status
 from kvtier import telemetry
 
 if TYPE_CHECKING:
     from computesvc.metrics import ComputeMetrics
-    from computesvc.request import Request
 
 log = logging.getLogger("kvtier.compute")
 
@@ -135,11 +136,31 @@ class MetricsObserver(SchedulerObserver):
     def __init__(self, metrics: ComputeMetrics) -> None:
         super().__init__()
         self.metrics = metrics
+        # Admitted requests not finished yet -> when their first Allocate answered (monotonic s).
+        self._admitted: dict[Request, float] = {}
 
     def on_step(self, span: trace.Span, running: int, waiting: int, swapped: int) -> None:
         super().on_step(span, running, waiting, swapped)
         self.metrics.running_sequences.set(running)
         self.metrics.waiting_sequences.set(waiting + swapped)
+        self._observe_finished()  # those aborted by their client finish without on_finished
+
+    def _observe_finished(self) -> None:
+        """The per-request histograms of every admitted request that has finished (vLLM's
+        definitions, computesvc/metrics.py); a request failed before admission has none."""
+        now = time.monotonic()
+        m = self.metrics
+        for req in [r for r in self._admitted if r.status is Status.FINISHED]:
+            admitted_at = self._admitted.pop(req)
+            last = req.last_token_at or now
+            m.e2e_request_latency.observe(now - req.arrival)
+            m.request_queue_time.observe(admitted_at - req.arrival)
+            m.request_inference_time.observe(last - admitted_at)
+            if req.first_token_at:
+                m.request_prefill_time.observe(req.first_token_at - admitted_at)
+                m.request_decode_time.observe(req.last_token_at - req.first_token_at)
+            m.request_prompt_tokens.observe(len(req.prompt_token_ids))
+            m.request_generation_tokens.observe(len(req.output_token_ids))
 
     def on_cache_call(self, method: str) -> None:
         super().on_cache_call(method)
@@ -147,6 +168,7 @@ class MetricsObserver(SchedulerObserver):
 
     def on_admitted(self, req: Request, num_cached_tokens: int) -> None:
         super().on_admitted(req, num_cached_tokens)
+        self._admitted[req] = time.monotonic()
         self.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
         self.metrics.cached_prompt_tokens.inc(num_cached_tokens)
 
@@ -168,3 +190,4 @@ class MetricsObserver(SchedulerObserver):
 
     def on_finished(self, reason: str) -> None:
         self.metrics.finished_requests.labels(reason or "error").inc()
+        self._observe_finished()

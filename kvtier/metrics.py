@@ -8,14 +8,23 @@ with ``start_metrics_server(port, metrics.registry)`` and times every RPC throug
 
 Names follow Prometheus conventions: ``kvtier_`` prefix, the unit in the name (``_seconds``,
 ``_bytes``, ``_blocks``, ``_tokens``), ``_total`` on counters (added by prometheus-client).
+Every registry also carries the ``process_*`` series (``ProcessCollector``). With
+``--vllm-metrics`` a service adds a ``VllmAliases`` collector: the series a vLLM dashboard reads,
+again under vLLM's ``vllm:`` names with a ``model_name`` label, collected from the same metric
+objects at scrape time (one source, nothing updated twice).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any, Protocol
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, start_http_server
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 # Bucket bounds in seconds.
 # fmt: off
@@ -24,6 +33,10 @@ CACHE_RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
 # Generate streams a whole completion, so the compute side also needs minutes.
 COMPUTE_RPC_BUCKETS = CACHE_RPC_BUCKETS + (2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 # fmt: on
+
+# The model_name of the built-in tiny model: the gateway's default --served-model-name for it
+# (gateway/config.py TINY_MODEL_NAME), so the services' series and the gateway's join on it.
+TINY_MODEL_NAME = "kvtier-tiny"
 
 
 class RpcLatency:
@@ -36,6 +49,9 @@ class RpcLatency:
         self, registry: CollectorRegistry | None, prefix: str, help_text: str, buckets: tuple[float, ...]
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
+        ProcessCollector(
+            registry=self.registry
+        )  # process_cpu_seconds_total, process_resident_memory_bytes, ...
         self.rpc_duration = Histogram(
             f"{prefix}_rpc_duration_seconds",
             help_text,
@@ -73,7 +89,80 @@ def rpc_status_name(context, error: BaseException | None) -> str:
     return "UNKNOWN"
 
 
-def start_metrics_server(port: int, registry: CollectorRegistry, addr: str = "0.0.0.0") -> int:
+def served_model_name(model_dir: str | None) -> str:
+    """The ``model_name`` label of a service started with ``--model model_dir`` (None: the built-in
+    tiny model): the directory's name, as the gateway names the model by default."""
+    return Path(model_dir).resolve().name if model_dir else TINY_MODEL_NAME
+
+
+def metrics_host(listen: str) -> str:
+    """The address the metrics server binds by default: the host the service's gRPC ``listen``
+    address names (``tcp://0.0.0.0:50051`` -> ``0.0.0.0``, ``tcp://[::1]:1`` -> ``::1``,
+    ``tcp://node7:1`` -> ``node7``), and loopback for a Unix socket (``unix:///path``) or
+    ``localhost``. Never wider than the service itself."""
+    if listen.startswith("unix:"):
+        return "127.0.0.1"
+    hostport = listen.split("://", 1)[-1]
+    host = (hostport.rsplit(":", 1)[0] if ":" in hostport else hostport).strip("[]")
+    return "127.0.0.1" if host in ("", "localhost") else host
+
+
+def _renamed(family: Metric, name: str, labels: dict[str, str], renames: dict[str, str]) -> Metric:
+    """`family` under `name`, each sample renamed alike (``_total``, ``_bucket`` kept), its label
+    names mapped through `renames` and `labels` added."""
+    out = Metric(name, family.documentation, family.type, family.unit)
+    cut = len(family.name)
+    out.samples = [
+        s._replace(
+            name=name + s.name[cut:],
+            labels={**{renames.get(k, k): v for k, v in s.labels.items()}, **labels},
+        )
+        for s in family.samples
+    ]
+    return out
+
+
+class VllmAliases(Collector):
+    """Collects metric objects again under vLLM's names, each sample with a ``model_name`` label.
+
+    `aliases`: (a prometheus-client metric object, its vLLM family names: a counter's without
+    ``_total``, an info's without ``_info``[, {our label name: vLLM's}]). Registered on the same
+    registry as the objects.
+    """
+
+    def __init__(self, model_name: str, aliases: Iterable[tuple]) -> None:
+        self.labels = {"model_name": model_name}
+        self.aliases = [(a[0], a[1], a[2] if len(a) > 2 else {}) for a in aliases]
+
+    def collect(self) -> Iterator[Metric]:
+        for metric, names, renames in self.aliases:
+            for family in metric.collect():
+                for name in names:
+                    yield _renamed(family, name, self.labels, renames)
+
+    def describe(self) -> list[Metric]:
+        return []  # no name checks against the kvtier_ series (the names differ by construction)
+
+
+def serve_metrics(metrics: Any, cfg: Any, log: logging.Logger) -> int:
+    """Serve a service's `metrics` (CacheMetrics / ComputeMetrics) as its config says: on
+    ``cfg.metrics_port``, bound to ``cfg.metrics_host`` or else the host of ``cfg.listen``
+    (`metrics_host`), with the ``vllm:`` aliases when ``cfg.vllm_metrics``; logs the URL.
+
+    Returns:
+        The bound TCP port.
+    """
+    if cfg.vllm_metrics:
+        metrics.registry.register(metrics.vllm_aliases(served_model_name(cfg.model)))
+    host = cfg.metrics_host or metrics_host(cfg.listen)
+    port = start_metrics_server(cfg.metrics_port, metrics.registry, host)
+    url_host = f"[{host}]" if ":" in host else host
+    names = " (also under vllm: names)" if cfg.vllm_metrics else ""
+    log.info("Prometheus metrics on http://%s:%d/metrics%s", url_host, port, names)
+    return port
+
+
+def start_metrics_server(port: int, registry: CollectorRegistry, addr: str = "127.0.0.1") -> int:
     """Serve ``registry`` at ``http://addr:port/metrics`` from a daemon thread; port 0 picks a free one.
 
     Returns:

@@ -488,7 +488,7 @@ def test_prometheus_endpoint_reports_blocks_hits_and_rpc_latency(tmp_path):
     from prometheus_client.parser import text_string_to_metric_families
 
     with cache_service(tmp_path, "--num-blocks", "32", "--metrics-port", "0") as svc:
-        port = int(re.search(r"Prometheus metrics on http://0\.0\.0\.0:(\d+)/metrics", svc.log()).group(1))
+        port = int(re.search(r"Prometheus metrics on http://127\.0\.0\.1:(\d+)/metrics", svc.log()).group(1))
         c = CacheClient.connect(svc.address, TOKEN)
         c.attach("metrics")
         seq = c.allocate([[1] * 40]).sequences[0]

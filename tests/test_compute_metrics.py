@@ -26,7 +26,7 @@ def test_compute_metrics_count_tokens_ttft_hits_and_cache_calls(tmp_path):
     with local_stack(tmp_path / "run", compute_args=["--metrics-port", "0"], replicas=1) as stack:
         port = int(
             re.search(
-                r"Prometheus metrics on http://0\.0\.0\.0:(\d+)/metrics", stack.replicas[0].log()
+                r"Prometheus metrics on http://127\.0\.0\.1:(\d+)/metrics", stack.replicas[0].log()
             ).group(1)
         )
 
@@ -66,3 +66,6 @@ def test_compute_metrics_count_tokens_ttft_hits_and_cache_calls(tmp_path):
         samples[("kvtier_compute_rpc_duration_seconds_count", (("code", "OK"), ("method", "Generate")))] == 2
     )
     assert samples[("kvtier_compute_running_sequences", ())] == 0
+    # Without --vllm-metrics only the kvtier_ (and process_) names.
+    assert not [name for name, _ in samples if name.startswith("vllm:")]
+    assert samples[("process_resident_memory_bytes", ())] > 0

@@ -214,7 +214,7 @@ def test_a_quota_holds_under_a_greedy_lease_and_others_still_allocate(stack):
         )
         assert (tenants["globex"].num_blocks, tenants["globex"].max_blocks) == (7 * 4 + 4, 0)
         assert stats.max_blocks_per_lease == LEASE_LIMIT
-        port = re.search(r"Prometheus metrics on http://0\.0\.0\.0:(\d+)/metrics", stack.cache.log()).group(1)
+        port = re.search(r"Prometheus metrics on http://127\.0\.0\.1:(\d+)/", stack.cache.log()).group(1)
 
         def scraped() -> bool:
             text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
