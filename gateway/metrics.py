@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 
 from kvtier.metrics import COMPUTE_RPC_BUCKETS
 
@@ -31,6 +31,7 @@ class GatewayMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = r = registry if registry is not None else CollectorRegistry()
+        ProcessCollector(registry=r)  # process_* series, as every kvtier service has
         p = "kvtier_gateway"
         self.requests = Counter(
             f"{p}_requests",
