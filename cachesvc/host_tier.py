@@ -2,7 +2,12 @@
 
 The tier is a stack of ``num_blocks`` slots, each shaped like one pool block
 (``pool[0]``: ``[num_layers, 2, block_size, num_kv_heads, head_dim]``). On CUDA the slots are
-pinned host memory so copies run at full PCIe speed; on CPU they are plain memory.
+pinned host memory so copies run at full PCIe speed, and every copy runs on a side stream of
+its own (``torch.cuda.Stream``): it first waits for the default stream's work (an event), runs
+the gather and the asynchronous copies to or from the pinned slots, one per run of consecutive
+slots, and the call returns once the side stream's event has completed (a replica in another
+process reads or reuses those device blocks next). On CPU the slots are plain memory and the
+copies are plain ``index_select`` / ``index_copy_``.
 
 A disk tier would offer the same calls (``swap_out`` / ``swap_in`` / ``release`` and the slot
 counters) over a file of block-sized records, and ``SequenceTable`` would pick the tier a
@@ -27,6 +32,7 @@ class HostTier:
         self.block_bytes = pool[0].numel() * pool.element_size()
         pin = pool.is_cuda
         self.slots = torch.empty((num_blocks, *pool.shape[1:]), dtype=pool.dtype, pin_memory=pin)
+        self.stream = torch.cuda.Stream(device=pool.device) if pool.is_cuda else None
         # Free slots as a stack: the lowest slot ids are handed out first.
         self._free_slots = list(range(num_blocks - 1, -1, -1))
         self._in_use = bytearray(num_blocks)
@@ -65,11 +71,28 @@ class HostTier:
         slots = [self._free_slots.pop() for _ in range(n)]
         for s in slots:
             self._in_use[s] = 1
+        if self.stream is not None:
+            self._cuda_swap_out(device_block_ids, slots)
+            return slots
         src = torch.tensor(device_block_ids, dtype=torch.long, device=self.pool.device)
         # index_select gathers into one contiguous buffer: one device -> host copy for the batch.
         data = self.pool.index_select(0, src).to("cpu")
         self.slots.index_copy_(0, torch.tensor(slots, dtype=torch.long), data)
         return slots
+
+    def _cuda_swap_out(self, device_block_ids: list[int], slots: list[int]) -> None:
+        """Gather on the side stream, then one async device -> pinned copy per run of consecutive slots."""
+        stream = self.stream
+        stream.wait_stream(torch.cuda.current_stream(self.pool.device))
+        with torch.cuda.stream(stream):
+            src = torch.tensor(device_block_ids, dtype=torch.long).to(self.pool.device, non_blocking=True)
+            data = self.pool.index_select(0, src)
+            for start, end, first in slot_runs(slots):
+                self.slots[first : first + end - start].copy_(data[start:end], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        # The pinned slots are written only when the event completes: wait before returning.
+        done.synchronize()
 
     def swap_in(self, host_slots: list[int], device_block_ids: list[int]) -> None:
         """Copy host slots back into ``pool[device_block_ids]`` and release the slots.
@@ -81,13 +104,31 @@ class HostTier:
                 f"len(host_slots) = {len(host_slots)} != len(device_block_ids) = {len(device_block_ids)}"
             )
         self._check_in_use(host_slots)
-        if host_slots:
+        if host_slots and self.stream is not None:
+            self._cuda_swap_in(host_slots, device_block_ids)
+        elif host_slots:
             data = self.slots.index_select(0, torch.tensor(host_slots, dtype=torch.long))
             dst = torch.tensor(device_block_ids, dtype=torch.long, device=self.pool.device)
-            self.pool.index_copy_(0, dst, data.to(self.pool.device))
-            if self.pool.is_cuda:
-                torch.cuda.synchronize(self.pool.device)
+            self.pool.index_copy_(0, dst, data)
         self._release(host_slots)
+
+    def _cuda_swap_in(self, host_slots: list[int], device_block_ids: list[int]) -> None:
+        """Async pinned -> device copies per run of consecutive slots into a staging buffer, then
+        one scatter into the pool, all on the side stream; the default stream waits for it."""
+        stream = self.stream
+        device = self.pool.device
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            data = torch.empty((len(host_slots), *self.pool.shape[1:]), dtype=self.pool.dtype, device=device)
+            for start, end, first in slot_runs(host_slots):
+                data[start:end].copy_(self.slots[first : first + end - start], non_blocking=True)
+            dst = torch.tensor(device_block_ids, dtype=torch.long).to(device, non_blocking=True)
+            self.pool.index_copy_(0, dst, data)
+            done = torch.cuda.Event()
+            done.record(stream)
+        torch.cuda.current_stream(device).wait_event(done)
+        # The copy is complete when swap_in returns: a compute process reads the pool next.
+        done.synchronize()
 
     def release(self, host_slots: list[int]) -> None:
         """Drop slots without copying (their sequence was freed while swapped out)."""
@@ -107,3 +148,16 @@ class HostTier:
         for s in reversed(host_slots):
             self._in_use[s] = 0
             self._free_slots.append(s)
+
+
+def slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """``(start, end, first_slot)`` for each run of consecutive slot ids: ``slots[start:end]`` is
+    ``first_slot, first_slot + 1, ...``. One copy per run instead of per block (the tier hands out
+    the lowest free slots first, so a batch is mostly one run)."""
+    runs = []
+    start = 0
+    for i in range(1, len(slots) + 1):
+        if i == len(slots) or slots[i] != slots[i - 1] + 1:
+            runs.append((start, i, slots[start]))
+            start = i
+    return runs
