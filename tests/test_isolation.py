@@ -16,13 +16,18 @@ import time
 import grpc
 import pytest
 import torch
-from servers import TOKEN, ModuleLoop, greedy_request, local_stack
+from servers import TOKEN, ModuleLoop, cache_service, greedy_request, local_stack
 
-from computesvc.model import build_tiny_model
+from computesvc.model import ModelRunner, build_tiny_model, load_model
+from computesvc.remote_cache import RemoteCache
+from computesvc.request import Request
 from computesvc.sampling import NonFiniteLogits, Sampler, SamplingParams
+from computesvc.scheduler import RequestRefused, Scheduler
 from computesvc.servicer import MAX_CACHE_SALT_BYTES, PROMPT_BYTES_PER_TOKEN
+from kvtier.cache_client import CacheClient
 from kvtier.compute_client import Completion, ComputeClient
 from kvtier.model_spec import TINY_LLAMA_CONFIG
+from kvtier.pool import attach_pool
 
 BOS = TINY_LLAMA_CONFIG["bos_token_id"]
 MAX_MODEL_LEN = TINY_LLAMA_CONFIG["max_position_embeddings"]
@@ -99,21 +104,19 @@ def neighbour_prompt(k: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def expected() -> list[list[int]]:
-    """Hugging Face greedy generation of each neighbour's prompt, in this process."""
+    """Hugging Face greedy generation of each neighbour's prompt, in this process (one batch:
+    the prompts have the same length, so no padding)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the replica needs the other core
     model = build_tiny_model(0)
     model.generation_config.eos_token_id = None  # exactly max_new_tokens, as ignore_eos
-    out = []
+    ids = torch.tensor([neighbour_prompt(k) for k in range(NUM_NEIGHBOURS)])
     with torch.inference_mode():
-        for k in range(NUM_NEIGHBOURS):
-            ids = torch.tensor([neighbour_prompt(k)])
-            full = model.generate(
-                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEIGHBOUR_TOKENS
-            )
-            out.append(full[0, ids.shape[1] :].tolist())
+        full = model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEIGHBOUR_TOKENS
+        )
     torch.set_num_threads(threads)
-    return out
+    return full[:, ids.shape[1] :].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -257,3 +260,58 @@ def test_prompt_token_ids_longer_than_the_context_are_refused_by_their_count(add
             await client.close()
 
     assert_invalid(run(one()), f"context is {MAX_MODEL_LEN} tokens", "200000")
+
+
+# ---------------------------------------------------------------- a refused item of a batched call
+
+
+def test_a_batched_allocate_refused_for_one_item_fails_only_that_request(tmp_path, expected):
+    """The servicer refuses a NUL salt at the edge; behind it, the scheduler must still fail only
+    the request whose item the cache service refuses, not the batch. Here the requests go to the
+    scheduler directly (as a replica without that check would send them), over real gRPC to a
+    real cache service."""
+    loaded = load_model(None)
+    steps = 8
+
+    async def scenario(address: str):
+        client = CacheClient.connect(address, TOKEN, aio=True)
+        await client.attach_async("isolation-test", loaded.shape.fingerprint)
+        pool = attach_pool(client.pool)
+        runner = ModelRunner(loaded.model, pool.tensor, client.pool.block_size)
+        scheduler = Scheduler(runner, RemoteCache(client), loaded.tokenizer, loaded.eos_token_ids)
+        requests = [
+            Request(
+                f"r{k}",
+                neighbour_prompt(k),
+                SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True),
+                cache_salt="bad\0salt" if k == 2 else salt_of(k),
+            )
+            for k in range(4)
+        ]
+        for r in requests:
+            scheduler.add(r)  # all four go out in one Allocate
+        while scheduler.has_work:
+            await scheduler.step()
+        outputs = []
+        for r in requests:
+            items = []
+            while not r.outputs.empty():
+                items.append(r.outputs.get_nowait())
+            outputs.append(items)
+        await client.close()
+        del scheduler, runner
+        pool.close()  # unmapped once the last view is gone
+        return requests, outputs
+
+    with cache_service(tmp_path, "--num-blocks", "64", "--lease-ttl", "30") as service:
+        requests, outputs = run(scenario(service.address), 120)
+        stats = CacheClient.connect(service.address, TOKEN, timeout_s=5.0).get_stats()
+    assert stats.num_sequences == 0, "a sequence of the refused batch was left allocated"
+    (refused,) = outputs[2]
+    assert isinstance(refused.error, RequestRefused), refused.error
+    assert "NUL" in str(refused.error)
+    for k in (0, 1, 3):
+        assert salt_of(k) not in str(refused.error)
+        assert all(out.error is None for out in outputs[k]), [out.error for out in outputs[k]]
+        assert requests[k].output_token_ids == expected[k][:steps], f"request {k}"
+        assert outputs[k][-1].finish_reason == "length"
