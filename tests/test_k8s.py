@@ -1,0 +1,456 @@
+"""deploy/k8s/ holds together, offline (there is no cluster here).
+
+Every object of a kind Kubernetes itself defines is validated against that Kubernetes version's
+OpenAPI schema, strict (an unknown or misspelled field fails), by `kubernetes-validate` from PyPI,
+which bundles the schemas. The Prometheus Operator's PodMonitor has no bundled schema: its shape
+is checked here by hand. The rest asserts what the schema cannot see: the wiring between objects
+(selectors, ports, DNS names, Secrets, volumes), host namespaces only where CUDA IPC needs them,
+resources and probes on every container, no token in any file.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from urllib.parse import urlparse
+
+import kubernetes_validate
+import pytest
+import yaml
+from test_compose import ROUTER_FLAGS, flag, port_of, unparsed_gateway_flags
+
+ROOT = Path(__file__).resolve().parent.parent
+K8S = ROOT / "deploy/k8s"
+# The oldest Kubernetes the manifests are written for: gRPC probes (GA 1.27), internalTrafficPolicy
+# (GA 1.26), autoscaling/v2 behavior; validated against both ends of what the package bundles.
+K8S_VERSIONS = ("1.29", kubernetes_validate.utils.latest_version())
+NAMESPACE = "kvtier"
+WORKLOADS = {"cache": ("DaemonSet", "kvtier-cache"), "compute": ("Deployment", "kvtier-compute")}
+WORKLOADS["gateway"] = ("Deployment", "kvtier-gateway")
+SECRETS = {"kvtier-token": "token", "kvtier-api-keys": "api-keys.json"}
+NOT_IN_THE_SCHEMAS = {("monitoring.coreos.com/v1", "PodMonitor")}
+
+
+def load_docs() -> list[tuple[str, dict]]:
+    files = sorted(K8S.glob("*.yaml"))
+    assert files, "no manifests in deploy/k8s"
+    return [(f.name, d) for f in files for d in yaml.safe_load_all(f.read_text()) if d]
+
+
+DOCS = load_docs()
+
+
+def ident(doc: dict) -> str:
+    return f"{doc['kind']}/{doc['metadata']['name']}"
+
+
+def obj(kind: str, name: str) -> dict:
+    (found,) = [d for _, d in DOCS if d["kind"] == kind and d["metadata"]["name"] == name]
+    return found
+
+
+def pod(role: str) -> dict:
+    return obj(*WORKLOADS[role])["spec"]["template"]["spec"]
+
+
+def container(role: str) -> dict:
+    (c,) = pod(role)["containers"]
+    return c
+
+
+def pod_labels(role: str) -> dict:
+    return obj(*WORKLOADS[role])["spec"]["template"]["metadata"]["labels"]
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def roles_selected_by(selector: dict) -> list[str]:
+    return [role for role in WORKLOADS if selects(selector, pod_labels(role))]
+
+
+def env_of(c: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in c.get("env", [])}
+
+
+def quantity(value: str | int) -> float:
+    """A Kubernetes quantity (2, 500m, 12Gi, 1G) as a number."""
+    number, suffix = re.fullmatch(r"([0-9.]+)([a-zA-Z]*)", str(value)).groups()
+    scale = {"": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30}
+    return float(number) * scale[suffix]
+
+
+def cluster_dns(address: str) -> tuple[str, str, int]:
+    """`svc.ns.svc.cluster.local:port` (optionally tcp://) -> (svc, ns, port)."""
+    host_port = address.removeprefix("tcp://")
+    host, port = host_port.rsplit(":", 1)
+    match = re.fullmatch(r"([a-z0-9-]+)\.([a-z0-9-]+)\.svc\.cluster\.local", host)
+    assert match, f"not a Service's cluster DNS name: {address}"
+    return match[1], match[2], int(port)
+
+
+# ---------------------------------------------------------------- schema
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize(("file", "doc"), DOCS, ids=[f"{f}:{ident(d)}" for f, d in DOCS])
+def test_manifest_validates_against_the_kubernetes_schema(file: str, doc: dict, version: str):
+    if (doc["apiVersion"], doc["kind"]) in NOT_IN_THE_SCHEMAS:
+        pytest.skip(f"{doc['kind']} is a CRD: checked by test_podmonitor_scrapes_every_workload")
+    kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_the_validator_rejects_a_misspelled_field():
+    daemonset = yaml.safe_load(yaml.safe_dump(obj(*WORKLOADS["cache"])))
+    daemonset["spec"]["template"]["spec"]["hostIpc"] = True  # hostIPC
+    with pytest.raises(kubernetes_validate.ValidationError, match="hostIpc"):
+        kubernetes_validate.validate(daemonset, K8S_VERSIONS[0], strict=True)
+    probe = yaml.safe_load(yaml.safe_dump(obj(*WORKLOADS["compute"])))
+    probe["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpc"]["port"] = "grpc"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(probe, K8S_VERSIONS[0], strict=True)  # grpc.port is an integer
+
+
+def test_only_the_podmonitor_lacks_a_bundled_schema():
+    kinds = {(d["apiVersion"], d["kind"]) for _, d in DOCS}
+    assert kinds & NOT_IN_THE_SCHEMAS == NOT_IN_THE_SCHEMAS
+    for _, doc in DOCS:
+        if (doc["apiVersion"], doc["kind"]) in NOT_IN_THE_SCHEMAS:
+            with pytest.raises(kubernetes_validate.SchemaNotFoundError):
+                kubernetes_validate.validate(doc, K8S_VERSIONS[0], strict=True)
+
+
+# ---------------------------------------------------------------- objects and namespace
+
+
+def test_the_pieces_are_all_there_in_one_namespace_created_first():
+    first_file, first = DOCS[0]
+    assert first["kind"] == "Namespace" and first["metadata"]["name"] == NAMESPACE, first_file
+    for _, doc in DOCS[1:]:
+        assert doc["metadata"]["namespace"] == NAMESPACE, ident(doc)
+    kinds = [d["kind"] for _, d in DOCS]
+    for kind in ("DaemonSet", "Deployment", "Service", "PodDisruptionBudget"):
+        assert kind in kinds
+    assert {"HorizontalPodAutoscaler", "PodMonitor", "PersistentVolumeClaim"} <= set(kinds)
+    assert len({ident(d) for _, d in DOCS}) == len(DOCS), "two objects of one kind and name"
+
+
+# ---------------------------------------------------------------- images, resources, probes
+
+
+@pytest.mark.parametrize("role", WORKLOADS)
+def test_images_are_tagged_never_latest(role: str):
+    for c in pod(role)["containers"] + pod(role).get("initContainers", []):
+        name, _, tag = c["image"].rpartition(":")
+        assert name and tag and "/" not in tag, f"{role}: untagged image {c['image']}"
+        assert tag != "latest", f"{role}: {c['image']}"
+        assert c["imagePullPolicy"] == "IfNotPresent"
+
+
+@pytest.mark.parametrize("role", WORKLOADS)
+def test_every_container_has_requests_and_limits(role: str):
+    for c in pod(role)["containers"]:
+        requests, limits = c["resources"]["requests"], c["resources"]["limits"]
+        for resource in ("cpu", "memory"):
+            assert quantity(requests[resource]) <= quantity(limits[resource]), (role, resource)
+        for resource in set(requests) | set(limits):
+            if "/" in resource:  # extended resources (GPUs): requests must equal limits
+                assert requests.get(resource) == limits.get(resource), (role, resource)
+
+
+def test_gpu_on_cache_and_compute_only():
+    for role in ("cache", "compute"):
+        assert container(role)["resources"]["limits"]["nvidia.com/gpu"] == 1, role
+    assert not any("gpu" in r for r in container("gateway")["resources"]["limits"])
+    assert container("gateway")["image"].endswith(":cpu")
+
+
+def test_cache_memory_limit_holds_its_host_tier():
+    c = container("cache")
+    swap = float(flag(c["args"], "swap-space")) * (1 << 30)
+    assert quantity(c["resources"]["requests"]["memory"]) > swap
+    assert quantity(c["resources"]["limits"]["memory"]) > swap
+
+
+def named_port(c: dict, port: int | str) -> int:
+    if isinstance(port, int):
+        return port
+    (number,) = [p["containerPort"] for p in c["ports"] if p["name"] == port]
+    return number
+
+
+@pytest.mark.parametrize("role", ["cache", "compute"])
+def test_grpc_services_have_grpc_health_probes_on_their_listen_port(role: str):
+    c = container(role)
+    listen = port_of(flag(c["args"], "listen"))
+    for probe in ("startupProbe", "readinessProbe"):
+        assert c[probe]["grpc"]["port"] == listen, (role, probe)
+        assert "service" not in c[probe]["grpc"]  # "": the server as a whole
+    live = c["livenessProbe"]
+    assert ("grpc" in live and live["grpc"]["port"] == listen) or named_port(
+        c, live["tcpSocket"]["port"]
+    ) == listen
+
+
+def test_cache_liveness_is_grpc_health():
+    assert container("cache")["livenessProbe"]["grpc"]["port"] == port_of(
+        flag(container("cache")["args"], "listen")
+    )
+
+
+def test_gateway_probes_are_http_on_its_port():
+    c = container("gateway")
+    port = int(flag(c["args"], "port"))
+    assert flag(c["args"], "host") == "0.0.0.0"
+    paths = {}
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert named_port(c, c[probe]["httpGet"]["port"]) == port, probe
+        paths[probe] = c[probe]["httpGet"]["path"]
+    # /health turns 503 when no replica serves: readiness only, or a cluster-wide outage of
+    # compute would restart every gateway too.
+    assert paths["readinessProbe"] == "/health"
+    assert paths["livenessProbe"] != "/health"
+    from gateway.app import ENDPOINTS
+
+    assert set(paths.values()) <= ENDPOINTS
+
+
+# ---------------------------------------------------------------- host namespaces and placement
+
+
+def test_host_ipc_and_pid_only_on_cache_and_compute():
+    for role in WORKLOADS:
+        spec = pod(role)
+        shared = role in ("cache", "compute")
+        assert spec.get("hostIPC", False) is shared, role
+        assert spec.get("hostPID", False) is shared, role
+        assert not spec.get("hostNetwork", False), role
+        assert not spec.get("shareProcessNamespace", False), role
+        for c in spec["containers"]:
+            sc = c.get("securityContext", {})
+            assert not sc.get("privileged", False), role
+            assert sc["allowPrivilegeEscalation"] is False, role
+            assert sc["capabilities"]["drop"] == ["ALL"] and "add" not in sc["capabilities"], role
+        assert spec["securityContext"]["runAsNonRoot"] is True, role
+        assert spec["automountServiceAccountToken"] is False, role
+    namespace = obj("Namespace", NAMESPACE)["metadata"]["labels"]
+    assert namespace["pod-security.kubernetes.io/enforce"] == "privileged"  # host namespaces need it
+
+
+def test_cache_and_compute_run_as_one_user():
+    """The cpu-shm pool is a 0600 segment: only its owner's uid maps it."""
+    uids = {
+        (pod(role)["securityContext"]["runAsUser"], pod(role)["securityContext"]["runAsGroup"])
+        for role in ("cache", "compute")
+    }
+    assert len(uids) == 1, uids
+    assert pod("gateway")["securityContext"]["runAsUser"] not in {u for u, _ in uids}
+
+
+def test_the_readme_says_what_host_namespaces_open():
+    readme = (ROOT / "deploy/README.md").read_text()
+    for words in ("hostIPC", "hostPID", "cudaIpcOpenMemHandle", "/dev/shm"):
+        assert words in readme, words
+
+
+def test_cache_is_a_daemonset_on_gpu_nodes():
+    assert WORKLOADS["cache"][0] == "DaemonSet"
+    spec = pod("cache")
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+    assert flag(container("cache")["args"], "backend") == "cuda"
+
+
+def test_compute_is_placed_beside_a_cache_pod():
+    spec = pod("compute")
+    (term,) = spec["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert roles_selected_by(term["labelSelector"]["matchLabels"]) == ["cache"]
+    # It must be allowed onto the same (tainted, labelled) nodes the cache is on.
+    assert spec["nodeSelector"] == pod("cache")["nodeSelector"]
+    assert spec["tolerations"] == pod("cache")["tolerations"]
+    assert flag(container("compute")["args"], "device") == "cuda"
+
+
+def test_compute_dials_the_cache_on_its_own_node():
+    cache_address = flag(container("compute")["args"], "cache")
+    assert urlparse(cache_address).scheme == "tcp"
+    name, namespace, port = cluster_dns(cache_address)
+    assert namespace == NAMESPACE
+    service = obj("Service", name)
+    # Local: only the endpoint on the caller's node, never another node's cache (whose pool
+    # this replica could not map).
+    assert service["spec"]["internalTrafficPolicy"] == "Local"
+    assert roles_selected_by(service["spec"]["selector"]) == ["cache"]
+    (service_port,) = [p for p in service["spec"]["ports"] if p["port"] == port]
+    assert named_port(container("cache"), service_port["targetPort"]) == port_of(
+        flag(container("cache")["args"], "listen")
+    )
+
+
+def test_compute_scales_on_its_own_and_rolls_without_dropping_capacity():
+    deployment = obj(*WORKLOADS["compute"])
+    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    assert obj(*WORKLOADS["cache"])["kind"] != deployment["kind"]  # a compute rollout keeps the caches
+
+
+# ---------------------------------------------------------------- services, router, secrets
+
+
+@pytest.mark.parametrize(
+    "service", [d for _, d in DOCS if d["kind"] == "Service"], ids=lambda d: d["metadata"]["name"]
+)
+def test_every_service_selects_one_workload_and_targets_a_named_port(service: dict):
+    (role,) = roles_selected_by(service["spec"]["selector"])
+    c = container(role)
+    names = {p["name"] for p in c["ports"]}
+    for port in service["spec"]["ports"]:
+        assert port["targetPort"] in names, (service["metadata"]["name"], port)
+
+
+@pytest.mark.parametrize(("option", "role"), [("nodes-dns", "cache"), ("compute-dns", "compute")])
+def test_gateway_discovers_nodes_through_headless_services(option: str, role: str):
+    args = container("gateway")["args"]
+    assert flag(args, "routing") == "kv-aware"
+    name, namespace, port = cluster_dns(flag(args, option))
+    assert namespace == NAMESPACE
+    service = obj("Service", name)
+    assert service["spec"]["clusterIP"] == "None", f"{name}: DNS must answer with each pod, not a VIP"
+    assert roles_selected_by(service["spec"]["selector"]) == [role]
+    assert port_of(flag(container(role)["args"], "listen")) == port
+    assert any(p["port"] == port for p in service["spec"]["ports"])
+
+
+def test_compute_names_itself_by_its_generate_address():
+    """The cache service's GetStats lists each lease's client name: the router joins replicas
+    to nodes by it."""
+    c = container("compute")
+    listen = port_of(flag(c["args"], "listen"))
+    assert flag(c["args"], "name") == f"$(POD_IP):{listen}"
+    assert env_of(c)["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+
+
+def test_gateway_and_service_commands_parse_with_their_flag_parsers():
+    unknown = unparsed_gateway_flags(container("gateway")["args"])
+    assert unknown <= ROUTER_FLAGS, f"not flags of python -m gateway: {unknown - ROUTER_FLAGS}"
+    from cachesvc.config import build_parser as cache_parser
+    from computesvc.config import build_parser as compute_parser
+
+    for role, parser in (("cache", cache_parser()), ("compute", compute_parser())):
+        parser.exit_on_error = False
+        args = container(role)["args"]
+        assert args[0] == {"cache": "cachesvc", "compute": "computesvc"}[role]
+        _, left = parser.parse_known_args(args[1:])
+        assert left == [], f"{role}: {left}"
+
+
+def test_no_token_or_key_in_any_manifest():
+    for path in sorted(K8S.glob("*.yaml")):
+        text = path.read_text()
+        # No long run of letters and digits (a token, a key, a Secret's data), comments included.
+        for run in re.findall(r"[A-Za-z0-9+/=_-]{24,}", text):
+            assert not (re.search(r"\d", run) and re.search(r"[A-Za-z]", run)), (path.name, run)
+        assert not re.search(r"\bsk-[A-Za-z0-9]", text), path.name
+    for _, doc in DOCS:
+        assert doc["kind"] != "Secret", "Secrets are created by the documented commands, never applied"
+    for role in WORKLOADS:
+        c = container(role)
+        env = env_of(c)
+        assert env["KVTIER_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "kvtier-token", "key": "token"}}
+        for var in ("KVTIER_API_KEY", "KVTIER_TOKEN_FILE"):
+            assert var not in env, (role, var)
+        for name, e in env.items():
+            if re.search("TOKEN|KEY|SECRET|PASSWORD", name):
+                assert "value" not in e, (role, name)
+        assert not any(a.startswith(("--api-key=", "--api-key ")) or a == "--api-key" for a in c["args"])
+
+
+def test_secrets_are_the_documented_ones_and_mounted_where_the_flags_read():
+    readme = (ROOT / "deploy/README.md").read_text()
+    assert re.search(
+        r"kubectl -n kvtier create secret generic kvtier-token --from-literal=token=\"?\$\(openssl rand -hex 32\)",
+        readme,
+    )
+    assert "kubectl -n kvtier create secret generic kvtier-api-keys --from-file=api-keys.json=" in readme
+    for role in WORKLOADS:
+        spec, c = pod(role), container(role)
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        for mount in c["volumeMounts"]:
+            assert mount["name"] in volumes, (role, mount)
+        for name, volume in volumes.items():
+            if "secret" in volume:
+                assert volume["secret"]["secretName"] in SECRETS, (role, name)
+            if "persistentVolumeClaim" in volume:
+                obj("PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
+        for e in c.get("env", []):
+            ref = e.get("valueFrom", {}).get("secretKeyRef")
+            if ref:
+                assert SECRETS[ref["name"]] == ref["key"], (role, e)
+        if role != "cache":  # client API keys: the gateway checks them, Generate charges them
+            path = flag(c["args"], "api-keys")
+            (mount,) = [m for m in c["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+            assert volumes[mount["name"]]["secret"]["secretName"] == "kvtier-api-keys"
+            assert path == f"{mount['mountPath']}/{SECRETS['kvtier-api-keys']}"
+            assert mount["readOnly"] is True
+
+
+# ---------------------------------------------------------------- disruption, scaling, metrics
+
+
+@pytest.mark.parametrize("role", WORKLOADS)
+def test_each_workload_has_one_disruption_budget_that_lets_a_drain_proceed(role: str):
+    budgets = [
+        d
+        for _, d in DOCS
+        if d["kind"] == "PodDisruptionBudget"
+        and selects(d["spec"]["selector"]["matchLabels"], pod_labels(role))
+    ]
+    assert len(budgets) == 1, (role, [ident(b) for b in budgets])
+    (budget,) = budgets
+    assert (
+        budget["spec"]["selector"]["matchLabels"] == obj(*WORKLOADS[role])["spec"]["selector"]["matchLabels"]
+    )
+    workload = obj(*WORKLOADS[role])
+    if "minAvailable" in budget["spec"]:
+        assert workload["spec"]["replicas"] > budget["spec"]["minAvailable"], role
+    else:
+        assert budget["spec"]["maxUnavailable"] >= 1, role
+
+
+def test_hpa_scales_compute_on_a_metric_the_replicas_export():
+    (hpa,) = [d for _, d in DOCS if d["kind"] == "HorizontalPodAutoscaler"]
+    target = hpa["spec"]["scaleTargetRef"]
+    assert (target["kind"], target["name"]) == WORKLOADS["compute"]
+    (metric,) = hpa["spec"]["metrics"]
+    name = metric["pods"]["metric"]["name"]
+    from prometheus_client import CollectorRegistry
+
+    from computesvc.metrics import ComputeMetrics
+
+    exported = {m.name for m in ComputeMetrics(CollectorRegistry()).registry.collect()}
+    assert name in exported, f"{name} is not a compute replica metric ({sorted(exported)})"
+    assert name in (ROOT / "deploy/README.md").read_text(), "the adapter rule for it is documented"
+    assert hpa["spec"]["minReplicas"] >= obj(*WORKLOADS["compute"])["spec"]["replicas"]
+    assert hpa["spec"]["maxReplicas"] > hpa["spec"]["minReplicas"]
+
+
+def test_podmonitor_scrapes_every_workload():
+    monitor = obj("PodMonitor", "kvtier")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    endpoints = monitor["spec"]["podMetricsEndpoints"]
+    assert {frozenset(e) <= {"port", "path", "interval", "scheme"} for e in endpoints} == {True}
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    for role in WORKLOADS:
+        assert selects(selector, pod_labels(role)), role
+        c = container(role)
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        scraped = [e for e in endpoints if e["port"] in ports]
+        assert scraped, f"{role}: no endpoint names a port of it"
+        for endpoint in scraped:
+            assert endpoint["path"] == "/metrics"
+            number = ports[endpoint["port"]]
+            if role == "gateway":
+                assert number == int(flag(c["args"], "port"))
+            else:
+                assert number == int(flag(c["args"], "metrics-port"))
