@@ -61,14 +61,25 @@ def listening_addresses(port: int) -> set[str]:
     return found
 
 
+# promtool's lint reserves ':' for recording rules, and says so of every vllm: name (vLLM's own
+# /metrics draws the same lines); those names are the point of --vllm-metrics.
+COLON_LINT = "metric names should not contain ':'"
+
+
 def promtool_check(text: str) -> None:
-    """`promtool check metrics` must find nothing to complain about, where the binary exists."""
+    """`promtool check metrics` parses the scrape and finds nothing to lint but the vllm: names'
+    colons, where the binary exists."""
     promtool = shutil.which("promtool")
     if promtool is None:
         print("promtool not installed: `promtool check metrics` skipped")
         return
     done = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
-    assert done.returncode == 0 and not done.stdout.strip(), done.stdout + done.stderr
+    problems = [
+        line
+        for line in (done.stdout + done.stderr).splitlines()
+        if line.strip() and not (line.startswith("vllm:") and line.endswith(COLON_LINT))
+    ]
+    assert done.returncode in (0, 3) and not problems, done.stdout + done.stderr  # 3: lint findings
 
 
 def test_metrics_host_follows_the_service_address():
