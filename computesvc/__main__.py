@@ -16,31 +16,39 @@ log = logging.getLogger("kvtier.compute")
 GENERATE = "/kvtier.v1.ComputeService/Generate"
 
 
-async def serve(cfg: ComputeConfig) -> None:
-    from computesvc.replica import Replica
-    from computesvc.servicer import ComputeServicer
-    from kvtier import auth, telemetry
-    from kvtier.api import compute_pb2_grpc
-    from kvtier.api_keys import ApiKeys, ClientKeys
-    from kvtier.grpc_server import start_server, wait_for_termination
+def load_credentials(cfg: ComputeConfig) -> tuple[str, dict | None]:
+    """The node token, and Generate's credential when --api-keys is given (None: the node token).
 
-    telemetry.setup_tracing("kvtier-compute")
+    Read before the model stack is imported: a missing token or a bad keys file fails at once.
+    """
+    from kvtier import auth
+    from kvtier.api_keys import ApiKeys, ClientKeys
+
     token = auth.load_token(cfg.token_file)
     if token is None:
         raise ConnectionError(
             f"no token for the cache service: set $KVTIER_TOKEN, --token-file, or start the cache service "
             f"first (it writes {auth.default_token_file()})"
         )
-    credentials = None
-    if cfg.api_keys:  # read before the model loads: a bad file fails at once
-        keys = ApiKeys.load(cfg.api_keys, node_token=token)
-        generate = ClientKeys(keys, node_token=token if cfg.allow_node_token else None)
-        credentials = {GENERATE: generate}
-        log.info(
-            "Generate takes client API keys of %d tenants%s",
-            len(keys.tenants),
-            " (and the node token)" if cfg.allow_node_token else "",
-        )
+    if not cfg.api_keys:
+        return token, None
+    keys = ApiKeys.load(cfg.api_keys, node_token=token)
+    log.info(
+        "Generate takes client API keys of %d tenants%s",
+        len(keys.tenants),
+        " (and the node token)" if cfg.allow_node_token else "",
+    )
+    return token, {GENERATE: ClientKeys(keys, node_token=token if cfg.allow_node_token else None)}
+
+
+async def serve(cfg: ComputeConfig, token: str, credentials: dict | None = None) -> None:
+    from computesvc.replica import Replica
+    from computesvc.servicer import ComputeServicer
+    from kvtier import telemetry
+    from kvtier.api import compute_pb2_grpc
+    from kvtier.grpc_server import start_server, wait_for_termination
+
+    telemetry.setup_tracing("kvtier-compute")
     metrics = None
     if cfg.metrics_port is not None:
         from computesvc.metrics import ComputeMetrics
@@ -99,6 +107,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m computesvc") -> i
         level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
     log.info("config: %s", cfg.describe())
+    try:
+        token, credentials = load_credentials(cfg)
+    except (ConnectionError, ValueError) as e:
+        log.error("cannot start: %s", e)
+        return 2
     import torch
 
     from computesvc.replica import IncompatiblePool
@@ -107,7 +120,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m computesvc") -> i
 
     torch.set_num_threads(cfg.threads)
     try:
-        asyncio.run(serve(cfg))
+        asyncio.run(serve(cfg, token, credentials))
     except (
         ConnectionError,
         IncompatiblePool,
