@@ -44,6 +44,7 @@ class CacheConfig:
     metrics_port: int | None
     metrics_host: str | None
     vllm_metrics: bool
+    metrics_model_name: str | None
     log_level: str
     kv_events_endpoint: str | None
     kv_events_replay_endpoint: str | None
@@ -195,6 +196,11 @@ def build_parser(prog: str = "python -m cachesvc") -> argparse.ArgumentParser:
         action="store_true",
         help="also export the series vLLM dashboards and autoscalers read under vLLM's vllm: names, with a "
         "model_name label (README, Metrics)",
+    )
+    svc.add_argument(
+        "--metrics-model-name",
+        help="model_name label of the vllm: series (default: the --model directory's name, kvtier-tiny for "
+        "the built-in model; give the gateway's --served-model-name if it differs)",
     )
     svc.add_argument(
         "--log-level",

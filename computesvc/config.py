@@ -29,6 +29,7 @@ class ComputeConfig:
     metrics_port: int | None
     metrics_host: str | None
     vllm_metrics: bool
+    metrics_model_name: str | None
     name: str
     log_level: str
     api_keys: str | None
@@ -120,6 +121,11 @@ def build_parser(prog: str = "python -m computesvc") -> argparse.ArgumentParser:
         action="store_true",
         help="also export the series vLLM dashboards and autoscalers read under vLLM's vllm: names, with a "
         "model_name label (README, Metrics)",
+    )
+    p.add_argument(
+        "--metrics-model-name",
+        help="model_name label of the vllm: series (default: the --model directory's name, kvtier-tiny for "
+        "the built-in model; give the gateway's --served-model-name if it differs)",
     )
     p.add_argument(
         "--name", default=f"compute-{os.getpid()}", help="replica name shown in the cache service's stats"

@@ -147,13 +147,15 @@ class VllmAliases(Collector):
 def serve_metrics(metrics: Any, cfg: Any, log: logging.Logger) -> int:
     """Serve a service's `metrics` (CacheMetrics / ComputeMetrics) as its config says: on
     ``cfg.metrics_port``, bound to ``cfg.metrics_host`` or else the host of ``cfg.listen``
-    (`metrics_host`), with the ``vllm:`` aliases when ``cfg.vllm_metrics``; logs the URL.
+    (`metrics_host`), with the ``vllm:`` aliases when ``cfg.vllm_metrics`` (``model_name``:
+    ``cfg.metrics_model_name`` or `served_model_name`); logs the URL.
 
     Returns:
         The bound TCP port.
     """
     if cfg.vllm_metrics:
-        metrics.registry.register(metrics.vllm_aliases(served_model_name(cfg.model)))
+        model_name = cfg.metrics_model_name or served_model_name(cfg.model)
+        metrics.registry.register(metrics.vllm_aliases(model_name))
     host = cfg.metrics_host or metrics_host(cfg.listen)
     port = start_metrics_server(cfg.metrics_port, metrics.registry, host)
     url_host = f"[{host}]" if ":" in host else host

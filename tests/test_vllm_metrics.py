@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import shutil
 import socket
 import subprocess
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from prometheus_client import generate_latest
@@ -27,7 +29,7 @@ from cachesvc.metrics import CacheMetrics
 from computesvc.metrics import ComputeMetrics
 from kvtier.cache_client import CacheClient
 from kvtier.compute_client import ComputeClient
-from kvtier.metrics import TINY_MODEL_NAME, metrics_host
+from kvtier.metrics import TINY_MODEL_NAME, metrics_host, serve_metrics
 
 URL = re.compile(r"Prometheus metrics on http://127\.0\.0\.1:(\d+)/metrics \(also under vllm: names\)")
 MODEL = (("model_name", TINY_MODEL_NAME),)
@@ -89,6 +91,30 @@ def test_metrics_host_follows_the_service_address():
     assert metrics_host("tcp://0.0.0.0:50051") == "0.0.0.0"
     assert metrics_host("tcp://[::1]:50051") == "::1"
     assert metrics_host("tcp://10.1.2.3:50051") == "10.1.2.3"
+
+
+@pytest.mark.parametrize(
+    ("model", "model_name", "label"),
+    [
+        (None, None, TINY_MODEL_NAME),
+        ("/models/Llama-3-8B/", None, "Llama-3-8B"),
+        ("/models/x", "llama3", "llama3"),
+    ],
+)
+def test_serve_metrics_labels_the_model_and_binds_the_service_host(model, model_name, label):
+    cfg = SimpleNamespace(
+        listen="unix:///run/kvtier/compute-0.sock",
+        model=model,
+        metrics_port=0,
+        metrics_host=None,
+        metrics_model_name=model_name,
+        vllm_metrics=True,
+    )
+    port = serve_metrics(ComputeMetrics(), cfg, logging.getLogger("test"))
+    assert listening_addresses(port) == {"127.0.0.1"}
+    samples = scrape(port)
+    assert samples[("vllm:num_requests_running", (("model_name", label),))] == 0
+    assert samples[("kvtier_compute_running_sequences", ())] == 0
 
 
 def test_vllm_series_before_and_after_a_workload(tmp_path):
