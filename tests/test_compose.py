@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import fnmatch
 import importlib
-import itertools
 import json
 import os
 import re
@@ -27,15 +26,19 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "test-token-0123456789abcdef"
-# node -> (cache service, compute service), per profile; one gateway per profile routes across both.
+# Per profile, its two nodes: (cache service, its replicas' services); one gateway per profile
+# routes across both.
 NODES = {
-    "cpu": (("cache-0", "compute-0"), ("cache-1", "compute-1")),
-    "gpu": (("cache-gpu-0", "compute-gpu-0"), ("cache-gpu-1", "compute-gpu-1")),
+    "cpu": (("cache-0", ("compute-0-0", "compute-0-1")), ("cache-1", ("compute-1-0", "compute-1-1"))),
+    "gpu": (
+        ("cache-gpu-0", ("compute-gpu-0-0", "compute-gpu-0-1")),
+        ("cache-gpu-1", ("compute-gpu-1-0", "compute-gpu-1-1")),
+    ),
 }
 GATEWAYS = {"cpu": "gateway", "gpu": "gateway-gpu"}
 CACHE_SERVICES = tuple(cache for nodes in NODES.values() for cache, _ in nodes)
-COMPUTE_SERVICES = tuple(compute for nodes in NODES.values() for _, compute in nodes)
-PAIRS = [pair for nodes in NODES.values() for pair in nodes]
+PAIRS = [(cache, compute) for nodes in NODES.values() for cache, computes in nodes for compute in computes]
+COMPUTE_SERVICES = tuple(compute for _, compute in PAIRS)
 
 # ${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?error}, $VAR and the $$ escape, as compose reads them.
 _VARIABLE = re.compile(
@@ -83,26 +86,23 @@ def flag(command: list[str], name: str) -> str:
     return values[0]
 
 
-def flag_list(command: list[str], name: str) -> list[str]:
-    """The values after `--name` (nargs="+"), up to the next flag."""
-    assert command.count(f"--{name}") == 1, f"--{name} appears {command.count(f'--{name}')} times"
-    rest = command[command.index(f"--{name}") + 1 :]
-    values = list(itertools.takewhile(lambda arg: not arg.startswith("--"), rest))
-    assert values, f"--{name} has no values in {command}"
-    return values
+def flag_values(command: list[str], name: str) -> list[str]:
+    """The values of a repeated `--name=value` in a command list, in order."""
+    return [arg.split("=", 1)[1] for arg in command if arg.startswith(f"--{name}=")]
 
 
 def port_of(address: str) -> int:
     return int(address.rsplit(":", 1)[1])
 
 
-def node_specs(command: list[str]) -> list[tuple[str, list[str]]]:
-    """`--nodes CACHE=REPLICA[,REPLICA...] ...` -> [(cache address, [replica addresses])]."""
+def node_specs(command: list[str]) -> list[tuple[str, str, list[str]]]:
+    """Each `--node=NAME@CACHE=REPLICA[,REPLICA...]` -> (name, cache address, replica addresses)."""
     specs = []
-    for spec in flag_list(command, "nodes"):
-        cache, sep, replicas = spec.partition("=")
-        assert sep and replicas, f"not CACHE=REPLICAS: {spec}"
-        specs.append((cache, replicas.split(",")))
+    for spec in flag_values(command, "node"):
+        name, at, rest = spec.partition("@")
+        cache, sep, replicas = rest.partition("=")
+        assert at and sep and name and cache and replicas, f"not NAME@CACHE=REPLICA,...: {spec}"
+        specs.append((name, cache, replicas.split(",")))
     return specs
 
 
@@ -119,22 +119,15 @@ def test_compose_file_is_valid_with_overrides():
             "KVTIER_SHM_SIZE": "8gb",
             "KVTIER_GPU_0": "3",
             "KVTIER_GPU_1": "5",
-            "KVTIER_REPLICAS": "4",
             "KVTIER_ROUTING": "round-robin",
         }
     )["services"]
     assert overridden["cache-1"]["environment"]["KVTIER_TOKEN"] == "s3cret"
     assert overridden["cache-0"]["shm_size"] == overridden["cache-1"]["shm_size"] == "8gb"
-    for service, gpu in (
-        ("cache-gpu-0", "3"),
-        ("compute-gpu-0", "3"),
-        ("cache-gpu-1", "5"),
-        ("compute-gpu-1", "5"),
-    ):
-        (device,) = overridden[service]["deploy"]["resources"]["reservations"]["devices"]
-        assert device["device_ids"] == [gpu], service
-    for name in ("compute-0", "compute-1", "compute-gpu-0", "compute-gpu-1"):
-        assert overridden[name]["deploy"]["replicas"] == 4, name
+    for (cache, computes), gpu in zip(NODES["gpu"], ("3", "5"), strict=True):
+        for service in (cache, *computes):
+            (device,) = overridden[service]["deploy"]["resources"]["reservations"]["devices"]
+            assert device["device_ids"] == [gpu], service
     assert flag(overridden["gateway"]["command"], "routing") == "round-robin"
 
 
@@ -192,21 +185,25 @@ def test_compute_shares_ipc_and_pid_with_its_cache_and_dials_it(services, comput
 def test_two_nodes_two_pools_with_their_own_replicas(services, profile: str):
     """Each node's cache has its own IPC namespace (its own /dev/shm: a separate pool) and its
     own replicas; no replica joins the other node's namespace, and the GPU nodes hold apart GPUs."""
-    (cache_a, compute_a), (cache_b, compute_b) = NODES[profile]
-    assert cache_a != cache_b and compute_a != compute_b
-    for cache, compute in NODES[profile]:
+    (cache_a, computes_a), (cache_b, computes_b) = NODES[profile]
+    assert cache_a != cache_b and not set(computes_a) & set(computes_b)
+    for cache, computes in NODES[profile]:
         assert services[cache]["ipc"] == "shareable"  # its own namespace, not another service's
-        assert services[compute]["deploy"]["replicas"] == 2, "two replicas per node by default"
-    namespaces = {services[c]["ipc"] for c in (compute_a, compute_b)}
-    assert namespaces == {f"service:{cache_a}", f"service:{cache_b}"}
+        assert len(computes) == 2, "two replicas per node"
+        for compute in computes:
+            assert services[compute]["ipc"] == services[compute]["pid"] == f"service:{cache}"
+    # Every compute service belongs to exactly one node.
+    compute_services = {n for n in services if n.startswith("compute")}
+    assert compute_services == set(COMPUTE_SERVICES)
     if profile == "gpu":
         devices = [
             services[name]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
             for name in (cache_a, cache_b)
         ]
         assert devices[0] != devices[1], f"both nodes reserve GPU {devices[0]}"
-        for cache, compute in NODES[profile]:
-            assert services[cache]["deploy"]["resources"] == services[compute]["deploy"]["resources"]
+        for cache, computes in NODES[profile]:
+            for compute in computes:
+                assert services[cache]["deploy"]["resources"] == services[compute]["deploy"]["resources"]
 
 
 @pytest.mark.parametrize("profile", NODES)
@@ -222,17 +219,18 @@ def test_one_gateway_routes_across_both_nodes(services, profile: str):
     assert published.endswith(f":{listen}")
     specs = node_specs(command)
     assert len(specs) == len(NODES[profile]) == 2
-    for (cache_address, replicas), (cache, compute) in zip(specs, NODES[profile], strict=True):
+    assert len({name for name, _, _ in specs}) == 2, "node names repeat"
+    for (_, cache_address, replicas), (cache, computes) in zip(specs, NODES[profile], strict=True):
         target = urlparse(cache_address)
         assert (target.scheme, target.hostname) == ("tcp", cache)
         assert target.port == port_of(flag(services[cache]["command"], "listen"))
-        # The service name: compose DNS answers with every replica of a scaled service.
-        (replica,) = replicas
-        target = urlparse(replica)
-        assert (target.scheme, target.hostname) == ("tcp", compute)
-        assert target.port == port_of(flag(services[compute]["command"], "listen"))
-        assert gateway["depends_on"][compute]["condition"] == "service_started"
-    assert flag_list(command, "nodes") == [f"{c}={','.join(r)}" for c, r in specs]
+        assert len(replicas) == len(computes)
+        for replica, compute in zip(replicas, computes, strict=True):
+            target = urlparse(replica)
+            assert (target.scheme, target.hostname) == ("tcp", compute)
+            assert target.port == port_of(flag(services[compute]["command"], "listen"))
+            assert flag(services[compute]["command"], "cache") == cache_address
+            assert gateway["depends_on"][compute]["condition"] == "service_started"
 
 
 def test_gateways_publish_apart_host_ports(services):
@@ -295,8 +293,8 @@ def test_gpu_profile_reserves_one_nvidia_device_and_cpu_default_none(services):
         assert svc["image"] == "kvtier:gpu" and svc["build"]["args"]["PIP_EXTRA_INDEX_URL"] == ""
     for cache, _ in NODES["gpu"]:
         assert flag(services[cache]["command"], "backend") == "cuda"
-    for cache, compute in NODES["cpu"]:
-        for name in (cache, compute):
+    for cache, computes in NODES["cpu"]:
+        for name in (cache, *computes):
             assert "profiles" not in services[name]
             assert "resources" not in services[name].get("deploy", {})
             assert services[name]["image"] == "kvtier:cpu"
@@ -384,21 +382,25 @@ def test_compose_commands_parse_with_the_service_flag_parser(services, module: s
         assert unknown == [], f"{name}: not flags of python -m {module}: {unknown}"
 
 
-# The router's flags on the gateway (issue 11), written here as deploy/README.md documents them. Until
-# gateway/config.py has them they are the only leftovers its parser may return.
-ROUTER_FLAGS = frozenset({"--routing", "--nodes", "--node-file", "--nodes-dns", "--compute-dns"})
+# The router's flags on the gateway (issue 11), as deploy/README.md documents them. Until
+# gateway/config.py has them (it knows --routing) they are the only leftovers its parser may return.
+ROUTER_FLAGS = frozenset({"--routing", "--routing-load-weight", "--node", "--node-file", "--nodes-dns"})
 
 
 def unparsed_gateway_flags(command: list[str]) -> set[str]:
-    """Flags of a gateway command that gateway/config.py does not know (yet); a bad value of a
-    known flag raises argparse.ArgumentError."""
+    """Flags of a gateway command that gateway/config.py does not know (the router's are let
+    through while it does not know --routing); a bad value of a known flag raises
+    argparse.ArgumentError."""
     from gateway.config import build_parser
 
     parser = build_parser()
     parser.exit_on_error = False
     assert command[0] == "gateway"
     _, unknown = parser.parse_known_args(command[1:])
-    return {arg.split("=", 1)[0] for arg in unknown if arg.startswith("-")}
+    unknown_flags = {arg.split("=", 1)[0] for arg in unknown if arg.startswith("-")}
+    if any("--routing" in action.option_strings for action in parser._actions):
+        return unknown_flags  # the router is in: every flag must be known
+    return unknown_flags - ROUTER_FLAGS
 
 
 def test_router_flags_are_the_documented_ones():
@@ -410,7 +412,7 @@ def test_router_flags_are_the_documented_ones():
 @pytest.mark.parametrize("name", GATEWAYS.values())
 def test_gateway_command_parses_with_the_gateway_flag_parser(services, name: str):
     unknown = unparsed_gateway_flags(services[name]["command"])
-    assert unknown <= ROUTER_FLAGS, f"{name}: not flags of python -m gateway: {unknown - ROUTER_FLAGS}"
+    assert not unknown, f"{name}: not flags of python -m gateway: {unknown}"
 
 
 # ---------------------------------------------------------------- the health probe the files use
