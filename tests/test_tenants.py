@@ -318,23 +318,17 @@ def test_a_bad_api_keys_file_stops_kvtier_up_and_the_compute_service_at_once(tmp
     env = child_env(tmp_path)
     node_token_as_key = tmp_path / "keys.json"
     node_token_as_key.write_text(json.dumps({"tenants": {"acme": {"keys": [TOKEN]}}}))
-    compute = subprocess.run(
-        [sys.executable, "-m", "computesvc", "--api-keys", str(node_token_as_key)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", *argv], env=env, capture_output=True, text=True, timeout=120
+        )
+
+    compute = run("computesvc", "--api-keys", str(node_token_as_key))
     assert compute.returncode == 2, compute.stderr
     assert "is the node token" in compute.stderr
     duplicate = tmp_path / "dup.json"
     duplicate.write_text(json.dumps({"tenants": {"a": {"keys": [ACME_KEY]}, "b": {"keys": [ACME_KEY]}}}))
-    up = subprocess.run(
-        [sys.executable, "-m", "kvtier.cli", "up", "--api-keys", str(duplicate)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    up = run("kvtier.cli", "up", "--api-keys", str(duplicate))
     assert up.returncode != 0 and "already a key of tenant 'a'" in up.stderr, up.stderr
     assert not (tmp_path / "stack.json").exists() and not list(tmp_path.glob("*.sock"))
