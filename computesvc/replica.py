@@ -248,7 +248,9 @@ class Replica:
             beats.lease_id, beats.lease_ttl_s = client.lease_id, client.lease_ttl_s
             stop = beats.start_heartbeat_thread(
                 self._renewed,
-                lambda error: loop.call_soon_threadsafe(self._heartbeat_lost, error),
+                lambda error, lease=client.lease_id: loop.call_soon_threadsafe(
+                    self._heartbeat_lost, lease, error
+                ),
                 close_when_done=True,
             )
             try:
@@ -257,7 +259,11 @@ class Replica:
                 stop.set()
             await self._reconnect()
 
-    def _heartbeat_lost(self, error: Exception) -> None:
+    def _heartbeat_lost(self, lease_id: str, error: Exception) -> None:
+        if self.client is None or self.client.lease_id != lease_id:
+            # The heartbeat thread of a lease already given up (its last beat was in flight when
+            # the replica re-attached): the replica holds a new lease, which is not lost.
+            return
         self._cache_lost(CacheUnavailable(f"lost the cache service at {self.cfg.cache} ({error})"))
 
     def _cache_lost(self, error: Exception) -> None:
