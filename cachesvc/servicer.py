@@ -85,11 +85,6 @@ def _lease_id(request) -> str:
     return request.lease_id
 
 
-def _sequence_ids(request, max_batch: int) -> list[int]:
-    check_batch(len(request.sequence_ids), max_batch, "sequence_ids")
-    return list(request.sequence_ids)
-
-
 # Events a WatchEvents stream builds at a time from the log.
 WATCH_CHUNK = 256
 
@@ -162,6 +157,13 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             max_batch=self.node.sequences.max_batch,
         )
 
+    def _live_lease(self, request) -> str:
+        """The request's lease id, checked before its items as the domain checks them (an unknown
+        lease is NOT_FOUND whatever the items), so bounding the items first changes no answer."""
+        lease_id = _lease_id(request)
+        self.node.leases.get(lease_id)
+        return lease_id
+
     @rpc
     async def Heartbeat(self, request, context):
         return cache_pb2.HeartbeatResponse(lease_ttl_s=self.node.heartbeat(_lease_id(request)))
@@ -170,7 +172,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
 
     @rpc
     async def Allocate(self, request, context):
-        lease_id = _lease_id(request)
+        lease_id = self._live_lease(request)
         check_batch(len(request.items), self.max_batch)
         items = []
         for k, item in enumerate(request.items):
@@ -197,7 +199,6 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     @rpc
     async def Extend(self, request, context):
         lease_id = _lease_id(request)
-        check_batch(len(request.items), self.max_batch)
         items = [(i.sequence_id, i.num_tokens) for i in request.items]
         response = cache_pb2.ExtendResponse()
         _add_blocks(response.sequences, self.node.extend(lease_id, items))
@@ -205,7 +206,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
 
     @rpc
     async def Commit(self, request, context):
-        lease_id = _lease_id(request)
+        lease_id = self._live_lease(request)
         check_batch(len(request.items), self.max_batch)
         max_len = self.max_model_len
         items = []
@@ -218,7 +219,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     @rpc
     async def Free(self, request, context):
         lease_id = _lease_id(request)
-        released = self.node.free(lease_id, _sequence_ids(request, self.max_batch))
+        released = self.node.free(lease_id, list(request.sequence_ids))
         return cache_pb2.FreeResponse(num_blocks_released=released)
 
     @rpc
@@ -233,13 +234,13 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     @rpc
     async def SwapOut(self, request, context):
         lease_id = _lease_id(request)
-        num_blocks, num_bytes = self.node.swap_out(lease_id, _sequence_ids(request, self.max_batch))
+        num_blocks, num_bytes = self.node.swap_out(lease_id, list(request.sequence_ids))
         return cache_pb2.SwapOutResponse(num_blocks=num_blocks, num_bytes=num_bytes)
 
     @rpc
     async def SwapIn(self, request, context):
         lease_id = _lease_id(request)
-        blocks, num_blocks, num_bytes = self.node.swap_in(lease_id, _sequence_ids(request, self.max_batch))
+        blocks, num_blocks, num_bytes = self.node.swap_in(lease_id, list(request.sequence_ids))
         response = cache_pb2.SwapInResponse(num_blocks=num_blocks, num_bytes=num_bytes)
         _add_blocks(response.sequences, blocks)
         return response

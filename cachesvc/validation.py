@@ -26,9 +26,9 @@ MAX_NAME_BYTES = 256  # client_name, adapter_id, request_id
 MAX_LEASE_ID_BYTES = 64
 
 
-def check_batch(n: int, max_batch: int, field: str = "items") -> None:
+def check_batch(n: int, max_batch: int) -> None:
     if n > max_batch:
-        raise InvalidArgument(f"len({field}) = {n} exceeds max_batch {max_batch}")
+        raise InvalidArgument(f"len(items) = {n} exceeds max_batch {max_batch}")
 
 
 def check_text(where: str, value: str, limit: int) -> None:

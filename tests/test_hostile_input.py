@@ -361,3 +361,51 @@ def _size(value) -> int:
     if hasattr(value, "ByteSize"):
         return value.ByteSize()
     return 0
+
+
+def test_a_stream_whose_reader_falls_behind_the_log_ends_with_out_of_range_and_can_resume():
+    sequences = SequenceTable(
+        BlockManager(64, 16), None, model_fingerprint="fp", vocab_size=VOCAB, max_model_len=MAX_LEN
+    )
+    node = CacheNode(sequences, LeaseTable(10.0))
+    node.events = EventLog(block_size=16, capacity=32)
+    servicer = CacheServicer(node, pool_spec=None)
+
+    def stored(n: int):
+        hashes = tuple(bytes([k % 256]) * 32 for k in range(n))
+        return (STORED, hashes, tuple(range(n)), pack_token_ids([1] * 16) * n, None)
+
+    async def run():
+        server, _health, address = await start_server(
+            "kvtier.v1.CacheService",
+            lambda g: cache_pb2_grpc.add_CacheServiceServicer_to_server(servicer, g),
+            "127.0.0.1:0",
+            TOKEN,
+        )
+        try:
+            async with grpc.aio.insecure_channel(address) as channel:
+                stub = cache_pb2_grpc.CacheServiceStub(channel)
+                node.events.extend([stored(10)])
+                stream = stub.WatchEvents(cache_pb2.WatchEventsRequest(), metadata=bearer(TOKEN), timeout=30)
+                seen = [(await stream.read()).event_id for _ in range(10)]
+                # 100 events arrive while the reader is at 10; the log keeps only the newest 32+.
+                node.events.extend([stored(50), stored(50)])
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await stream.read()
+                # Resuming from what the log still holds works.
+                resumed = stub.WatchEvents(
+                    cache_pb2.WatchEventsRequest(since_event_id=60), metadata=bearer(TOKEN), timeout=30
+                )
+                first = (await resumed.read()).event_id
+                resumed.cancel()
+                return seen, e.value, first
+        finally:
+            await server.stop(grace=None)
+
+    seen, error, first = asyncio.run(run())
+    assert seen == list(range(1, 11))
+    assert error.code() == grpc.StatusCode.OUT_OF_RANGE, error.details()
+    assert "since_event_id 10 is older than the oldest kept event 61" in error.details()
+    assert "resynchronize with LookupPrefix and watch from 0" in error.details()
+    assert first == 61
+    assert servicer.num_watch_streams == 0
