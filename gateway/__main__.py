@@ -52,7 +52,24 @@ async def serve(cfg: GatewayConfig) -> None:
         )
     sock = bind(cfg.host, cfg.port)  # first: a port in use fails before the tokenizer loads
     model = load_served_model(cfg.model, cfg.served_model_name)
-    app = create_app(cfg.compute, model, cfg.api_key, cfg.max_n, token, keys)
+    router = metrics = None
+    if cfg.nodes is not None and len(cfg.nodes) > 1:
+        from gateway.metrics import GatewayMetrics
+        from gateway.router import Router
+
+        node_token = auth.load_token(cfg.token_file)  # the router reads the caches: infrastructure
+        if node_token is None:
+            raise ConnectionError(
+                "routing across nodes reads every cache service's events: the gateway needs the node "
+                "token ($KVTIER_TOKEN or --token-file)"
+            )
+        metrics = GatewayMetrics()
+        router = Router(
+            cfg.nodes, node_token, model.fingerprint, cfg.routing, cfg.routing_load_weight, metrics
+        )
+        for node in cfg.nodes:
+            log.info("node %s: cache %s, replicas %s", node.name, node.cache, " ".join(node.compute))
+    app = create_app(cfg.compute, model, cfg.api_key, cfg.max_n, token, keys, router, metrics)
     server = uvicorn.Server(
         uvicorn.Config(
             app,
@@ -66,7 +83,8 @@ async def serve(cfg: GatewayConfig) -> None:
     # Printed at any --log-level: `kvtier up` and the tests read the URL (the port) from it.
     print(
         f"kvtier gateway serving the OpenAI API on {url_of(sock)} (model {model.name}, max_model_len "
-        f"{model.max_model_len}, compute replicas ({len(cfg.compute)}): {' '.join(cfg.compute)}; API key "
+        f"{model.max_model_len}, compute replicas ({len(cfg.compute)}): {' '.join(cfg.compute)}; "
+        f"{f'{len(cfg.nodes)} nodes, {cfg.routing} routing; ' if router else ''}API key "
         f"{'required' if cfg.api_key else 'per tenant' if keys else 'not required'})",
         file=sys.stderr,
         flush=True,

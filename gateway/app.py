@@ -32,6 +32,7 @@ from gateway.protocol import (
     ModelList,
     _SamplingRequest,
 )
+from gateway.router import Router
 from gateway.streaming import ChatEvents, CompletionEvents, Events
 from kvtier.api_keys import ApiKeys
 
@@ -89,12 +90,15 @@ def create_app(
     max_n: int = 16,
     token: str | None = None,
     keys: ApiKeys | None = None,
+    router: Router | None = None,
+    metrics: GatewayMetrics | None = None,
 ) -> FastAPI:
     """`api_key`: the one key /v1 requests need (calls go on with the node `token`). `keys`:
     client API keys per tenant (kvtier.api_keys); each request's own key is checked here and
-    forwarded to Generate, so the replica charges that key's tenant and no node token is needed."""
-    engine = Engine(addresses, model, max_n, token, forward_keys=keys is not None)
-    metrics = GatewayMetrics()
+    forwarded to Generate, so the replica charges that key's tenant and no node token is needed.
+    `router`: route each request to one node's replicas (gateway.router)."""
+    engine = Engine(addresses, model, max_n, token, forward_keys=keys is not None, router=router)
+    metrics = metrics if metrics is not None else GatewayMetrics()  # the router's counters live there too
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -120,9 +124,11 @@ def create_app(
                 401, "no API key given: send `Authorization: Bearer <key>`", code="invalid_api_key"
             )
         if keys is not None:
-            if keys.tenant_of(key) is None:
+            tenant = keys.tenant_of(key)
+            if tenant is None:
                 raise APIError(401, "incorrect API key provided", code="invalid_api_key")
             request.state.api_key = key  # forwarded to Generate
+            request.state.tenant = tenant  # the router names the tenant's blocks with it
         elif not hmac.compare_digest(key.encode(), api_key.encode()):
             raise APIError(401, "incorrect API key provided", code="invalid_api_key")
 
@@ -167,7 +173,9 @@ def create_app(
     ) -> Response:  # fmt: skip
         """Run the request's Generate streams; answer with their events (stream) or `respond(...)`."""
         jobs = engine.jobs(rid, prompts, req, max_tokens, default_max_tokens)
-        streams = await engine.open(jobs, getattr(raw.state, "api_key", None))
+        streams = await engine.open(
+            jobs, getattr(raw.state, "api_key", None), getattr(raw.state, "tenant", "")
+        )
         metrics.time_to_first_token.labels(endpoint).observe(time.monotonic() - arrival)
         created = int(time.time())
         if req.stream:

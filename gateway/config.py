@@ -7,6 +7,8 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from gateway.router import Node, NodeFileError, load_node_file, parse_node_flag, resolve_dns_nodes
+
 TINY_MODEL_NAME = "kvtier-tiny"
 
 
@@ -24,6 +26,10 @@ class GatewayConfig:
     access_log: bool
     uvloop: bool
     log_level: str
+    # Several nodes (cache service + its replicas) behind the KV-aware router; None = one pool.
+    nodes: list[Node] | None = None
+    routing: str = "kv-aware"
+    routing_load_weight: float = 1.0
 
     def describe(self) -> str:
         """One line for the log; the API key is never printed."""
@@ -58,6 +64,44 @@ def build_parser(prog: str = "python -m gateway") -> argparse.ArgumentParser:
         metavar="ADDR",
         help="compute replica addresses (unix:///path or host:port); default: the replicas of the "
         "local stack `kvtier up` runs in the run directory ($KVTIER_RUN_DIR)",
+    )
+    nodes = p.add_argument_group(
+        "nodes and routing",
+        "Several nodes (a node is one cache service, one accelerator, and the compute replicas "
+        "attached to it): the gateway routes each request to one node's replicas. The KV-aware "
+        "router follows every cache service's block events (WatchEvents) and sends a request where "
+        "its prefix is cached, weighed against load. It reads the caches with the node token.",
+    )
+    nodes.add_argument(
+        "--node",
+        action="append",
+        metavar="[NAME@]CACHE=COMPUTE[,COMPUTE...]",
+        help="one node: its cache service address and its replicas' addresses (repeat per node)",
+    )
+    nodes.add_argument(
+        "--node-file",
+        metavar="FILE",
+        help='nodes from a JSON file: {"nodes": [{"name": "gpu0", "cache": ADDR, "compute": [ADDR, ...]}]}',
+    )
+    nodes.add_argument(
+        "--nodes-dns",
+        metavar="CACHE_HOST:PORT,COMPUTE_HOST:PORT",
+        help="nodes from Kubernetes DNS: every address of the headless cache Service is a node, every "
+        "address of the headless compute Service a replica; a replica belongs to the node whose cache "
+        "lists it among its leases (compute runs with --name POD_IP:PORT)",
+    )
+    nodes.add_argument(
+        "--routing",
+        choices=["kv-aware", "round-robin", "random"],
+        default="kv-aware",
+        help="how a request's node is chosen (with more than one node)",
+    )
+    nodes.add_argument(
+        "--routing-load-weight",
+        type=float,
+        default=1.0,
+        help="kv-aware: score = cached fraction of the prompt - this x the node's share of requests in "
+        "flight; higher spreads a popular prefix sooner",
     )
     p.add_argument(
         "--api-key",
@@ -105,9 +149,16 @@ def build_parser(prog: str = "python -m gateway") -> argparse.ArgumentParser:
 
 
 def parse_config(argv: list[str] | None = None, prog: str = "python -m gateway") -> GatewayConfig:
-    args = build_parser(prog).parse_args(argv)
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
     if args.api_key is None:
         args.api_key = os.environ.get("KVTIER_API_KEY") or None
+    args.nodes = _nodes(args, parser)
+    if args.nodes is not None:
+        args.compute = [c for node in args.nodes for c in node.compute]
+    del args.node, args.node_file, args.nodes_dns
+    if args.routing_load_weight < 0:
+        raise SystemExit(f"--routing-load-weight must be >= 0, got {args.routing_load_weight}")
     if args.compute is None:  # the local stack's replicas, and its model unless --model says
         from kvtier import auth
         from kvtier.stack import running_stack
@@ -120,6 +171,8 @@ def parse_config(argv: list[str] | None = None, prog: str = "python -m gateway")
             )
         args.compute = list(stack["compute"])
         args.model = args.model or stack.get("model")
+        if stack.get("nodes"):  # `kvtier up --nodes N`: route across them
+            args.nodes = [Node(n["name"], n["cache"], list(n["compute"])) for n in stack["nodes"]]
     if args.served_model_name is None:
         args.served_model_name = Path(args.model).resolve().name if args.model else TINY_MODEL_NAME
     if args.api_keys and args.api_key:
@@ -127,3 +180,33 @@ def parse_config(argv: list[str] | None = None, prog: str = "python -m gateway")
     if args.max_n < 1:
         raise SystemExit(f"--max-n must be >= 1, got {args.max_n}")
     return GatewayConfig(**vars(args))
+
+
+def _nodes(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[Node] | None:
+    """The nodes --node / --node-file / --nodes-dns name (one of them), or None."""
+    given = [
+        flag
+        for flag, value in (
+            ("--node", args.node),
+            ("--node-file", args.node_file),
+            ("--nodes-dns", args.nodes_dns),
+        )
+        if value
+    ]
+    if not given:
+        return None
+    if len(given) > 1 or args.compute:
+        raise SystemExit(
+            f"give one of --compute, --node, --node-file, --nodes-dns (got {', '.join(given)}{' and --compute' if args.compute else ''})"
+        )
+    try:
+        if args.node:
+            return [parse_node_flag(spec, k) for k, spec in enumerate(args.node)]
+        if args.node_file:
+            return load_node_file(args.node_file)
+        cache_service, _, compute_service = args.nodes_dns.partition(",")
+        if not compute_service:
+            raise NodeFileError(f"--nodes-dns {args.nodes_dns!r}: expected CACHE_HOST:PORT,COMPUTE_HOST:PORT")
+        return resolve_dns_nodes(cache_service, compute_service)
+    except NodeFileError as e:
+        raise SystemExit(str(e)) from None

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -29,6 +29,7 @@ from gateway.errors import APIError, bad_request, from_grpc, no_replica
 from gateway.logprobs import LogprobFormatter
 from gateway.model import ServedModel
 from gateway.protocol import Usage, _SamplingRequest
+from gateway.router import NodeState, Router
 from kvtier import auth
 from kvtier.api import compute_pb2
 from kvtier.compute_client import RECONNECT, ComputeClient
@@ -99,14 +100,36 @@ class Streams:
     """The primed Generate streams of one HTTP request; iterate for (job, reply) in arrival order."""
 
     def __init__(
-        self, jobs: list[Job], gens: list[AsyncIterator], firsts: list[compute_pb2.GenerateResponse]
+        self,
+        jobs: list[Job],
+        gens: list[AsyncIterator],
+        firsts: list[compute_pb2.GenerateResponse],
+        on_done: Callable[[int | None], None] | None = None,
     ):
+        """`on_done(cached)`: called once when the streams end or are closed, with the first job's
+        cached prompt tokens from its usage (None if it did not finish)."""
         self.jobs, self._gens, self._firsts = jobs, gens, firsts
         # The replica's own time from a request's arrival to its first token (the earliest stream's).
         self.replica_ttft_s = min(f.time_to_first_token_s for f in firsts)
         self._tasks: list[asyncio.Task] = []
+        self._on_done = on_done
+        self._cached: int | None = None
+
+    def _done(self) -> None:
+        if self._on_done is not None:
+            on_done, self._on_done = self._on_done, None
+            on_done(self._cached)
 
     async def __aiter__(self) -> AsyncIterator[tuple[Job, compute_pb2.GenerateResponse]]:
+        try:
+            async for job, reply in self._replies():
+                if reply.finish_reason and job.index == 0:
+                    self._cached = reply.usage.cached_prompt_tokens
+                yield job, reply
+        finally:
+            self._done()
+
+    async def _replies(self) -> AsyncIterator[tuple[Job, compute_pb2.GenerateResponse]]:
         for job, first in zip(self.jobs, self._firsts, strict=True):
             yield job, first
         try:
@@ -155,6 +178,7 @@ class Streams:
             task.cancel()
         for gen in self._gens:
             await gen.aclose()
+        self._done()
 
 
 class Engine:
@@ -165,16 +189,20 @@ class Engine:
         max_n: int,
         token: str | None = None,
         forward_keys: bool = False,
+        router: Router | None = None,
     ):
         """`forward_keys`: each `open` names the caller's API key, sent to Generate in place of
-        `token` (which is then not needed)."""
+        `token` (which is then not needed). `router`: route each request to a node (its replicas
+        only) instead of to `addresses` as one pool; `addresses` are then every node's replicas."""
         self.addresses = list(addresses)
         self.model = model
         self.logprobs = LogprobFormatter(model.tokenizer)
         self.max_n = max_n
         self._token = token
         self._forward_keys = forward_keys
+        self.router = router
         self.client: ComputeClient | None = None
+        self._node_clients: dict[tuple[str, ...], ComputeClient] = {}
         self._health: list[health_pb2_grpc.HealthStub] = []
         self._channels: list[grpc.aio.Channel] = []
         self._background: set[asyncio.Task] = set()
@@ -186,12 +214,26 @@ class Engine:
             grpc.aio.insecure_channel(auth.grpc_target(a), options=RECONNECT) for a in self.addresses
         ]
         self._health = [health_pb2_grpc.HealthStub(c) for c in self._channels]
+        if self.router is not None:
+            await self.router.start()
 
     async def close(self) -> None:
-        if self.client is not None:
-            await self.client.close()
+        if self.router is not None:
+            await self.router.close()
+        for client in [self.client, *self._node_clients.values()]:
+            if client is not None:
+                await client.close()
         for channel in self._channels:
             await channel.close()
+
+    def _client_of(self, state: NodeState) -> ComputeClient:
+        """The client over one node's replicas (made on first use; a node's list may change)."""
+        key = tuple(state.node.compute)
+        client = self._node_clients.get(key)
+        if client is None:
+            client = ComputeClient(list(key), self._token, per_call_credential=self._forward_keys)
+            self._node_clients[key] = client
+        return client
 
     async def healthy_replicas(self) -> list[str]:
         """The replicas whose gRPC health service answers SERVING within HEALTH_TIMEOUT_S."""
@@ -285,15 +327,46 @@ class Engine:
             cache_salt=req.cache_salt or "",
         )
 
-    async def open(self, jobs: list[Job], credential: str | None = None) -> Streams:
+    async def open(self, jobs: list[Job], credential: str | None = None, tenant: str = "") -> Streams:
         """Start every job's Generate stream and wait for each one's first reply: sample 0 of
         each prompt first, then the other samples (they hit the prompt's blocks; module doc).
 
-        Raises APIError (400 for a request a replica refuses, 503 when no replica answers); every
-        stream already started is then cancelled.
+        With a router, the request goes to the node it ranks first; a node none of whose
+        replicas answers is marked down and the next one is tried. Raises APIError (400 for a
+        request a replica refuses, 503 when no replica answers); every stream already started
+        is then cancelled.
         """
         assert self.client is not None, "Engine.start() first"
-        gens = [self.client.stream(job.request, credential=credential) for job in jobs]
+        if self.router is None:
+            return await self._open_on(self.client, jobs, credential)
+        route = await self.router.route(jobs[0].prompt_ids, jobs[0].request.cache_salt, tenant)
+        failure: APIError | None = None
+        for state, predicted in zip(route.nodes, route.predicted_tokens, strict=True):
+            try:
+                streams = await self._open_on(self._client_of(state), jobs, credential)
+            except APIError as e:
+                if e.status != 503:
+                    raise
+                log.warning("node %s: %s; trying the next node", state.name, e.info.message)
+                self.router.mark_down(state)
+                failure = e
+                continue
+            state.inflight += 1
+            streams._on_done = self._finisher(state, predicted)
+            return streams
+        assert failure is not None
+        raise failure
+
+    def _finisher(self, state: NodeState, predicted: int) -> Callable[[int | None], None]:
+        def done(cached: int | None) -> None:
+            state.inflight -= 1
+            if cached is not None and self.router is not None:
+                self.router.record(state, predicted, cached)
+
+        return done
+
+    async def _open_on(self, client: ComputeClient, jobs: list[Job], credential: str | None) -> Streams:
+        gens = [client.stream(job.request, credential=credential) for job in jobs]
         firsts: list = [None] * len(jobs)
         for wave in (True, False):
             rows = [i for i, job in enumerate(jobs) if (job.sample == 0) == wave]

@@ -60,6 +60,34 @@ class GatewayMetrics:
             f"{p}_cached_prompt_tokens", "Prompt tokens served from the prefix cache.", registry=r
         )
         self.generation_tokens = Counter(f"{p}_generation_tokens", "Completion tokens generated.", registry=r)
+        # The router (gateway/router.py), when the gateway routes across nodes.
+        self.route_decisions = Counter(
+            "kvtier_router_decisions",
+            "Routing decisions by reason: prefix (the node holding the longest prefix), load (no "
+            "hit or the load term won), round_robin, random, only_node; node_down and resync count "
+            "nodes routed around and event streams restarted.",
+            ["reason"],
+            registry=r,
+        )
+        for reason in ("prefix", "load", "round_robin", "random", "only_node", "node_down", "resync"):
+            self.route_decisions.labels(reason=reason)
+        self.route_predicted_tokens = Counter(
+            "kvtier_router_predicted_cached_tokens",
+            "Cached prompt tokens the router predicted on the node it chose, for finished requests.",
+            registry=r,
+        )
+        self.route_actual_tokens = Counter(
+            "kvtier_router_actual_cached_tokens",
+            "Cached prompt tokens those requests actually got (usage.cached_tokens): with "
+            "kvtier_router_predicted_cached_tokens, the router's accuracy.",
+            registry=r,
+        )
+        self.route_error_tokens = Histogram(
+            "kvtier_router_prediction_error_tokens",
+            "|predicted - actual| cached prompt tokens per finished request.",
+            buckets=(0, 16, 64, 256, 1024, 4096),
+            registry=r,
+        )
 
     def observe(self, endpoint: str, status: int, seconds: float) -> None:
         self.requests.labels(endpoint, str(status)).inc()

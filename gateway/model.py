@@ -37,6 +37,8 @@ class ServedModel:
     root: str | None = None
     # max_new_tokens of the model's generation_config.json: the default max_tokens (None = none).
     default_max_tokens: int | None = None
+    # The model's fingerprint as the cache services key blocks with it (the router names blocks).
+    fingerprint: str = ""
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a completion prompt, with the special tokens the replica's encode adds (bos)."""
@@ -70,7 +72,11 @@ def load_served_model(model_dir: str | None, name: str) -> ServedModel:
         config_file = Path(model_dir) / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"no config.json in model directory {model_dir}")
-        shape = ModelShape.from_hf_config(json.loads(config_file.read_text()))
+        try:  # the fingerprint covers the weights: the cache services key blocks with it
+            shape = ModelShape.from_model_dir(model_dir)
+        except ValueError as e:  # a tokenizer-and-config directory: serving works, routing cannot name blocks
+            log.info("%s; the KV-aware router predicts no hits without the weights' fingerprint", e)
+            shape = ModelShape.from_hf_config(json.loads(config_file.read_text()))
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     if not getattr(tokenizer, "chat_template", None):
         log.info("the tokenizer has no chat template; chat uses kvtier's simple one (<|role|> lines)")
@@ -82,4 +88,5 @@ def load_served_model(model_dir: str | None, name: str) -> ServedModel:
         vocab_size=shape.vocab_size,
         root=str(Path(model_dir).resolve()) if model_dir else None,
         default_max_tokens=defaults.get("max_tokens"),
+        fingerprint=shape.fingerprint,
     )

@@ -1,0 +1,215 @@
+"""The KV-aware router (gateway/router.py) against real cache services: its per-node index follows
+the WatchEvents streams and agrees with LookupPrefix; it ranks nodes by held prefix and load; it
+routes around a node that stops answering and resyncs when it comes back."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+from servers import TOKEN, ModuleLoop, cache_service, child_env
+
+from gateway.router import Node, NodeFileError, Router, load_node_file, parse_node_flag
+from kvtier.cache_client import AllocateItem, CacheClient
+from kvtier.model_spec import ModelShape
+from kvtier.stack import LocalStack
+
+BS = 16
+LOOP = ModuleLoop()
+run = LOOP.run
+FINGERPRINT = ModelShape.tiny().fingerprint
+
+
+def prompt(system: int, question: int, system_len: int = 64) -> list[int]:
+    return [1 + (system * 31 + k) % 250 for k in range(system_len)] + [
+        (question * 7 + k) % 250 for k in range(20)
+    ]
+
+
+def commit(client: CacheClient, token_ids: list[int], cache_salt: str = "") -> int:
+    """Allocate and commit a whole prompt (as a replica does after prefill); returns the sequence id."""
+    (seq,) = client.allocate([AllocateItem(token_ids, cache_salt=cache_salt)]).sequences
+    client.commit([(seq.sequence_id, [], len(token_ids))])
+    return seq.sequence_id
+
+
+@pytest.fixture(scope="module")
+def two_caches(tmp_path_factory):
+    with (
+        cache_service(tmp_path_factory.mktemp("node0"), "--num-blocks", "64", "--lease-ttl", "30") as a,
+        cache_service(tmp_path_factory.mktemp("node1"), "--num-blocks", "64", "--lease-ttl", "30") as b,
+    ):
+        yield a, b
+
+
+def lease(address: str) -> CacheClient:
+    client = CacheClient.connect(address, TOKEN, timeout_s=10.0)
+    client.attach("router-test-writer", FINGERPRINT)
+    return client
+
+
+async def synced_router(nodes: list[Node], policy: str = "kv-aware") -> Router:
+    router = Router(nodes, TOKEN, FINGERPRINT, policy=policy)
+    await router.start()
+    await router.wait_synced(30.0)
+    return router
+
+
+def test_node_flags_and_files_parse_and_bad_ones_say_what_to_fix(tmp_path) -> None:
+    assert parse_node_flag("gpu0@unix:///a/cache.sock=unix:///a/c0.sock,unix:///a/c1.sock", 0) == Node(
+        "gpu0", "unix:///a/cache.sock", ["unix:///a/c0.sock", "unix:///a/c1.sock"]
+    )
+    assert parse_node_flag("10.0.0.1:50051=10.0.0.1:50052", 3).name == "node-3"
+    with pytest.raises(NodeFileError, match="expected \\[NAME@\\]CACHE_ADDRESS=COMPUTE_ADDRESS"):
+        parse_node_flag("unix:///a/cache.sock", 0)
+    good = tmp_path / "nodes.json"
+    good.write_text(json.dumps({"nodes": [{"name": "a", "cache": "x:1", "compute": ["x:2"]}]}))
+    assert load_node_file(good) == [Node("a", "x:1", ["x:2"])]
+    for text, message in (
+        ("{", "not JSON"),
+        ('{"nodes": []}', 'expected {"nodes"'),
+        ('{"nodes": [{"cache": "x:1"}]}', 'needs "compute"'),
+        (
+            '{"nodes": [{"cache": "x:1", "compute": ["y"]}, {"name": "node-0", "cache": "z", "compute": ["w"]}]}',
+            "repeat",
+        ),
+    ):
+        bad = tmp_path / "bad.json"
+        bad.write_text(text)
+        with pytest.raises(NodeFileError, match=message):
+            load_node_file(bad)
+    with pytest.raises(NodeFileError, match="No such file"):
+        load_node_file(tmp_path / "missing.json")
+
+
+def test_the_index_follows_events_and_equals_lookup_prefix_on_each_node(two_caches) -> None:
+    a, b = two_caches
+    writers = [lease(a.address), lease(b.address)]
+    nodes = [Node("n0", a.address, ["unused"]), Node("n1", b.address, ["unused"])]
+
+    async def check() -> None:
+        router = await synced_router(nodes)
+        try:
+            held = []
+            for system in range(6):  # systems 0, 2, 4 on node 0; 1, 3, 5 on node 1
+                held.append(commit(writers[system % 2], prompt(system, 0)))
+            commit(writers[0], prompt(9, 0), cache_salt="tenant-salt")
+            # Fill node 0 past its pool so some of its blocks are evicted (BlockRemoved).
+            writers[0].free(held[0::2])
+            for system in range(10, 13):
+                commit(writers[0], prompt(system, 0, system_len=240))
+
+            def agrees() -> bool:
+                for state, writer in zip(router.states, writers, strict=True):
+                    for system in (*range(6), 9, 10, 11, 12):
+                        for salt in ("", "tenant-salt"):
+                            p = prompt(system, 1)
+                            got = router.predicted_tokens(state, router.block_hashes(p, salt, "", BS), len(p))
+                            want = writer.lookup_prefix([p], cache_salt=salt).num_cached_tokens[0]
+                            if got != min(want, (len(p) - 1) // BS * BS):
+                                return False
+                return True
+
+            await wait_until_async(
+                agrees, 30.0, "the router's index to agree with LookupPrefix on both nodes"
+            )
+            assert writers[0].get_stats().num_evictions > 0, "node 0 was meant to evict"
+            # Systems 1, 3, 5 are on node 1 only; 2 and 4 were evicted from node 0 or are still there.
+            route = await router.route(prompt(3, 7))
+            assert route.nodes[0].name == "n1" and route.reason == "prefix"
+            assert route.predicted_tokens[0] == 64
+        finally:
+            await router.close()
+
+    try:
+        run(check())
+    finally:
+        for w in writers:
+            w.close()
+
+
+def test_kv_aware_prefers_the_held_prefix_until_the_load_term_outweighs_it(two_caches) -> None:
+    a, b = two_caches
+    writer = lease(a.address)
+    nodes = [Node("n0", a.address, ["unused"]), Node("n1", b.address, ["unused"])]
+
+    async def check() -> None:
+        router = await synced_router(nodes)
+        try:
+            commit(writer, prompt(40, 0))
+            p = prompt(40, 1)
+            await wait_until_async(lambda: predicted(router, 0, p) == 64, 30.0, "the commit's events")
+            assert (await router.route(p)).nodes[0].name == "n0"
+            # Requests in flight on node 0 push the next ones to node 1 once the share outweighs the hit.
+            router.states[0].inflight = 40
+            route = await router.route(p)
+            assert route.nodes[0].name == "n1" and route.reason == "load"
+            router.states[0].inflight = 0
+            # No hit anywhere: the least loaded node, then round-robin between equals.
+            router.states[1].inflight = 1
+            assert (await router.route(prompt(41, 0))).nodes[0].name == "n0"
+            router.states[1].inflight = 0
+            firsts = {(await router.route(prompt(42 + k, 0))).nodes[0].name for k in range(4)}
+            assert firsts == {"n0", "n1"}
+        finally:
+            await router.close()
+
+    try:
+        run(check())
+    finally:
+        writer.close()
+
+
+def predicted(router: Router, node: int, p: list[int]) -> int:
+    return router.predicted_tokens(router.states[node], router.block_hashes(p, "", "", BS), len(p))
+
+
+async def wait_until_async(predicate, timeout_s: float, what: str) -> None:
+    """Poll `predicate` on the running loop (the router's tasks run meanwhile) until it holds."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s:.0f}s waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+def test_a_node_that_stops_answering_is_routed_around_and_resynced_when_back(tmp_path) -> None:
+    args = ["--num-blocks", "64", "--lease-ttl", "30"]
+    stacks = [
+        LocalStack(tmp_path / f"n{i}", args, num_replicas=0, env=child_env(tmp_path / f"n{i}"))
+        for i in range(2)
+    ]
+    try:
+        for stack in stacks:
+            stack.start_cache()
+        nodes = [Node(f"n{i}", s.cache_address, ["unused"]) for i, s in enumerate(stacks)]
+
+        async def check() -> None:
+            router = await synced_router(nodes, policy="round-robin")
+            n0 = router.states[0]
+            try:
+                stacks[0].cache.stop()
+                await wait_until_async(lambda: not n0.up(time.monotonic()), 30.0, "node 0 marked down")
+                for _ in range(4):
+                    assert (await router.route(prompt(1, 0))).nodes[0].name == "n1"
+                stacks[0].start_cache()
+                # Back: its stream is reopened from 0 (a new, empty cache) and it gets traffic again.
+                await wait_until_async(lambda: n0.up(time.monotonic()) and n0.synced, 40.0, "node 0 back")
+                firsts = {(await router.route(prompt(1, 0))).nodes[0].name for _ in range(4)}
+                assert firsts == {"n0", "n1"}
+                writer = lease(stacks[0].cache_address)
+                try:
+                    commit(writer, prompt(5, 0))
+                    await wait_until_async(
+                        lambda: predicted(router, 0, prompt(5, 1)) == 64, 30.0, "the new events"
+                    )
+                finally:
+                    writer.close()
+            finally:
+                await router.close()
+
+        run(check())
+    finally:
+        for stack in stacks:
+            stack.down()

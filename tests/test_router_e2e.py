@@ -1,0 +1,187 @@
+"""Two nodes behind the gateway's router, end to end: real cache services (one pool each, standing
+for two GPUs), a compute replica per node, gateways with --routing kv-aware and round-robin, and
+the official `openai` client. Counted tokens, not timings."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from servers import REPO, cache_stats, child_env, wait_until
+
+from kvtier.model_spec import TINY_LLAMA_CONFIG
+from kvtier.stack import LocalStack, start, wait_gateway
+
+BS = 16
+SYSTEM_LEN = 6 * BS  # six full blocks per system prompt
+NUM_SYSTEMS = 16
+QUESTIONS = 4
+BOS = TINY_LLAMA_CONFIG["bos_token_id"]
+# Each pool holds about half of the system prompts (8 x 6 blocks) plus a request in flight.
+NODE_ARGS = ["--num-blocks", "64", "--lease-ttl", "2"]
+
+
+def system_prompt(s: int) -> list[int]:
+    return [BOS, *[1 + (s * 53 + 7 * k) % 250 for k in range(SYSTEM_LEN - 1)]]
+
+
+def question(s: int, q: int) -> list[int]:
+    return [1 + (s * 11 + q * 29 + 3 * k) % 250 for k in range(BS)]
+
+
+def workload(seed: int) -> list[tuple[int, int]]:
+    """(system, question) pairs: QUESTIONS rounds, each visiting every system in a shuffled order."""
+    rng = random.Random(seed)
+    order = []
+    for q in range(QUESTIONS):
+        systems = list(range(NUM_SYSTEMS))
+        rng.shuffle(systems)
+        order += [(s, q) for s in systems]
+    return order
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory):
+    base = tmp_path_factory.mktemp("nodes")
+    stacks = [
+        LocalStack(base / f"node-{i}", NODE_ARGS, [], num_replicas=1, env=child_env(base / f"node-{i}"))
+        for i in range(2)
+    ]
+    try:
+        for stack in stacks:
+            stack.up()
+        yield stacks
+    finally:
+        for stack in stacks:
+            stack.down()
+
+
+def node_flags(stacks: list[LocalStack]) -> list[str]:
+    flags = []
+    for i, stack in enumerate(stacks):
+        flags += ["--node", f"node-{i}@{stack.cache_address}={','.join(stack.compute_addresses)}"]
+    return flags
+
+
+@pytest.fixture(scope="module")
+def gateways(nodes, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("gateways")
+    procs = {}
+    try:
+        for routing in ("kv-aware", "round-robin"):
+            argv = ["--host", "127.0.0.1", "--port", "0", *node_flags(nodes), "--routing", routing]
+            procs[routing] = start(
+                f"gateway-{routing}", "gateway", argv, "", run_dir, child_env(nodes[0].run_dir)
+            )
+        for proc in procs.values():
+            wait_gateway(proc)
+        yield procs
+    finally:
+        for proc in procs.values():
+            proc.stop()
+
+
+def run_workload(url: str, salt: str, seed: int = 0) -> tuple[int, int]:
+    """(cached prompt tokens, prompt tokens) over the workload, one request at a time."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    cached = total = 0
+    for s, q in workload(seed):
+        reply = client.completions.create(
+            model="kvtier-tiny",
+            prompt=system_prompt(s) + question(s, q),
+            max_tokens=2,
+            temperature=0,
+            extra_body={"cache_salt": salt, "ignore_eos": True},
+        )
+        cached += reply.usage.prompt_tokens_details.cached_tokens
+        total += reply.usage.prompt_tokens
+    return cached, total
+
+
+def test_kv_aware_routing_hits_like_one_big_node_and_beats_round_robin(gateways) -> None:
+    # The most any placement can hit: every request after a system's first hits its whole prompt.
+    ideal = NUM_SYSTEMS * (QUESTIONS - 1) * SYSTEM_LEN
+    kv, total = run_workload(gateways["kv-aware"].address, "run-kv")
+    rr, _ = run_workload(gateways["round-robin"].address, "run-rr")
+    print(
+        f"cached prompt tokens of {total}: kv-aware {kv}, round-robin {rr}, ideal (one pool holding all) {ideal}"
+    )
+    assert kv >= 0.9 * ideal, f"kv-aware hit {kv} tokens, under 0.9 x the one-big-pool {ideal}"
+    assert kv >= 1.5 * rr, f"kv-aware {kv} is not 1.5 x round-robin {rr}"
+    metrics = httpx.get(f"{gateways['kv-aware'].address}/metrics", timeout=30).text
+    assert 'kvtier_router_decisions_total{reason="prefix"}' in metrics
+    values = {s.name: s.value for f in text_string_to_metric_families(metrics) for s in f.samples}
+    predicted = values["kvtier_router_predicted_cached_tokens_total"]
+    actual = values["kvtier_router_actual_cached_tokens_total"]
+    assert actual == kv and abs(predicted - actual) <= 0.05 * actual, (predicted, actual)
+
+
+def test_a_killed_cache_service_sends_requests_to_the_other_node_until_it_is_back(nodes, gateways) -> None:
+    url = gateways["round-robin"].address
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def ask(k: int) -> str:
+        return (
+            client.completions.create(
+                model="kvtier-tiny", prompt=system_prompt(k)[:20], max_tokens=2, temperature=0
+            )
+            .choices[0]
+            .text
+        )
+
+    nodes[0].cache.stop(signal.SIGKILL)
+    try:
+        # The gateway keeps serving: a request routed to the dead node fails over to the other.
+        for k in range(6):
+            ask(k)
+        assert (
+            "routing around it" in gateways["round-robin"].log()
+            or "trying the next node" in gateways["round-robin"].log()
+        )
+    finally:
+        nodes[0].start_cache()
+    # Back: node 0's replica re-attaches, the router sees it answer and gives it traffic again.
+    before = node0_requests(nodes[0])
+    wait_until(lambda: (ask(99), node0_requests(nodes[0]) > before)[1], 90.0, "node 0 serving again")
+
+
+def node0_requests(stack: LocalStack) -> int:
+    """Prompt tokens node 0's (new) cache service has looked up: grows when it serves a request."""
+    return cache_stats(stack).prefix_query_tokens
+
+
+def test_an_unreachable_node_at_start_is_logged_and_routed_around(nodes, tmp_path) -> None:
+    dead = f"unix://{tmp_path / 'nothing-here.sock'}"
+    argv = ["--host", "127.0.0.1", "--port", "0", *node_flags(nodes[:1]), "--node", f"ghost@{dead}={dead}"]
+    gateway = start("gateway-ghost", "gateway", argv, "", tmp_path, child_env(nodes[0].run_dir))
+    try:
+        wait_gateway(gateway, ready_path="/version")
+        client = openai.OpenAI(base_url=f"{gateway.address}/v1", api_key="unused", max_retries=0, timeout=120)
+        for k in range(4):
+            reply = client.completions.create(
+                model="kvtier-tiny", prompt=[BOS, 5, k], max_tokens=2, temperature=0
+            )
+            assert reply.usage.completion_tokens == 2
+        wait_until(lambda: "node ghost does not answer" in gateway.log(), 30.0, "the unreachable node logged")
+    finally:
+        gateway.stop()
+
+
+def test_a_malformed_node_file_is_a_clear_error_and_an_unreachable_node_is_not_fatal(tmp_path) -> None:
+    bad = tmp_path / "nodes.json"
+    bad.write_text(json.dumps({"nodes": [{"name": "a", "cache": "unix:///nowhere.sock"}]}))
+    out = subprocess.run(
+        [sys.executable, "-m", "gateway", "--node-file", str(bad)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode != 0 and 'needs "compute"' in out.stderr, out.stderr
