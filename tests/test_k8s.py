@@ -2,8 +2,10 @@
 
 Every object of a kind Kubernetes itself defines is validated against that Kubernetes version's
 OpenAPI schema, strict (an unknown or misspelled field fails), by `kubernetes-validate` from PyPI,
-which bundles the schemas. The Prometheus Operator's PodMonitor has no bundled schema: its shape
-is checked here by hand. The rest asserts what the schema cannot see: the wiring between objects
+which bundles the schemas. The Prometheus Operator's PodMonitor, a CRD, is validated by the
+models `cloudcoil-models-prometheus-operator` generates from the operator's CRD schemas (types
+and patterns; a field the model does not know fails the round trip). The rest asserts what the
+schemas cannot see: the wiring between objects
 (selectors, ports, DNS names, Secrets, volumes), host namespaces only where CUDA IPC needs them,
 resources and probes on every container, no token in any file.
 """
@@ -100,7 +102,7 @@ def cluster_dns(address: str) -> tuple[str, str, int]:
 @pytest.mark.parametrize(("file", "doc"), DOCS, ids=[f"{f}:{ident(d)}" for f, d in DOCS])
 def test_manifest_validates_against_the_kubernetes_schema(file: str, doc: dict, version: str):
     if (doc["apiVersion"], doc["kind"]) in NOT_IN_THE_SCHEMAS:
-        pytest.skip(f"{doc['kind']} is a CRD: checked by test_podmonitor_scrapes_every_workload")
+        pytest.skip(f"{doc['kind']} is a CRD: test_podmonitor_validates_against_the_operators_crd_models")
     kubernetes_validate.validate(doc, version, strict=True)
 
 
@@ -459,6 +461,18 @@ def test_hpa_scales_compute_on_a_metric_the_replicas_export():
     assert name in exported, f"{name} is not a compute replica metric ({sorted(exported)})"
     assert name in (ROOT / "deploy/README.md").read_text(), "the adapter rule for it is documented"
     assert hpa["spec"]["maxReplicas"] > hpa["spec"]["minReplicas"] >= 2
+
+
+def test_podmonitor_validates_against_the_operators_crd_models():
+    from cloudcoil.models.prometheus_operator.v1 import PodMonitor
+
+    doc = obj("PodMonitor", "kvtier")
+    model = PodMonitor.model_validate(doc)  # types, required fields, patterns (durations, ...)
+    # The models accept unknown fields and drop them: a misspelled one shows as a difference.
+    assert model.model_dump(by_alias=True, exclude_none=True) == doc
+    misspelled = yaml.safe_load(yaml.safe_dump(doc))
+    misspelled["spec"]["podMetricsEndpoints"][0]["intervall"] = "10s"
+    assert PodMonitor.model_validate(misspelled).model_dump(by_alias=True, exclude_none=True) != misspelled
 
 
 def test_podmonitor_scrapes_every_workload():
