@@ -1,25 +1,45 @@
 #!/usr/bin/env bash
-# GPU evidence for kvtier's Triton kernels: the CUDA kernel tests and the decode benchmark, end to
-# end, in under 8 minutes, with every result written to $OUT (default ./gpu-evidence):
-#   env.txt                  GPU, driver, Python / torch / triton versions
-#   pytest-kernels.log       tests/test_kernels_triton.py on the GPU (realistic shapes)
-#   junit-kernels.xml        the same as JUnit XML
-#   bench-decode.txt         bench/decode_attention.py (paged vs contiguous, % of peak bandwidth,
-#                            FlashInfer / vLLM columns where importable, launch-config sweep);
-#                            its last line is the headline figure
-#   decode_attention.png     time vs context length, paged vs contiguous
-#   summary.txt              exit status of each step and the headline
+# GPU evidence for the whole kvtier stack, in one command and under 10 minutes (a global deadline:
+# each step gets at most its cap and what is left of the budget), every result written to $OUT
+# (default ./gpu-evidence):
+#   env.txt                GPU, driver, Python and package versions
+#   setup.log              what pip installed (only when something was missing)
+#   pytest-cuda.log        the CUDA tests of the pool (IPC handle opened in another process, device
+#   junit-cuda.xml         UUID check), the pinned swap tier on a side stream, the real device
+#                          memory plan and replica check, the model runner's Triton path vs generate
+#   pytest-kernels.log     tests/test_kernels_triton.py on the GPU (realistic shapes)
+#   junit-kernels.xml
+#   bench-decode.txt       bench/decode_attention.py: paged vs contiguous, KV-read bandwidth as a
+#   decode_attention.png   fraction of the device's peak (its last line is the headline)
+#   bench-swap.txt, swap.json   bench/swap.py: swap out / in GB/s vs this device's pinned-copy GB/s
+#   gpu-stack.txt          bench/gpu_stack.py: a cuda cache service + 2 compute replicas running a
+#   gpu_stack/             seeded random ~1.1B Llama in bfloat16 built in code; greedy parity vs HF
+#                          generate (bf16 through the stack, fp32 through the runner), serving
+#                          throughput vs generate and generate_batch; gpu_stack.json; cache.log (the
+#                          logged device memory plan), compute-*.log
+#   summary.txt            each step's exit status and time, then every headline
 #
-# What the machine needs (nothing is downloaded unless pip can reach an index):
-#   - an NVIDIA GPU with a working driver (nvidia-smi)
-#   - Python >= 3.11 with a CUDA build of torch >= 2.4 and triton >= 3.0 (triton ships with
-#     CUDA torch wheels) and numpy; pytest >= 8. Optional: matplotlib (the PNG), flashinfer and
-#     vllm (comparison columns). Neither transformers nor grpc is needed here.
-#   - the interpreter is $PYTHON if set, else ./.venv/bin/python if present, else python3.
-#     Missing pytest / matplotlib are installed with pip when an index is reachable; otherwise the
-#     step that needs them reports it (the bench still prints its table without matplotlib).
-# Usage: OUT=/path/to/results scripts/gpu_evidence.sh
+# Usage:
+#   OUT=/path/to/results scripts/gpu_evidence.sh            # on a machine with a CUDA torch
+#   scripts/gpu_evidence.sh --dry-run                       # CPU: check the steps are wired
+#   GPU_EVIDENCE_DRY_RUN=1 scripts/gpu_evidence.sh          # the same
+# Environment: PYTHON (default ./.venv/bin/python if present, else python3), OUT, BUDGET_S (570),
+# GPU_EVIDENCE_NO_INSTALL=1 (never run pip).
+#
+# What the machine needs: an NVIDIA GPU and a Python >= 3.11 with a CUDA build of torch (triton
+# comes with it). What else is missing (grpcio, transformers, pytest, hypothesis, CuPy for the
+# cuda pool, ...) is installed with pip from the project's own requirements into that interpreter,
+# with the installed torch and triton pinned by a constraints file, so pip never replaces them.
+# Without an index pip fails fast and the steps that need the missing package report it.
 set -uo pipefail
+DRY=${GPU_EVIDENCE_DRY_RUN:-0}
+for arg in "$@"; do
+    case "$arg" in
+        --dry-run) DRY=1 ;;
+        -h | --help) sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) echo "unknown argument: $arg (try --help)" >&2; exit 64 ;;
+    esac
+done
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 OUT=${OUT:-$ROOT/gpu-evidence}
@@ -28,14 +48,67 @@ OUT=$(cd "$OUT" && pwd)
 if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
 elif [ -x .venv/bin/python ]; then PY=.venv/bin/python
 else PY=python3; fi
-# The repo root on the path: `kernels` imports without installing the package.
+# The repo root on the path: every package imports without installing the project.
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export TRITON_DEFAULT_FP_FUSION=${TRITON_DEFAULT_FP_FUSION:-1}
+export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
+BUDGET_S=${BUDGET_S:-570}
 SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
-log() { echo "$*" | tee -a "$SUMMARY"; }
 started=$(date +%s)
+failures=0
+log() { echo "$*" | tee -a "$SUMMARY"; }
+
+# step NAME CAP_S LOGFILE COMMAND...: run with timeout min(CAP_S, what is left of the budget),
+# output to the console and LOGFILE, one line in the summary. In a dry run the command is given
+# as it is (each dry command is a cheap wiring check).
+step() {
+    local name=$1 cap=$2 logfile=$3
+    shift 3
+    local left=$((BUDGET_S - ($(date +%s) - started)))
+    local limit=$((cap < left ? cap : left))
+    if [ "$limit" -lt 15 ]; then
+        log "step $name: SKIPPED (budget of ${BUDGET_S}s spent)"
+        failures=$((failures + 1))
+        return 1
+    fi
+    local t0 rc
+    t0=$(date +%s)
+    timeout --kill-after=10 "$limit" "$@" >"$logfile" 2>&1
+    rc=$?
+    cat "$logfile"
+    local what="exit $rc"
+    [ "$rc" -eq 124 ] && what="TIMED OUT after ${limit}s (exit 124)"
+    log "step $name: $what ($(($(date +%s) - t0)) s)"
+    [ "$rc" -ne 0 ] && failures=$((failures + 1))
+    return "$rc"
+}
+
+# The CUDA tests, by node id: a dry run collects exactly these, so a renamed test breaks it.
+CUDA_TESTS=(
+    tests/test_pool.py::test_cuda_pool_is_shared_through_an_ipc_handle
+    tests/test_host_tier.py
+    tests/test_memory_plan.py::test_real_device_plan_and_replica_check
+    tests/test_model.py::test_greedy_on_cuda_with_triton_kernels_matches_generate
+)
+KERNEL_TESTS=(tests/test_kernels_triton.py)
+PYTEST=("$PY" -m pytest -o addopts="" -p no:cacheprovider -q -rA)
+
+if [ "$DRY" = 1 ]; then
+    log "gpu_evidence DRY RUN ($PY): the steps' wiring, nothing measured"
+    step bash-syntax 30 "$OUT/dry-bash.log" bash -n "$0"
+    step help-cachesvc 60 "$OUT/dry-cachesvc.log" "$PY" -m cachesvc --help
+    step help-computesvc 60 "$OUT/dry-computesvc.log" "$PY" -m computesvc --help
+    step help-gpu-stack 60 "$OUT/dry-gpu-stack.log" "$PY" bench/gpu_stack.py --help
+    step help-swap 60 "$OUT/dry-swap.log" "$PY" bench/swap.py --help
+    step help-decode 90 "$OUT/dry-decode.log" "$PY" bench/decode_attention.py --help
+    log "setup (not run): would pip install what is missing with torch and triton pinned: \"$ROOT[dev,cuda]\" psutil"
+    step collect-tests 120 "$OUT/dry-collect.log" "${PYTEST[@]}" --collect-only "${CUDA_TESTS[@]}" "${KERNEL_TESTS[@]}"
+    log "dry run: $failures step(s) failed; elapsed $(($(date +%s) - started)) s; results in $OUT"
+    [ "$failures" -eq 0 ]
+    exit
+fi
 
 {
     echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
@@ -43,7 +116,7 @@ started=$(date +%s)
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.memory --format=csv 2>&1 || echo "nvidia-smi unavailable"
     "$PY" - <<'EOF' 2>&1
 import importlib
-for name in ("torch", "triton", "numpy", "pytest", "matplotlib", "flashinfer", "vllm"):
+for name in ("torch", "triton", "cupy", "transformers", "grpc", "numpy", "pytest", "hypothesis", "matplotlib", "flashinfer", "vllm"):
     try:
         module = importlib.import_module(name)
         print(f"{name}: {getattr(module, '__version__', '?')}")
@@ -52,38 +125,66 @@ for name in ("torch", "triton", "numpy", "pytest", "matplotlib", "flashinfer", "
 import torch
 print("torch.cuda:", torch.version.cuda, "available:", torch.cuda.is_available(),
       "device:", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
+if torch.cuda.is_available():
+    free, total = torch.cuda.mem_get_info(0)
+    print(f"device memory: {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB")
 EOF
 } >"$OUT/env.txt"
 cat "$OUT/env.txt"
 
 if ! "$PY" -c "import torch, triton, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-    log "FATAL: $PY has no CUDA torch + triton (see env.txt); nothing to run"
+    log "FATAL: $PY has no CUDA torch + triton (see env.txt); nothing to run (--dry-run checks the wiring on CPU)"
     exit 2
 fi
-for pkg in pytest matplotlib; do
-    if ! "$PY" -c "import $pkg" 2>/dev/null; then
-        log "installing $pkg with pip (needs an index)"
-        timeout 60 "$PY" -m pip install -q --retries 0 --timeout 5 "$pkg" >>"$OUT/env.txt" 2>&1 || log "could not install $pkg"
-    fi
-done
 
-# 1. Kernel tests on the GPU. addopts cleared and conftest skipped: no dependency on pytest
-#    plugins or on the service packages (grpc, transformers) the shared conftest may import.
-tests_rc=1
-if "$PY" -c "import pytest" 2>/dev/null; then
-    timeout 270 "$PY" -m pytest tests/test_kernels_triton.py -o addopts="" -p no:cacheprovider --noconftest -q -rA \
-        --junitxml="$OUT/junit-kernels.xml" 2>&1 | tee "$OUT/pytest-kernels.log"
-    tests_rc=${PIPESTATUS[0]}
+# Setup: install what is missing, never replacing the CUDA torch / triton.
+NEEDED="grpc grpc_health grpc_reflection grpc_status google.protobuf transformers safetensors tokenizers \
+opentelemetry.sdk opentelemetry.instrumentation.grpc prometheus_client zmq msgpack pytest pytest_timeout \
+hypothesis cupy matplotlib psutil"
+missing=$("$PY" -c "
+import importlib, sys
+out = []
+for n in sys.argv[1].split():
+    try:
+        importlib.import_module(n)
+    except Exception:
+        out.append(n)
+print(' '.join(out))" "$NEEDED")
+if [ -n "$missing" ] && [ "${GPU_EVIDENCE_NO_INSTALL:-0}" != 1 ]; then
+    log "missing: $missing; installing with pip (torch and triton pinned)"
+    "$PY" -c "
+import importlib.metadata as m
+for d in ('torch', 'triton'):
+    try:
+        print(f'{d}=={m.version(d)}')
+    except m.PackageNotFoundError:
+        pass" >"$OUT/constraints.txt"
+    cuda_major=$("$PY" -c "import torch; print((torch.version.cuda or '12').split('.')[0])")
+    extra=cuda
+    [ "$cuda_major" -ge 13 ] && extra=cuda13
+    step setup 240 "$OUT/setup.log" "$PY" -m pip install --retries 1 --timeout 15 -c "$OUT/constraints.txt" \
+        "$ROOT[dev,$extra]" psutil
 else
-    echo "pytest not importable: kernel tests not run" | tee "$OUT/pytest-kernels.log"
+    log "setup: nothing missing${missing:+ (install skipped: $missing)}"
 fi
-log "kernel tests: exit $tests_rc ($(tail -1 "$OUT/pytest-kernels.log"))"
 
-# 2. Decode benchmark: full CUDA grid plus the launch-config sweep.
-timeout 180 "$PY" bench/decode_attention.py --sweep-configs --plot "$OUT/decode_attention.png" 2>&1 \
-    | tee "$OUT/bench-decode.txt"
-bench_rc=${PIPESTATUS[0]}
-log "decode bench: exit $bench_rc"
-log "$(tail -1 "$OUT/bench-decode.txt")"
-log "elapsed: $(($(date +%s) - started)) s; results in $OUT"
-[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+step pytest-cuda 180 "$OUT/pytest-cuda.log" "${PYTEST[@]}" --junitxml="$OUT/junit-cuda.xml" "${CUDA_TESTS[@]}"
+step pytest-kernels 200 "$OUT/pytest-kernels.log" "${PYTEST[@]}" --junitxml="$OUT/junit-kernels.xml" "${KERNEL_TESTS[@]}"
+step bench-decode 120 "$OUT/bench-decode.txt" "$PY" bench/decode_attention.py --plot "$OUT/decode_attention.png"
+step bench-swap 60 "$OUT/bench-swap.txt" "$PY" bench/swap.py --json "$OUT/swap.json"
+step gpu-stack 330 "$OUT/gpu-stack.txt" "$PY" bench/gpu_stack.py --out "$OUT/gpu_stack"
+
+{
+    echo
+    echo "headlines:"
+    for f in pytest-cuda.log pytest-kernels.log; do
+        [ -f "$OUT/$f" ] && echo "  $f: $(tail -1 "$OUT/$f")"
+    done
+    [ -f "$OUT/bench-decode.txt" ] && echo "  decode attention: $(tail -1 "$OUT/bench-decode.txt")"
+    [ -f "$OUT/bench-swap.txt" ] && grep '^headline' "$OUT/bench-swap.txt" | sed 's/^/  swap: /'
+    [ -f "$OUT/gpu-stack.txt" ] && grep '^headline' "$OUT/gpu-stack.txt" | sed 's/^/  stack: /'
+    [ -f "$OUT/gpu_stack/cache.log" ] && echo "  device memory plan (cache service log):" \
+        && grep -A8 'device memory plan for' "$OUT/gpu_stack/cache.log" | sed 's/^/    /'
+} | tee -a "$SUMMARY"
+log "$failures step(s) failed; elapsed $(($(date +%s) - started)) s; results in $OUT"
+[ "$failures" -eq 0 ]
