@@ -64,6 +64,8 @@ class Node:
     name: str
     cache: str  # the cache service's address (unix:///path or host:port)
     compute: list[str]  # its replicas' addresses
+    # DNS discovery: every replica found; the node's own are those its cache lists as leases.
+    candidates: list[str] | None = None
 
 
 def parse_node_flag(spec: str, index: int) -> Node:
@@ -132,7 +134,9 @@ def resolve_dns_nodes(cache_service: str, compute_service: str) -> list[Node]:
         return sorted({f"{info[4][0]}:{port}" for info in infos})
 
     replicas = addresses(compute_service)
-    return [Node(f"cache-{a}", a, list(replicas)) for a in addresses(cache_service)]
+    return [
+        Node(f"cache-{a}", a, list(replicas), candidates=list(replicas)) for a in addresses(cache_service)
+    ]
 
 
 @dataclass
@@ -281,6 +285,8 @@ class Router:
                 state.block_size = stats.block_size
                 state.usage = stats.usage_percent / 100.0
                 state.num_sequences = stats.num_sequences
+                if state.node.candidates is not None:
+                    self._assign_replicas(state, [lease.client_name for lease in stats.leases])
                 if was_down:
                     log.info("router: node %s answers again", state.name)
                     state.down_until = 0.0
@@ -293,6 +299,14 @@ class Router:
                 was_down = True
                 state.down_until = time.monotonic() + DOWN_S
             await asyncio.sleep(STATS_PERIOD_S)
+
+    @staticmethod
+    def _assign_replicas(state: NodeState, lease_names: list[str]) -> None:
+        """DNS discovery: the node's replicas are the candidates its cache holds a lease for."""
+        own = [c for c in state.node.candidates or () if c in lease_names]
+        if own and own != state.node.compute:
+            log.info("router: node %s serves through %s", state.name, " ".join(own))
+            state.node.compute = own
 
     # ------------------------------------------------------------ routing
 

@@ -213,3 +213,34 @@ def test_a_node_that_stops_answering_is_routed_around_and_resynced_when_back(tmp
     finally:
         for stack in stacks:
             stack.down()
+
+
+def test_dns_discovery_gives_each_node_the_replicas_its_cache_holds_leases_for(two_caches) -> None:
+    """--nodes-dns: every replica is a candidate for every node until the node's GetStats shows
+    which of them hold leases there (a replica attaches with its address as its name)."""
+    a, b = two_caches
+    candidates = ["10.0.0.1:50052", "10.0.0.2:50052"]
+    nodes = [
+        Node("n0", a.address, list(candidates), candidates=list(candidates)),
+        Node("n1", b.address, list(candidates), candidates=list(candidates)),
+    ]
+    replicas = [CacheClient.connect(x.address, TOKEN, timeout_s=10.0) for x in (a, b)]
+    for client, name in zip(replicas, candidates, strict=True):
+        client.attach(name, FINGERPRINT)
+
+    async def check() -> None:
+        router = await synced_router(nodes)
+        try:
+            await wait_until_async(
+                lambda: [s.node.compute for s in router.states] == [[candidates[0]], [candidates[1]]],
+                30.0,
+                "each node's replicas from its leases",
+            )
+        finally:
+            await router.close()
+
+    try:
+        run(check())
+    finally:
+        for client in replicas:
+            client.close()
