@@ -59,27 +59,31 @@ def request_limits(
     return limits
 
 
-def request_scans(max_batch: int, max_model_len: int) -> dict[str, Callable[[bytes], str | None]]:
+def request_scans(
+    max_batch: int, max_model_len: int, scan_from_bytes: int = SCAN_FROM_BYTES
+) -> dict[str, Callable[[bytes], str | None]]:
     """Full method name -> a check of a token-list request's raw bytes, for
-    ``start_server(raw_checks=...)``: what is wrong with it (INVALID_ARGUMENT), or None."""
+    ``start_server(raw_checks=...)``: what is wrong with it (INVALID_ARGUMENT), or None. Requests
+    under `scan_from_bytes` pass unscanned."""
     scans = {}
     for name, (request_type, item_type) in TOKEN_RPCS.items():
         items_field = request_type.DESCRIPTOR.fields_by_name["items"].number
         tokens_field = item_type.DESCRIPTOR.fields_by_name["token_ids"].number
-        scans[SERVICE + name] = _token_list_scan(items_field, tokens_field, max_batch, max_model_len)
+        scan = _token_list_scan(items_field, tokens_field, max_batch, max_model_len, scan_from_bytes)
+        scans[SERVICE + name] = scan
     return scans
 
 
 _HIGH_BYTES = bytes(range(0x80, 0x100))  # a varint's continuation bytes; each other byte ends one
 
 
-def _token_list_scan(items_field: int, tokens_field: int, max_batch: int, max_model_len: int):
+def _token_list_scan(items_field: int, tokens_field: int, max_batch: int, max_model_len: int, scan_from: int):
     items_key = items_field << 3 | 2  # a length-delimited field
 
     def scan(raw: bytes) -> str | None:
         """Counts items and each item's packed token ids without parsing; anything else (an
         unpacked or malformed list) is left to the parser, whose work its size already bounds."""
-        if len(raw) < SCAN_FROM_BYTES:
+        if len(raw) < scan_from:
             return None
         view = memoryview(raw)
         num_items = 0

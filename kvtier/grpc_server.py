@@ -221,8 +221,9 @@ class _GuardedMethod:
         # Streamed requests are parsed by grpc as they arrive; only a unary request is ours to parse.
         self._parse = None if handler.request_streaming else handler.request_deserializer
         self._observe = observe
-        self._max_bytes = max_bytes
-        self._raw_check = raw_check
+        # A streamed request has no raw bytes to measure: grpc's receive limit bounds each message.
+        self._max_bytes = None if handler.request_streaming else max_bytes
+        self._raw_check = None if handler.request_streaming else raw_check
         # grpc.aio drives an async generator with `async for` and awaits a coroutine (a streaming
         # one writes with context.write), telling them apart by function type: keep the kind.
         run = self.stream if is_generator else self.call

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import random
 import threading
 import time
 from pathlib import Path
@@ -409,3 +410,59 @@ def test_a_stream_whose_reader_falls_behind_the_log_ends_with_out_of_range_and_c
     assert "resynchronize with LookupPrefix and watch from 0" in error.details()
     assert first == 61
     assert servicer.num_watch_streams == 0
+
+
+def test_the_raw_scan_agrees_with_the_parsed_request_and_leaves_malformed_bytes_to_the_parser():
+    rng = random.Random(16)
+    max_batch, max_len = 4, 16
+    scans = request_scans(max_batch, max_len, scan_from_bytes=0)
+    kinds = {
+        "Allocate": (cache_pb2.AllocateRequest, cache_pb2.AllocateItem),
+        "Commit": (cache_pb2.CommitRequest, cache_pb2.CommitItem),
+        "LookupPrefix": (cache_pb2.LookupPrefixRequest, cache_pb2.LookupPrefixItem),
+    }
+    refusals = 0
+    for _ in range(300):
+        name = rng.choice(list(kinds))
+        request_type, item_type = kinds[name]
+        lengths = [
+            rng.choice([0, 1, max_len, max_len + 1, rng.randrange(40)]) for _ in range(rng.randrange(7))
+        ]
+        # Ids of 1 to 3 varint bytes, and strings around the token list, as real requests have.
+        items = [
+            item_type(
+                token_ids=[rng.choice([1, 300, 70_000]) for _ in range(n)], **_other_fields(item_type, rng)
+            )
+            for n in lengths
+        ]
+        extra = {"lease_id": "lease"} if name != "LookupPrefix" else {}
+        raw = request_type(items=items, **extra).SerializeToString()
+        wrong = scans[f"/kvtier.v1.CacheService/{name}"](raw)
+        over = [k for k, n in enumerate(lengths[:max_batch]) if n > max_len]
+        if len(lengths) > max_batch and not over:
+            assert wrong == f"len(items) exceeds max_batch {max_batch}", (lengths, wrong)
+        elif over:
+            assert wrong is not None and wrong.startswith(f"items[{over[0]}]: len(token_ids) is at least"), (
+                lengths,
+                wrong,
+            )
+        else:
+            assert wrong is None, (lengths, wrong)
+        refusals += wrong is not None
+        # Cut short anywhere, the bytes are left to the parser: the scan raises nothing and
+        # refuses only what the whole request is refused for, found before the cut.
+        cut = raw[: rng.randrange(len(raw) + 1)]
+        assert scans[f"/kvtier.v1.CacheService/{name}"](cut) in (None, wrong)
+    assert 50 < refusals < 250
+
+
+def _other_fields(item_type, rng: random.Random) -> dict:
+    fields = item_type.DESCRIPTOR.fields_by_name
+    out = {}
+    if "cache_salt" in fields:
+        out["cache_salt"] = "s" * rng.randrange(3)
+    if "sequence_id" in fields:
+        out["sequence_id"] = rng.choice([1, 2**40])
+    if "num_computed_tokens" in fields:
+        out["num_computed_tokens"] = rng.randrange(100)
+    return out
