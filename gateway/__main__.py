@@ -53,7 +53,7 @@ async def serve(cfg: GatewayConfig) -> None:
     sock = bind(cfg.host, cfg.port)  # first: a port in use fails before the tokenizer loads
     model = load_served_model(cfg.model, cfg.served_model_name)
     router = metrics = None
-    if cfg.nodes is not None and len(cfg.nodes) > 1:
+    if cfg.nodes_dns is not None or (cfg.nodes is not None and len(cfg.nodes) > 1):
         from gateway.metrics import GatewayMetrics
         from gateway.router import Router
 
@@ -65,7 +65,13 @@ async def serve(cfg: GatewayConfig) -> None:
             )
         metrics = GatewayMetrics()
         router = Router(
-            cfg.nodes, node_token, model.fingerprint, cfg.routing, cfg.routing_load_weight, metrics
+            cfg.nodes or [],
+            node_token,
+            model.fingerprint,
+            cfg.routing,
+            cfg.routing_load_weight,
+            metrics,
+            dns=cfg.nodes_dns,
         )
         for node in cfg.nodes:
             log.info("node %s: cache %s, replicas %s", node.name, node.cache, " ".join(node.compute))
@@ -84,12 +90,19 @@ async def serve(cfg: GatewayConfig) -> None:
     print(
         f"kvtier gateway serving the OpenAI API on {url_of(sock)} (model {model.name}, max_model_len "
         f"{model.max_model_len}, compute replicas ({len(cfg.compute)}): {' '.join(cfg.compute)}; "
-        f"{f'{len(cfg.nodes)} nodes, {cfg.routing} routing; ' if router else ''}API key "
+        f"{routing_note(cfg, router)}API key "
         f"{'required' if cfg.api_key else 'per tenant' if keys else 'not required'})",
         file=sys.stderr,
         flush=True,
     )
     await server.serve(sockets=[sock])
+
+
+def routing_note(cfg: GatewayConfig, router) -> str:
+    if router is None:
+        return ""
+    found = f"nodes from DNS {cfg.nodes_dns[0]}" if cfg.nodes_dns else f"{len(router.states)} nodes"
+    return f"{found}, {cfg.routing} routing; "
 
 
 def _have(module: str) -> bool:

@@ -7,7 +7,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from gateway.router import Node, NodeFileError, load_node_file, parse_node_flag, resolve_dns_nodes
+from gateway.router import Node, NodeFileError, load_node_file, parse_dns_flag, parse_node_flag
 
 TINY_MODEL_NAME = "kvtier-tiny"
 
@@ -28,6 +28,7 @@ class GatewayConfig:
     log_level: str
     # Several nodes (cache service + its replicas) behind the KV-aware router; None = one pool.
     nodes: list[Node] | None = None
+    nodes_dns: tuple[str, str] | None = None  # (cache, compute) headless Services, resolved by the router
     routing: str = "kv-aware"
     routing_load_weight: float = 1.0
 
@@ -156,7 +157,13 @@ def parse_config(argv: list[str] | None = None, prog: str = "python -m gateway")
     args.nodes = _nodes(args, parser)
     if args.nodes is not None:
         args.compute = [c for node in args.nodes for c in node.compute]
-    del args.node, args.node_file, args.nodes_dns
+    try:
+        args.nodes_dns = parse_dns_flag(args.nodes_dns) if args.nodes_dns else None
+    except NodeFileError as e:
+        raise SystemExit(str(e)) from None
+    if args.nodes_dns:  # found (and found again) by the router at run time
+        args.nodes, args.compute = [], []
+    del args.node, args.node_file
     if args.routing_load_weight < 0:
         raise SystemExit(f"--routing-load-weight must be >= 0, got {args.routing_load_weight}")
     if args.compute is None:  # the local stack's replicas, and its model unless --model says
@@ -204,9 +211,6 @@ def _nodes(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[No
             return [parse_node_flag(spec, k) for k, spec in enumerate(args.node)]
         if args.node_file:
             return load_node_file(args.node_file)
-        cache_service, _, compute_service = args.nodes_dns.partition(",")
-        if not compute_service:
-            raise NodeFileError(f"--nodes-dns {args.nodes_dns!r}: expected CACHE_HOST:PORT,COMPUTE_HOST:PORT")
-        return resolve_dns_nodes(cache_service, compute_service)
+        return None  # --nodes-dns: the router resolves it
     except NodeFileError as e:
         raise SystemExit(str(e)) from None

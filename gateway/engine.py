@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -29,7 +30,7 @@ from gateway.errors import APIError, bad_request, from_grpc, no_replica
 from gateway.logprobs import LogprobFormatter
 from gateway.model import ServedModel
 from gateway.protocol import Usage, _SamplingRequest
-from gateway.router import NodeState, Router
+from gateway.router import NodeState, NoNode, Router
 from kvtier import auth
 from kvtier.api import compute_pb2
 from kvtier.compute_client import RECONNECT, ComputeClient
@@ -209,7 +210,8 @@ class Engine:
 
     async def start(self) -> None:
         """Open the channels (on the running event loop: grpc.aio binds to it)."""
-        self.client = ComputeClient(self.addresses, self._token, per_call_credential=self._forward_keys)
+        if self.addresses or self.router is None:
+            self.client = ComputeClient(self.addresses, self._token, per_call_credential=self._forward_keys)
         self._channels = [
             grpc.aio.insecure_channel(auth.grpc_target(a), options=RECONNECT) for a in self.addresses
         ]
@@ -245,6 +247,9 @@ class Engine:
                 return False
             return reply.status == health_pb2.HealthCheckResponse.SERVING
 
+        if not self.addresses and self.router is not None:  # DNS discovery: the nodes that answer now
+            now = time.monotonic()
+            return [c for s in self.router.states if s.up(now) and s.block_size for c in s.node.compute]
         ok = await asyncio.gather(*(serving(s) for s in self._health))
         return [a for a, good in zip(self.addresses, ok, strict=True) if good]
 
@@ -336,10 +341,13 @@ class Engine:
         request a replica refuses, 503 when no replica answers); every stream already started
         is then cancelled.
         """
-        assert self.client is not None, "Engine.start() first"
         if self.router is None:
+            assert self.client is not None, "Engine.start() first"
             return await self._open_on(self.client, jobs, credential)
-        route = await self.router.route(jobs[0].prompt_ids, jobs[0].request.cache_salt, tenant)
+        try:
+            route = await self.router.route(jobs[0].prompt_ids, jobs[0].request.cache_salt, tenant)
+        except NoNode as e:
+            raise no_replica(str(e)) from None
         failure: APIError | None = None
         for state, predicted in zip(route.nodes, route.predicted_tokens, strict=True):
             try:

@@ -51,6 +51,11 @@ DOWN_S = 5.0  # a node that failed is passed over this long
 STATS_PERIOD_S = 1.0  # how often each node's GetStats is read (load, block size, replicas)
 LOOKUP_TIMEOUT_S = 0.5
 RESYNC_BACKOFF_S = (0.1, 2.0)  # first and largest wait between attempts to reopen an event stream
+DNS_PERIOD_S = 10.0  # how often --nodes-dns Services are resolved again
+
+
+class NoNode(Exception):
+    """No node to route to (DNS discovery found none yet)."""
 
 
 class NodeFileError(ValueError):
@@ -114,28 +119,38 @@ def load_node_file(path: str | Path) -> list[Node]:
     return nodes
 
 
-def resolve_dns_nodes(cache_service: str, compute_service: str) -> list[Node]:
-    """Nodes from Kubernetes DNS: every address of the headless cache Service is a node (one
-    cache pod per GPU node), and every address of the headless compute Service a replica.
+def dns_addresses(service: str) -> list[str]:
+    """``HOST:PORT`` of every address ``HOST`` resolves to (a headless Service: one per ready pod)."""
+    host, _, port = service.rpartition(":")
+    if not host or not port.isdigit():
+        raise NodeFileError(f"{service!r}: expected HOST:PORT of a headless Service")
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise NodeFileError(f"cannot resolve {host}: {e.strerror}") from None
+    return sorted({f"{info[4][0]}:{port}" for info in infos})
 
-    A replica belongs to the node whose cache lists it among its leases (a replica attaches
-    with ``--advertise HOST:PORT`` as its client name); ``Router`` assigns them from GetStats.
-    Until then every replica is a candidate for every node.
-    """
 
-    def addresses(service: str) -> list[str]:
+def parse_dns_flag(value: str) -> tuple[str, str]:
+    """``--nodes-dns CACHE_HOST:PORT,COMPUTE_HOST:PORT`` -> the two services (not resolved yet)."""
+    cache_service, _, compute_service = value.partition(",")
+    for service in (cache_service, compute_service):
         host, _, port = service.rpartition(":")
         if not host or not port.isdigit():
-            raise NodeFileError(f"{service!r}: expected HOST:PORT of a headless Service")
-        try:
-            infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-        except socket.gaierror as e:
-            raise NodeFileError(f"cannot resolve {host}: {e.strerror}") from None
-        return sorted({f"{info[4][0]}:{port}" for info in infos})
+            raise NodeFileError(f"--nodes-dns {value!r}: expected CACHE_HOST:PORT,COMPUTE_HOST:PORT")
+    return cache_service, compute_service
 
-    replicas = addresses(compute_service)
+
+def resolve_dns_nodes(cache_service: str, compute_service: str) -> list[Node]:
+    """Nodes from Kubernetes DNS: every address of the headless cache Service is a node (one
+    cache pod per GPU node), and every address of the headless compute Service a candidate
+    replica. A replica belongs to the node whose cache lists it among its leases (a replica
+    attaches with ``--name POD_IP:PORT``); ``Router`` assigns them from GetStats, and resolves
+    both Services again every ``DNS_PERIOD_S`` (pods come and go).
+    """
+    replicas = dns_addresses(compute_service)
     return [
-        Node(f"cache-{a}", a, list(replicas), candidates=list(replicas)) for a in addresses(cache_service)
+        Node(f"cache-{a}", a, list(replicas), candidates=list(replicas)) for a in dns_addresses(cache_service)
     ]
 
 
@@ -185,11 +200,15 @@ class Router:
         load_weight: float = 1.0,
         metrics=None,
         seed: int | None = None,
+        dns: tuple[str, str] | None = None,
     ) -> None:
+        """``dns``: the (cache, compute) headless Services of --nodes-dns; nodes are then found,
+        and kept current, by resolving them (``nodes`` may start empty)."""
         if policy not in POLICIES:
             raise ValueError(f"routing policy {policy!r}: choose one of {', '.join(POLICIES)}")
-        if not nodes:
+        if not nodes and dns is None:
             raise ValueError("the router needs at least one node")
+        self.dns = dns
         self.policy = policy
         self.load_weight = load_weight
         self.fingerprint = model_fingerprint
@@ -197,34 +216,94 @@ class Router:
         self._metadata = auth.bearer(token) if token else ()
         self._rr = itertools.count()
         self._random = random.Random(seed)
-        self.states: list[NodeState] = []
-        for node in nodes:
-            channel = grpc.aio.insecure_channel(auth.grpc_target(node.cache))
-            self.states.append(NodeState(node, cache_pb2_grpc.CacheServiceStub(channel), channel))
+        self.states: list[NodeState] = [self._state_of(node) for node in nodes]
+        self._started = False
+        self._dns_task: asyncio.Task | None = None
+
+    @staticmethod
+    def _state_of(node: Node) -> NodeState:
+        channel = grpc.aio.insecure_channel(auth.grpc_target(node.cache))
+        return NodeState(node, cache_pb2_grpc.CacheServiceStub(channel), channel)
 
     # ------------------------------------------------------------ life
 
     async def start(self) -> None:
         """Start following every node (on the running loop); returns at once."""
+        self._started = True
         for state in self.states:
-            state.tasks = [
-                asyncio.create_task(self._follow_events(state), name=f"router-events-{state.name}"),
-                asyncio.create_task(self._poll_stats(state), name=f"router-stats-{state.name}"),
-            ]
+            self._follow(state)
+        if self.dns is not None:
+            self._dns_task = asyncio.create_task(self._rediscover_forever(), name="router-dns")
+
+    def _follow(self, state: NodeState) -> None:
+        state.tasks = [
+            asyncio.create_task(self._follow_events(state), name=f"router-events-{state.name}"),
+            asyncio.create_task(self._poll_stats(state), name=f"router-stats-{state.name}"),
+        ]
+
+    async def _rediscover_forever(self) -> None:
+        """--nodes-dns: resolve the Services again and again; new cache pods become nodes, gone
+        ones are dropped, and every node's candidate replicas are the compute pods resolved now.
+        A failed lookup (no ready pod yet, DNS down) is logged and retried, never fatal."""
+        assert self.dns is not None
+        cache_service, compute_service = self.dns
+        failing = False
+        while True:
+            try:
+                caches = await asyncio.to_thread(dns_addresses, cache_service)
+                replicas = await asyncio.to_thread(dns_addresses, compute_service)
+            except NodeFileError as e:
+                if not failing:
+                    log.warning("router: %s; retrying every %.0fs", e, DNS_PERIOD_S)
+                failing = True
+            else:
+                failing = False
+                await self.set_dns_nodes(caches, replicas)
+            await asyncio.sleep(DNS_PERIOD_S)
+
+    async def set_dns_nodes(self, caches: list[str], replicas: list[str]) -> None:
+        """Make the nodes those of ``caches`` (cache pod addresses), each with ``replicas`` as
+        candidates; the replicas a node already knows it owns (from its leases) stay its own."""
+        known = {s.node.cache: s for s in self.states}
+        for state in [s for s in self.states if s.node.cache not in caches]:
+            log.info("router: node %s is gone from DNS", state.name)
+            self.states.remove(state)
+            await self._stop(state)
+        for address in caches:
+            state = known.get(address)
+            if state is None:
+                state = self._state_of(
+                    Node(f"cache-{address}", address, list(replicas), candidates=list(replicas))
+                )
+                log.info("router: node %s found in DNS", state.name)
+                self.states.append(state)
+                if self._started:
+                    self._follow(state)
+            else:
+                state.node.candidates = list(replicas)
+                if not set(state.node.compute) <= set(replicas):
+                    state.node.compute = list(replicas)  # a replica it had is gone: ask the leases again
+
+    async def _stop(self, state: NodeState) -> None:
+        for task in state.tasks:
+            task.cancel()
+        for task in state.tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await state.channel.close()
 
     async def close(self) -> None:
+        if self._dns_task is not None:
+            self._dns_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._dns_task
         for state in self.states:
-            for task in state.tasks:
-                task.cancel()
-            for task in state.tasks:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
-            await state.channel.close()
+            await self._stop(state)
 
     async def wait_synced(self, timeout_s: float) -> None:
         """Until every node's index follows its events and its block size is known (tests, startup)."""
         deadline = time.monotonic() + timeout_s
-        while not all(s.synced and s.block_size for s in self.states):
+        while not (self.states and all(s.synced and s.block_size for s in self.states)):
             if time.monotonic() > deadline:
                 late = [s.name for s in self.states if not (s.synced and s.block_size)]
                 raise TimeoutError(f"router: nodes {late} not synced within {timeout_s:.0f}s")
@@ -348,6 +427,8 @@ class Router:
 
     async def route(self, prompt_ids: list[int], cache_salt: str = "", tenant: str = "") -> Route:
         """Nodes to try for a request, best first (down nodes last)."""
+        if not self.states:
+            raise NoNode("no node is known yet (--nodes-dns found no cache pod so far); retry")
         now = time.monotonic()
         up = [s for s in self.states if s.up(now)]
         down = [s for s in self.states if not s.up(now)]

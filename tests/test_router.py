@@ -8,13 +8,14 @@ import asyncio
 import json
 import time
 
+import httpx
 import pytest
 from servers import TOKEN, ModuleLoop, cache_service, child_env
 
 from gateway.router import Node, NodeFileError, Router, load_node_file, parse_node_flag
 from kvtier.cache_client import AllocateItem, CacheClient
 from kvtier.model_spec import ModelShape
-from kvtier.stack import LocalStack
+from kvtier.stack import LocalStack, start, wait_gateway
 
 BS = 16
 LOOP = ModuleLoop()
@@ -244,3 +245,53 @@ def test_dns_discovery_gives_each_node_the_replicas_its_cache_holds_leases_for(t
     finally:
         for client in replicas:
             client.close()
+
+
+def test_dns_rediscovery_adds_and_drops_nodes_as_pods_come_and_go(two_caches) -> None:
+    """What each DNS pass does (Router.set_dns_nodes): a new cache pod becomes a node that is
+    followed at once, a gone one is dropped; with none, a request gets a clear 'no node' error."""
+    a, b = two_caches
+    from gateway.router import NoNode
+
+    async def check() -> None:
+        router = Router([], TOKEN, FINGERPRINT, dns=("unused:1", "unused:2"))
+        await router.start()  # its DNS task fails to resolve "unused" and keeps retrying
+        try:
+            with pytest.raises(NoNode, match="no node is known yet"):
+                await router.route(prompt(1, 0))
+            await router.set_dns_nodes([a.address], ["r0"])
+            await router.set_dns_nodes([a.address, b.address], ["r0", "r1"])
+            await router.wait_synced(30.0)
+            assert [s.node.cache for s in router.states] == [a.address, b.address]
+            assert all(s.node.candidates == ["r0", "r1"] for s in router.states)
+            await router.set_dns_nodes([b.address], ["r1"])
+            assert [s.node.cache for s in router.states] == [b.address]
+            assert router.states[0].node.compute == ["r1"]
+        finally:
+            await router.close()
+
+    run(check())
+
+
+def test_a_gateway_whose_dns_finds_nothing_yet_starts_and_answers_503(tmp_path) -> None:
+    """No ready pod at start (the name does not resolve) is not fatal: the gateway serves
+    /version, says 503 with a reason for completions, and keeps resolving."""
+    argv = [
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--nodes-dns",
+        "no-such-host.invalid:50051,no-such-host.invalid:50052",
+    ]
+    gateway = start("gateway-dns", "gateway", argv, "", tmp_path, child_env(tmp_path))
+    try:
+        wait_gateway(gateway, ready_path="/version")
+        assert httpx.get(f"{gateway.address}/health", timeout=30).status_code == 503
+        reply = httpx.post(
+            f"{gateway.address}/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=30
+        )
+        assert reply.status_code == 503 and "no node is known yet" in reply.json()["error"]["message"]
+        assert "cannot resolve no-such-host.invalid" in gateway.log()
+    finally:
+        gateway.stop()
