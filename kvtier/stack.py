@@ -22,6 +22,7 @@ from pathlib import Path
 
 import grpc
 
+from kvtier.auth import check_private_dir, ensure_run_dir
 from kvtier.healthcheck import check
 
 STACK_FILE = "stack.json"
@@ -177,7 +178,7 @@ class LocalStack:
         return env
 
     def start_cache(self) -> Process:
-        self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        ensure_run_dir(self.run_dir)  # 0700 if new; another user's, or writable by others: refused
         self.cache = start(
             "cache",
             "cachesvc",
@@ -266,6 +267,7 @@ def stop_stack(run_dir: Path, timeout_s: float = 30.0) -> list[str]:
     path = run_dir / STACK_FILE
     if not path.is_file():
         return []
+    check_private_dir(run_dir)  # another user's stack file would name pids of their choosing
     info = json.loads(path.read_text())
     stopped: list[str] = []
     owner = info.get("pid")
@@ -310,10 +312,14 @@ def _wait_gone(pid: int, timeout_s: float) -> None:
 
 
 def running_stack(run_dir: Path) -> dict | None:
-    """The addresses of a stack `kvtier up` started in run_dir, if it is serving."""
+    """The addresses of a stack `kvtier up` started in run_dir, if it is serving.
+
+    auth.UntrustedPath if run_dir is not private to us: a stack file there could send our token
+    to another user's sockets."""
     path = run_dir / STACK_FILE
     if not path.is_file():
         return None
+    check_private_dir(run_dir)
     info = json.loads(path.read_text())
     try:
         if all(check(a, timeout_s=1.0) == "SERVING" for a in [info["cache"], *info["compute"]]):
