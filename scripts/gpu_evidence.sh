@@ -27,16 +27,17 @@
 # GPU_EVIDENCE_NO_INSTALL=1 (never run pip).
 #
 # What the machine needs: an NVIDIA GPU and a Python >= 3.11 with a CUDA build of torch (triton
-# comes with it). What else is missing (grpcio, transformers, pytest, hypothesis, CuPy for the
-# cuda pool, ...) is installed with pip from the project's own requirements into that interpreter,
-# with the installed torch and triton pinned by a constraints file, so pip never replaces them.
+# comes with it). What else is missing (grpcio, transformers, pytest, hypothesis, CuPy matching
+# torch's CUDA for the cuda pool, ...) is installed with pip into that interpreter, package by
+# package, with the installed torch and triton pinned by a constraints file, so pip never
+# replaces them.
 # Without an index pip fails fast and the steps that need the missing package report it.
 set -uo pipefail
 DRY=${GPU_EVIDENCE_DRY_RUN:-0}
 for arg in "$@"; do
     case "$arg" in
         --dry-run) DRY=1 ;;
-        -h | --help) sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h | --help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
         *) echo "unknown argument: $arg (try --help)" >&2; exit 64 ;;
     esac
 done
@@ -85,6 +86,48 @@ step() {
     return "$rc"
 }
 
+# The pip packages of the modules the steps import that this interpreter lacks (module:package).
+missing_packages() {
+    local cupy_pkg=cupy-cuda12x
+    if [ "$("$PY" -c "import torch; print((torch.version.cuda or '12').split('.')[0])")" -ge 13 ]; then
+        cupy_pkg=cupy-cuda13x
+    fi
+    "$PY" - "$cupy_pkg" <<'EOF'
+import importlib
+import sys
+
+NEEDED = {
+    "grpc": "grpcio",
+    "grpc_health": "grpcio-health-checking",
+    "grpc_reflection": "grpcio-reflection",
+    "grpc_status": "grpcio-status",
+    "google.protobuf": "protobuf",
+    "transformers": "transformers",
+    "safetensors": "safetensors",
+    "tokenizers": "tokenizers",
+    "opentelemetry.sdk": "opentelemetry-sdk",
+    "opentelemetry.instrumentation.grpc": "opentelemetry-instrumentation-grpc",
+    "opentelemetry.exporter.otlp.proto.grpc": "opentelemetry-exporter-otlp-proto-grpc",
+    "prometheus_client": "prometheus-client",
+    "zmq": "pyzmq",
+    "msgpack": "msgpack",
+    "pytest": "pytest",
+    "pytest_timeout": "pytest-timeout",
+    "hypothesis": "hypothesis",
+    "cupy": sys.argv[1],
+    "matplotlib": "matplotlib",
+    "psutil": "psutil",  # transformers' continuous batching reads memory with it
+}
+missing = []
+for module, package in NEEDED.items():
+    try:
+        importlib.import_module(module)
+    except Exception:
+        missing.append(package)
+print(" ".join(missing))
+EOF
+}
+
 # The CUDA tests, by node id: a dry run collects exactly these, so a renamed test breaks it.
 CUDA_TESTS=(
     tests/test_pool.py::test_cuda_pool_is_shared_through_an_ipc_handle
@@ -103,7 +146,7 @@ if [ "$DRY" = 1 ]; then
     step help-gpu-stack 60 "$OUT/dry-gpu-stack.log" "$PY" bench/gpu_stack.py --help
     step help-swap 60 "$OUT/dry-swap.log" "$PY" bench/swap.py --help
     step help-decode 90 "$OUT/dry-decode.log" "$PY" bench/decode_attention.py --help
-    log "setup (not run): would pip install what is missing with torch and triton pinned: \"$ROOT[dev,cuda]\" psutil"
+    log "setup (not run): pip would install, torch and triton pinned: $(missing_packages)"
     step collect-tests 120 "$OUT/dry-collect.log" "${PYTEST[@]}" --collect-only "${CUDA_TESTS[@]}" "${KERNEL_TESTS[@]}"
     log "dry run: $failures step(s) failed; elapsed $(($(date +%s) - started)) s; results in $OUT"
     [ "$failures" -eq 0 ]
@@ -138,18 +181,7 @@ if ! "$PY" -c "import torch, triton, sys; sys.exit(0 if torch.cuda.is_available(
 fi
 
 # Setup: install what is missing, never replacing the CUDA torch / triton.
-NEEDED="grpc grpc_health grpc_reflection grpc_status google.protobuf transformers safetensors tokenizers \
-opentelemetry.sdk opentelemetry.instrumentation.grpc prometheus_client zmq msgpack pytest pytest_timeout \
-hypothesis cupy matplotlib psutil"
-missing=$("$PY" -c "
-import importlib, sys
-out = []
-for n in sys.argv[1].split():
-    try:
-        importlib.import_module(n)
-    except Exception:
-        out.append(n)
-print(' '.join(out))" "$NEEDED")
+missing=$(missing_packages)
 if [ -n "$missing" ] && [ "${GPU_EVIDENCE_NO_INSTALL:-0}" != 1 ]; then
     log "missing: $missing; installing with pip (torch and triton pinned)"
     "$PY" -c "
@@ -159,11 +191,11 @@ for d in ('torch', 'triton'):
         print(f'{d}=={m.version(d)}')
     except m.PackageNotFoundError:
         pass" >"$OUT/constraints.txt"
-    cuda_major=$("$PY" -c "import torch; print((torch.version.cuda or '12').split('.')[0])")
-    extra=cuda
-    [ "$cuda_major" -ge 13 ] && extra=cuda13
-    step setup 240 "$OUT/setup.log" "$PY" -m pip install --retries 1 --timeout 15 -c "$OUT/constraints.txt" \
-        "$ROOT[dev,$extra]" psutil
+    # shellcheck disable=SC2086  # one word per package
+    if ! step setup 240 "$OUT/setup.log" "$PY" -m pip install --retries 1 --timeout 15 -c "$OUT/constraints.txt" $missing; then
+        failures=$((failures - 1))  # not a failure of its own: the steps that need a package report it
+        log "setup failed (no index?): still missing: $(missing_packages)"
+    fi
 else
     log "setup: nothing missing${missing:+ (install skipped: $missing)}"
 fi
