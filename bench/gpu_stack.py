@@ -33,6 +33,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -70,6 +71,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     work.add_argument("--requests", type=int, default=64, help="serving: concurrent requests")
     work.add_argument("--prompt-tokens", type=int, default=256, help="serving: prompt length")
     work.add_argument("--max-tokens", type=int, default=128, help="serving: output tokens per request")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=280.0,
+        help="seconds for the whole run: a step that would start later is skipped (reported), so the "
+        "report is written and the stack stopped before an outer timeout",
+    )
     ap.add_argument(
         "--device",
         default="cuda",
@@ -337,13 +345,19 @@ def runner_greedy_fp32(
 
 
 class Steps:
-    def __init__(self) -> None:
+    def __init__(self, budget_s: float) -> None:
         self.status: dict[str, str] = {}
         self.seconds: dict[str, float] = {}
+        self.deadline = time.monotonic() + budget_s
 
     def run(self, name: str, fn):
         t = time.perf_counter()
         print(f"== {name}", flush=True)
+        if time.monotonic() > self.deadline:
+            self.status[name] = "SKIPPED: --budget-s spent"
+            self.seconds[name] = 0.0
+            print(f"   {name}: skipped, budget spent", flush=True)
+            return None
         try:
             value = fn()
             self.status[name] = "ok"
@@ -369,7 +383,9 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="kvtier-gpu-stack-"))
     model_dir = work / "model"
     run_dir = work / "run"
-    steps = Steps()
+    steps = Steps(a.budget_s)
+    # An outer timeout's SIGTERM unwinds through the finally blocks: the stack is stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     device_name = torch.cuda.get_device_name() if a.device == "cuda" else "cpu (wiring check; float32)"
     report: dict = {"device": device_name, "args": {k: str(v) for k, v in vars(a).items()}}
     built = steps.run("model", lambda: build_model_dir(a, model_dir))

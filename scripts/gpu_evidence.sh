@@ -203,7 +203,7 @@ fi
 # In order of what the evidence needs most, so a spent budget cuts the least: the pool and runner
 # on the device, the whole stack, the swap tier, then the kernel grid and its benchmark.
 step pytest-cuda 150 "$OUT/pytest-cuda.log" "${PYTEST[@]}" --junitxml="$OUT/junit-cuda.xml" "${CUDA_TESTS[@]}"
-step gpu-stack 300 "$OUT/gpu-stack.txt" "$PY" bench/gpu_stack.py --out "$OUT/gpu_stack"
+step gpu-stack 300 "$OUT/gpu-stack.txt" "$PY" bench/gpu_stack.py --out "$OUT/gpu_stack" --budget-s 250
 step bench-swap 45 "$OUT/bench-swap.txt" "$PY" bench/swap.py --json "$OUT/swap.json"
 step pytest-kernels 150 "$OUT/pytest-kernels.log" "${PYTEST[@]}" --junitxml="$OUT/junit-kernels.xml" "${KERNEL_TESTS[@]}"
 step bench-decode 120 "$OUT/bench-decode.txt" "$PY" bench/decode_attention.py --plot "$OUT/decode_attention.png"

@@ -61,3 +61,14 @@ def test_real_run_without_cuda_stops_and_says_why(tmp_path):
     assert out.returncode == 2
     assert "FATAL" in (tmp_path / "summary.txt").read_text()
     assert "available: False" in (tmp_path / "env.txt").read_text()
+
+
+def test_gpu_stack_agreement_counts_exact_matches_and_the_agreeing_prefix():
+    sys.path.insert(0, str(REPO / "bench"))
+    from gpu_stack import agreement
+
+    got = [[1, 2, 3], [1, 2, 9], [7, 2, 3]]
+    want = [[1, 2, 3], [1, 2, 3], [1, 2, 3]]
+    a = agreement(got, want)
+    assert (a["exact"], a["prompts"], a["tokens_per_prompt"]) == (1, 3, 3)
+    assert a["agreeing_prefix_tokens"] == [3, 2, 0] and a["mean_agreeing_prefix"] == 5 / 3
