@@ -124,8 +124,9 @@ def test_a_20_mib_lookup_prefix_is_refused_with_or_without_a_token_and_leaves_no
 
 def test_over_long_strings_are_refused_and_get_stats_keeps_working_for_everyone(service, stub):
     client = CacheClient.connect(service.address, TOKEN, timeout_s=30.0)
+    client.attach("honest")
+    beating = client.start_heartbeat_thread()  # the lease must outlive the 48 MiB upload
     try:
-        client.attach("honest")
         leases_before = len(client.get_stats().leases)
         cases = [
             # 48 MiB: over every limit, grpc refuses it unread.
@@ -157,6 +158,7 @@ def test_over_long_strings_are_refused_and_get_stats_keeps_working_for_everyone(
         assert max(len(lease.client_name) for lease in stats.leases) == 256
         assert stats.ByteSize() < 64 * 1024
     finally:
+        beating.set()
         client.close()
 
 
