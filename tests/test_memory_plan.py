@@ -246,3 +246,37 @@ def test_real_device_plan_and_replica_check():
     print(p.describe())
     assert p.num_blocks > 0
     check_device_memory(None, "float32", "cuda")  # the tiny model fits on any GPU
+
+
+def _fake_device(monkeypatch, free: int, total: int) -> None:
+    import cachesvc.__main__ as cache_main
+
+    monkeypatch.setattr(cache_main, "require_cuda", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index=None: (free, total))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "Fake GPU")
+
+
+def test_plan_pool_on_cuda_sizes_the_pool_and_logs_the_block(monkeypatch, caplog, tiny_model_dir):
+    from cachesvc.__main__ import model_shape, plan_pool
+
+    _fake_device(monkeypatch, free=15 * GIB, total=16 * GIB)
+    cfg = parse_config(["--backend", "cuda", "--model", str(tiny_model_dir), "--activation-reserve-gib", "1"])
+    with caplog.at_level("INFO", logger="kvtier.cache"):
+        plan = plan_pool(cfg, model_shape(cfg))
+    block_bytes = model_shape(cfg).block_bytes(16, "float32")
+    weights = checkpoint_weight_bytes(tiny_model_dir, "float32").num_bytes
+    assert plan.num_blocks == (int(0.9 * 16 * GIB) - GIB - 2 * (weights + GIB)) // block_bytes
+    assert "device memory plan for cuda:0 (Fake GPU):" in caplog.text and "= KV pool" in caplog.text
+
+
+def test_cache_service_refuses_to_start_when_the_plan_leaves_no_pool(monkeypatch, caplog):
+    from cachesvc.__main__ import main
+
+    _fake_device(monkeypatch, free=2 * GIB, total=4 * GIB)
+    argv = ["--backend", "cuda", "--activation-reserve-gib", "1", "--listen", "unix:///nonexistent/x.sock"]
+    with caplog.at_level("ERROR", logger="kvtier.cache"):
+        assert main(argv) == 2
+    assert (
+        "cannot start: the device memory budget leaves" in caplog.text
+        and "less than one block" in caplog.text
+    )
