@@ -12,8 +12,9 @@ scheduler owns. The sampler only picks the next token id of each sequence.
 One bad row never fails the batch: `Sampler.sample_isolated` falls back to sampling row by row
 when the batch has a non-finite row or the batched pass raises, and reports the rows that fail
 on their own (their requests fail; the others get their tokens). The common path pays one
-`isfinite` reduction over the rows' maxima. A temperature in (0, MIN_TEMPERATURE) is sampled as
-MIN_TEMPERATURE, as vLLM does: dividing logits by less overflows them to inf and NaN.
+`isfinite` over the value each row's argmax picked (argmax picks a NaN). A temperature in
+(0, MIN_TEMPERATURE) is sampled as MIN_TEMPERATURE, as vLLM does: dividing logits by less
+overflows them to inf and NaN.
 """
 
 from __future__ import annotations
@@ -220,13 +221,14 @@ class Sampler:
         logits = logits.float()
         if penalties is not None:
             logits = apply_penalties(logits, params, penalties)
-        # NOTE: one reduction guards the batch: a row holding NaN or +inf (or only -inf) has a
-        # non-finite maximum; -inf entries alone (masked tokens) are fine.
-        row_max = logits.amax(dim=-1)
+        greedy_ids = logits.argmax(dim=-1)
+        # NOTE: the argmax guards the batch for free: argmax picks a NaN, so a row holding NaN or
+        # +inf (or only -inf) has a non-finite value there; -inf entries alone (masked tokens)
+        # are fine. One gather of num_seqs values, not another pass over the vocabulary.
+        row_max = logits.gather(1, greedy_ids[:, None])[:, 0]
         if not bool(torch.isfinite(row_max).all()):
-            bad = (~torch.isfinite(row_max)).nonzero().flatten().tolist()
-            raise NonFiniteLogits(bad)
-        tokens = logits.argmax(dim=-1).tolist()
+            raise NonFiniteLogits((~torch.isfinite(row_max)).nonzero().flatten().tolist())
+        tokens = greedy_ids.tolist()
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if not rows:
             return tokens
