@@ -115,8 +115,9 @@ async def grpc_one(client, prompt: list[int], max_tokens: int, salt: str) -> Res
     return Result(ttft, tokens, replica_ttft_s=replica_ttft)
 
 
-async def http_one(http, url: str, prompt: list[int], max_tokens: int, salt: str) -> Result:
-    body = {
+def completion_body(prompt: list[int], max_tokens: int, salt: str) -> dict:
+    """A greedy, streamed /v1/completions body that runs to `max_tokens` and reports usage."""
+    return {
         "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0,
@@ -125,6 +126,10 @@ async def http_one(http, url: str, prompt: list[int], max_tokens: int, salt: str
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+
+
+async def http_one(http, url: str, prompt: list[int], max_tokens: int, salt: str) -> Result:
+    body = completion_body(prompt, max_tokens, salt)
     t0 = time.perf_counter()
     ttft, tokens, finished = 0.0, 0, False
     try:

@@ -1,6 +1,7 @@
 """`kvtier`: run the cache service, compute replicas or the whole local stack, and talk to it.
 
     kvtier up --replicas 2            # cache service + 2 compute replicas + the HTTP gateway, until Ctrl-C
+    kvtier up --nodes 2 --replicas 2  # two nodes (a cache service and pool each), the gateway routing across them
     kvtier serve --port 8000          # the OpenAI-compatible gateway alone, in front of a running stack
     kvtier demo                       # a workload with shared system prompts against the stack
     kvtier generate "Once upon a time" --max-tokens 32
@@ -70,7 +71,7 @@ def _checked_api_keys(path: str) -> str:
 
 def _stack(args) -> tuple[object, dict]:
     """A running stack in the run dir, or a new one (returned so the caller stops it)."""
-    from kvtier.stack import LocalStack, running_stack
+    from kvtier.stack import LocalStack, MultiNodeStack, running_stack
 
     run_dir = auth.run_dir()
     info = running_stack(run_dir)
@@ -91,18 +92,24 @@ def _stack(args) -> tuple[object, dict]:
         cache_args += ["--tenant-quotas", keys]
         compute_args += ["--api-keys", keys]
         gateway_args += ["--api-keys", keys]
-    stack = LocalStack(
-        run_dir,
-        cache_args,
-        compute_args,
-        args.replicas,
-        gateway_args=gateway_args if gateway else None,
-        gateway_port=getattr(args, "gateway_port", 0),
-        model=args.model,
-    )
+    num_nodes = getattr(args, "nodes", 1)
+    common = {
+        "cache_args": cache_args,
+        "compute_args": compute_args,
+        "num_replicas": args.replicas,
+        "gateway_args": gateway_args if gateway else None,
+        "gateway_port": getattr(args, "gateway_port", 0),
+        "model": args.model,
+    }
+    if num_nodes > 1:
+        stack = MultiNodeStack(run_dir, num_nodes, **common)
+        what = f"{num_nodes} nodes, each a cache service (its own pool) + {args.replicas} compute replicas"
+    else:
+        stack = LocalStack(run_dir, **common)
+        what = f"cache service + {args.replicas} compute replicas"
     print(
-        f"starting the local stack in {run_dir}: cache service + {args.replicas} compute replicas"
-        f"{' + the HTTP gateway' if gateway else ''} …",
+        f"starting the local stack in {run_dir}: {what}"
+        f"{' + the HTTP gateway (KV-aware routing)' if gateway and num_nodes > 1 else ' + the HTTP gateway' if gateway else ''} …",
         flush=True,
     )
     try:
@@ -110,6 +117,8 @@ def _stack(args) -> tuple[object, dict]:
     except (RuntimeError, TimeoutError) as e:  # a service exited or never got ready: its log says why
         raise SystemExit(f"could not start the local stack: {e}") from None
     info = {"cache": stack.cache_address, "compute": stack.compute_addresses}
+    if num_nodes > 1:
+        info["nodes"] = [(n.cache_address, n.compute_addresses) for n in stack.nodes]
     if stack.gateway is not None:
         info["gateway"] = stack.gateway.address
     return stack, info
@@ -135,6 +144,8 @@ def _stop_on_signals() -> None:
 
 
 def cmd_up(args) -> int:
+    if args.nodes < 1:
+        raise SystemExit(f"--nodes must be >= 1, got {args.nodes}")
     _stop_on_signals()
     stack = None
     # NOTE: everything after the stack exists runs inside this try, so a signal that arrives at
@@ -144,9 +155,16 @@ def cmd_up(args) -> int:
         if stack is None:
             print(f"a stack is already serving in {auth.run_dir()}: {info}")
             return 0
-        print(f"cache service:    {info['cache']}")
-        for address in info["compute"]:
-            print(f"compute replica:  {address}")
+        if "nodes" in info:
+            for i, node in enumerate(info["nodes"]):
+                cache, compute = (node["cache"], node["compute"]) if isinstance(node, dict) else node
+                print(f"node {i}: cache service {cache}")
+                for address in compute:
+                    print(f"node {i}: compute replica {address}")
+        else:
+            print(f"cache service:    {info['cache']}")
+            for address in info["compute"]:
+                print(f"compute replica:  {address}")
         if "gateway" in info:
             print(f"OpenAI API:       {info['gateway']}/v1  (gateway; GET {info['gateway']}/health)")
         print(
@@ -335,7 +353,7 @@ def cmd_stats(args) -> int:
 
 
 def _stack_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--replicas", type=int, default=2, help="compute replicas to start")
+    p.add_argument("--replicas", type=int, default=2, help="compute replicas to start (per node)")
     p.add_argument("--model", help="local Hugging Face model directory (default: built-in tiny model)")
     p.add_argument("--num-blocks", type=int, default=2048, help="KV blocks in the cache service's pool")
     p.add_argument("--swap-space", type=float, default=0.25, help="GiB of host swap for preempted sequences")
@@ -381,6 +399,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=8000,
         help="the gateway's HTTP port on 127.0.0.1 (0 = any free port)",
+    )
+    up.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="nodes to start, each a cache service with its own pool (standing for one GPU) and "
+        "--replicas replicas; with more than one, the gateway routes across them (KV-aware)",
     )
     up.add_argument(
         "--api-keys",

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import grpc
 
-from kvtier.auth import check_private_dir, ensure_run_dir
+from kvtier.auth import check_private_dir, create_token_file, ensure_run_dir
 from kvtier.healthcheck import check
 
 STACK_FILE = "stack.json"
@@ -219,18 +219,7 @@ class LocalStack:
         except BaseException:
             self.down()
             raise
-        info = {
-            "cache": self.cache_address,
-            "compute": self.compute_addresses,
-            "pid": os.getpid(),
-            # Each service's pid, so `kvtier down` can stop them even if this process was killed.
-            "pids": {p.name: p.proc.pid for p in self.processes},
-        }
-        if self.model:
-            info["model"] = self.model
-        if self.gateway:
-            info["gateway"] = self.gateway.address
-        (self.run_dir / STACK_FILE).write_text(json.dumps(info))
+        write_stack_file(self, {p.name: p.proc.pid for p in self.processes})
         return self
 
     @property
@@ -251,6 +240,135 @@ class LocalStack:
         (self.run_dir / STACK_FILE).unlink(missing_ok=True)
 
     def __enter__(self) -> LocalStack:
+        return self.up()
+
+    def __exit__(self, *exc) -> None:
+        self.down()
+
+
+def write_stack_file(
+    stack: LocalStack | MultiNodeStack, pids: dict[str, int], nodes: list[dict] | None = None
+) -> None:
+    """The stack file in the stack's run dir: its addresses, model, gateway, and each service's
+    pid, so `kvtier down` can stop them even if the process that started them was killed."""
+    info: dict = {
+        "cache": stack.cache_address,
+        "compute": stack.compute_addresses,
+        "pid": os.getpid(),
+        "pids": pids,
+    }
+    if nodes:
+        info["nodes"] = nodes
+    if stack.model:
+        info["model"] = stack.model
+    if stack.gateway:
+        info["gateway"] = stack.gateway.address
+    (stack.run_dir / STACK_FILE).write_text(json.dumps(info))
+
+
+@dataclass
+class MultiNodeStack:
+    """`kvtier up --nodes N`: N nodes, each a LocalStack (its own cache service and pool, standing
+    for one accelerator, and its replicas) in ``run_dir/node-i``, and one gateway in ``run_dir``
+    routing across them (gateway/router.py). Every process uses the one token in ``run_dir``."""
+
+    run_dir: Path
+    num_nodes: int
+    cache_args: list[str] = field(default_factory=list)
+    compute_args: list[str] = field(default_factory=list)
+    num_replicas: int = 2
+    env: dict[str, str] | None = None
+    gateway_args: list[str] | None = None
+    gateway_port: int = 8000
+    model: str | None = None
+    nodes: list[LocalStack] = field(default_factory=list)
+    gateway: Process | None = None
+
+    def _env(self) -> dict[str, str]:
+        env = dict(self.env if self.env is not None else os.environ)
+        env["KVTIER_RUN_DIR"] = str(self.run_dir)
+        if "KVTIER_TOKEN" not in env and "KVTIER_TOKEN_FILE" not in env:
+            token_file = self.run_dir / "token"
+            if not token_file.exists():
+                create_token_file(token_file)
+            env["KVTIER_TOKEN_FILE"] = str(token_file)
+        return env
+
+    @property
+    def cache_address(self) -> str:
+        return self.nodes[0].cache_address
+
+    @property
+    def compute_addresses(self) -> list[str]:
+        return [a for node in self.nodes for a in node.compute_addresses]
+
+    def node_flags(self) -> list[str]:
+        """The gateway's --node flags for these nodes."""
+        flags: list[str] = []
+        for i, node in enumerate(self.nodes):
+            flags += ["--node", f"node-{i}@{node.cache_address}={','.join(node.compute_addresses)}"]
+        return flags
+
+    def up(self) -> MultiNodeStack:
+        ensure_run_dir(self.run_dir)
+        env = self._env()
+        self.nodes = [
+            LocalStack(
+                self.run_dir / f"node-{i}",
+                self.cache_args,
+                self.compute_args,
+                self.num_replicas,
+                env,
+                model=self.model,
+            )
+            for i in range(self.num_nodes)
+        ]
+        try:
+            for node in self.nodes:
+                node.up()
+                (node.run_dir / STACK_FILE).unlink(missing_ok=True)  # the stack file is the parent's
+            if self.gateway_args is not None:
+                self.gateway = wait_gateway(
+                    start(
+                        "gateway",
+                        "gateway",
+                        [
+                            "--host",
+                            "127.0.0.1",
+                            "--port",
+                            str(self.gateway_port),
+                            *self.node_flags(),
+                            *self.gateway_args,
+                        ],
+                        "",
+                        self.run_dir,
+                        env,
+                    )
+                )
+        except BaseException:
+            self.down()
+            raise
+        nodes = [
+            {"name": f"node-{i}", "cache": n.cache_address, "compute": n.compute_addresses}
+            for i, n in enumerate(self.nodes)
+        ]
+        write_stack_file(
+            self, {f"{p.name}@{p.address or 'gateway'}": p.proc.pid for p in self.processes}, nodes
+        )
+        return self
+
+    @property
+    def processes(self) -> list[Process]:
+        return [p for node in self.nodes for p in node.processes] + ([self.gateway] if self.gateway else [])
+
+    def down(self) -> None:
+        if self.gateway is not None:
+            self.gateway.stop()
+        for node in self.nodes:
+            node.down()
+        (self.run_dir / STACK_FILE).unlink(missing_ok=True)
+
+    def __enter__(self) -> MultiNodeStack:
         return self.up()
 
     def __exit__(self, *exc) -> None:

@@ -29,11 +29,13 @@ def ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def start_up(run_dir: Path, deadline_s: float = 240.0) -> tuple[subprocess.Popen, dict]:
-    """`kvtier up` with one replica and no gateway, started as a background job of a script
-    (SIGINT ignored), read until it says the stack serves."""
+def start_up(
+    run_dir: Path, deadline_s: float = 240.0, extra: tuple[str, ...] = ("--no-gateway",)
+) -> tuple[subprocess.Popen, dict]:
+    """`kvtier up` with one replica and no gateway (unless `extra` says otherwise), started as a
+    background job of a script (SIGINT ignored), read until it says the stack serves."""
     proc = subprocess.Popen(
-        [KVTIER, "up", "--replicas", "1", "--no-gateway", "--num-blocks", "64"],
+        [KVTIER, "up", "--replicas", "1", "--num-blocks", "64", *extra],
         cwd=REPO,
         env=_env(run_dir),
         stdout=subprocess.PIPE,
@@ -131,3 +133,28 @@ def test_every_entry_point_has_a_version():
     for argv in ([KVTIER], [sys.executable, "-m", "cachesvc"], [sys.executable, "-m", "computesvc"]):
         out = subprocess.run([*argv, "--version"], capture_output=True, text=True, timeout=60, check=True)
         assert out.stdout.strip().endswith(__version__), out.stdout
+
+
+def test_kvtier_up_with_two_nodes_routes_across_them_and_stops_them_all(tmp_path):
+    """`kvtier up --nodes 2`: two cache services (a pool each) with their replicas and one gateway
+    routing across them; the stack file names the nodes; a clear error for --nodes 0."""
+    import openai
+
+    bad = subprocess.run([KVTIER, "up", "--nodes", "0"], env=_env(tmp_path), capture_output=True, text=True)
+    assert bad.returncode != 0 and "--nodes must be >= 1" in bad.stderr
+    proc, info = start_up(tmp_path, extra=("--nodes", "2", "--gateway-port", "0"))
+    try:
+        assert [n["name"] for n in info["nodes"]] == ["node-0", "node-1"]
+        assert info["nodes"][0]["cache"] != info["nodes"][1]["cache"]
+        client = openai.OpenAI(base_url=f"{info['gateway']}/v1", api_key="unused", max_retries=0, timeout=120)
+        for k in range(4):
+            reply = client.completions.create(
+                model="kvtier-tiny", prompt=[1, 2, 3, k], max_tokens=2, temperature=0
+            )
+            assert reply.usage.completion_tokens == 2
+        services = list(info["pids"].values())
+        assert len(services) == 2 * 2 + 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    assert wait_all_gone(services) == [], "kvtier up --nodes 2 left services running"
