@@ -94,6 +94,19 @@ def test_validate_refuses_values_that_would_overflow_or_cost_without_bound(field
         SamplingParams(**{field: value}).validate(vocab_size=40, max_model_len=64)
 
 
+def test_a_failed_step_tells_its_requests_nothing_of_one_requests_item():
+    from computesvc.scheduler import _public
+
+    item = ValueError(
+        "cache service refused the call: INVALID_ARGUMENT: items[3]: cache_salt 'tenant-b-secret\0'"
+    )
+    told = _public(item)
+    assert "tenant-b-secret" not in told and "items[3]" not in told
+    assert told.startswith("ValueError: ") and "replica's log" in told
+    batch = RuntimeError("cache service refused the call: INVALID_ARGUMENT: 3 items exceed max_batch 2")
+    assert _public(batch) == f"RuntimeError: {batch}"  # about the call, not a request: kept
+
+
 # ---------------------------------------------------------------- the stack
 
 
