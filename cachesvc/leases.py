@@ -62,6 +62,10 @@ class LeaseTable:
     def expires_in(self, lease: Lease) -> float:
         return max(0.0, lease.expires_at - self.clock())
 
+    def pop(self, lease_id: str) -> Lease | None:
+        """Remove ``lease_id`` whether or not it ran out (its holder gave it up); None if unknown."""
+        return self._leases.pop(lease_id, None)
+
     def pop_expired(self) -> list[Lease]:
         """Remove and return the leases whose time ran out at least one grace period ago.
 

@@ -118,17 +118,39 @@ class CacheNode:
 
     # ------------------------------------------------------------ leases
 
-    def attach(self, client_name: str, model_fingerprint: str = "") -> Lease:
-        """Open a lease for ``client_name``; a non-empty ``model_fingerprint`` must be the pool's."""
+    def attach(self, client_name: str, model_fingerprint: str = "", previous_lease_id: str = "") -> Lease:
+        """Open a lease for ``client_name``; a non-empty ``model_fingerprint`` must be the pool's.
+
+        ``previous_lease_id``: a lease the client held and lost, named once no write under it can
+        happen: its sequences (if not released yet) are released now without fencing, and its
+        fenced blocks are freed now. An unknown id is ignored (it may be long gone)."""
         ours = self.sequences.model_fingerprint
         if model_fingerprint and model_fingerprint != ours:
             raise FailedPrecondition(
                 f"model fingerprint {model_fingerprint[:12]}… does not match the pool's "
                 f"{ours[:12]}…: start compute with the cache service's model"
             )
+        if previous_lease_id:
+            self._unfence(previous_lease_id)
         lease = self.leases.open(client_name)
         log.info("lease %s… opened by %s", lease.lease_id[:8], lease.client_name)
         return lease
+
+    def _unfence(self, lease_id: str) -> None:
+        """Release what fencing holds of ``lease_id``: its holder confirmed it writes no more."""
+        seqs = self.sequences
+        released = 0
+        if self.leases.pop(lease_id) is not None:
+            released = seqs.free_lease(lease_id)
+        freed = seqs.release_fenced_of(lease_id)
+        if released or freed:
+            log.info(
+                "lease %s… given up by its holder: %d blocks released, %d fenced blocks freed",
+                lease_id[:8],
+                released,
+                freed,
+            )
+        self._logged(None)
 
     def heartbeat(self, lease_id: str) -> float:
         """Renew a lease; returns the seconds it now has left."""
@@ -176,32 +198,40 @@ class CacheNode:
         lease = self.leases.get(lease_id)
         return self._succeeded(lease, self.sequences.allocate(lease.lease_id, _nonempty("items", items)))
 
-    def extend(self, lease_id: str, items: list[tuple[int, int]]) -> list[SequenceBlocks]:
-        """Per ``(sequence_id, num_tokens)``: room for that many tokens more."""
+    def extend(
+        self, lease_id: str, items: list[tuple[int, int]], commits: list[tuple[int, list[int], int]] = ()
+    ) -> list[SequenceBlocks]:
+        """Per ``(sequence_id, num_tokens)``: room for that many tokens more, after ``commits``."""
         lease = self.leases.get(lease_id)
-        return self._succeeded(lease, self.sequences.extend(lease.lease_id, _nonempty("items", items)))
+        return self._succeeded(
+            lease, self.sequences.extend(lease.lease_id, _nonempty("items", items), commits)
+        )
 
     def commit(self, lease_id: str, items: list[tuple[int, list[int], int]]) -> int:
         """Per ``(sequence_id, new_token_ids, num_computed_tokens)``; returns blocks published."""
         lease = self.leases.get(lease_id)
         return self._succeeded(lease, self.sequences.commit(lease.lease_id, _nonempty("items", items)))
 
-    def free(self, lease_id: str, sequence_ids: list[int]) -> int:
-        """Returns the device blocks released."""
+    def free(
+        self, lease_id: str, sequence_ids: list[int], commits: list[tuple[int, list[int], int]] = ()
+    ) -> int:
+        """Returns the device blocks released (after ``commits``)."""
         lease = self.leases.get(lease_id)
         return self._succeeded(
-            lease, self.sequences.free(lease.lease_id, _nonempty("sequence_ids", sequence_ids))
+            lease, self.sequences.free(lease.lease_id, _nonempty("sequence_ids", sequence_ids), commits)
         )
 
     def lookup_prefix(self, items: list[tuple[list[int], str, str]]) -> list[int]:
         """Per ``(token_ids, cache_salt, adapter_id)``: leading tokens cached. Needs no lease."""
         return self.sequences.lookup_prefix(_nonempty("items", items))
 
-    def swap_out(self, lease_id: str, sequence_ids: list[int]) -> tuple[int, int]:
-        """Returns ``(blocks, bytes)`` copied to the host tier."""
+    def swap_out(
+        self, lease_id: str, sequence_ids: list[int], commits: list[tuple[int, list[int], int]] = ()
+    ) -> tuple[int, int]:
+        """Returns ``(blocks, bytes)`` copied to the host tier (after ``commits``)."""
         lease = self.leases.get(lease_id)
         return self._succeeded(
-            lease, self.sequences.swap_out(lease.lease_id, _nonempty("sequence_ids", sequence_ids))
+            lease, self.sequences.swap_out(lease.lease_id, _nonempty("sequence_ids", sequence_ids), commits)
         )
 
     def swap_in(self, lease_id: str, sequence_ids: list[int]) -> tuple[list[SequenceBlocks], int, int]:

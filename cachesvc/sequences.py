@@ -84,9 +84,9 @@ class SequenceTable(Swapping):
         self._next_sequence_id = 1
         self._extra_keys = ExtraKeys(model_fingerprint)
         # Fencing: blocks of expired leases that a frozen writer could still be writing, held
-        # (still referenced) until a deadline; (release time on the caller's clock, block ids),
-        # oldest first. See ``free_lease``.
-        self.fenced: list[tuple[float, list[int]]] = []
+        # (still referenced) until a deadline; (release time on the caller's clock, block ids,
+        # lease id), oldest first. See ``free_lease``.
+        self.fenced: list[tuple[float, list[int], str]] = []
         self.max_blocks_per_tenant = max_blocks_per_tenant
         self.tenant_quotas = dict(tenant_quotas or {})
         self.max_blocks_per_lease = max_blocks_per_lease
@@ -277,12 +277,27 @@ class SequenceTable(Swapping):
             out.append(self._blocks_of(seq))
         return out
 
-    def extend(self, lease_id: str, items: list[tuple[int, int]]) -> list[SequenceBlocks]:
+    def extend(
+        self, lease_id: str, items: list[tuple[int, int]], commits: list[tuple[int, list[int], int]] = ()
+    ) -> list[SequenceBlocks]:
         """Make room for ``num_tokens`` tokens beyond each sequence's current token count.
 
-        New blocks only where a block boundary is crossed; a table never shrinks.
+        New blocks only where a block boundary is crossed; a table never shrinks. ``commits``
+        are applied first, as ``commit`` would; all or nothing: if either part is refused,
+        neither is applied (room is counted from the token counts after the commits).
         """
-        if len(items) == 1:
+        if commits:
+            checked = self._check_commit(lease_id, commits)
+            self._extend(lease_id, items, {sid: len(new) for sid, new, _ in commits})  # validates only
+            self._apply_commit(checked, commits)
+        return self._extend(lease_id, items)
+
+    def _extend(
+        self, lease_id: str, items: list[tuple[int, int]], pending: dict[int, int] | None = None
+    ) -> list[SequenceBlocks]:
+        """``extend``'s work. With ``pending`` (tokens a commit will append, per sequence id):
+        validate and check room as if they were appended, change nothing, return []."""
+        if len(items) == 1 and pending is None:
             # Fast path, once per decode step of a sequence: room is already there.
             sid, num_tokens = items[0]
             seq = self._sequences.get(sid)
@@ -304,14 +319,12 @@ class SequenceTable(Swapping):
         # test per item; the slow path re-walks the batch to name the first bad item.
         for sid, num_tokens in items:
             seq = sequences.get(sid)
-            if (
-                seq is None
-                or seq.lease_id != lease_id
-                or seq.location != DEVICE
-                or not 0 <= num_tokens <= max_len - len(seq.token_ids)
-            ):
+            if seq is None or seq.lease_id != lease_id or seq.location != DEVICE:
                 self._raise_extend_error(lease_id, items)
-            more = (len(seq.token_ids) + num_tokens + bs - 1) // bs - len(seq.block_table)
+            n = len(seq.token_ids) + (pending.get(sid, 0) if pending else 0)
+            if not 0 <= num_tokens <= max_len - n:
+                self._raise_extend_error(lease_id, items, pending)
+            more = (n + num_tokens + bs - 1) // bs - len(seq.block_table)
             if more > 0:
                 total_new += more
                 if self._limited:
@@ -326,6 +339,8 @@ class SequenceTable(Swapping):
             raise ResourceExhausted(
                 f"extend needs {total_new} new blocks but only {bm.num_free_blocks} of {bm.num_blocks} are free"
             )
+        if pending is not None:
+            return []
 
         if total_new:
             new_ids = bm.allocate(total_new)
@@ -341,16 +356,20 @@ class SequenceTable(Swapping):
         blocks_of = self._blocks_of
         return [blocks_of(seq) for seq in seqs]
 
-    def _raise_extend_error(self, lease_id: str, items: list[tuple[int, int]]) -> None:
+    def _raise_extend_error(
+        self, lease_id: str, items: list[tuple[int, int]], pending: dict[int, int] | None = None
+    ) -> None:
         for k, (sid, num_tokens) in enumerate(items):
             seq = owned(self._sequences, lease_id, k, sid)
             if num_tokens < 0:
                 raise InvalidArgument(f"items[{k}].num_tokens = {num_tokens} must be >= 0")
-            need = len(seq.token_ids) + num_tokens
+            have = len(seq.token_ids) + (pending.get(sid, 0) if pending else 0)
+            need = have + num_tokens
             if need > self.max_model_len:
+                after = " (after the call's commits)" if pending else ""
                 raise InvalidArgument(
-                    f"items[{k}]: {len(seq.token_ids)} tokens + num_tokens {num_tokens} = {need} "
-                    f"exceeds max_model_len {self.max_model_len}"
+                    f"items[{k}]: {have} tokens{after} + num_tokens {num_tokens} = {need} exceeds "
+                    f"max_model_len {self.max_model_len}"
                 )
         raise AssertionError("extend validation disagrees with its error path")
 
@@ -362,6 +381,10 @@ class SequenceTable(Swapping):
         exceeds the token count. Every full block inside ``num_computed_tokens`` enters the
         prefix index. Returns the number of blocks published by the call.
         """
+        return self._apply_commit(self._check_commit(lease_id, items), items)
+
+    def _check_commit(self, lease_id: str, items: list[tuple[int, list[int], int]]) -> list[Sequence]:
+        """``commit``'s validation (it reads, never writes): the items' sequences, in order."""
         if len(items) > self.max_batch:
             check_batch(len(items), self.max_batch)
         sequences = self._sequences
@@ -391,7 +414,11 @@ class SequenceTable(Swapping):
             seqs.append(seq)
         if len(items) > 1:
             check_unique([item[0] for item in items])
+        return seqs
 
+    def _apply_commit(self, seqs: list[Sequence], items: list[tuple[int, list[int], int]]) -> int:
+        """``commit``'s changes, after ``_check_commit`` passed; returns blocks published."""
+        bs = self.block_size
         published = 0
         for seq, (_, new_tokens, num_computed) in zip(seqs, items, strict=True):
             if new_tokens:
@@ -436,13 +463,19 @@ class SequenceTable(Swapping):
         seq.num_published_blocks = num_full_blocks
         return count
 
-    def free(self, lease_id: str, sequence_ids: list[int]) -> int:
+    def free(
+        self, lease_id: str, sequence_ids: list[int], commits: list[tuple[int, list[int], int]] = ()
+    ) -> int:
         """Drop sequences. Device blocks go to the LRU tail in reverse table order (still cached
         if committed); a swapped-out sequence releases its host slots. Returns device blocks released.
+        ``commits`` are applied first (a finished sequence's last tokens), all or nothing.
         """
+        checked = self._check_commit(lease_id, commits) if commits else []
         check_batch(len(sequence_ids), self.max_batch)
         seqs = [owned(self._sequences, lease_id, k, sid, location=None) for k, sid in enumerate(sequence_ids)]
         check_unique(sequence_ids)
+        if commits:
+            self._apply_commit(checked, commits)
         return sum(self._release(seq) for seq in seqs)
 
     def _release(self, seq: Sequence) -> int:
@@ -483,21 +516,29 @@ class SequenceTable(Swapping):
                     fenced += held
             released += self._release(seq)
         if fenced:
-            self.fenced.append((fence_until, fenced))
+            self.fenced.append((fence_until, fenced, lease_id))
         return released
 
     @property
     def num_fenced_blocks(self) -> int:
-        return sum(len(ids) for _, ids in self.fenced)
+        return sum(len(ids) for _, ids, _ in self.fenced)
 
     def release_fenced(self, now: float) -> int:
         """Free the fenced blocks whose time is up; returns how many."""
         released = 0
         while self.fenced and self.fenced[0][0] <= now:
-            _, ids = self.fenced.pop(0)
+            _, ids, _ = self.fenced.pop(0)
             released += len(ids)
             self.block_manager.free(ids[::-1])
         return released
+
+    def release_fenced_of(self, lease_id: str) -> int:
+        """Free the fenced blocks of ``lease_id`` now (its holder confirmed it writes no more)."""
+        mine = [entry for entry in self.fenced if entry[2] == lease_id]
+        for entry in mine:
+            self.fenced.remove(entry)
+            self.block_manager.free(entry[1][::-1])
+        return sum(len(ids) for _, ids, _ in mine)
 
     def lookup_prefix(self, items: list[tuple[list[int], str, str]]) -> list[int]:
         """Per ``(token_ids, cache_salt, adapter_id)``: leading tokens cached on the device.
@@ -573,7 +614,7 @@ class SequenceTable(Swapping):
             f"tenant block counts {self.tenant_blocks} != held {by_tenant}"
         )
         assert by_lease == self.lease_blocks, f"lease block counts {self.lease_blocks} != held {by_lease}"
-        self.block_manager.check_invariants(device_tables + [ids for _, ids in self.fenced])
+        self.block_manager.check_invariants(device_tables + [ids for _, ids, _ in self.fenced])
         host = self.host_tier
         if host is None:
             assert not host_slots, "sequences hold host slots but there is no host tier"

@@ -149,7 +149,10 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     async def Attach(self, request, context):
         check_text("client_name", request.client_name, MAX_NAME_BYTES)
         check_text("model_fingerprint", request.model_fingerprint, MAX_NAME_BYTES)
-        lease = self.node.attach(request.client_name or context.peer(), request.model_fingerprint)
+        check_text("previous_lease_id", request.previous_lease_id, MAX_NAME_BYTES)
+        lease = self.node.attach(
+            request.client_name or context.peer(), request.model_fingerprint, request.previous_lease_id
+        )
         return cache_pb2.AttachResponse(
             lease_id=lease.lease_id,
             lease_ttl_s=self.node.leases.ttl_s,
@@ -198,28 +201,35 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
 
     @rpc
     async def Extend(self, request, context):
-        lease_id = _lease_id(request)
+        lease_id = self._live_lease(request) if request.commits else _lease_id(request)
         items = [(i.sequence_id, i.num_tokens) for i in request.items]
+        commits = self._commit_items(request.commits) if request.commits else ()
         response = cache_pb2.ExtendResponse()
-        _add_blocks(response.sequences, self.node.extend(lease_id, items))
+        _add_blocks(response.sequences, self.node.extend(lease_id, items, commits))
         return response
 
     @rpc
     async def Commit(self, request, context):
         lease_id = self._live_lease(request)
-        check_batch(len(request.items), self.max_batch)
+        items = self._commit_items(request.items)
+        return cache_pb2.CommitResponse(num_blocks_published=self.node.commit(lease_id, items))
+
+    def _commit_items(self, messages) -> list[tuple[int, list[int], int]]:
+        """CommitItem messages (of Commit, or carried by Extend / Free / SwapOut), bounded first."""
+        check_batch(len(messages), self.max_batch)
         max_len = self.max_model_len
         items = []
-        for k, i in enumerate(request.items):
+        for k, i in enumerate(messages):
             if len(i.token_ids) > max_len:
                 check_item_sizes(k, len(i.token_ids), max_len, "", "")
             items.append((i.sequence_id, list(i.token_ids), i.num_computed_tokens))
-        return cache_pb2.CommitResponse(num_blocks_published=self.node.commit(lease_id, items))
+        return items
 
     @rpc
     async def Free(self, request, context):
-        lease_id = _lease_id(request)
-        released = self.node.free(lease_id, list(request.sequence_ids))
+        lease_id = self._live_lease(request) if request.commits else _lease_id(request)
+        commits = self._commit_items(request.commits) if request.commits else ()
+        released = self.node.free(lease_id, list(request.sequence_ids), commits)
         return cache_pb2.FreeResponse(num_blocks_released=released)
 
     @rpc
@@ -233,8 +243,9 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
 
     @rpc
     async def SwapOut(self, request, context):
-        lease_id = _lease_id(request)
-        num_blocks, num_bytes = self.node.swap_out(lease_id, list(request.sequence_ids))
+        lease_id = self._live_lease(request) if request.commits else _lease_id(request)
+        commits = self._commit_items(request.commits) if request.commits else ()
+        num_blocks, num_bytes = self.node.swap_out(lease_id, list(request.sequence_ids), commits)
         return cache_pb2.SwapOutResponse(num_blocks=num_blocks, num_bytes=num_bytes)
 
     @rpc

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 class Swapping:
     """``swap_out`` / ``swap_in`` of ``SequenceTable``, over the table's own state."""
 
-    # Provided by SequenceTable, as are the _room, _blocks_of and _publish methods used here.
+    # Provided by SequenceTable, as are the _room, _blocks_of, _publish, _check_commit and
+    # _apply_commit methods used here.
     block_manager: BlockManager
     host_tier: HostTier | None
     block_size: int
@@ -29,10 +30,14 @@ class Swapping:
     stats: CacheStats
     _sequences: dict[int, Sequence]
 
-    def swap_out(self, lease_id: str, sequence_ids: list[int]) -> tuple[int, int]:
+    def swap_out(
+        self, lease_id: str, sequence_ids: list[int], commits: list[tuple[int, list[int], int]] = ()
+    ) -> tuple[int, int]:
         """Move whole sequences to the host tier; their device blocks are freed (reverse order,
-        committed ones stay cached). Returns ``(blocks, bytes)`` copied.
+        committed ones stay cached). Returns ``(blocks, bytes)`` copied. ``commits`` are applied
+        first (what the sequences computed since the last call), all or nothing.
         """
+        checked = self._check_commit(lease_id, commits) if commits else []
         check_batch(len(sequence_ids), self.max_batch)
         seqs = [owned(self._sequences, lease_id, k, sid) for k, sid in enumerate(sequence_ids)]
         check_unique(sequence_ids)
@@ -45,6 +50,8 @@ class Swapping:
                 f"swap out needs {total} host blocks but only {host.num_free_blocks} of "
                 f"{host.num_blocks} are free"
             )
+        if commits:
+            self._apply_commit(checked, commits)
 
         device_ids = [i for seq in seqs for i in seq.block_table]
         slots = host.swap_out(device_ids)

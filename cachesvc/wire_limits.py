@@ -22,7 +22,12 @@ TOKEN_RPCS = {
     "LookupPrefix": (cache_pb2.LookupPrefixRequest, cache_pb2.LookupPrefixItem),
 }
 # Calls that carry up to max_batch sequence ids (varints of up to 10 bytes each).
-ID_RPCS = ("Free", "SwapOut", "SwapIn")
+# Calls that may carry commits (their `commits` field: CommitItems with token lists).
+COMMIT_CARRIERS = {
+    "Extend": cache_pb2.ExtendRequest,
+    "Free": cache_pb2.FreeRequest,
+    "SwapOut": cache_pb2.SwapOutRequest,
+}
 # Calls with a few bounded fields.
 SMALL_RPCS = ("Attach", "Heartbeat", "GetStats", "WatchEvents")
 SMALL_REQUEST_BYTES = 4096
@@ -53,8 +58,9 @@ def request_limits(
     per_item = max_model_len * per_token + MAX_SALT_BYTES + 3 * MAX_NAME_BYTES + 64
     tokens = max_token_request_bytes or max_batch * per_item + SMALL_REQUEST_BYTES
     limits = {SERVICE + name: tokens for name in TOKEN_RPCS}
-    limits.update({SERVICE + name: max_batch * 11 + SMALL_REQUEST_BYTES for name in ID_RPCS})
-    limits[SERVICE + "Extend"] = max_batch * 32 + SMALL_REQUEST_BYTES
+    limits[SERVICE + "SwapIn"] = max_batch * 11 + SMALL_REQUEST_BYTES
+    # Extend, Free and SwapOut may carry commits (token lists): Commit's limit.
+    limits.update({SERVICE + name: tokens for name in COMMIT_CARRIERS})
     limits.update({SERVICE + name: SMALL_REQUEST_BYTES for name in SMALL_RPCS})
     return limits
 
@@ -65,11 +71,18 @@ def request_scans(
     """Full method name -> a check of a token-list request's raw bytes, for
     ``start_server(raw_checks=...)``: what is wrong with it (INVALID_ARGUMENT), or None. Requests
     under `scan_from_bytes` pass unscanned."""
+    lists = [
+        (name, request_type, item_type, "items") for name, (request_type, item_type) in TOKEN_RPCS.items()
+    ]
+    lists += [
+        (name, request_type, cache_pb2.CommitItem, "commits")
+        for name, request_type in COMMIT_CARRIERS.items()
+    ]
     scans = {}
-    for name, (request_type, item_type) in TOKEN_RPCS.items():
-        items_field = request_type.DESCRIPTOR.fields_by_name["items"].number
+    for name, request_type, item_type, field in lists:
+        items_field = request_type.DESCRIPTOR.fields_by_name[field].number
         tokens_field = item_type.DESCRIPTOR.fields_by_name["token_ids"].number
-        scan = _token_list_scan(items_field, tokens_field, max_batch, max_model_len, scan_from_bytes)
+        scan = _token_list_scan(items_field, tokens_field, max_batch, max_model_len, scan_from_bytes, field)
         scans[SERVICE + name] = scan
     return scans
 
@@ -77,7 +90,14 @@ def request_scans(
 _HIGH_BYTES = bytes(range(0x80, 0x100))  # a varint's continuation bytes; each other byte ends one
 
 
-def _token_list_scan(items_field: int, tokens_field: int, max_batch: int, max_model_len: int, scan_from: int):
+def _token_list_scan(
+    items_field: int,
+    tokens_field: int,
+    max_batch: int,
+    max_model_len: int,
+    scan_from: int,
+    label: str = "items",
+):
     items_key = items_field << 3 | 2  # a length-delimited field
 
     def scan(raw: bytes) -> str | None:
@@ -91,11 +111,11 @@ def _token_list_scan(items_field: int, tokens_field: int, max_batch: int, max_mo
             if key != items_key:
                 continue
             if num_items == max_batch:
-                return f"len(items) exceeds max_batch {max_batch}"
+                return f"len({label}) exceeds max_batch {max_batch}"
             num_tokens = _packed_count(view, start, end, tokens_field, max_model_len)
             if num_tokens > max_model_len:
                 return (
-                    f"items[{num_items}]: len(token_ids) is at least {num_tokens}, over max_model_len "
+                    f"{label}[{num_items}]: len(token_ids) is at least {num_tokens}, over max_model_len "
                     f"{max_model_len}"
                 )
             num_items += 1

@@ -65,6 +65,8 @@ class CommitItem(NamedTuple):
 class BlockCache(Protocol):
     """The calls the scheduler makes. Every method is batched and all-or-nothing.
 
+    Extend, Free and SwapOut take `commits` too, applied first and all or nothing with the
+    rest of the call, so a decode step reports what it wrote without a Commit of its own.
     Each raises NoFreeBlocks when the cache has no room and CacheUnavailable when it is gone.
     """
 
@@ -72,8 +74,12 @@ class BlockCache(Protocol):
     max_model_len: int  # tokens a sequence may hold
 
     async def allocate(self, items: list[AllocateItem]) -> list[SequenceBlocks]: ...
-    async def extend(self, items: list[ExtendItem]) -> list[SequenceBlocks]: ...
+    async def extend(
+        self, items: list[ExtendItem], commits: list[CommitItem] = ()
+    ) -> list[SequenceBlocks]: ...
     async def commit(self, items: list[CommitItem]) -> None: ...
-    async def free(self, sequence_ids: list[int]) -> None: ...
-    async def swap_out(self, sequence_ids: list[int]) -> int: ...  # bytes moved to the host tier
+    async def free(self, sequence_ids: list[int], commits: list[CommitItem] = ()) -> None: ...
+    async def swap_out(
+        self, sequence_ids: list[int], commits: list[CommitItem] = ()
+    ) -> int: ...  # bytes moved
     async def swap_in(self, sequence_ids: list[int]) -> list[SequenceBlocks]: ...

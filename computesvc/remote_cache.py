@@ -74,17 +74,17 @@ class RemoteCache:
         ]
         return _blocks((await self._rpc(self.client.allocate(wire))).sequences)
 
-    async def extend(self, items: list[ExtendItem]) -> list[SequenceBlocks]:
-        return _blocks((await self._rpc(self.client.extend(items))).sequences)
+    async def extend(self, items: list[ExtendItem], commits: list[CommitItem] = ()) -> list[SequenceBlocks]:
+        return _blocks((await self._rpc(self.client.extend(items, commits))).sequences)
 
     async def commit(self, items: list[CommitItem]) -> None:
         await self._rpc(self.client.commit(items))
 
-    async def free(self, sequence_ids: list[int]) -> None:
-        await self._rpc(self.client.free(sequence_ids))
+    async def free(self, sequence_ids: list[int], commits: list[CommitItem] = ()) -> None:
+        await self._rpc(self.client.free(sequence_ids, commits))
 
-    async def swap_out(self, sequence_ids: list[int]) -> int:
-        return (await self._rpc(self.client.swap_out(sequence_ids))).num_bytes
+    async def swap_out(self, sequence_ids: list[int], commits: list[CommitItem] = ()) -> int:
+        return (await self._rpc(self.client.swap_out(sequence_ids, commits))).num_bytes
 
     async def swap_in(self, sequence_ids: list[int]) -> list[SequenceBlocks]:
         return _blocks((await self._rpc(self.client.swap_in(sequence_ids))).sequences)

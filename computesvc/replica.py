@@ -73,8 +73,9 @@ class Replica:
 
     # ------------------------------------------------------------ attach
 
-    async def _attach(self, timeout_s: float) -> CacheClient:
-        """Attach with exponential backoff until `timeout_s` passes; ConnectionError then."""
+    async def _attach(self, timeout_s: float, previous_lease_id: str = "") -> CacheClient:
+        """Attach with exponential backoff until `timeout_s` passes; ConnectionError then.
+        `previous_lease_id`: the lease this replica lost (it writes no more under it)."""
         deadline = time.monotonic() + timeout_s
         delay = 0.1
         while True:
@@ -83,7 +84,7 @@ class Replica:
             )
             try:
                 self._attach_sent_at = time.monotonic()
-                await client.attach_async(self.cfg.name, self.shape.fingerprint)
+                await client.attach_async(self.cfg.name, self.shape.fingerprint, previous_lease_id)
                 return client
             except grpc.aio.AioRpcError as e:
                 await client.close()
@@ -280,9 +281,13 @@ class Replica:
 
     async def _reconnect(self) -> None:
         old = self.client
+        # Fencing: once no step is running, no KV write under the old lease is in flight or can
+        # start (its deadline is 0), so naming it lets the cache service free its fenced blocks
+        # at once instead of after --fence-hold-s.
+        await self.scheduler.out_of_step()
         while True:
             try:
-                client = await self._attach(timeout_s=3600.0)
+                client = await self._attach(timeout_s=3600.0, previous_lease_id=old.lease_id)
                 check_pool_fits_model(client.pool, self.shape)
                 break
             except (ConnectionError, IncompatiblePool) as e:

@@ -105,6 +105,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
         self._wakeup = asyncio.Event()
+        # Whether a step (and so maybe a forward writing KV) is running; set when one ends.
+        self._in_step = False
+        self._step_ended = asyncio.Event()
 
     # ------------------------------------------------------------ entry points
 
@@ -129,7 +132,7 @@ class Scheduler:
                 self._wakeup.clear()
                 await self._wakeup.wait()
             try:
-                progressed = await self.step()
+                progressed = await self._stepped()
             except (CacheUnavailable, LeaseExpired) as e:
                 self.on_cache_lost(e)
                 continue
@@ -142,6 +145,22 @@ class Scheduler:
             if not progressed:
                 # Nothing could run (no blocks anywhere): let other replicas free some.
                 await asyncio.sleep(0.01)
+
+    async def _stepped(self) -> bool:
+        """`step`, marked as running while it runs (`out_of_step`)."""
+        self._in_step = True
+        try:
+            return await self.step()
+        finally:
+            self._in_step = False
+            self._step_ended.set()
+
+    async def out_of_step(self) -> None:
+        """Return once no step is running (at once if none is): then no forward, and so no KV
+        write, is in flight."""
+        while self._in_step:
+            self._step_ended.clear()
+            await self._step_ended.wait()
 
     def fail_all(self, error: Exception) -> None:
         """Fail every in-flight request (the cache service went away: their blocks are gone)."""
@@ -371,18 +390,26 @@ class Scheduler:
             return
         low = [r for r in decoding if self._slots(r) - r.num_computed <= self.block_size]
         while low:
-            await self._commit(low)
+            # One call: the tokens written since the last call are committed, then the room is
+            # counted from the record as it is after that commit.
+            commits = self._commit_items(low)
             lookahead = self.config.lookahead_blocks * self.block_size
             max_len = self.cache.max_model_len
-            items = [ExtendItem(r.sequence_id, max(1, min(lookahead, max_len - r.num_recorded))) for r in low]
+            items = [
+                ExtendItem(
+                    r.sequence_id, max(1, min(lookahead, max_len - max(r.num_recorded, r.num_computed)))
+                )
+                for r in low
+            ]
             try:
-                seqs = await self._call(self.cache.extend(items))
+                seqs = await self._call(self.cache.extend(items, commits))
             except NoFreeBlocks:
                 victim = await self._preempt()
                 if victim is None:
                     return
                 low = [r for r in low if r is not victim]
                 continue
+            self._committed(low)
             for req, seq in zip(low, seqs, strict=True):
                 req.block_table = seq.block_table
             return
@@ -392,10 +419,11 @@ class Scheduler:
         if not self.running:
             return None
         victim = max(self.running, key=lambda r: r.arrival)
-        await self._commit([victim])
+        commits = self._commit_items([victim])  # carried by the SwapOut (or the Free)
         with self.observer.preempt_span(victim) as span:
             try:
-                moved = await self._call(self.cache.swap_out([victim.sequence_id]))
+                moved = await self._call(self.cache.swap_out([victim.sequence_id], commits))
+                self._committed([victim])
                 # NOTE: it leaves `running` only once the cache took it: if a call fails,
                 # _abandon_all still finds (and frees) its sequence.
                 self.running.remove(victim)
@@ -405,7 +433,8 @@ class Scheduler:
             except NoFreeBlocks:
                 # Host tier full: drop the blocks; the committed ones stay cached, so recompute
                 # of this sequence is mostly prefix hits.
-                await self._call(self.cache.free([victim.sequence_id]))
+                await self._call(self.cache.free([victim.sequence_id], commits))
+                self._committed([victim])
                 self.running.remove(victim)
                 victim.status = Status.WAITING
                 victim.block_table = []
@@ -414,15 +443,27 @@ class Scheduler:
         return victim
 
     async def _commit(self, reqs: list[Request]) -> None:
-        """Report computed tokens (and append their ids to the cache's records)."""
-        items = []
-        for req in reqs:
-            if req.num_computed > req.num_committed:
-                new_ids = req.token_ids[req.num_recorded : req.num_computed]
-                items.append(CommitItem(req.sequence_id, new_ids, req.num_computed))
+        """Report computed tokens (and append their ids to the cache's records) in a Commit of
+        its own: only for prompts just prefilled, whose blocks must be published before their
+        first token goes out. Every other commit rides on an Extend, Free or SwapOut."""
+        items = self._commit_items(reqs)
         if not items:
             return
         await self._call(self.cache.commit(items))
+        self._committed(reqs)
+
+    @staticmethod
+    def _commit_items(reqs: list[Request]) -> list[CommitItem]:
+        """What `reqs` computed since their last commit, as commit items (none for those with nothing new)."""
+        return [
+            CommitItem(req.sequence_id, req.token_ids[req.num_recorded : req.num_computed], req.num_computed)
+            for req in reqs
+            if req.num_computed > req.num_committed
+        ]
+
+    @staticmethod
+    def _committed(reqs: list[Request]) -> None:
+        """After a call that carried `_commit_items(reqs)` succeeded."""
         for req in reqs:
             req.num_recorded = max(req.num_recorded, req.num_computed)
             req.num_committed = req.num_computed
@@ -516,8 +557,8 @@ class Scheduler:
         if not done:
             return
         # The last sampled token has no KV: commit what was computed, so the whole
-        # conversation so far is a prefix hit for the next turn, then free.
-        await self._commit(done)
-        await self._call(self.cache.free([r.sequence_id for r in done]))
+        # conversation so far is a prefix hit for the next turn, and free, in one call.
+        await self._call(self.cache.free([r.sequence_id for r in done], self._commit_items(done)))
+        self._committed(done)
         # NOTE: dropped from `running` only once freed: if a call fails, _abandon_all frees them.
         self.running = [r for r in self.running if r.status is not Status.FINISHED]

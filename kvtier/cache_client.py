@@ -111,8 +111,12 @@ class CacheClient:
 
     # ------------------------------------------------------------ leases
 
-    def attach_request(self, client_name: str, model_fingerprint: str = "") -> cache_pb2.AttachRequest:
-        return cache_pb2.AttachRequest(client_name=client_name, model_fingerprint=model_fingerprint)
+    def attach_request(
+        self, client_name: str, model_fingerprint: str = "", previous_lease_id: str = ""
+    ) -> cache_pb2.AttachRequest:
+        return cache_pb2.AttachRequest(
+            client_name=client_name, model_fingerprint=model_fingerprint, previous_lease_id=previous_lease_id
+        )
 
     def adopt(self, response: cache_pb2.AttachResponse) -> cache_pb2.AttachResponse:
         """Remember the lease and pool spec of an Attach response."""
@@ -122,14 +126,20 @@ class CacheClient:
         self.pool = pool_spec_from_proto(response.pool)
         return response
 
-    def attach(self, client_name: str, model_fingerprint: str = "") -> cache_pb2.AttachResponse:
-        """Sync only: open a lease (see `attach_async` for aio channels)."""
-        return self.adopt(self._call(self.stub.Attach, self.attach_request(client_name, model_fingerprint)))
+    def attach(
+        self, client_name: str, model_fingerprint: str = "", previous_lease_id: str = ""
+    ) -> cache_pb2.AttachResponse:
+        """Sync only: open a lease (see `attach_async` for aio channels and `previous_lease_id`)."""
+        request = self.attach_request(client_name, model_fingerprint, previous_lease_id)
+        return self.adopt(self._call(self.stub.Attach, request))
 
-    async def attach_async(self, client_name: str, model_fingerprint: str = "") -> cache_pb2.AttachResponse:
-        return self.adopt(
-            await self._call(self.stub.Attach, self.attach_request(client_name, model_fingerprint))
-        )
+    async def attach_async(
+        self, client_name: str, model_fingerprint: str = "", previous_lease_id: str = ""
+    ) -> cache_pb2.AttachResponse:
+        """Open a lease. `previous_lease_id`: the lease this client lost, named only once no KV
+        write under it is in flight (its fenced blocks are then released at once)."""
+        request = self.attach_request(client_name, model_fingerprint, previous_lease_id)
+        return self.adopt(await self._call(self.stub.Attach, request))
 
     def heartbeat(self):
         return self._call(self.stub.Heartbeat, cache_pb2.HeartbeatRequest(lease_id=self.lease_id))
@@ -202,29 +212,33 @@ class CacheClient:
                 add(token_ids=item)
         return self._call(self.stub.Allocate, request)
 
-    def extend(self, items: Iterable[tuple[int, int]]):
-        """items: (sequence_id, num_tokens of room beyond the sequence's current tokens)."""
+    def extend(
+        self, items: Iterable[tuple[int, int]], commits: Iterable[tuple[int, Sequence[int], int]] = ()
+    ):
+        """items: (sequence_id, num_tokens of room beyond the sequence's current tokens), after
+        `commits` (as `commit` takes them) are applied: one call for both."""
         request = cache_pb2.ExtendRequest(lease_id=self.lease_id)
         add = request.items.add
         for sequence_id, num_tokens in items:
             add(sequence_id=sequence_id, num_tokens=num_tokens)
+        _add_commits(request.commits, commits)
         return self._call(self.stub.Extend, request)
 
     def commit(self, items: Iterable[tuple[int, Sequence[int], int]]):
         """items: (sequence_id, token ids to append, num_computed_tokens)."""
         request = cache_pb2.CommitRequest(lease_id=self.lease_id)
-        add = request.items.add
-        for sequence_id, token_ids, num_computed in items:
-            add(sequence_id=sequence_id, token_ids=token_ids, num_computed_tokens=num_computed)
+        _add_commits(request.items, items)
         return self._call(self.stub.Commit, request)
 
-    def free(self, sequence_ids: Iterable[int]):
-        return self._call(
-            self.stub.Free, cache_pb2.FreeRequest(lease_id=self.lease_id, sequence_ids=sequence_ids)
-        )
+    def free(self, sequence_ids: Iterable[int], commits: Iterable[tuple[int, Sequence[int], int]] = ()):
+        """Drop sequences, after `commits` (a finished sequence's last tokens) are applied."""
+        request = cache_pb2.FreeRequest(lease_id=self.lease_id, sequence_ids=sequence_ids)
+        _add_commits(request.commits, commits)
+        return self._call(self.stub.Free, request)
 
-    def swap_out(self, sequence_ids: Iterable[int]):
+    def swap_out(self, sequence_ids: Iterable[int], commits: Iterable[tuple[int, Sequence[int], int]] = ()):
         req = cache_pb2.SwapOutRequest(lease_id=self.lease_id, sequence_ids=sequence_ids)
+        _add_commits(req.commits, commits)
         return self._call(self.stub.SwapOut, req)
 
     def swap_in(self, sequence_ids: Iterable[int]):
@@ -247,3 +261,10 @@ class CacheClient:
         """A stream of CacheEvent (iterate it; cancel() to stop). No timeout."""
         req = cache_pb2.WatchEventsRequest(since_event_id=since_event_id)
         return self.stub.WatchEvents(req, metadata=self.metadata)
+
+
+def _add_commits(field, commits: Iterable[tuple[int, Sequence[int], int]]) -> None:
+    """Fill a repeated CommitItem field from (sequence_id, token ids to append, num_computed_tokens)."""
+    add = field.add
+    for sequence_id, token_ids, num_computed in commits:
+        add(sequence_id=sequence_id, token_ids=token_ids, num_computed_tokens=num_computed)

@@ -62,6 +62,11 @@ def test_compute_metrics_count_tokens_ttft_hits_and_cache_calls(tmp_path):
     assert samples[("kvtier_compute_inter_token_latency_seconds_count", ())] == 10
     assert samples[("kvtier_compute_finished_requests_total", (("finish_reason", "length"),))] == 2
     assert samples[("kvtier_compute_cache_calls_total", (("method", "allocate"),))] == 2
+    # One Commit per prefill (the prompt, before its first token); the final commit rides on the
+    # Free (issue 13: no standalone Commit on the decode path), and 6 tokens fit the lookahead.
+    assert samples[("kvtier_compute_cache_calls_total", (("method", "commit"),))] == 2
+    assert samples[("kvtier_compute_cache_calls_total", (("method", "free"),))] == 2
+    assert samples.get(("kvtier_compute_cache_calls_total", (("method", "extend"),)), 0) == 0
     assert (
         samples[("kvtier_compute_rpc_duration_seconds_count", (("code", "OK"), ("method", "Generate")))] == 2
     )

@@ -430,14 +430,18 @@ def test_the_raw_scan_agrees_with_the_parsed_request_and_leaves_malformed_bytes_
     max_batch, max_len = 4, 16
     scans = request_scans(max_batch, max_len, scan_from_bytes=0)
     kinds = {
-        "Allocate": (cache_pb2.AllocateRequest, cache_pb2.AllocateItem),
-        "Commit": (cache_pb2.CommitRequest, cache_pb2.CommitItem),
-        "LookupPrefix": (cache_pb2.LookupPrefixRequest, cache_pb2.LookupPrefixItem),
+        "Allocate": (cache_pb2.AllocateRequest, cache_pb2.AllocateItem, "items"),
+        "Commit": (cache_pb2.CommitRequest, cache_pb2.CommitItem, "items"),
+        "LookupPrefix": (cache_pb2.LookupPrefixRequest, cache_pb2.LookupPrefixItem, "items"),
+        # Calls that carry commits: their `commits` field is scanned as Commit's items.
+        "Extend": (cache_pb2.ExtendRequest, cache_pb2.CommitItem, "commits"),
+        "Free": (cache_pb2.FreeRequest, cache_pb2.CommitItem, "commits"),
+        "SwapOut": (cache_pb2.SwapOutRequest, cache_pb2.CommitItem, "commits"),
     }
     refusals = 0
     for _ in range(300):
         name = rng.choice(list(kinds))
-        request_type, item_type = kinds[name]
+        request_type, item_type, field = kinds[name]
         lengths = [
             rng.choice([0, 1, max_len, max_len + 1, rng.randrange(40)]) for _ in range(rng.randrange(7))
         ]
@@ -449,13 +453,15 @@ def test_the_raw_scan_agrees_with_the_parsed_request_and_leaves_malformed_bytes_
             for n in lengths
         ]
         extra = {"lease_id": "lease"} if name != "LookupPrefix" else {}
-        raw = request_type(items=items, **extra).SerializeToString()
+        raw = request_type(**{field: items}, **extra).SerializeToString()
         wrong = scans[f"/kvtier.v1.CacheService/{name}"](raw)
         over = [k for k, n in enumerate(lengths[:max_batch]) if n > max_len]
         if len(lengths) > max_batch and not over:
-            assert wrong == f"len(items) exceeds max_batch {max_batch}", (lengths, wrong)
+            assert wrong == f"len({field}) exceeds max_batch {max_batch}", (lengths, wrong)
         elif over:
-            assert wrong is not None and wrong.startswith(f"items[{over[0]}]: len(token_ids) is at least"), (
+            assert wrong is not None and wrong.startswith(
+                f"{field}[{over[0]}]: len(token_ids) is at least"
+            ), (
                 lengths,
                 wrong,
             )

@@ -163,10 +163,13 @@ def test_client_that_stops_heartbeating_loses_its_lease_and_sequences_and_later_
             assert silent.lease_id[:8] in e.value.details() and "Attach" in e.value.details(), name
         assert comparable_counts(watcher.get_stats()) == comparable_counts(stats)
 
-        # Attaching again opens a fresh lease that works.
+        # Attaching again opens a fresh lease that works. Naming the lost lease confirms it
+        # writes no more under it: its fenced blocks are free at once.
         old = silent.lease_id
-        silent.attach("silent-again")
+        silent.attach("silent-again", previous_lease_id=old)
         assert silent.lease_id != old
+        stats = watcher.get_stats()
+        assert stats.num_blocks_fenced == 0 and stats.num_blocks_free == stats.num_blocks_total == 16
         assert silent.allocate([[7] * 40]).sequences[0].num_cached_tokens == 2 * BS
         stop_watcher.set()
         watcher.close()
@@ -571,6 +574,9 @@ def test_a_replica_that_loses_its_lease_mid_decode_stays_up_and_serves_again(sta
             f"cycle {cycle}: {replica.name} died (exit {replica.proc.returncode}) after losing its lease "
             f"mid-decode; its log ends:\n{replica.log()[-1500:]}"
         )
+        # It re-attached naming its lost lease: the blocks fenced for it are free again at once,
+        # not after the module's 15 s --fence-hold-s.
+        assert cache_stats(stack).num_blocks_fenced == 0
 
 
 def test_a_replica_paused_past_its_lease_starts_no_write_into_blocks_given_to_another_lease(stack):

@@ -340,7 +340,7 @@ def test_an_expired_lease_s_blocks_with_uncommitted_slots_are_fenced_until_their
     assert table.block_manager.num_free_blocks == free_before + 2
     table.check_invariants()
     # Nothing can take a fenced block: allocating every free block leaves them out.
-    fenced = {i for _, ids in table.fenced for i in ids}
+    fenced = {i for _, ids, _ in table.fenced for i in ids}
     taken = alloc(table, [9] * (BS * table.block_manager.num_free_blocks), lease=OTHER)
     assert not fenced & set(table.get(taken).block_table)
     table.free(OTHER, [taken, other])
@@ -541,3 +541,53 @@ def test_host_tier_from_bytes_sizes_slots_by_block_bytes() -> None:
     with pytest.raises(ResourceExhausted, match="need 6 blocks but only 5 of 5 are free"):
         tier.swap_out([0, 1, 2, 3, 0, 1])
     assert tier.num_free_blocks == 5
+
+
+# ---------------------------------------------------------------------- commits carried by other calls
+
+
+def test_extend_carrying_commits_applies_both_and_counts_room_after_the_commit() -> None:
+    table = make_table(num_blocks=8)
+    sid = alloc(table, [1, 2, 3, 4, 5, 6])  # 2 blocks (8 slots), 6 tokens
+    # The replica wrote tokens 6..7 (two generated ids) and wants room for 4 more beyond them.
+    (blocks,) = table.extend(LEASE, [(sid, 4)], commits=[(sid, [7, 8], 8)])
+    seq = table.get(sid)
+    assert seq.token_ids == [1, 2, 3, 4, 5, 6, 7, 8] and seq.num_computed_tokens == 8
+    assert len(blocks.block_table) == 3  # 8 + 4 tokens: a third block, counted after the commit
+    assert table.block_manager.num_cached_blocks == 2  # the commit published both full blocks
+    table.check_invariants()
+
+
+def test_a_refused_part_of_a_call_carrying_commits_applies_neither() -> None:
+    table = make_table(num_blocks=4, host_blocks=None)
+    sid = alloc(table, [1, 2, 3, 4, 5, 6])  # 2 of 4 blocks
+    before = snapshot(table)
+    # Room: 8 committed tokens + 12 more = 5 blocks, but only 2 are free: nothing changes.
+    with pytest.raises(ResourceExhausted, match="extend needs 3 new blocks"):
+        table.extend(LEASE, [(sid, 12)], commits=[(sid, [7, 8], 8)])
+    assert snapshot(table) == before
+    # A bad commit (computed tokens beyond the token count) refuses the extend too.
+    with pytest.raises(InvalidArgument, match="num_computed_tokens"):
+        table.extend(LEASE, [(sid, 1)], commits=[(sid, [7], 9)])
+    assert snapshot(table) == before
+    # Past max_model_len once the commit is counted: refused, and says so.
+    with pytest.raises(InvalidArgument, match="after the call's commits"):
+        table.extend(LEASE, [(sid, 57)], commits=[(sid, [7, 8], 8)])
+    assert snapshot(table) == before
+    table.check_invariants()
+
+
+def test_free_and_swap_out_carrying_commits_publish_what_was_written_first() -> None:
+    table = make_table(num_blocks=8)
+    a = alloc(table, [1, 2, 3, 4, 5, 6, 7])  # 2 blocks
+    b = alloc(table, [9, 9, 9, 9, 9])
+    table.swap_out(LEASE, [b], commits=[(b, [9, 9, 9], 8)])
+    assert table.get(b).num_computed_tokens == 8 and table.get(b).location == "host"
+    assert table.free(LEASE, [a], commits=[(a, [8], 8)]) == 2
+    assert table.lookup_prefix([([1, 2, 3, 4, 5, 6, 7, 8], "", "")]) == [8]
+    # A refused free (an unknown id) applies no commit either.
+    c = alloc(table, [3, 3, 3])
+    with pytest.raises(NotFound):
+        table.free(LEASE, [c, 999], commits=[(c, [3], 4)])
+    assert table.get(c).token_ids == [3, 3, 3] and table.get(c).num_computed_tokens == 0
+    table.check_invariants()

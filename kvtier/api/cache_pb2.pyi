@@ -36,12 +36,14 @@ class PoolSpec(_message.Message):
     def __init__(self, backend: _Optional[str] = ..., shm_name: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., device_uuid: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., strides: _Optional[_Iterable[int]] = ..., size_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("client_name", "model_fingerprint")
+    __slots__ = ("client_name", "model_fingerprint", "previous_lease_id")
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     client_name: str
     model_fingerprint: str
-    def __init__(self, client_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
+    previous_lease_id: str
+    def __init__(self, client_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., previous_lease_id: _Optional[str] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
     __slots__ = ("lease_id", "lease_ttl_s", "pool", "max_batch")
@@ -118,12 +120,14 @@ class ExtendItem(_message.Message):
     def __init__(self, sequence_id: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class ExtendRequest(_message.Message):
-    __slots__ = ("lease_id", "items")
+    __slots__ = ("lease_id", "items", "commits")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    COMMITS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     items: _containers.RepeatedCompositeFieldContainer[ExtendItem]
-    def __init__(self, lease_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[ExtendItem, _Mapping]]] = ...) -> None: ...
+    commits: _containers.RepeatedCompositeFieldContainer[CommitItem]
+    def __init__(self, lease_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[ExtendItem, _Mapping]]] = ..., commits: _Optional[_Iterable[_Union[CommitItem, _Mapping]]] = ...) -> None: ...
 
 class ExtendResponse(_message.Message):
     __slots__ = ("sequences",)
@@ -156,12 +160,14 @@ class CommitResponse(_message.Message):
     def __init__(self, num_blocks_published: _Optional[int] = ...) -> None: ...
 
 class FreeRequest(_message.Message):
-    __slots__ = ("lease_id", "sequence_ids")
+    __slots__ = ("lease_id", "sequence_ids", "commits")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_IDS_FIELD_NUMBER: _ClassVar[int]
+    COMMITS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     sequence_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, lease_id: _Optional[str] = ..., sequence_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    commits: _containers.RepeatedCompositeFieldContainer[CommitItem]
+    def __init__(self, lease_id: _Optional[str] = ..., sequence_ids: _Optional[_Iterable[int]] = ..., commits: _Optional[_Iterable[_Union[CommitItem, _Mapping]]] = ...) -> None: ...
 
 class FreeResponse(_message.Message):
     __slots__ = ("num_blocks_released",)
@@ -192,12 +198,14 @@ class LookupPrefixResponse(_message.Message):
     def __init__(self, num_cached_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SwapOutRequest(_message.Message):
-    __slots__ = ("lease_id", "sequence_ids")
+    __slots__ = ("lease_id", "sequence_ids", "commits")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_IDS_FIELD_NUMBER: _ClassVar[int]
+    COMMITS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     sequence_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, lease_id: _Optional[str] = ..., sequence_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    commits: _containers.RepeatedCompositeFieldContainer[CommitItem]
+    def __init__(self, lease_id: _Optional[str] = ..., sequence_ids: _Optional[_Iterable[int]] = ..., commits: _Optional[_Iterable[_Union[CommitItem, _Mapping]]] = ...) -> None: ...
 
 class SwapOutResponse(_message.Message):
     __slots__ = ("num_blocks", "num_bytes")

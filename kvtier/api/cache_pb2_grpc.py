@@ -117,7 +117,8 @@ class CacheServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Extend(self, request, context):
-        """Reserve room for more tokens; new blocks only where a block boundary is crossed.
+        """Reserve room for more tokens; new blocks only where a block boundary is crossed. May carry
+        commits (applied first).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -131,7 +132,8 @@ class CacheServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Free(self, request, context):
-        """Drop sequences; their blocks go to the LRU tail (still cached if committed).
+        """Drop sequences; committed blocks go to the LRU tail (still cached), the others to its head.
+        May carry commits (applied first: a finished sequence's last tokens).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
