@@ -78,11 +78,28 @@ class OutputProcessor:
             reason = "length"
         if reason:
             return reason, window[state.sent :]
+        self._advance(req, new)
+        return "", new
+
+    def _advance(self, req: Request, new: str) -> None:
+        """Record that `new` was streamed for the newest output token."""
+        state, output = req.text_state, req.output_token_ids
         state.sent += len(new)
-        if p.stop:
-            keep = max(map(len, p.stop)) - 1
+        if req.params.stop:
+            keep = max(map(len, req.params.stop)) - 1
             state.tail = (state.tail + new)[-keep:] if keep else ""
         if len(output) - state.window_start >= WINDOW_TOKENS:
             state.window_start = len(output) - CONTEXT_TOKENS
             state.sent = _stable_length(self._decode(output[state.window_start :]))
-        return "", new
+
+    def resume(self, req: Request) -> None:
+        """Bring `req.text_state` to where streaming its output tokens (delivered by an earlier
+        attempt of the request, on another replica) left it, streaming nothing: the next token's
+        text then continues exactly where the delivered text ended."""
+        delivered, req.output_token_ids = req.output_token_ids, []
+        req.text_state = TextState()
+        for token in delivered:
+            req.output_token_ids.append(token)
+            state = req.text_state
+            window = self._decode(req.output_token_ids[state.window_start :])
+            self._advance(req, window[state.sent : _stable_length(window)])

@@ -125,6 +125,15 @@ class SamplingParams:
         return torch.Generator(device=device).manual_seed(self.seed)
 
 
+def position_seed(seed: int, position: int) -> int:
+    """The seed of output position `position` of a request seeded with `seed` (a 64-bit mix:
+    neighbouring positions and seeds get unrelated streams)."""
+    x = (seed * 0x9E3779B97F4A7C15 + position + 1) & 0xFFFFFFFFFFFFFFFF
+    x ^= x >> 31
+    x = (x * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 29)
+
+
 class NonFiniteLogits(ValueError):
     """Rows of a logits batch hold NaN or +inf (or nothing but -inf): they cannot be sampled."""
 

@@ -44,7 +44,7 @@ from computesvc.model import LeaseExpired, ModelRunner, PrefillInput
 from computesvc.observer import SchedulerObserver
 from computesvc.output import OutputProcessor
 from computesvc.request import Request, Status, StepOutput
-from computesvc.sampling import PenaltyState, Sampler
+from computesvc.sampling import PenaltyState, Sampler, position_seed
 
 log = logging.getLogger("kvtier.compute")
 
@@ -114,6 +114,8 @@ class Scheduler:
     def add(self, request: Request) -> None:
         if request.generator is None:
             request.generator = request.params.make_generator(self.runner.device)
+        if request.output_token_ids:  # resumed after a failover: its text continues, not restarts
+            self.output.resume(request)
         self.waiting.append(request)
         self._wakeup.set()
 
@@ -195,16 +197,18 @@ class Scheduler:
             self.observer.on_step(span, len(self.running), len(self.waiting), len(self.swapped))
         return prefilled or decoded
 
-    async def _call(self, coro):
-        """Await one BlockCache call (`coro`), counted under its method name."""
+    async def _call(self, coro, reqs: list[Request] = ()):
+        """Await one BlockCache call (`coro`) made for `reqs`, counted under its method name (and
+        traced in each request's own trace)."""
         self.observer.on_cache_call(coro.__name__)
-        return await coro
+        with self.observer.cache_call_span(coro.__name__, reqs):
+            return await coro
 
     async def _drop_aborted(self) -> None:
         gone = [r for r in self.running + list(self.swapped) if r.aborted]
         self.waiting = deque(r for r in self.waiting if not r.aborted)
         if gone:
-            await self._call(self.cache.free([r.sequence_id for r in gone]))
+            await self._call(self.cache.free([r.sequence_id for r in gone]), gone)
             for r in gone:
                 r.status = Status.FINISHED
             self.running = [r for r in self.running if not r.aborted]
@@ -214,7 +218,7 @@ class Scheduler:
         while self.swapped and len(self.running) < self.config.max_num_seqs:
             req = self.swapped[0]
             try:
-                seq = (await self._call(self.cache.swap_in([req.sequence_id])))[0]
+                seq = (await self._call(self.cache.swap_in([req.sequence_id]), [req]))[0]
             except NoFreeBlocks:
                 return
             self.swapped.popleft()
@@ -261,7 +265,8 @@ class Scheduler:
             req.num_committed = seq.num_cached_tokens
             req.num_recorded = req.num_tokens
             if req.num_cached_prompt_tokens < 0:
-                req.num_cached_prompt_tokens = seq.num_cached_tokens
+                # (A resumed request's hit may reach into its resumed output: the prompt's part.)
+                req.num_cached_prompt_tokens = min(seq.num_cached_tokens, len(req.prompt_token_ids))
                 self.observer.on_admitted(req, seq.num_cached_tokens)
             req.status = Status.RUNNING
             self.running.append(req)
@@ -273,7 +278,7 @@ class Scheduler:
             AllocateItem(r.token_ids, r.cache_salt, max(0, min(lookahead, max_len - r.num_tokens)), r.tenant)
             for r in batch
         ]
-        return await self._call(self.cache.allocate(items))
+        return await self._call(self.cache.allocate(items), batch)
 
     async def _allocate_one_by_one(self, batch: list[Request]) -> tuple[list[Request], list[SequenceBlocks]]:
         """Allocate `batch` one request per call after a batched Allocate was refused: refused
@@ -402,7 +407,7 @@ class Scheduler:
                 for r in low
             ]
             try:
-                seqs = await self._call(self.cache.extend(items, commits))
+                seqs = await self._call(self.cache.extend(items, commits), low)
             except NoFreeBlocks:
                 victim = await self._preempt()
                 if victim is None:
@@ -422,7 +427,7 @@ class Scheduler:
         commits = self._commit_items([victim])  # carried by the SwapOut (or the Free)
         with self.observer.preempt_span(victim) as span:
             try:
-                moved = await self._call(self.cache.swap_out([victim.sequence_id], commits))
+                moved = await self._call(self.cache.swap_out([victim.sequence_id], commits), [victim])
                 self._committed([victim])
                 # NOTE: it leaves `running` only once the cache took it: if a call fails,
                 # _abandon_all still finds (and frees) its sequence.
@@ -433,7 +438,7 @@ class Scheduler:
             except NoFreeBlocks:
                 # Host tier full: drop the blocks; the committed ones stay cached, so recompute
                 # of this sequence is mostly prefix hits.
-                await self._call(self.cache.free([victim.sequence_id], commits))
+                await self._call(self.cache.free([victim.sequence_id], commits), [victim])
                 self._committed([victim])
                 self.running.remove(victim)
                 victim.status = Status.WAITING
@@ -449,7 +454,7 @@ class Scheduler:
         items = self._commit_items(reqs)
         if not items:
             return
-        await self._call(self.cache.commit(items))
+        await self._call(self.cache.commit(items), reqs)
         self._committed(reqs)
 
     @staticmethod
@@ -482,6 +487,11 @@ class Scheduler:
                     )
             penalties = [r.penalty for r in reqs]
         params = [r.params for r in reqs]
+        for r in reqs:
+            if r.generator is not None:
+                # Each output position draws from its own seed, so a request resumed on another
+                # replica after k delivered tokens draws token k+1 as the first attempt would.
+                r.generator.manual_seed(position_seed(r.params.seed, len(r.output_token_ids)))
         tokens, failed = self.sampler.sample_isolated(logits, params, [r.generator for r in reqs], penalties)
         logprobs = [None] * len(reqs)
         if any(p.logprobs is not None for p in params):
@@ -558,7 +568,7 @@ class Scheduler:
             return
         # The last sampled token has no KV: commit what was computed, so the whole
         # conversation so far is a prefix hit for the next turn, and free, in one call.
-        await self._call(self.cache.free([r.sequence_id for r in done], self._commit_items(done)))
+        await self._call(self.cache.free([r.sequence_id for r in done], self._commit_items(done)), done)
         self._committed(done)
         # NOTE: dropped from `running` only once freed: if a call fails, _abandon_all frees them.
         self.running = [r for r in self.running if r.status is not Status.FINISHED]

@@ -134,7 +134,24 @@ class ComputeServicer(compute_pb2_grpc.ComputeServiceServicer):
             cache_salt=tenant_salt(tenant, request.cache_salt),
             tenant=tenant,
             span_context=trace.get_current_span().get_span_context(),
+            output_token_ids=self._resumed(request, params.max_tokens),
         )
+
+    def _resumed(self, request: compute_pb2.GenerateRequest, max_tokens: int) -> list[int]:
+        """The checked `resume_token_ids` (output delivered by an earlier attempt), [] if none."""
+        resume = request.resume_token_ids
+        if not resume:
+            return []
+        if len(resume) >= max_tokens:
+            raise ValueError(
+                f"resume_token_ids has {len(resume)} tokens, max_tokens is {max_tokens}: nothing is left to generate"
+            )
+        ids = list(resume)
+        vocab = self.replica.shape.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"resume_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        return ids
 
     async def Generate(self, request, context):
         if self.replica.loaded is None:

@@ -1,9 +1,11 @@
 """Client of the compute replicas, with failover.
 
 Replicas are stateless: when the replica serving a stream dies (or its cache connection drops),
-the client sends the same request to the next replica. The prompt's committed blocks are prefix
-hits there, and tokens already delivered are not delivered twice (greedy or seeded sampling
-regenerates the same ones; the client checks).
+the client sends the request to the next replica with the tokens already delivered
+(`resume_token_ids`): that replica continues after them, so it decodes only the rest, the
+prompt's and the delivered tokens' committed blocks are prefix hits there, and the stream the
+caller sees (tokens, text, logprobs) is the one an uninterrupted run gives for greedy or seeded
+sampling (each output position draws from its own seed).
 
 A replica that stops answering without dying (frozen: SIGSTOP, a hung host, a stuck scheduler)
 is failed over too: keepalive pings close a connection whose replica does not answer them
@@ -196,8 +198,13 @@ class ComputeClient:
                 # Back off a little: a replica that is restarting needs a moment to be reachable.
                 await asyncio.sleep(min(0.1 * attempt, 0.5))
             i = self._pick()
-            seen = 0
-            call = self._stubs[i].Generate(request, metadata=metadata)
+            attempt_request = request
+            if delivered:
+                # Continue after what was delivered: the replica decodes only the rest.
+                attempt_request = compute_pb2.GenerateRequest()
+                attempt_request.CopyFrom(request)
+                attempt_request.resume_token_ids.extend(delivered)
+            call = self._stubs[i].Generate(attempt_request, metadata=metadata)
             timeout, awaited = self.first_token_timeout_s, "its first reply"
             try:
                 while True:
@@ -209,28 +216,7 @@ class ComputeClient:
                     if reply is grpc.aio.EOF:
                         break
                     timeout, awaited = self.progress_timeout_s, "its next reply"
-                    ids = list(reply.token_ids)
-                    # On a retry, skip what was delivered already (and check it is the same).
-                    overlap = min(len(ids), len(delivered) - seen)
-                    if overlap > 0:
-                        if ids[:overlap] != delivered[seen : seen + overlap]:
-                            raise RuntimeError(
-                                f"replica {self.addresses[i]} regenerated different tokens on retry; "
-                                "use temperature 0 or a seed for requests that must survive failover"
-                            )
-                        seen += overlap
-                        ids = ids[overlap:]
-                        if not ids and not reply.finish_reason:
-                            continue
-                        reply.ClearField("token_ids")
-                        reply.token_ids.extend(ids)
-                        if reply.logprobs:  # parallel to token_ids: drop the same leading entries
-                            kept = list(reply.logprobs)[overlap:]
-                            reply.ClearField("logprobs")
-                            reply.logprobs.extend(kept)
-                        reply.text = ""  # the text of skipped tokens was delivered before
-                    seen += len(ids)
-                    delivered += ids
+                    delivered += reply.token_ids
                     yield reply
                     if reply.finish_reason:
                         return

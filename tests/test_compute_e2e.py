@@ -329,6 +329,60 @@ def test_replica_killed_mid_stream_fails_over_with_identical_output_and_leaks_no
     assert stats.num_expired_leases == expired_before + 1
 
 
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_failover_resumes_after_the_delivered_tokens_and_the_stream_is_unchanged(stack, sampling):
+    """Issue 13: the replica serving a stream dies after 40 of its 64 tokens; the retry carries
+    the 40 as resume_token_ids and the next replica decodes only the other 24. What the client
+    sees (tokens, text, usage) is what an uninterrupted run gives, seeded sampling included."""
+    ids = prompt(70, salt=21 if sampling == "greedy" else 22)
+    kw = {"temperature": 0.0} if sampling == "greedy" else {"temperature": 0.9, "seed": 1234, "top_p": 0.95}
+
+    def request():
+        return ComputeClient.request(prompt_token_ids=ids, max_tokens=64, ignore_eos=True, **kw)
+
+    async def uninterrupted() -> tuple[list[int], str]:
+        client = ComputeClient([stack.replicas[1].address], TOKEN)
+        try:
+            done = await client.complete(request())
+        finally:
+            await client.close()
+        return done.token_ids, done.text
+
+    victim = stack.replicas[0]
+
+    async def killed_after_40() -> tuple[list[int], str, list[int], int]:
+        client = ComputeClient(both_replicas(stack), TOKEN)  # attempt 1: compute-0
+        tokens, text, per_reply, completion = [], "", [], 0
+        try:
+            async for reply in client.stream(request()):
+                tokens += reply.token_ids
+                text += reply.text
+                per_reply.append(len(reply.token_ids))
+                if len(tokens) >= 40 and victim.alive():
+                    victim.proc.send_signal(signal.SIGKILL)
+                    victim.proc.wait()
+                if reply.finish_reason:
+                    completion = reply.usage.completion_tokens
+        finally:
+            await client.close()
+        return tokens, text, per_reply, completion
+
+    want_tokens, want_text = run(uninterrupted())
+    queried_before = cache_stats(stack).prefix_query_tokens
+    tokens, text, per_reply, completion = run(killed_after_40())
+    queried = cache_stats(stack).prefix_query_tokens - queried_before
+    assert not victim.alive(), "the replica was not killed mid-stream"
+    stack.replicas[0] = stack.start_replica(0)  # for the next tests (its imports overlap ours)
+    assert tokens == want_tokens and len(tokens) == 64
+    assert text == want_text
+    assert completion == 64
+    # Every token arrived once, and the retry's Allocate held the prompt and the delivered
+    # tokens (70 + at least 40): the second replica prefilled those, it did not decode them again.
+    assert sum(per_reply) == 64
+    delivered = queried - len(ids) - len(ids)
+    assert 40 <= delivered < 64, f"the retry allocated {delivered} tokens beyond the prompt"
+
+
 def test_cache_killed_mid_request_fails_it_fast_and_the_replica_reattaches(stack, reference):
     ids = prompt(40, salt=8)
 
