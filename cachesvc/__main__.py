@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import math
 import shutil
 import sys
 from dataclasses import dataclass, replace
@@ -175,6 +176,8 @@ async def _serve_pool(cfg: CacheConfig, shape: ModelShape, plan: PoolPlan, pool,
         max_blocks_per_tenant=cfg.max_blocks_per_tenant,
         tenant_quotas=tenant_quotas(cfg, token),
         max_blocks_per_lease=cfg.max_blocks_per_lease,
+        fair_share=cfg.fair_share,
+        fair_share_reserve=math.ceil(cfg.fair_share_reserve * plan.num_blocks),
     )
     metrics = None
     if cfg.metrics_port is not None:

@@ -41,6 +41,8 @@ class CacheConfig:
     max_blocks_per_tenant: int
     max_blocks_per_lease: int
     tenant_quotas: str | None
+    fair_share: bool
+    fair_share_reserve: float
     metrics_port: int | None
     metrics_host: str | None
     vllm_metrics: bool
@@ -185,6 +187,22 @@ def build_parser(prog: str = "python -m cachesvc") -> argparse.ArgumentParser:
         "max_blocks becomes its quota here (its keys are checked, never accepted by this service)",
     )
     svc.add_argument(
+        "--fair-share",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="under pressure, refuse more blocks to a tenant holding its fair share of the pool or "
+        "more (an even split among the tenants holding or waiting for blocks, quotas as caps), so "
+        "its replicas wait or preempt and other tenants get in; nothing changes with one tenant",
+    )
+    svc.add_argument(
+        "--fair-share-reserve",
+        type=float,
+        default=0.1,
+        metavar="FRACTION",
+        help="the pool is under pressure when a call would leave fewer than this fraction of its "
+        "blocks free (or a tenant holding none is waiting for blocks)",
+    )
+    svc.add_argument(
         "--metrics-port", type=int, help="serve Prometheus metrics on this port (0 = any free port)"
     )
     svc.add_argument(
@@ -252,6 +270,8 @@ def parse_config(argv: list[str] | None = None, prog: str = "python -m cachesvc"
         parser.error(f"--compute-replicas must be >= 0, got {args.compute_replicas}")
     if args.activation_reserve_gib is not None and args.activation_reserve_gib < 0:
         parser.error(f"--activation-reserve-gib must be >= 0, got {args.activation_reserve_gib}")
+    if not 0 <= args.fair_share_reserve <= 1:
+        parser.error(f"--fair-share-reserve must be in [0, 1], got {args.fair_share_reserve}")
     if args.max_watch_streams < 0:
         parser.error(f"--max-watch-streams must be >= 0, got {args.max_watch_streams}")
     for flag in ("max_blocks_per_tenant", "max_blocks_per_lease"):

@@ -19,6 +19,7 @@ table, the block manager and the host tier exactly as they were.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -31,6 +32,29 @@ from kvtier.block_hash import BlockHash, pack_token_ids
 
 if TYPE_CHECKING:
     from cachesvc.host_tier import HostTier
+
+
+# A tenant refused an Allocate for lack of free blocks while another tenant holds blocks counts
+# as waiting this long (its replica retries admission every step, so one still waiting is seen
+# again), or until an Allocate of its own succeeds.
+FAIR_SHARE_WAIT_S = 2.0
+
+
+def fair_shares(total: int, quotas: dict[str, int]) -> dict[str, int]:
+    """Max-min fair split of ``total`` blocks among tenants, each capped by its quota (0 = none).
+
+    Tenants whose quota is below an even split keep their quota and leave the rest to the
+    others: ``fair_shares(100, {"a": 10, "b": 0, "c": 0}) == {"a": 10, "b": 45, "c": 45}``.
+    """
+    shares: dict[str, int] = {}
+    left = total
+    order = sorted(quotas, key=lambda t: (quotas[t] or total + 1, t))
+    for i, tenant in enumerate(order):
+        even = left // (len(order) - i)
+        quota = quotas[tenant]
+        shares[tenant] = min(quota, even) if quota else even
+        left -= shares[tenant]
+    return shares
 
 
 @dataclass(slots=True)
@@ -56,6 +80,15 @@ class SequenceTable(Swapping):
     them share counts for each holder), so swapping never changes them. Allocate and Extend
     refuse growth past a quota with ResourceExhausted (the caller waits or preempts); an
     Allocate item that alone exceeds a quota or the pool gets ExceedsLimit (it never fits).
+
+    Fair share (``fair_share``, on by default; nothing to do while fewer than two tenants
+    compete): the tenants competing are those holding blocks and those waiting (refused an
+    Allocate for lack of free blocks in the last ``FAIR_SHARE_WAIT_S``). Under pressure (a call
+    would leave fewer than ``fair_share_reserve`` blocks free, or another tenant is waiting), a
+    tenant that already holds its share of device blocks (``fair_shares`` of the
+    pool, quotas as caps) is refused more with ResourceExhausted naming the share, so its
+    replica waits or preempts; a tenant under its share is never refused for this (one call may
+    take it past the share).
     """
 
     def __init__(
@@ -70,6 +103,8 @@ class SequenceTable(Swapping):
         max_blocks_per_tenant: int = 0,
         tenant_quotas: dict[str, int] | None = None,
         max_blocks_per_lease: int = 0,
+        fair_share: bool = True,
+        fair_share_reserve: int = 0,
     ) -> None:
         self.block_manager = block_manager
         self.host_tier = host_tier
@@ -94,6 +129,10 @@ class SequenceTable(Swapping):
         # Blocks held (either tier) per tenant and per lease; a key leaves when it reaches 0.
         self.tenant_blocks: dict[str, int] = {}
         self.lease_blocks: dict[str, int] = {}
+        self.fair_share = fair_share
+        self.fair_share_reserve = fair_share_reserve
+        # Waiting tenants (refused an Allocate for lack of blocks) -> monotonic time of refusal.
+        self.waiting_tenants: dict[str, float] = {}
 
     # ------------------------------------------------------------------ reading
 
@@ -180,6 +219,61 @@ class SequenceTable(Swapping):
                     f"tenant {tenant!r} holds {held} of its {quota}-block quota; this call needs {want} more"
                 )
 
+    def _contested(self) -> bool:
+        """Whether a call must count blocks per tenant for the fair share (cheap: no tenants,
+        no work)."""
+        return self.fair_share and (len(self.tenant_blocks) > 1 or bool(self.waiting_tenants))
+
+    def _check_limits(self, lease_id: str, more_by_tenant: dict[str, int], more: int) -> None:
+        """Quotas, then the fair share, for ``more`` new blocks of a call."""
+        if self._limited:
+            self._check_quotas(lease_id, more_by_tenant, more)
+        if self.fair_share:
+            self._check_fair_share(more_by_tenant, more)
+
+    def _note_waiting(self, tenants: set[str]) -> None:
+        """Tenants refused for lack of free blocks while another tenant holds blocks wait."""
+        held = self.tenant_blocks
+        if self.fair_share and held:
+            now = time.monotonic()
+            for tenant in tenants:
+                if len(held) > 1 or tenant not in held:
+                    self.waiting_tenants[tenant] = now
+
+    def _check_fair_share(self, more_by_tenant: dict[str, int], more: int) -> None:
+        """ResourceExhausted if, under pressure, a tenant of the call that holds its fair share
+        of device blocks or more would take more (see the class docstring)."""
+        waiting = self.waiting_tenants
+        if waiting:
+            cutoff = time.monotonic() - FAIR_SHARE_WAIT_S
+            for tenant in [t for t, since in waiting.items() if since < cutoff]:
+                del waiting[tenant]
+        competing = set(self.tenant_blocks) | set(waiting) | {t for t, n in more_by_tenant.items() if n}
+        if len(competing) < 2:
+            return
+        bm = self.block_manager
+        free = bm.num_free_blocks
+        others_waiting = [t for t in waiting if t not in more_by_tenant]
+        if not others_waiting and free - more >= self.fair_share_reserve:
+            return
+        shares = fair_shares(bm.num_blocks, {t: self.tenant_quota(t) for t in competing})
+        held = dict.fromkeys(more_by_tenant, 0)
+        for seq in self._sequences.values():
+            if seq.tenant in held:
+                held[seq.tenant] += len(seq.block_table)
+        for tenant, want in more_by_tenant.items():
+            if want and held[tenant] >= shares[tenant]:
+                why = (
+                    f"tenant {others_waiting[0]!r} is waiting for blocks"
+                    if others_waiting
+                    else f"{free} of {bm.num_blocks} blocks are free"
+                )
+                raise ResourceExhausted(
+                    f"tenant {tenant!r} holds {held[tenant]} device blocks, at or over its fair share "
+                    f"of {shares[tenant]} blocks ({bm.num_blocks} among {len(competing)} tenants), "
+                    f"and the pool is under pressure ({why}); this call needs {want} more"
+                )
+
     def tenant_usage(self) -> dict[str, tuple[int, int, int]]:
         """Tenant -> (live sequences, blocks held, quota or 0), for every tenant with sequences
         or a quota of its own."""
@@ -205,6 +299,7 @@ class SequenceTable(Swapping):
         touched: list[int] = []
         total_new = 0
         held_by_tenant: dict[str, int] = {}
+        track = self._limited or (self.fair_share and (len(self.tenant_blocks) > 1 or self.waiting_tenants))
         for k, item in enumerate(items):
             tokens = item.token_ids
             n = len(tokens)
@@ -225,15 +320,16 @@ class SequenceTable(Swapping):
             # Cap: the last prompt token is always computed (its logits are needed).
             hit, hashes = bm.match_prefix(data, extra, (n - 1) // bs)
             num_new = -(-(n + lookahead) // bs) - len(hit)
-            if self._limited or num_new + len(hit) > bm.num_blocks:
+            if track or num_new + len(hit) > bm.num_blocks:
                 self._check_fits(f"items[{k}]", item.tenant, num_new + len(hit))
                 held_by_tenant[item.tenant] = held_by_tenant.get(item.tenant, 0) + num_new + len(hit)
             total_new += num_new
             touched += hit
             plans.append(_AllocatePlan(hashes, hit, num_new, extra, data))
-        if self._limited:
-            self._check_quotas(lease_id, held_by_tenant, sum(held_by_tenant.values()))
+        if track:
+            self._check_limits(lease_id, held_by_tenant, sum(held_by_tenant.values()))
         if not bm.can_allocate(total_new, touched):
+            self._note_waiting({item.tenant for item in items})
             raise ResourceExhausted(
                 f"allocate needs {total_new} new blocks for {len(items)} sequences but only "
                 f"{bm.num_free_blocks - len({i for i in touched if bm.blocks[i].ref_cnt == 0})} of "
@@ -275,6 +371,9 @@ class SequenceTable(Swapping):
             stats.prefix_query_tokens += len(seq.token_ids)
             stats.prefix_hit_tokens += num_cached
             out.append(self._blocks_of(seq))
+        if self.waiting_tenants:  # these tenants got blocks: they wait no more
+            for item in items:
+                self.waiting_tenants.pop(item.tenant, None)
         return out
 
     def extend(
@@ -315,6 +414,7 @@ class SequenceTable(Swapping):
         seqs: list[Sequence] = []
         total_new = 0
         more_by_tenant: dict[str, int] = {}
+        track = self._limited or (self.fair_share and (len(self.tenant_blocks) > 1 or self.waiting_tenants))
         # NOTE: extend runs once per decode step per sequence, so validation is one combined
         # test per item; the slow path re-walks the batch to name the first bad item.
         for sid, num_tokens in items:
@@ -327,14 +427,14 @@ class SequenceTable(Swapping):
             more = (n + num_tokens + bs - 1) // bs - len(seq.block_table)
             if more > 0:
                 total_new += more
-                if self._limited:
+                if track:
                     more_by_tenant[seq.tenant] = more_by_tenant.get(seq.tenant, 0) + more
             seqs.append(seq)
         if len(items) > 1:
             check_unique([sid for sid, _ in items])
         bm = self.block_manager
         if more_by_tenant:
-            self._check_quotas(lease_id, more_by_tenant, total_new)
+            self._check_limits(lease_id, more_by_tenant, total_new)
         if total_new > bm.num_free_blocks:
             raise ResourceExhausted(
                 f"extend needs {total_new} new blocks but only {bm.num_free_blocks} of {bm.num_blocks} are free"

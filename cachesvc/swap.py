@@ -21,8 +21,8 @@ if TYPE_CHECKING:
 class Swapping:
     """``swap_out`` / ``swap_in`` of ``SequenceTable``, over the table's own state."""
 
-    # Provided by SequenceTable, as are the _room, _blocks_of, _publish, _check_commit and
-    # _apply_commit methods used here.
+    # Provided by SequenceTable, as are the _room, _blocks_of, _publish, _check_commit,
+    # _apply_commit, _contested and _check_fair_share methods used here.
     block_manager: BlockManager
     host_tier: HostTier | None
     block_size: int
@@ -80,6 +80,11 @@ class Swapping:
         check_unique(sequence_ids)
         total = sum(len(seq.host_slots) for seq in seqs)
         bm = self.block_manager
+        if self._contested():  # fair share (SequenceTable): swapping in takes device blocks too
+            by_tenant: dict[str, int] = {}
+            for seq in seqs:
+                by_tenant[seq.tenant] = by_tenant.get(seq.tenant, 0) + len(seq.host_slots)
+            self._check_fair_share(by_tenant, total)
         if total > bm.num_free_blocks:
             raise ResourceExhausted(
                 f"swap in needs {total} device blocks but only {bm.num_free_blocks} of {bm.num_blocks} are free"

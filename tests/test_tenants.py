@@ -15,18 +15,19 @@ import subprocess
 import sys
 import time
 import urllib.request
+from contextlib import contextmanager
 
 import grpc
 import openai
 import pytest
 import torch
-from servers import TOKEN, ModuleLoop, child_env, greedy_request, wait_until
+from servers import TOKEN, ModuleLoop, cache_service, child_env, greedy_request, wait_until
 
 from cachesvc.block_manager import BlockManager
 from cachesvc.errors import ExceedsLimit, ResourceExhausted
 from cachesvc.host_tier import HostTier
 from cachesvc.records import AllocateItem as TableItem
-from cachesvc.sequences import SequenceTable
+from cachesvc.sequences import SequenceTable, fair_shares
 from kvtier import status
 from kvtier.api import cache_pb2
 from kvtier.api_keys import ApiKeys, ApiKeysError, ClientKeys, tenant_salt
@@ -179,15 +180,27 @@ def refused(call) -> grpc.RpcError:
     return e.value
 
 
-def test_a_quota_holds_under_a_greedy_lease_and_others_still_allocate(stack):
-    greedy, other = cache_client(stack), cache_client(stack)
-    greedy.attach("greedy")
-    other.attach("other")
+@contextmanager
+def two_leases(address: str):
+    """Two cache clients, each attached with a lease of its own: a greedy one and another."""
+    greedy = CacheClient.connect(address, TOKEN, timeout_s=10.0)
+    other = CacheClient.connect(address, TOKEN, timeout_s=10.0)
     try:
-        held = [
-            s.sequence_id
-            for s in greedy.allocate([blocks_item("acme", 4, k * 100) for k in range(3)]).sequences
-        ]
+        greedy.attach("greedy")
+        other.attach("other")
+        yield greedy, other
+    finally:
+        greedy.close()
+        other.close()
+
+
+def allocated(client: CacheClient, items: list[AllocateItem]) -> list[int]:
+    return [s.sequence_id for s in client.allocate(items).sequences]
+
+
+def test_a_quota_holds_under_a_greedy_lease_and_others_still_allocate(stack):
+    with two_leases(stack.cache_address) as (greedy, other):
+        held = allocated(greedy, [blocks_item("acme", 4, k * 100) for k in range(3)])
         # acme holds its 12 blocks: one more is refused at once, naming the quota ...
         e = refused(lambda: greedy.allocate([blocks_item("acme", 1, 900)]))
         assert "tenant 'acme' holds 12 of its 12-block quota" in e.details()
@@ -196,16 +209,13 @@ def test_a_quota_holds_under_a_greedy_lease_and_others_still_allocate(stack):
         e = refused(lambda: other.allocate([blocks_item("acme", ACME_QUOTA + 1, 700)]))
         assert status.reason_of(e) == status.EXCEEDS_LIMIT and "can never fit" in e.details()
         # The same lease still allocates for another tenant, up to the per-lease limit.
-        held += [
-            s.sequence_id
-            for s in greedy.allocate([blocks_item("globex", 4, 200 + k) for k in range(7)]).sequences
-        ]
+        held += allocated(greedy, [blocks_item("globex", 4, 200 + k) for k in range(7)])
         e = refused(lambda: greedy.allocate([blocks_item("globex", 1, 300)]))
         assert f"holds 40 of the {LEASE_LIMIT} blocks one lease may hold" in e.details()
         e = refused(lambda: other.allocate([blocks_item("globex", LEASE_LIMIT + 1, 400)]))
         assert status.reason_of(e) == status.EXCEEDS_LIMIT
         # Another lease (another tenant's replica) is not starved by the greedy one.
-        mine = other.allocate([blocks_item("globex", 4, 500)]).sequences[0].sequence_id
+        mine = allocated(other, [blocks_item("globex", 4, 500)])
 
         stats = greedy.get_stats()
         tenants = {t.tenant: t for t in stats.tenants}
@@ -225,13 +235,10 @@ def test_a_quota_holds_under_a_greedy_lease_and_others_still_allocate(stack):
             )
 
         wait_until(scraped, 30, "the per-tenant gauges in the cache's metrics")
-        other.free([mine])
+        other.free(mine)
         greedy.free(held)
         after = {t.tenant: t for t in greedy.get_stats().tenants}
         assert after["acme"].num_blocks == 0 and "globex" not in after  # no quota, no sequences
-    finally:
-        greedy.close()
-        other.close()
 
 
 def test_a_request_over_its_tenants_quota_fails_at_once_not_after_the_admit_timeout(stack):
@@ -332,3 +339,101 @@ def test_a_bad_api_keys_file_stops_kvtier_up_and_the_compute_service_at_once(tmp
     up = run("kvtier.cli", "up", "--api-keys", str(duplicate))
     assert up.returncode != 0 and "already a key of tenant 'a'" in up.stderr, up.stderr
     assert not (tmp_path / "stack.json").exists() and not list(tmp_path.glob("*.sock"))
+
+
+# ------------------------------------------------------------------ fair share
+
+
+def test_a_greedy_tenant_is_refused_its_fair_share_while_another_tenant_gets_in(tmp_path):
+    with cache_service(tmp_path, "--num-blocks", "32") as svc, two_leases(svc.address) as (greedy, other):
+        # Alone, a tenant may take the whole pool (one tenant: no fair share to keep).
+        held = allocated(greedy, [blocks_item("a", 4, k * 10) for k in range(7)])
+        e = refused(lambda: other.allocate([blocks_item("b", 8, 500)]))  # 4 free: b waits
+        assert "only 4 of 32 blocks are free" in e.details()
+        # b is waiting: a, holding 28 of 32 blocks, is refused more though 4 are free ...
+        e = refused(lambda: greedy.allocate([blocks_item("a", 1, 600)]))
+        assert "tenant 'a' holds 28 device blocks, at or over its fair share of 16 blocks" in e.details()
+        assert "(32 among 2 tenants)" in e.details() and "tenant 'b' is waiting" in e.details()
+        e = refused(lambda: greedy.extend([(held[0], 1)]))
+        assert "fair share of 16 blocks" in e.details()
+        # ... and the refusal changed nothing: the 4 free blocks go to b, under its share.
+        mine = allocated(other, [blocks_item("b", 4, 510)])
+        e = refused(lambda: other.allocate([blocks_item("b", 8, 520)]))  # none free: b waits
+        assert "fair share" not in e.details()
+        greedy.free(held[:2])  # a finishes two sequences: 8 blocks free
+        e = refused(lambda: greedy.allocate([blocks_item("a", 1, 700)]))
+        assert "tenant 'a' holds 20 device blocks" in e.details()
+        mine += allocated(other, [blocks_item("b", 8, 530)])
+        tenants = {t.tenant: t.num_blocks for t in other.get_stats().tenants}
+        assert tenants == {"a": 20, "b": 12}
+        other.free(mine)
+        greedy.free(held[2:])
+
+
+def test_fair_shares_split_the_pool_evenly_with_quotas_as_caps():
+    assert fair_shares(32, {"a": 0}) == {"a": 32}
+    assert fair_shares(32, {"a": 0, "b": 0}) == {"a": 16, "b": 16}
+    assert fair_shares(100, {"a": 10, "b": 0, "c": 0}) == {"a": 10, "b": 45, "c": 45}
+    assert fair_shares(100, {"a": 80, "b": 0}) == {"a": 50, "b": 50}  # a quota above the split
+    assert fair_shares(100, {"a": 20, "b": 30, "c": 0}) == {"a": 20, "b": 30, "c": 50}
+    shares = fair_shares(10, {"a": 0, "b": 0, "c": 0})
+    assert sum(shares.values()) == 10 and sorted(shares.values()) == [3, 3, 4]
+
+
+def fair_table(**kwargs) -> SequenceTable:
+    """A 32-block pool of 4-token blocks with a 16-slot host tier, fair share on, reserve 4."""
+    pool = torch.zeros(32, 1, 2, 4, 1, 2)
+    kwargs.setdefault("fair_share_reserve", 4)
+    return SequenceTable(
+        BlockManager(32, 4),
+        HostTier(pool, 16),
+        model_fingerprint="fp",
+        vocab_size=100,
+        max_model_len=64,
+        **kwargs,
+    )
+
+
+def grab(table: SequenceTable, lease: str, tenant: str, blocks: int, salt: int) -> int:
+    (seq,) = table.allocate(
+        lease, [TableItem([salt % 100] * (4 * blocks), cache_salt=str(salt), tenant=tenant)]
+    )
+    return seq.sequence_id
+
+
+def test_fair_share_refuses_only_over_share_tenants_and_only_under_pressure():
+    table = fair_table()
+    a = [grab(table, "A", "a", 4, k) for k in range(6)]  # a holds 24; 8 free
+    b = grab(table, "B", "b", 2, 50)  # b holds 2; 6 free
+    # No pressure (a call leaving >= 4 free): a, over its share of 16, still grows.
+    a.append(grab(table, "A", "a", 2, 60))  # a 26, 4 free
+    # Pressure (the call would leave < 4 free): a is refused, on Allocate and on Extend ...
+    with pytest.raises(
+        ResourceExhausted,
+        match=r"tenant 'a' holds 26 device blocks.*fair share of 16.*4 of 32 blocks are free",
+    ):
+        grab(table, "A", "a", 2, 70)
+    with pytest.raises(ResourceExhausted, match="fair share of 16"):
+        table.extend("A", [(a[0], 1)])
+    # ... b, under its share, is not: it takes the pool down to 0 free.
+    b2 = grab(table, "B", "b", 4, 80)
+    assert table.block_manager.num_free_blocks == 0
+    table.check_invariants()
+    # Swapping a sequence out lowers a's device blocks; swapping it back in under pressure is refused.
+    table.swap_out("A", [a[0], a[1]])  # a 18 on the device; 8 free
+    with pytest.raises(ResourceExhausted, match="tenant 'a' holds 18 device blocks"):
+        table.swap_in("A", [a[0], a[1]])
+    assert table.tenant_blocks == {"a": 26, "b": 6}  # both tiers, as quotas count them
+    table.free("B", [b, b2])
+    table.swap_in("A", [a[0], a[1]])  # b is gone: one tenant, no fair share
+    table.check_invariants()
+
+
+def test_fair_share_off_and_one_tenant_keep_the_old_behaviour():
+    for table, tenants in ((fair_table(fair_share=False), ("a", "b")), (fair_table(), ("", ""))):
+        first, second = tenants
+        held = [grab(table, "A", first, 4, k) for k in range(6)]
+        grab(table, "B", second, 2, 50)
+        held.append(grab(table, "A", first, 4, 60))  # leaves 2 free: no fair share refuses it
+        assert table.block_manager.num_free_blocks == 2 and not table.waiting_tenants
+        table.check_invariants()
