@@ -3,13 +3,22 @@
 The scheduler calls one `SchedulerObserver` at each of its events and never checks whether
 metrics are on: the base class counts into `SchedulerStats` and traces (spans cost nothing when
 tracing is off); `MetricsObserver` also updates a replica's `ComputeMetrics`.
+
+Traces have two views of the same work. The batched spans (`scheduler.step` and, under it,
+`batch.prefill`, `batch.decode`, `preempt` and the cache RPCs) are the step's, parented by the
+oldest request in flight and linked to every request they served. Each request's own trace (under
+its `Generate` server span) has its share: a `prefill` span (an event a chunk), `decode` spans (an
+event a step; a new span after a preemption or every `DECODE_EVENTS_PER_SPAN` steps) and a
+`cache.<Method>` span for every cache call made for it (whichever call carried its commit), each
+linked to the batched span that did the work.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -22,6 +31,10 @@ if TYPE_CHECKING:
     from computesvc.metrics import ComputeMetrics
 
 log = logging.getLogger("kvtier.compute")
+
+# A request's decode span ends after this many steps and the next begins (events per span stay
+# under the SDK's default limit of 128, so none is dropped).
+DECODE_EVENTS_PER_SPAN = 100
 
 
 @dataclass
@@ -56,43 +69,166 @@ def _step_context(in_flight: Iterable[Request]):
     return trace.set_span_in_context(trace.NonRecordingSpan(oldest.span_context))
 
 
+def _method(name: str) -> str:
+    """The RPC name of a BlockCache method: swap_out -> SwapOut."""
+    return "".join(part.title() for part in name.split("_"))
+
+
+@dataclass
+class _RequestSpans:
+    """The spans open in one request's own trace."""
+
+    context: object  # the request's server span, as a parent context
+    prefill: trace.Span | None = None
+    decode: trace.Span | None = None
+    decode_steps: int = 0  # events on `decode`
+
+    def end(self, event: str = "") -> None:
+        for span in (self.prefill, self.decode):
+            if span is not None:
+                if event:
+                    span.add_event(event)
+                span.end()
+        self.prefill = self.decode = None
+
+
 class SchedulerObserver:
     """Counts and traces the scheduler's events; exports no metrics."""
 
     def __init__(self) -> None:
         self.stats = SchedulerStats()
         self._tracer = telemetry.tracer("kvtier.compute.scheduler")
+        # Requests with spans open in their own traces (only while tracing is on).
+        self._traced: dict[Request, _RequestSpans] = {}
 
     # ------------------------------------------------------------ spans (context managers)
 
     def step_span(self, in_flight: list[Request]):
         """Counts a step and opens its span; `in_flight`: running, swapped, then waiting requests."""
         self.stats.steps += 1
+        self._end_finished()  # those failed between steps (the cache service lost, a failed step)
         return self._tracer.start_as_current_span("scheduler.step", context=_step_context(in_flight))
 
-    def prefill_span(self, chunks: list[tuple[Request, int]]):
-        """The span of one batched prefill forward; `chunks`: (request, tokens prefilled)."""
-        return self._tracer.start_as_current_span(
-            "prefill",
+    def _of(self, req: Request) -> _RequestSpans | None:
+        """The request's spans, None when tracing is off or it has no trace of its own."""
+        spans = self._traced.get(req)
+        if spans is None and telemetry.tracing_enabled() and req.span_context is not None:
+            if not req.span_context.is_valid:
+                return None
+            parent = trace.set_span_in_context(trace.NonRecordingSpan(req.span_context))
+            spans = self._traced[req] = _RequestSpans(parent)
+        return spans
+
+    def _request_span(self, name: str, req: Request, batch: trace.Span, **attributes) -> trace.Span:
+        """A span in `req`'s own trace, linked to the batched span `batch` that does its work."""
+        links = [trace.Link(batch.get_span_context())] if batch.get_span_context().is_valid else []
+        return self._tracer.start_span(
+            name,
+            context=self._traced[req].context,
+            links=links,
+            attributes={"kvtier.request_id": req.request_id, **attributes},
+        )
+
+    @contextlib.contextmanager
+    def prefill_span(self, chunks: list[tuple[Request, int]]) -> Iterator[trace.Span]:
+        """The span of one batched prefill forward; `chunks`: (request, tokens prefilled). Each
+        request's `prefill` span gets an event for its chunk, and ends with its prompt's last chunk."""
+        with self._tracer.start_as_current_span(
+            "batch.prefill",
             links=_links(r for r, _ in chunks),
             attributes={"kvtier.num_seqs": len(chunks), "kvtier.prefill_tokens": sum(n for _, n in chunks)},
-        )
+        ) as batch:
+            mine = [(req, n, spans) for req, n in chunks if (spans := self._of(req)) is not None]
+            for req, n, spans in mine:
+                if spans.prefill is None:
+                    spans.prefill = self._request_span(
+                        "prefill", req, batch, **{"kvtier.prompt_tokens": len(req.prompt_token_ids)}
+                    )
+                    spans.prefill.set_attribute("kvtier.cached_tokens", req.num_computed)
+                spans.prefill.add_event(
+                    "chunk",
+                    {"kvtier.position": req.num_computed, "kvtier.tokens": n, "kvtier.num_seqs": len(chunks)},
+                )
+            ok = False
+            try:
+                yield batch
+                ok = True
+            finally:
+                for req, n, spans in mine:
+                    if spans.prefill is not None and (not ok or req.num_computed + n >= req.num_tokens):
+                        if not ok:
+                            spans.prefill.set_status(trace.StatusCode.ERROR, "prefill forward failed")
+                        spans.prefill.end()
+                        spans.prefill = None
 
-    def decode_span(self, reqs: list[Request]):
-        """The span of one batched decode forward over `reqs`."""
-        return self._tracer.start_as_current_span(
-            "decode", links=_links(reqs), attributes={"kvtier.batch_size": len(reqs)}
-        )
+    @contextlib.contextmanager
+    def decode_span(self, reqs: list[Request]) -> Iterator[trace.Span]:
+        """The span of one batched decode forward over `reqs`; an event on each request's `decode` span."""
+        with self._tracer.start_as_current_span(
+            "batch.decode", links=_links(reqs), attributes={"kvtier.batch_size": len(reqs)}
+        ) as batch:
+            for req in reqs:
+                spans = self._of(req)
+                if spans is None:
+                    continue
+                if spans.decode is not None and spans.decode_steps >= DECODE_EVENTS_PER_SPAN:
+                    spans.decode.end()
+                    spans.decode = None
+                if spans.decode is None:
+                    spans.decode = self._request_span("decode", req, batch)
+                    spans.decode_steps = 0
+                spans.decode.add_event(
+                    "step", {"kvtier.position": req.num_computed, "kvtier.batch_size": len(reqs)}
+                )
+                spans.decode_steps += 1
+            yield batch
 
     def preempt_span(self, victim: Request):
+        """The span of preempting `victim`; its own trace's open spans end (a new phase follows)."""
+        if (spans := self._traced.get(victim)) is not None:
+            spans.end("preempted")
         return self._tracer.start_as_current_span(
-            "preempt", attributes={"kvtier.request_id": victim.request_id}
+            "preempt", links=_links([victim]), attributes={"kvtier.request_id": victim.request_id}
         )
+
+    @contextlib.contextmanager
+    def cache_call_span(self, method: str, reqs: Iterable[Request]) -> Iterator[None]:
+        """Around one BlockCache call made for `reqs`: a `cache.<Method>` span in each request's
+        own trace (the RPC itself is traced once, under the current step), linked to the step."""
+        mine = [(req, spans) for req in reqs if (spans := self._of(req)) is not None]
+        if not mine:
+            yield
+            return
+        step = trace.get_current_span()
+        name = f"cache.{_method(method)}"
+        opened = []
+        for req, _ in mine:
+            attributes = {"rpc.method": _method(method), "kvtier.batch_size": len(mine)}
+            if req.sequence_id:
+                attributes["kvtier.sequence_id"] = req.sequence_id
+            if req.num_computed > req.num_committed:  # the call carries this request's commit
+                attributes["kvtier.commit_tokens"] = req.num_computed - req.num_committed
+            opened.append(self._request_span(name, req, step, **attributes))
+        try:
+            yield
+        except BaseException as e:
+            for span in opened:
+                span.set_status(trace.StatusCode.ERROR, f"{type(e).__name__}: {e}")
+            raise
+        finally:
+            for span in opened:
+                span.end()
+
+    def _end_finished(self) -> None:
+        """End the open spans of requests that finished (or failed, or were aborted)."""
+        for req in [r for r in self._traced if r.status is Status.FINISHED]:
+            self._traced.pop(req).end()
 
     # ------------------------------------------------------------ events
 
     def on_step(self, span: trace.Span, running: int, waiting: int, swapped: int) -> None:
         """A step ended with this many sequences in each queue."""
+        self._end_finished()
         span.set_attribute("kvtier.running", running)
         span.set_attribute("kvtier.waiting", waiting)
         span.set_attribute("kvtier.swapped", swapped)

@@ -6,15 +6,22 @@ provider of one never leaks into another (or into pytest).
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import subprocess
 import sys
+import threading
+from concurrent import futures
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+from kvtier import __version__
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -63,6 +70,91 @@ with tracer.start_as_current_span("client-root"):
             status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
 assert status == health_pb2.HealthCheckResponse.SERVING, status
 """
+
+
+class OtlpReceiver:
+    """A real OTLP trace receiver: decodes each ExportTraceServiceRequest into span dicts
+    (trace_id, span_id, parent_id as hex; name; service.name; service.version)."""
+
+    def __init__(self) -> None:
+        self.spans: list[dict] = []
+        self.requests = 0
+        self._lock = threading.Lock()
+
+    def take(self, body: bytes) -> None:
+        request = trace_service_pb2.ExportTraceServiceRequest.FromString(body)
+        with self._lock:
+            self.requests += 1
+            for rs in request.resource_spans:
+                resource = {a.key: a.value.string_value for a in rs.resource.attributes}
+                for ss in rs.scope_spans:
+                    for span in ss.spans:
+                        self.spans.append(
+                            {
+                                "trace_id": span.trace_id.hex(),
+                                "span_id": span.span_id.hex(),
+                                "parent_id": span.parent_span_id.hex(),
+                                "name": span.name,
+                                "service": resource.get("service.name"),
+                                "version": resource.get("service.version"),
+                            }
+                        )
+
+    def names(self) -> set[str]:
+        with self._lock:
+            return {s["name"] for s in self.spans}
+
+
+@pytest.fixture
+def otlp_http():
+    """An OTLP/HTTP receiver on 127.0.0.1 (POST /v1/traces, protobuf); yields (receiver, endpoint)."""
+    receiver = OtlpReceiver()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (http.server's name)
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            if self.headers.get("Content-Encoding") == "gzip":
+                body = gzip.decompress(body)
+            ok = self.path == "/v1/traces" and self.headers["Content-Type"] == "application/x-protobuf"
+            if ok:
+                receiver.take(body)
+            reply = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
+            self.send_response(200 if ok else 404)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.send_header("Content-Length", str(len(reply)))
+            self.end_headers()
+            self.wfile.write(reply)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield receiver, f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def otlp_grpc():
+    """An OTLP/gRPC receiver (TraceService/Export) on 127.0.0.1; yields (receiver, endpoint)."""
+    receiver = OtlpReceiver()
+
+    class TraceService(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request, context):  # noqa: N802 (the RPC's name)
+            receiver.take(request.SerializeToString())
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(TraceService(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield receiver, f"http://127.0.0.1:{port}"
+    finally:
+        server.stop(None)
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -172,3 +264,44 @@ def test_otel_sdk_disabled_wins_over_trace_file(tmp_path: Path):
     out = subprocess.run([sys.executable, "-c", probe], env=env, check=True, capture_output=True, text=True)
     assert out.stdout.strip() == "False"
     assert not (tmp_path / "t.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    ("generic", "per_signal", "receiver"),
+    [
+        ("http/protobuf", "grpc", "otlp_grpc"),
+        ("grpc", "http/protobuf", "otlp_http"),
+        ("http/protobuf", "", "otlp_http"),
+    ],
+)
+def test_otlp_protocol_variables_choose_the_exporter(tmp_path: Path, request, generic, per_signal, receiver):
+    """The per-signal protocol wins over the generic one; the spans reach a receiver of that
+    protocol only at shutdown (a 10-minute batch delay), so the services' exit flushes them."""
+    spans, endpoint = request.getfixturevalue(receiver)
+    addr = f"unix://{tmp_path}/health.sock"
+    env = clean_env(
+        OTEL_EXPORTER_OTLP_ENDPOINT=endpoint,
+        OTEL_EXPORTER_OTLP_PROTOCOL=generic,
+        OTEL_BSP_SCHEDULE_DELAY="600000",
+        OTEL_SERVICE_NAME="kvtier-test-server",
+    )
+    if per_signal:
+        env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = per_signal
+    proc = subprocess.Popen([sys.executable, "-c", SERVER, addr], stdin=subprocess.PIPE, env=env)
+    try:
+        wait_until_serving(addr)
+        assert spans.requests == 0  # batched: nothing leaves before shutdown
+    finally:
+        proc.stdin.close()
+        assert proc.wait(timeout=20) == 0
+    checks = [s for s in spans.spans if s["name"] == "/grpc.health.v1.Health/Check"]
+    assert checks, spans.spans
+    assert {(s["service"], s["version"]) for s in checks} == {("kvtier-test-server", __version__)}
+
+
+def test_unknown_otlp_protocol_is_refused():
+    probe = "from kvtier import telemetry; telemetry.setup_tracing('kvtier-test')"
+    env = clean_env(OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:1", OTEL_EXPORTER_OTLP_PROTOCOL="http/json")
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert "OTLP protocol 'http/json': kvtier exports traces over grpc or http/protobuf" in out.stderr
