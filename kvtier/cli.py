@@ -197,6 +197,7 @@ def cmd_down(args) -> int:
 
 
 async def _generate(info: dict, args) -> int:
+    from kvtier import telemetry
     from kvtier.compute_client import ComputeClient
 
     client = ComputeClient(info["compute"])
@@ -208,28 +209,41 @@ async def _generate(info: dict, args) -> int:
         seed=args.seed,
         cache_salt=args.cache_salt,
     )
-    try:
-        async for reply in client.stream(request):
-            print(reply.text, end="", flush=True)
-            if reply.finish_reason:
-                u = reply.usage
-                print(
-                    f"\n[{reply.finish_reason}: {u.prompt_tokens} prompt tokens ({u.cached_prompt_tokens} cached), "
-                    f"{u.completion_tokens} completion tokens]",
-                    file=sys.stderr,
-                )
-    finally:
-        await client.close()
+    # The root of the request's trace when tracing is configured (a no-op span when it is not).
+    with telemetry.tracer("kvtier.cli").start_as_current_span("kvtier.generate") as span:
+        span.set_attribute("kvtier.max_tokens", args.max_tokens)
+        try:
+            async for reply in client.stream(request):
+                print(reply.text, end="", flush=True)
+                if reply.finish_reason:
+                    u = reply.usage
+                    span.set_attribute("kvtier.finish_reason", reply.finish_reason)
+                    span.set_attribute("kvtier.completion_tokens", u.completion_tokens)
+                    print(
+                        f"\n[{reply.finish_reason}: {u.prompt_tokens} prompt tokens ({u.cached_prompt_tokens} cached), "
+                        f"{u.completion_tokens} completion tokens]",
+                        file=sys.stderr,
+                    )
+        finally:
+            await client.close()
     return 0
 
 
 def cmd_generate(args) -> int:
+    from kvtier import telemetry
+
     _stop_on_signals()
+    # Before any channel is made; the services it may start keep their own names (kvtier.stack).
+    try:
+        telemetry.setup_tracing("kvtier-cli")
+    except ValueError as e:  # an OTLP protocol we do not speak
+        raise SystemExit(f"tracing: {e}") from None
     stack = None
     try:
         stack, info = _stack(args)
         return asyncio.run(_generate(info, args))
     finally:
+        telemetry.shutdown_tracing()  # the client span is exported before the stack stops
         if stack is not None:
             stack.down()
 

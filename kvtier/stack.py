@@ -26,6 +26,9 @@ from kvtier.auth import check_private_dir, create_token_file, ensure_run_dir
 from kvtier.healthcheck import check
 
 STACK_FILE = "stack.json"
+# Each service's own trace name (as in docker-compose.yml and deploy/k8s): the one the caller's
+# OTEL_SERVICE_NAME (`kvtier generate`'s, a test client's) would otherwise give every process.
+SERVICE_NAMES = {"cachesvc": "kvtier-cache", "computesvc": "kvtier-compute", "gateway": "kvtier-gateway"}
 
 
 @dataclass
@@ -75,7 +78,7 @@ def start(
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", module, *args],
-            env=env,
+            env={**env, "OTEL_SERVICE_NAME": SERVICE_NAMES.get(module, module)},
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # Ctrl-C in a terminal reaches the CLI, which stops us cleanly

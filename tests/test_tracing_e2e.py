@@ -1,7 +1,9 @@
-"""One Generate call is one trace across three processes: client -> compute -> cache.
+"""Every request's trace shows its own work, across client -> compute -> cache.
 
-Every process appends its spans to one file (KVTIER_TRACE_FILE); the test reads them back and
-checks the trace ids and parent links.
+Every process appends its spans to one file (KVTIER_TRACE_FILE); the tests read them back and
+check trace ids, parent links and span links. One test runs `kvtier generate` (its client span,
+the services it starts keep their own names); one sends eight concurrent requests, whose batched
+steps serve several at once, and also exports over OTLP/HTTP to a receiver in the test.
 """
 
 from __future__ import annotations
@@ -9,27 +11,29 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 from servers import REPO, TOKEN, child_env, local_stack
+from test_telemetry import otlp_http  # noqa: F401 (a fixture)
 
+from kvtier import __version__
+
+# Eight concurrent requests from an untraced client: each request's trace starts at its
+# Generate server span in the replica. Prints {request_id: completion tokens}.
 CLIENT = """
-import asyncio, sys
-from kvtier import telemetry
-telemetry.setup_tracing("kvtier-client")
+import asyncio, json, sys
 from kvtier.compute_client import ComputeClient
 
 async def main():
     client = ComputeClient([sys.argv[1]], sys.argv[2])
-    with telemetry.tracer("test").start_as_current_span("client.generate") as span:
-        span.set_attribute("kvtier.request_id", "traced-1")
-        done = await client.complete(client.request(prompt_token_ids=list(range(1, 40)), max_tokens=20,
-                                                   temperature=0, request_id="traced-1"))
+    reqs = [client.request(prompt_token_ids=[1 + (7 * i + j) % 250 for j in range(29)], max_tokens=12,
+                           temperature=0, request_id=f"r{i}") for i in range(8)]
+    done = await asyncio.gather(*(client.complete(r) for r in reqs))
     await client.close()
-    print(done.completion_tokens)
+    print(json.dumps({d.request_id: d.completion_tokens for d in done}))
 
 asyncio.run(main())
-telemetry.shutdown_tracing()
 """
 
 
@@ -61,63 +65,171 @@ def _ns(timestamp: str) -> float:
     return datetime.fromisoformat(timestamp.replace("Z", "+00:00")).timestamp() * 1e9
 
 
-def test_one_generate_is_one_trace_through_client_compute_and_cache(tmp_path):
+class Trace:
+    """The spans of one trace file, indexed."""
+
+    def __init__(self, spans: list[dict]) -> None:
+        self.spans = spans
+        self.by_id = {s["context"]["span_id"]: s for s in spans}
+
+    @staticmethod
+    def service(span: dict) -> str:
+        return span["resource"]["attributes"]["service.name"]
+
+    def parent(self, span: dict) -> dict | None:
+        return self.by_id.get(span["parent_id"]) if span["parent_id"] else None
+
+    def children(self, span: dict) -> list[dict]:
+        return [s for s in self.spans if s["parent_id"] == span["context"]["span_id"]]
+
+    def in_trace(self, span: dict) -> list[dict]:
+        return [s for s in self.spans if s["context"]["trace_id"] == span["context"]["trace_id"]]
+
+    def linked(self, span: dict) -> list[dict]:
+        return [self.by_id[link["context"]["span_id"]] for link in span["links"]]
+
+
+def check_request_trace(t: Trace, server: dict, completion_tokens: int) -> None:
+    """`server` (a Generate server span) has its request's own spans under it: one prefill, decode
+    spans with an event per decode step, and a span for each cache call made for it, each linked
+    to the step that made the real RPC (whose cache-service span is its child)."""
+    rid = server["attributes"]["kvtier.request_id"]
+    # (The steps it parented, as the oldest request in flight, are its children too.)
+    own = [s for s in t.children(server) if s["name"] != "scheduler.step"]
+    assert all(s["attributes"]["kvtier.request_id"] == rid for s in own), own
+    names = Counter(s["name"] for s in own)
+    assert names["prefill"] == 1, names
+    assert names["decode"] >= 1, names
+    # The first token comes from the prefill, every other from one decode step.
+    steps = [e for s in own if s["name"] == "decode" for e in s["events"] if e["name"] == "step"]
+    assert len(steps) == completion_tokens - 1, (rid, len(steps))
+    for method in ("Allocate", "Commit", "Free"):
+        calls = [s for s in own if s["name"] == f"cache.{method}"]
+        assert len(calls) >= 1, (rid, method, names)
+        for call in calls:
+            (step,) = t.linked(call)
+            assert step["name"] == "scheduler.step"
+            rpc = [c for c in t.children(step) if c["name"] == f"/kvtier.v1.CacheService/{method}"]
+            assert rpc and t.service(rpc[0]) == "kvtier-compute", (rid, method)
+            (served,) = t.children(rpc[0])
+            assert t.service(served) == "kvtier-cache"
+    # The prompt's commit: its own Commit call after the prefill; the last tokens ride on the Free.
+    (commit,) = [s for s in own if s["name"] == "cache.Commit"]
+    assert commit["attributes"]["kvtier.commit_tokens"] == server["attributes"]["kvtier.prompt_tokens"]
+    free = next(s for s in own if s["name"] == "cache.Free")
+    assert free["attributes"]["kvtier.commit_tokens"] == completion_tokens - 1
+    # Each of its phases links to the batched forward that did it.
+    for phase in ("prefill", "decode"):
+        span = next(s for s in own if s["name"] == phase)
+        (batch,) = t.linked(span)
+        assert batch["name"] == f"batch.{phase}"
+        assert server["context"]["span_id"] in {link["context"]["span_id"] for link in batch["links"]}
+
+
+def test_each_request_trace_holds_its_own_work_and_otlp_http_gets_the_same(tmp_path, otlp_http):  # noqa: F811
+    """Eight concurrent requests, then `kvtier generate` against the same stack."""
+    receiver, endpoint = otlp_http
     spans_file = tmp_path / "spans.jsonl"
+    run_dir = tmp_path / "run"
     env = child_env(
-        tmp_path / "run",
+        run_dir,
         KVTIER_TRACE_FILE=str(spans_file),
+        OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
+        OTEL_EXPORTER_OTLP_ENDPOINT=endpoint,
+        # Nothing leaves the batch processor before shutdown: what arrives, the exit flushed.
+        OTEL_BSP_SCHEDULE_DELAY="600000",
+        OTEL_BSP_MAX_QUEUE_SIZE="100000",
+        OTEL_BSP_MAX_EXPORT_BATCH_SIZE="100000",
         OTEL_PYTHON_GRPC_EXCLUDED_SERVICES="grpc.health.v1.Health",
+        OTEL_SERVICE_NAME="my-cli",  # a caller's name: the stack's services keep their own
     )
-    with local_stack(tmp_path / "run", replicas=1, env=env) as stack:
+    with local_stack(run_dir, replicas=1, env=env) as stack:
         out = subprocess.run(
             [sys.executable, "-c", CLIENT, stack.compute_addresses[0], TOKEN],
             cwd=REPO,
-            env={**env, "OTEL_SERVICE_NAME": "kvtier-client"},
+            env=child_env(run_dir),  # untraced: each request's trace starts in the replica
             capture_output=True,
             text=True,
             timeout=120,
         )
         assert out.returncode == 0, out.stderr
-        assert out.stdout.strip() == "20"
-    spans = load_spans(spans_file)
-    root = next(s for s in spans if s["name"] == "client.generate")
-    trace_id = root["context"]["trace_id"]
-    mine = [s for s in spans if s["context"]["trace_id"] == trace_id]
-    by_id = {s["context"]["span_id"]: s for s in mine}
-    services = {s["resource"]["attributes"]["service.name"] for s in mine}
-    assert services == {"kvtier-client", "kvtier-compute", "kvtier-cache"}, services
+        # `kvtier generate` finds the stack in the run dir; its spans go to the file only.
+        cli = subprocess.run(
+            [sys.executable, "-m", "kvtier.cli", "generate", "Once upon a time", "--max-tokens", "20"],
+            cwd=REPO,
+            env=child_env(run_dir, KVTIER_TRACE_FILE=str(spans_file), OTEL_SERVICE_NAME="my-cli"),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert cli.returncode == 0, cli.stderr
+        assert receiver.requests == 0
+    tokens = json.loads(out.stdout)
+    assert sorted(tokens) == [f"r{i}" for i in range(8)]
+    t = Trace(load_spans(spans_file))
+    assert {t.service(s) for s in t.spans} == {"my-cli", "kvtier-compute", "kvtier-cache"}
 
-    def service(s):
-        return s["resource"]["attributes"]["service.name"]
+    # Each of the eight: a trace of its own, holding its own work.
+    servers = {
+        s["attributes"]["kvtier.request_id"]: s
+        for s in t.spans
+        if s["name"] == "/kvtier.v1.ComputeService/Generate"
+        and t.service(s) == "kvtier-compute"
+        and s["parent_id"] is None
+    }
+    assert sorted(servers) == sorted(tokens)
+    assert len({s["context"]["trace_id"] for s in servers.values()}) == 8
+    for rid, server in servers.items():
+        check_request_trace(t, server, tokens[rid])  # (its links may lead to another trace)
+    # The batched spans served several requests at once and link to each of them.
+    widest = max(
+        (s for s in t.spans if s["name"] == "batch.decode"),
+        key=lambda s: s["attributes"]["kvtier.batch_size"],
+    )
+    assert widest["attributes"]["kvtier.batch_size"] > 1
+    assert len(widest["links"]) == widest["attributes"]["kvtier.batch_size"]
+    # Lease heartbeats are not traced; the lease's Attach is.
+    names = {s["name"] for s in t.spans}
+    assert "/kvtier.v1.CacheService/Attach" in names
+    assert not any("Heartbeat" in n for n in names)
 
-    def parent(s):
-        return by_id.get(s["parent_id"]) if s["parent_id"] else None
-
-    def ancestors(s):
-        while (s := parent(s)) is not None:
-            yield s
-
-    # client span -> gRPC client span -> compute server span
-    generate_server = next(
+    # `kvtier generate`: its client span is the root of one trace through compute and cache.
+    root = next(s for s in t.spans if s["name"] == "kvtier.generate")
+    assert root["parent_id"] is None
+    assert root["resource"]["attributes"]["service.name"] == "my-cli"
+    assert root["resource"]["attributes"]["service.version"] == __version__
+    completion_tokens = root["attributes"]["kvtier.completion_tokens"]
+    assert f"{completion_tokens} completion tokens" in cli.stderr
+    mine = Trace(t.in_trace(root))
+    assert {t.service(s) for s in mine.spans} == {"my-cli", "kvtier-compute", "kvtier-cache"}
+    server = next(
         s
-        for s in mine
-        if s["name"] == "/kvtier.v1.ComputeService/Generate" and service(s) == "kvtier-compute"
+        for s in mine.spans
+        if s["name"] == "/kvtier.v1.ComputeService/Generate" and t.service(s) == "kvtier-compute"
     )
-    generate_client = parent(generate_server)
-    assert generate_client is not None and service(generate_client) == "kvtier-client"
-    assert parent(generate_client) is root
-    assert generate_server["attributes"]["kvtier.request_id"] == "traced-1"
+    client = mine.parent(server)
+    assert t.service(client) == "my-cli" and mine.parent(client) is root
+    check_request_trace(mine, server, completion_tokens)
+    decodes = [s for s in mine.spans if s["name"] == "batch.decode"]  # alone: it parents every step
+    assert len(decodes) == completion_tokens - 1
+    assert all(s["attributes"]["kvtier.batch_size"] == 1 for s in decodes)
+    (tmp_path / "trace.txt").write_text(render(mine.spans, root))
+    print(render(mine.spans, root))
 
-    # compute's scheduler spans and its cache calls hang under the request
-    for name in ("scheduler.step", "prefill", "decode"):
-        assert any(s["name"] == name and service(s) == "kvtier-compute" for s in mine), name
-    allocate_server = next(
-        s for s in mine if s["name"] == "/kvtier.v1.CacheService/Allocate" and service(s) == "kvtier-cache"
-    )
-    allocate_client = parent(allocate_server)
-    assert allocate_client is not None and service(allocate_client) == "kvtier-compute"
-    assert generate_server in list(ancestors(allocate_client))
-    decode = next(s for s in mine if s["name"] == "decode")
-    assert decode["attributes"]["kvtier.batch_size"] == 1
-    (tmp_path / "trace.txt").write_text(render(mine, root))
-    print(render(mine, root))
+    # The OTLP/HTTP exporter delivered the services' spans, all at shutdown (the last step's, the Frees).
+    exported = {
+        (s["trace_id"], s["span_id"], s["parent_id"], s["name"], s["service"]) for s in receiver.spans
+    }
+    written = {
+        (
+            s["context"]["trace_id"][2:],
+            s["context"]["span_id"][2:],
+            (s["parent_id"] or "0x")[2:],
+            s["name"],
+            t.service(s),
+        )
+        for s in t.spans
+        if t.service(s) != "my-cli"
+    }
+    assert exported == written
+    assert {s["version"] for s in receiver.spans} == {__version__}
