@@ -14,6 +14,20 @@ from computesvc.config import ComputeConfig, parse_config
 log = logging.getLogger("kvtier.compute")
 
 GENERATE = "/kvtier.v1.ComputeService/Generate"
+# Generate's fields beside the prompt: at most 16 stop strings of 256 characters (4 bytes each
+# in UTF-8), 256 stop token ids, the scalar sampling fields, cache_salt and request_id (256
+# bytes each), with their tags and lengths: about 20 KiB, rounded up.
+GENERATE_FIELDS_BYTES = 64 << 10
+TOKEN_ID_BYTES = 10  # an int64 varint at its longest (a negative id: refused after parsing)
+
+
+def generate_request_limit(cfg: ComputeConfig, max_prompt_bytes: int, max_model_len: int) -> int:
+    """Largest Generate request in bytes (--max-request-bytes, else the largest legitimate one:
+    a text prompt at its byte limit, prompt and resume token ids filling the context, the other
+    fields at their limits). The CallGuard refuses a larger one before it is parsed."""
+    if cfg.max_request_bytes:
+        return cfg.max_request_bytes
+    return max_prompt_bytes + TOKEN_ID_BYTES * max_model_len + GENERATE_FIELDS_BYTES
 
 
 def load_credentials(cfg: ComputeConfig) -> tuple[str, dict | None]:
@@ -59,6 +73,8 @@ async def serve(cfg: ComputeConfig, token: str, credentials: dict | None = None)
     replica = Replica(cfg, token, metrics)
     await replica.start()
     servicer = ComputeServicer(replica)
+    limit = generate_request_limit(cfg, servicer.max_prompt_bytes, replica.shape.max_model_len)
+    log.info("Generate requests over %d bytes are refused before they are parsed", limit)
     server, health, address = await start_server(
         "kvtier.v1.ComputeService",
         lambda s: compute_pb2_grpc.add_ComputeServiceServicer_to_server(servicer, s),
@@ -66,6 +82,7 @@ async def serve(cfg: ComputeConfig, token: str, credentials: dict | None = None)
         token,
         metrics=metrics,
         credentials=credentials,
+        max_request_bytes={GENERATE: limit},
     )
     report_attachment(replica, health)
     log.info(

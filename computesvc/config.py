@@ -25,6 +25,8 @@ class ComputeConfig:
     lookahead_blocks: int
     admit_timeout_s: float
     max_prompt_bytes: int | None
+    max_request_bytes: int | None
+    activation_reserve_gib: float | None
     connect_timeout: float
     metrics_port: int | None
     metrics_host: str | None
@@ -37,6 +39,10 @@ class ComputeConfig:
 
     def describe(self) -> str:
         return " ".join(f"{k}={v}" for k, v in asdict(self).items())
+
+    def activation_reserve_bytes(self) -> int | None:
+        """--activation-reserve-gib in bytes, for the pre-load memory check (None: estimate it)."""
+        return None if self.activation_reserve_gib is None else int(self.activation_reserve_gib * (1 << 30))
 
 
 def build_parser(prog: str = "python -m computesvc") -> argparse.ArgumentParser:
@@ -104,6 +110,20 @@ def build_parser(prog: str = "python -m computesvc") -> argparse.ArgumentParser:
         "before it is tokenized); default: 16 bytes per token of the model's context",
     )
     p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        help="largest Generate request in bytes, refused with RESOURCE_EXHAUSTED before it is parsed; "
+        "default: the largest legitimate one (--max-prompt-bytes + 10 bytes per token of context + "
+        "64 KiB for sampling fields and strings)",
+    )
+    p.add_argument(
+        "--activation-reserve-gib",
+        type=float,
+        help="cuda: GiB this replica needs beyond its weights (activations of its largest forward, "
+        "CUDA context), checked against free device memory before the weights load; default: "
+        "estimated from the model shape (kvtier/memory_plan.py)",
+    )
+    p.add_argument(
         "--connect-timeout",
         type=float,
         default=30.0,
@@ -158,6 +178,10 @@ def parse_config(argv: list[str] | None = None, prog: str = "python -m computesv
             raise SystemExit(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(cfg, flag)}")
     if cfg.max_prompt_bytes is not None and cfg.max_prompt_bytes < 1:
         raise SystemExit(f"--max-prompt-bytes must be >= 1, got {cfg.max_prompt_bytes}")
+    if cfg.max_request_bytes is not None and cfg.max_request_bytes < 1:
+        raise SystemExit(f"--max-request-bytes must be >= 1, got {cfg.max_request_bytes}")
+    if cfg.activation_reserve_gib is not None and not cfg.activation_reserve_gib >= 0:
+        raise SystemExit(f"--activation-reserve-gib must be >= 0, got {cfg.activation_reserve_gib}")
     if not cfg.admit_timeout_s > 0:
         raise SystemExit(f"--admit-timeout-s must be > 0, got {cfg.admit_timeout_s}")
     if cfg.allow_node_token and not cfg.api_keys:

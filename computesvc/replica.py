@@ -116,7 +116,11 @@ class Replica:
             self.loaded = await asyncio.get_running_loop().run_in_executor(
                 None,
                 lambda: load_model(
-                    self.cfg.model, dtype=client.pool.dtype, device=device, seed=self.cfg.seed
+                    self.cfg.model,
+                    dtype=client.pool.dtype,
+                    device=device,
+                    seed=self.cfg.seed,
+                    activation_reserve_bytes=self.cfg.activation_reserve_bytes(),
                 ),
             )
         except BaseException:

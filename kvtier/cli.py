@@ -69,6 +69,25 @@ def _checked_api_keys(path: str) -> str:
     return str(Path(path).resolve())
 
 
+def _service_args(args) -> tuple[list[str], list[str], list[str]]:
+    """The flags `kvtier up` gives the cache service, each compute replica and the gateway. The
+    cache service learns how many replicas share its device (--compute-replicas: on cuda its
+    pool leaves room for their weights and activations)."""
+    cache_args = ["--num-blocks", str(args.num_blocks), "--swap-space", str(args.swap_space)]
+    cache_args += ["--compute-replicas", str(args.replicas)]
+    compute_args = ["--max-num-seqs", str(args.max_num_seqs)]
+    if args.model:
+        cache_args += ["--model", args.model]
+        compute_args += ["--model", args.model]
+    gateway_args = ["--model", args.model] if args.model else []
+    if keys := getattr(args, "api_keys", None):
+        keys = _checked_api_keys(keys)
+        cache_args += ["--tenant-quotas", keys]
+        compute_args += ["--api-keys", keys]
+        gateway_args += ["--api-keys", keys]
+    return cache_args, compute_args, gateway_args
+
+
 def _stack(args) -> tuple[object, dict]:
     """A running stack in the run dir, or a new one (returned so the caller stops it)."""
     from kvtier.stack import LocalStack, MultiNodeStack, running_stack
@@ -80,18 +99,8 @@ def _stack(args) -> tuple[object, dict]:
     if getattr(args, "fresh", False):
         run_dir = Path(tempfile.mkdtemp(prefix="kvtier-"))
         os.environ["KVTIER_RUN_DIR"] = str(run_dir)  # where this process finds the new stack's token
-    cache_args = ["--num-blocks", str(args.num_blocks), "--swap-space", str(args.swap_space)]
-    compute_args = ["--max-num-seqs", str(args.max_num_seqs)]
-    if args.model:
-        cache_args += ["--model", args.model]
-        compute_args += ["--model", args.model]
+    cache_args, compute_args, gateway_args = _service_args(args)
     gateway = getattr(args, "gateway", False)
-    gateway_args = ["--model", args.model] if args.model else []
-    if keys := getattr(args, "api_keys", None):
-        keys = _checked_api_keys(keys)
-        cache_args += ["--tenant-quotas", keys]
-        compute_args += ["--api-keys", keys]
-        gateway_args += ["--api-keys", keys]
     num_nodes = getattr(args, "nodes", 1)
     common = {
         "cache_args": cache_args,

@@ -18,6 +18,7 @@ import pytest
 import torch
 from servers import TOKEN, ModuleLoop, cache_service, greedy_request, local_stack
 
+from computesvc.__main__ import GENERATE_FIELDS_BYTES, TOKEN_ID_BYTES
 from computesvc.model import ModelRunner, build_tiny_model, load_model
 from computesvc.remote_cache import RemoteCache
 from computesvc.request import Request
@@ -232,7 +233,7 @@ def test_a_salt_with_a_nul_fails_alone_and_no_error_carries_another_requests_dat
 
 def test_an_oversized_text_prompt_is_refused_before_tokenizing_and_neighbours_carry_on(address, expected):
     limit = PROMPT_BYTES_PER_TOKEN * MAX_MODEL_LEN
-    huge = "x" * (16 << 20)  # the size that stalled the event loop for 24 s
+    huge = "x" * (limit + 1000)  # (16 MiB, the size that stalled the loop, is over the message limit: below)
     just_over = "é" * (limit // 2 + 1)  # fewer characters than the limit, more bytes
     bad = [
         ComputeClient.request(prompt=huge, max_tokens=4),
@@ -266,13 +267,13 @@ def test_prompt_token_ids_longer_than_the_context_are_refused_by_their_count(add
     async def one():
         client = ComputeClient([address], TOKEN)
         try:
-            return await client.complete(greedy_request([1] * 200_000, 4), 1)
+            return await client.complete(greedy_request([1] * 20_000, 4), 1)  # within the byte limit
         except grpc.aio.AioRpcError as e:
             return e
         finally:
             await client.close()
 
-    assert_invalid(run(one()), f"context is {MAX_MODEL_LEN} tokens", "200000")
+    assert_invalid(run(one()), f"context is {MAX_MODEL_LEN} tokens", "20000")
 
 
 # ---------------------------------------------------------------- a refused item of a batched call
@@ -328,3 +329,35 @@ def test_a_batched_allocate_refused_for_one_item_fails_only_that_request(tmp_pat
         assert all(out.error is None for out in outputs[k]), [out.error for out in outputs[k]]
         assert requests[k].output_token_ids == expected[k][:steps], f"request {k}"
         assert outputs[k][-1].finish_reason == "length"
+
+
+# ---------------------------------------------------------------- the size of a Generate request
+
+
+def test_an_oversized_generate_is_refused_before_parsing_and_the_replica_keeps_serving(address, expected):
+    # The default limit: the largest legitimate request (a text prompt at --max-prompt-bytes,
+    # token ids filling the context, the other fields at their limits), not grpc's 128 MiB.
+    prompt_limit = PROMPT_BYTES_PER_TOKEN * MAX_MODEL_LEN
+    limit = prompt_limit + TOKEN_ID_BYTES * MAX_MODEL_LEN + GENERATE_FIELDS_BYTES
+    bad = [
+        greedy_request([1] * 200_000, 4),  # 200 KB of packed ids: parsing them built 200,000 ints
+        ComputeClient.request(prompt="x" * (16 << 20), max_tokens=4),  # the 16 MiB of the finding
+        greedy_request([BOS, 5], 4, stop=["s" * 256] * 400),  # fields over any legitimate size
+        # The largest legitimate fields pass the byte limit and meet the field checks after it.
+        ComputeClient.request(
+            prompt="é" * (prompt_limit // 2),
+            max_tokens=4,
+            stop=["\U0001f600" * 256] * 16,
+            stop_token_ids=[5] * 256,
+            cache_salt="s" * MAX_CACHE_SALT_BYTES,
+            request_id="r" * 256,
+        ),
+    ]
+    neighbours, results, in_flight = with_neighbours(address, bad)
+    for result in results[:3]:
+        assert isinstance(result, grpc.aio.AioRpcError), result
+        assert result.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, result.details()
+        assert str(limit) in result.details(), result.details()
+    assert_invalid(results[3], f"context is {MAX_MODEL_LEN} tokens")  # a byte per token: too long
+    assert in_flight == NUM_NEIGHBOURS, "the neighbours finished before the bad requests: nothing was tested"
+    assert neighbours == expected

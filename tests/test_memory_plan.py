@@ -280,3 +280,50 @@ def test_cache_service_refuses_to_start_when_the_plan_leaves_no_pool(monkeypatch
         "cannot start: the device memory budget leaves" in caplog.text
         and "less than one block" in caplog.text
     )
+
+
+# ------------------------------------------------------------ the compute side and `kvtier up`
+
+
+def test_kvtier_up_tells_the_cache_service_how_many_replicas_share_its_device():
+    from kvtier.cli import _service_args, build_parser
+
+    for argv, replicas in (
+        (["up"], 2),
+        (["up", "--replicas", "3"], 3),
+        (["up", "--nodes", "2", "--replicas", "1"], 1),
+    ):
+        cache_args, _, _ = _service_args(build_parser().parse_args(argv))
+        assert parse_config(cache_args).compute_replicas == replicas, argv
+
+
+def test_a_replica_passes_its_activation_reserve_to_the_pre_load_check(monkeypatch, tmp_path):
+    """In process, against a real cache service: the replica's --activation-reserve-gib reaches
+    load_model (on cuda, check_device_memory; the refusal itself is tested above)."""
+    import asyncio
+
+    from servers import TOKEN, cache_service
+
+    from computesvc import replica as replica_mod
+    from computesvc.config import parse_config as compute_config
+
+    assert compute_config([]).activation_reserve_bytes() is None  # estimated from the shape
+    with pytest.raises(SystemExit, match="--activation-reserve-gib must be >= 0"):
+        compute_config(["--activation-reserve-gib", "-1"])
+    seen = []
+    real_load = replica_mod.load_model
+    monkeypatch.setattr(
+        replica_mod,
+        "load_model",
+        lambda *a, **k: seen.append(k["activation_reserve_bytes"]) or real_load(*a, **k),
+    )
+    with cache_service(tmp_path, "--num-blocks", "16") as svc:
+        cfg = compute_config(["--cache", svc.address, "--activation-reserve-gib", "0.75"])
+
+        async def start_and_stop():
+            r = replica_mod.Replica(cfg, TOKEN)
+            await r.start()
+            await r.stop()
+
+        asyncio.run(start_and_stop())
+    assert seen == [int(0.75 * GIB)]
