@@ -167,7 +167,7 @@ class SchedulerObserver:
         with self._tracer.start_as_current_span(
             "batch.decode", links=_links(reqs), attributes={"kvtier.batch_size": len(reqs)}
         ) as batch:
-            for req in reqs:
+            for req in reqs if telemetry.tracing_enabled() else ():
                 spans = self._of(req)
                 if spans is None:
                     continue
@@ -220,8 +220,9 @@ class SchedulerObserver:
                 span.end()
 
     def _end_finished(self) -> None:
-        """End the open spans of requests that finished (or failed, or were aborted)."""
-        for req in [r for r in self._traced if r.status is Status.FINISHED]:
+        """End the open spans of requests that finished (or failed), or were aborted (one dropped
+        from the waiting queue never becomes FINISHED)."""
+        for req in [r for r in self._traced if r.status is Status.FINISHED or r.aborted]:
             self._traced.pop(req).end()
 
     # ------------------------------------------------------------ events
