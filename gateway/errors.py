@@ -81,6 +81,12 @@ def no_replica(detail: str) -> APIError:
 def from_grpc(error: grpc.aio.AioRpcError) -> APIError:
     """A replica's (or the channel's) error status as the HTTP error the client gets."""
     status, kind = _GRPC_STATUS.get(error.code(), (500, SERVER_ERROR))
+    if error.code() == grpc.StatusCode.UNAUTHENTICATED:
+        # The replicas' keys file differs from the gateway's (it admitted this key): say so.
+        return APIError(401, "the compute replica does not accept this API key", code="invalid_api_key")
+    if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "over this method's limit" in error.details():
+        # The request itself is too large for the replica: the client's to fix, not a retry.
+        return APIError(413, error.details(), INVALID_REQUEST)
     if status == 503:
         return no_replica(f"{error.code().name}: {error.details()}")
     if status == 500:

@@ -251,8 +251,8 @@ class _GuardedMethod:
             raise _Refused(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{self._method}: the request is {len(raw)} bytes, over this method's limit of "
-                f"{self._max_bytes} bytes; send fewer or shorter items (the cache service derives "
-                "the limit from max_batch and max_model_len; --max-request-bytes sets it)",
+                f"{self._max_bytes} bytes; send fewer or shorter items (the service derives the "
+                "limit from the largest request it accepts; --max-request-bytes sets it)",
             )
         if self._raw_check is not None and (wrong := self._raw_check(raw)) is not None:
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{self._method}: {wrong}")

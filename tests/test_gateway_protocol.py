@@ -147,3 +147,26 @@ def test_chat_max_tokens_prefers_max_completion_tokens():
         == 9
     )
     assert ChatCompletionRequest(messages=messages).requested_max_tokens is None
+
+
+@pytest.mark.parametrize(
+    ("code", "details", "status"),
+    [
+        ("INVALID_ARGUMENT", "temperature must be >= 0", 400),
+        ("UNAVAILABLE", "replica restarting", 503),
+        ("RESOURCE_EXHAUSTED", "no free blocks", 503),
+        ("RESOURCE_EXHAUSTED", "the request is 200000 bytes, over this method's limit of 92160 bytes", 413),
+        ("UNAUTHENTICATED", "missing or wrong credential", 401),
+        ("INTERNAL", "boom", 500),
+    ],
+)
+def test_a_replica_status_becomes_the_http_status_a_client_can_act_on(code, details, status) -> None:
+    import grpc
+    from grpc.aio import AioRpcError, Metadata
+
+    from gateway.errors import from_grpc
+
+    error = from_grpc(AioRpcError(getattr(grpc.StatusCode, code), Metadata(), Metadata(), details))
+    assert error.status == status
+    if status in (400, 413):
+        assert details in error.info.message
