@@ -76,6 +76,9 @@ def _service_args(args) -> tuple[list[str], list[str], list[str]]:
     cache_args = ["--num-blocks", str(args.num_blocks), "--swap-space", str(args.swap_space)]
     cache_args += ["--compute-replicas", str(args.replicas)]
     compute_args = ["--max-num-seqs", str(args.max_num_seqs)]
+    # Every process serves Prometheus metrics on a free port; the stack file records the URLs.
+    cache_args += ["--metrics-port", "0"]
+    compute_args += ["--metrics-port", "0"]
     if args.model:
         cache_args += ["--model", args.model]
         compute_args += ["--model", args.model]
@@ -176,6 +179,8 @@ def cmd_up(args) -> int:
                 print(f"compute replica:  {address}")
         if "gateway" in info:
             print(f"OpenAI API:       {info['gateway']}/v1  (gateway; GET {info['gateway']}/health)")
+        for name, url in info.get("metrics", {}).items():
+            print(f"metrics:          {url}  ({name})")
         print(
             f'logs in {stack.run_dir}; try `kvtier generate "hello"` or `kvtier demo` in another shell. '
             "Ctrl-C or `kvtier down` stops.",

@@ -249,6 +249,18 @@ class LocalStack:
         self.down()
 
 
+METRICS_URL = re.compile(r"Prometheus metrics on (http://\S+/metrics)")
+
+
+def metrics_url(p: Process) -> str | None:
+    """Where `p` serves Prometheus metrics: the URL a service logs at startup (with --metrics-port),
+    or the gateway's own /metrics; None if it serves none."""
+    if p.name.startswith("gateway"):
+        return f"{p.address}/metrics" if p.address else None
+    m = METRICS_URL.search(p.log())
+    return m.group(1) if m else None
+
+
 def write_stack_file(
     stack: LocalStack | MultiNodeStack, pids: dict[str, int], nodes: list[dict] | None = None
 ) -> None:
@@ -260,6 +272,10 @@ def write_stack_file(
         "pid": os.getpid(),
         "pids": pids,
     }
+    # Each process's Prometheus endpoint, under the same name as its pid.
+    metrics = {name: url for name, p in zip(pids, stack.processes, strict=True) if (url := metrics_url(p))}
+    if metrics:
+        info["metrics"] = metrics
     if nodes:
         info["nodes"] = nodes
     if stack.model:

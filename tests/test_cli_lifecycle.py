@@ -154,6 +154,13 @@ def test_kvtier_up_with_two_nodes_routes_across_them_and_stops_them_all(tmp_path
             assert reply.usage.completion_tokens == 2
         services = list(info["pids"].values())
         assert len(services) == 2 * 2 + 1
+        # Every process serves metrics; the stack file names each endpoint (issue 12).
+        import urllib.request
+
+        assert sorted(info["metrics"]) == sorted(info["pids"])
+        for url in info["metrics"].values():
+            assert url.startswith("http://127.0.0.1:"), url
+            assert "process_resident_memory_bytes" in urllib.request.urlopen(url, timeout=10).read().decode()
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
