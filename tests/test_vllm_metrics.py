@@ -16,6 +16,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
@@ -71,7 +72,8 @@ COLON_LINT = "metric names should not contain ':'"
 def promtool_check(text: str) -> None:
     """`promtool check metrics` parses the scrape and finds nothing to lint but the vllm: names'
     colons, where the binary exists."""
-    promtool = shutil.which("promtool")
+    # On PATH, or beside the venv's python (.ci/run unpacks Debian's promtool there).
+    promtool = shutil.which("promtool") or shutil.which("promtool", path=str(Path(sys.executable).parent))
     if promtool is None:
         print("promtool not installed: `promtool check metrics` skipped")
         return
