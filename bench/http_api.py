@@ -23,6 +23,13 @@ from GenerateResponse.time_to_first_token_s, or the gateway's `x-kvtier-replica-
 whose p50 difference is the gateway's TTFT overhead under that load; and a sequential probe (one
 request at a time, cached prompt, 1 new token). Targets: HTTP tok/s >= 0.95x gRPC tok/s; TTFT
 p50 overhead <= 5 ms. The last line is the headline.
+
+The floor, in the same run: the same burst of requests against a trivial FastAPI endpoint on
+uvicorn (httptools, uvloop, a process of its own, as the gateway runs) that reads the request's
+JSON and streams `max_tokens` pre-made chunks with nothing behind it; its TTFT p50 is what HTTP
+intake and streaming alone cost this machine under such a burst. Each server's CPU time per
+streamed token (the gateway's, the floor's, from /proc) is reported beside it. HTTP bodies are
+serialized before the clock starts, as the gRPC path builds its request before its clock.
 """
 
 from __future__ import annotations
@@ -128,12 +135,16 @@ def completion_body(prompt: list[int], max_tokens: int, salt: str) -> dict:
     }
 
 
+JSON_HEADERS = {"Content-Type": "application/json"}
+
+
 async def http_one(http, url: str, prompt: list[int], max_tokens: int, salt: str) -> Result:
-    body = completion_body(prompt, max_tokens, salt)
+    # Serialized before the clock starts, as the gRPC path builds its request before its clock.
+    body = json.dumps(completion_body(prompt, max_tokens, salt)).encode()
     t0 = time.perf_counter()
     ttft, tokens, finished = 0.0, 0, False
     try:
-        async with http.post(f"{url}/v1/completions", json=body) as reply:
+        async with http.post(f"{url}/v1/completions", data=body, headers=JSON_HEADERS) as reply:
             if reply.status != 200:
                 return Result(0.0, 0, f"HTTP {reply.status}: {(await reply.read())[:200]!r}")
             replica_ttft = float(reply.headers["x-kvtier-replica-ttft-s"])
@@ -157,29 +168,114 @@ async def http_one(http, url: str, prompt: list[int], max_tokens: int, salt: str
     return Result(ttft, tokens, error, replica_ttft)
 
 
+def floor_app(num_events: int):
+    """The floor: a trivial FastAPI endpoint that reads the request's JSON and streams `num_events`
+    pre-made completion chunks, a usage chunk and [DONE], with nothing behind it."""
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+
+    def chunk(finish: str | None, usage: dict | None = None) -> bytes:
+        choices = [] if usage else [{"index": 0, "text": " x", "finish_reason": finish, "logprobs": None}]
+        body = {"id": "floor", "object": "text_completion", "created": 0, "model": "floor"}
+        event = json.dumps(body | {"choices": choices, "usage": usage}, separators=(",", ":"))
+        return b"data: " + event.encode() + b"\n\n"
+
+    usage = {"prompt_tokens": 0, "completion_tokens": num_events, "total_tokens": num_events}
+    events = [chunk(None)] * (num_events - 1) + [chunk("length"), chunk(None, usage), b"data: [DONE]\n\n"]
+    app = FastAPI()
+
+    async def completions(request) -> StreamingResponse:  # a plain route: it takes the Request
+        json.loads(await request.body())
+
+        async def body():
+            for event in events:
+                yield event
+
+        headers = {"x-kvtier-replica-ttft-s": "0"}
+        return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
+
+    app.add_route("/v1/completions", completions, methods=["POST"])
+    return app
+
+
+def serve_floor(num_events: int) -> None:
+    """Run the floor app as the gateway runs (uvicorn, httptools, uvloop, a TCP_NODELAY socket);
+    print its URL, serve until killed."""
+    import uvicorn
+    import uvloop
+
+    from gateway.__main__ import bind, url_of
+
+    sock = bind("127.0.0.1", 0)
+    print(url_of(sock), flush=True)
+    config = uvicorn.Config(floor_app(num_events), http="httptools", log_level="warning", access_log=False)
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    asyncio.run(uvicorn.Server(config).serve(sockets=[sock]))
+
+
+class FloorServer:
+    """The floor app in a process of its own, as the gateway is."""
+
+    def __init__(self, num_events: int):
+        self.num_events = num_events
+
+    def __enter__(self) -> FloorServer:
+        import subprocess
+
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--serve-floor", str(self.num_events)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.url = self.proc.stdout.readline().strip()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+def cpu_seconds(pid: int | None) -> float:
+    """CPU time (user + system) a process has used so far; nan where /proc cannot say."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
 async def run_pass(send, prompts: list[list[int]], max_tokens: int, salt: str) -> tuple[list[Result], float]:
     t0 = time.perf_counter()
     results = await asyncio.gather(*(send(p, max_tokens, salt) for p in prompts))
     return list(results), time.perf_counter() - t0
 
 
-async def measure(addresses: list[str], url: str, work: Workload, rounds: int, probes: int) -> dict:
+async def measure(
+    addresses: list[str], url: str, floor_url: str, work: Workload, rounds: int, probes: int, pids: dict
+) -> dict:
+    """`pids`: {path: the server process answering it}, whose CPU time each pass records."""
     import aiohttp
 
     from kvtier.compute_client import ComputeClient
 
     client = ComputeClient(addresses, TOKEN)
+
     # aiohttp (C-accelerated HTTP parsing), as vLLM's serving benchmark uses: httpx's pure-Python
     # client costs milliseconds per request here, which a burst would charge to the gateway.
-    http = aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=work.num_requests + 8), timeout=aiohttp.ClientTimeout(total=600)
-    )
+    def session():  # one per server: each keeps as many open connections as requests in flight
+        return aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=work.num_requests + 8),
+            timeout=aiohttp.ClientTimeout(total=600),
+        )
+
+    http, floor = session(), session()
     prompts = work.prompts()
     paths = {
         "grpc": lambda p, m, s: grpc_one(client, p, m, s),
         "http": lambda p, m, s: http_one(http, url, p, m, s),
+        "floor": lambda p, m, s: http_one(floor, floor_url, p, m, s),
     }
-    out: dict = {name: {"results": [], "seconds": 0.0, "tok_per_s": []} for name in paths}
+    out: dict = {name: {"results": [], "seconds": 0.0, "tok_per_s": [], "cpu_s": 0.0} for name in paths}
     try:
         # Warm both paths on a salt of their own: model code, and as many open connections as
         # requests in flight (a client keeps its HTTP connections; the gRPC channel is one).
@@ -187,9 +283,11 @@ async def measure(addresses: list[str], url: str, work: Workload, rounds: int, p
         for name, send in paths.items():
             await run_pass(send, warm, 2, f"warm-{name}")
         for r in range(rounds):
-            order = ["grpc", "http"] if r % 2 == 0 else ["http", "grpc"]
+            order = ["grpc", "http", "floor"] if r % 2 == 0 else ["floor", "http", "grpc"]
             for name in order:
+                cpu = cpu_seconds(pids.get(name))
                 results, seconds = await run_pass(paths[name], prompts, work.max_tokens, f"{name}-round-{r}")
+                out[name]["cpu_s"] += cpu_seconds(pids.get(name)) - cpu
                 out[name]["results"] += results
                 out[name]["seconds"] += seconds
                 tokens = sum(x.tokens for x in results)
@@ -200,14 +298,16 @@ async def measure(addresses: list[str], url: str, work: Workload, rounds: int, p
                 )
         # Sequential probe: a cached prompt, one token, one request at a time: the path's own latency.
         probe = prompts[0]
-        for send in paths.values():
+        probed = {name: paths[name] for name in ("grpc", "http")}
+        for send in probed.values():
             await send(probe, 1, "probe")  # cache the prompt for this path's salt
-        out["probe"] = {name: [] for name in paths}
+        out["probe"] = {name: [] for name in probed}
         for _ in range(probes):
-            for name, send in paths.items():
+            for name, send in probed.items():
                 out["probe"][name].append(await send(probe, 1, "probe"))
     finally:
         await http.close()
+        await floor.close()
         await client.close()
     return out
 
@@ -219,7 +319,7 @@ def _p50_ms(values) -> float:
 
 def summarize(raw: dict) -> dict:
     s = {}
-    for name in ("grpc", "http"):
+    for name in ("grpc", "http", "floor"):
         results = raw[name]["results"]
         good = [x for x in results if not x.error]
         s[name] = {
@@ -228,11 +328,14 @@ def summarize(raw: dict) -> dict:
             "first_error": next((x.error for x in results if x.error), ""),
             "tokens": sum(x.tokens for x in results),
             "tok_per_s": sum(x.tokens for x in results) / raw[name]["seconds"],
+            # The server's own CPU (the gateway's, the floor's) per request and per streamed token.
+            "server_cpu_ms_per_request": 1000 * raw[name]["cpu_s"] / max(1, len(results)),
+            "server_cpu_us_per_token": 1e6 * raw[name]["cpu_s"] / max(1, sum(x.tokens for x in results)),
             "ttft_p50_ms": _p50_ms(x.ttft_s for x in good),
             # The path's share of each TTFT (client-side TTFT minus the replica's own), which the
             # shared prefill queue does not blur: the gateway's cost under the same load.
             "path_ttft_p50_ms": _p50_ms(x.path_s for x in good),
-            "probe_ttft_p50_ms": _p50_ms(x.ttft_s for x in raw["probe"][name]),
+            "probe_ttft_p50_ms": _p50_ms(x.ttft_s for x in raw["probe"].get(name, ())),
         }
     return s
 
@@ -247,7 +350,13 @@ def main() -> int:
     )
     ap.add_argument("--probes", type=int, default=20, help="sequential probe requests each way")
     ap.add_argument("--json", help="also write the figures to this file")
+    ap.add_argument(
+        "--serve-floor", type=int, metavar="EVENTS", help=argparse.SUPPRESS
+    )  # FloorServer's child
     args = ap.parse_args()
+    if args.serve_floor:
+        serve_floor(args.serve_floor)
+        return 0
     work = QUICK if args.quick else FULL
     rounds = args.rounds or (1 if args.quick else 2)
     probes = 5 if args.quick and args.probes == 20 else args.probes
@@ -296,18 +405,22 @@ def main() -> int:
         f"questions, {work.max_tokens} new tokens each, all at once, streamed; {rounds} round(s) each way",
         flush=True,
     )
-    with stack:
-        raw = asyncio.run(measure(stack.compute_addresses, stack.gateway.address, work, rounds, probes))
+    with stack, FloorServer(work.max_tokens) as floor:
+        pids = {"http": stack.gateway.proc.pid, "floor": floor.proc.pid}
+        raw = asyncio.run(
+            measure(stack.compute_addresses, stack.gateway.address, floor.url, work, rounds, probes, pids)
+        )
     s = summarize(raw)
     print(
         f"{'path':>5} {'requests':>9} {'errors':>7} {'tokens':>7} {'tok/s':>8} {'TTFT p50 ms':>12} "
-        f"{'path share p50 ms':>18} {'probe TTFT p50 ms':>18}"
+        f"{'path share p50 ms':>18} {'probe TTFT p50 ms':>18} {'server CPU us/token':>20}"
     )
-    for name in ("grpc", "http"):
+    for name in ("grpc", "http", "floor"):
         r = s[name]
         print(
             f"{name:>5} {r['requests']:>9} {r['errors']:>7} {r['tokens']:>7} {r['tok_per_s']:>8.1f} "
-            f"{r['ttft_p50_ms']:>12.1f} {r['path_ttft_p50_ms']:>18.2f} {r['probe_ttft_p50_ms']:>18.2f}"
+            f"{r['ttft_p50_ms']:>12.1f} {r['path_ttft_p50_ms']:>18.2f} {r['probe_ttft_p50_ms']:>18.2f} "
+            f"{r['server_cpu_us_per_token']:>20.1f}"
         )
         if r["errors"]:
             print(f"      first error: {r['first_error']}")
@@ -316,6 +429,7 @@ def main() -> int:
     s |= {
         "ratio": ratio,
         "ttft_overhead_ms": overhead,
+        "floor_ttft_p50_ms": s["floor"]["ttft_p50_ms"],
         "raw_ttft_difference_ms": s["http"]["ttft_p50_ms"] - s["grpc"]["ttft_p50_ms"],
         "probe_ttft_overhead_ms": s["http"]["probe_ttft_p50_ms"] - s["grpc"]["probe_ttft_p50_ms"],
         "params": params,
@@ -323,14 +437,16 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(s, indent=2))
     met = lambda ok: "met" if ok else "**missed**"  # noqa: E731
+    errors = sum(s[name]["errors"] for name in ("grpc", "http", "floor"))
     print(
         f"headline: HTTP {s['http']['tok_per_s']:.1f} tok/s vs gRPC {s['grpc']['tok_per_s']:.1f} = {ratio:.3f}x "
         f"(target >= 0.95: {met(ratio >= 0.95)}); TTFT p50 overhead {overhead:+.2f} ms (the path's share: HTTP "
         f"{s['http']['path_ttft_p50_ms']:.2f} vs gRPC {s['grpc']['path_ttft_p50_ms']:.2f} ms; target <= 5: "
-        f"{met(overhead <= 5)}); raw TTFT p50 {s['http']['ttft_p50_ms']:.1f} vs {s['grpc']['ttft_p50_ms']:.1f} ms; "
-        f"sequential probe {s['probe_ttft_overhead_ms']:+.2f} ms; errors {s['http']['errors'] + s['grpc']['errors']}"
+        f"{met(overhead <= 5)}; the floor, a trivial FastAPI SSE endpoint under the same burst: TTFT p50 "
+        f"{s['floor_ttft_p50_ms']:.2f} ms); raw TTFT p50 {s['http']['ttft_p50_ms']:.1f} vs "
+        f"{s['grpc']['ttft_p50_ms']:.1f} ms; sequential probe {s['probe_ttft_overhead_ms']:+.2f} ms; errors {errors}"
     )
-    return 0 if s["http"]["errors"] + s["grpc"]["errors"] == 0 else 1
+    return 0 if errors == 0 else 1
 
 
 if __name__ == "__main__":

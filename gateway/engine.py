@@ -123,25 +123,26 @@ class Streams:
 
     async def __aiter__(self) -> AsyncIterator[tuple[Job, compute_pb2.GenerateResponse]]:
         try:
-            async for job, reply in self._replies():
-                if reply.finish_reason and job.index == 0:
-                    self._cached = reply.usage.cached_prompt_tokens
-                yield job, reply
+            for job, first in zip(self.jobs, self._firsts, strict=True):
+                if first.finish_reason and job.index == 0:
+                    self._cached = first.usage.cached_prompt_tokens
+                yield job, first
+            try:
+                if len(self._gens) == 1:  # the common case: no tasks, no queue, no layer between
+                    job = self.jobs[0]
+                    async for reply in self._gens[0]:
+                        if reply.finish_reason:
+                            self._cached = reply.usage.cached_prompt_tokens
+                        yield job, reply
+                    return
+                async for job, reply in self._merged():
+                    if reply.finish_reason and job.index == 0:
+                        self._cached = reply.usage.cached_prompt_tokens
+                    yield job, reply
+            except (grpc.aio.AioRpcError, RuntimeError) as e:
+                raise _as_api_error(e) from e
         finally:
             self._done()
-
-    async def _replies(self) -> AsyncIterator[tuple[Job, compute_pb2.GenerateResponse]]:
-        for job, first in zip(self.jobs, self._firsts, strict=True):
-            yield job, first
-        try:
-            if len(self._gens) == 1:  # the common case: no tasks, no queue
-                async for reply in self._gens[0]:
-                    yield self.jobs[0], reply
-                return
-            async for item in self._merged():
-                yield item
-        except (grpc.aio.AioRpcError, RuntimeError) as e:
-            raise _as_api_error(e) from e
 
     async def _merged(self) -> AsyncIterator[tuple[Job, compute_pb2.GenerateResponse]]:
         queue: asyncio.Queue = asyncio.Queue()
@@ -380,7 +381,13 @@ class Engine:
             rows = [i for i, job in enumerate(jobs) if (job.sample == 0) == wave]
             if not rows:
                 continue
-            got = await asyncio.gather(*(anext(gens[i]) for i in rows), return_exceptions=True)
+            if len(rows) == 1:  # one call (n = 1): await it here, no task of its own
+                try:
+                    got = [await anext(gens[rows[0]])]
+                except Exception as e:
+                    got = [e]
+            else:
+                got = await asyncio.gather(*(anext(gens[i]) for i in rows), return_exceptions=True)
             failed = next((r for r in got if isinstance(r, BaseException)), None)
             if failed is not None:
                 for gen in gens:

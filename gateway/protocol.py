@@ -289,30 +289,62 @@ class ChunkTemplate:
 
     A stream sends one chunk per token; building and validating the pydantic model for each costs
     more than the rest of the gateway's work on it. The template is the model's own JSON (so the
-    shape stays the schema's), made once per request from a `model_construct`ed instance whose
-    variable fields hold sentinel strings; `render` swaps each sentinel's JSON for the value's.
+    shape stays the schema's), made once per app and shape from a `model_construct`ed instance
+    whose variable fields hold sentinel strings, cut at the sentinels; `fill` binds a request's
+    own fields (id, created) once, and `render` joins the pieces with each value's JSON.
     """
 
     def __init__(self, build, fields: tuple[str, ...]):
         """build(**{field: sentinel}) -> the model, constructed (no validation) around the sentinels."""
-        self._placeholders = {name: json.dumps(f"\x00{name}\x00").encode() for name in fields}
         raw = build(**{name: f"\x00{name}\x00" for name in fields}).model_dump_json(warnings=False).encode()
-        for name, placeholder in self._placeholders.items():
+        at = []
+        for name in fields:
+            placeholder = json.dumps(f"\x00{name}\x00").encode()
             if raw.count(placeholder) != 1:
                 raise ValueError(f"field {name!r} appears {raw.count(placeholder)} times in {raw!r}")
-        self._raw = b"data: " + raw + b"\n\n"
+            at.append((raw.index(placeholder), name, len(placeholder)))
+        raw = b"data: " + raw + b"\n\n"
+        self._names: tuple[str, ...] = ()
+        self._parts: list[bytes] = []
+        start = 0
+        for pos, name, length in sorted(at):
+            self._parts.append(raw[start : pos + 6])  # 6: the b"data: " before the JSON
+            self._names += (name,)
+            start = pos + 6 + length
+        self._parts.append(raw[start:])
+
+    def fill(self, **values: Any) -> ChunkTemplate:
+        """A copy with these fields filled in for good (a request's id and creation time)."""
+        out = ChunkTemplate.__new__(ChunkTemplate)
+        out._names, out._parts = (), [self._parts[0]]
+        for name, part in zip(self._names, self._parts[1:], strict=True):
+            if name in values:
+                out._parts[-1] += _json(values[name]) + part
+            else:
+                out._names += (name,)
+                out._parts.append(part)
+        return out
 
     def render(self, **values: Any) -> bytes:
-        """The Server-Sent Event of the chunk with these values (`data: {json}\\n\\n`)."""
-        out = self._raw
-        for name, value in values.items():
-            out = out.replace(self._placeholders[name], _json(value), 1)
-        return out
+        """The Server-Sent Event of the chunk with these values (`data: {json}\\n\\n`): every
+        field not filled in."""
+        parts = self._parts
+        out = [parts[0]]
+        for name, part in zip(self._names, parts[1:]):  # noqa: B905 - one part more than names
+            out.append(_json(values[name]))
+            out.append(part)
+        return b"".join(out)
+
+
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+_encode_str = json.encoder.encode_basestring  # = json.dumps(s, ensure_ascii=False), in C
 
 
 def _json(value: Any) -> bytes:
     if value is None:
         return b"null"
-    if isinstance(value, int):
+    if isinstance(value, str):
+        return _encode_str(value).encode()
+    if type(value) is int:  # not a bool: the encoder writes those as true/false
         return str(value).encode()
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+    return _ENCODER.encode(value).encode()

@@ -23,6 +23,7 @@ from gateway.protocol import (
 log = logging.getLogger("kvtier.gateway")
 
 DONE = b"data: [DONE]\n\n"
+_TEMPLATES: dict[tuple, ChunkTemplate] = {}  # (Events class, fields, include_usage, model name) -> template
 
 
 def sse(payload: bytes) -> bytes:
@@ -50,11 +51,17 @@ class Events:
         self.with_logprobs = req.num_logprobs() is not None
         fields = ("index", "text", "finish_reason") + (("token_ids",) if req.return_token_ids else ())
         fields += ("logprobs",) if self.with_logprobs else ()
-        self.template = ChunkTemplate(self.build_chunk, fields)
+        # The template of this shape is made once (per app: the model's name is in the key).
+        key = (type(self), fields, req.include_usage, name)
+        template = _TEMPLATES.get(key)
+        if template is None:
+            template = _TEMPLATES[key] = ChunkTemplate(self.build_chunk, ("id", "created", *fields))
+        self.template = template.fill(id=rid, created=created)
         self.text_offsets = [0] * len(streams.jobs)  # completions' text_offset, per choice
 
     def build_chunk(self, **values) -> BaseModel:
-        """The chunk of one reply (model_construct: `values` may be ChunkTemplate's sentinels)."""
+        """The chunk of one reply (model_construct: `values` may be ChunkTemplate's sentinels,
+        `id` and `created` among them)."""
         raise NotImplementedError
 
     def first_chunks(self) -> list[bytes]:
@@ -82,7 +89,8 @@ class Events:
             for event in self.first_chunks():
                 yield event
             async for job, reply in self.streams:
-                choices[job.index].add(reply)
+                if reply.finish_reason:  # usage needs only the last reply's (no text kept per token)
+                    choices[job.index].add(reply)
                 yield self.chunk(job, reply)
             finished = True
             usage = usage_of(self.streams.jobs, choices)
@@ -102,11 +110,13 @@ class Events:
 
 
 class CompletionEvents(Events):
-    def build_chunk(self, text, finish_reason, index, token_ids=None, logprobs=None) -> BaseModel:
+    def build_chunk(self, text, finish_reason, index, token_ids=None, logprobs=None, **head) -> BaseModel:
         choice = CompletionChoice.model_construct(
             index=index, text=text, finish_reason=finish_reason, logprobs=logprobs, token_ids=token_ids
         )
-        return CompletionResponse.model_construct(choices=[choice], object="text_completion", **self.head)
+        return CompletionResponse.model_construct(
+            choices=[choice], object="text_completion", **(self.head | head)
+        )
 
     def chunk_logprobs(self, job: Job, reply) -> dict:
         out, self.text_offsets[job.index] = self.engine.logprobs.completion(
@@ -138,7 +148,7 @@ class ChatEvents(Events):
             for job in self.streams.jobs
         ]
 
-    def build_chunk(self, text, finish_reason, index, token_ids=None, logprobs=None) -> BaseModel:
+    def build_chunk(self, text, finish_reason, index, token_ids=None, logprobs=None, **head) -> BaseModel:
         choice = ChatChunkChoice.model_construct(
             index=index,
             delta=DeltaMessage.model_construct(content=text, role=None),
@@ -147,7 +157,7 @@ class ChatEvents(Events):
             token_ids=token_ids,
         )
         return ChatCompletionChunk.model_construct(
-            choices=[choice], object="chat.completion.chunk", **self.head
+            choices=[choice], object="chat.completion.chunk", **(self.head | head)
         )
 
     def chunk_logprobs(self, job: Job, reply) -> dict:

@@ -71,6 +71,27 @@ def test_template_chunks_equal_the_models_own_json(build, text, finish_reason, t
     assert list(json.loads(event[6:-2])) == list(json.loads(expected))  # same keys in the same order
 
 
+@pytest.mark.parametrize("build", [completion, chat])
+def test_a_template_made_once_and_filled_per_request_renders_each_requests_own_json(build):
+    """The gateway makes one template per shape and fills a request's id and created into it."""
+
+    def make(index, text, finish_reason, id, created):  # noqa: A002 - the model's field names
+        return build(index, text, finish_reason, construct=True).model_copy(
+            update={"id": id, "created": created}
+        )
+
+    shared = ChunkTemplate(make, ("id", "created", "index", "text", "finish_reason"))
+    for rid, created in (("cmpl-a", 1), ('odd "id"\n', 1_900_000_000)):
+        event = shared.fill(id=rid, created=created).render(index=2, text="x\u00e9", finish_reason="stop")
+        expected = build(2, "x\u00e9", "stop").model_copy(update={"id": rid, "created": created})
+        assert json.loads(event[6:-2]) == json.loads(expected.model_dump_json())
+    assert (
+        shared.fill(id="r", created=1)
+        .render(index=0, text="", finish_reason=True)
+        .count(b'"finish_reason":true')
+    )
+
+
 def test_unsupported_fields_are_named_only_off_their_defaults():
     defaults = CompletionRequest(
         prompt="x", presence_penalty=0, frequency_penalty=0.0, repetition_penalty=1, min_p=0
