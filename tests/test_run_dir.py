@@ -16,6 +16,7 @@ process (`python -m cachesvc`) and the real client code:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import pwd
@@ -206,11 +207,16 @@ def test_a_private_token_file_of_ours_is_read_and_a_new_one_is_never_written_ove
 # ---------------------------------------------------------------- sockets
 
 
+async def _bound(address: str) -> str:
+    """`bind` on a fresh grpc.aio server, on an event loop of its own (grpc.aio needs one; an
+    earlier test module may have closed the main thread's)."""
+    return bind(grpc.aio.server(), address)
+
+
 def test_a_unix_socket_is_owner_only_from_its_creation_whatever_the_umask(run_dir):
     old = os.umask(0)  # the most permissive: a socket would be 0777 without our own umask
     try:
-        server = grpc.aio.server()
-        address = bind(server, f"unix://{run_dir}/svc.sock")
+        address = asyncio.run(_bound(f"unix://{run_dir}/svc.sock"))
     finally:
         os.umask(old)
     # grpc creates the socket in bind, before the server starts (and before any chmod could run).
@@ -218,12 +224,11 @@ def test_a_unix_socket_is_owner_only_from_its_creation_whatever_the_umask(run_di
     assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600, oct(st.st_mode)
     assert address == f"unix://{run_dir}/svc.sock"
     assert os.umask(old) == old  # the process's umask is back as it was
-    del server
 
 
 @needs_root
 def test_a_socket_is_never_bound_in_another_users_directory(run_dir):
     os.chown(run_dir, NOBODY, -1)
     with pytest.raises(auth.UntrustedPath, match="owned by nobody"):
-        bind(grpc.aio.server(), f"unix://{run_dir}/svc.sock")
+        asyncio.run(_bound(f"unix://{run_dir}/svc.sock"))
     assert not (run_dir / "svc.sock").exists()
