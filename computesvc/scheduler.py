@@ -247,6 +247,7 @@ class Scheduler:
             except NoFreeBlocks as e:
                 if len(batch) == 1:
                     self._expire_stuck(batch[0], e)
+                    await self._admit_another_tenant(batch[0])
                     return
                 batch = batch[: len(batch) // 2]
             except ValueError as e:
@@ -259,17 +260,38 @@ class Scheduler:
                 break
         for req, seq in zip(batch, seqs, strict=True):
             self.waiting.popleft()
-            req.sequence_id = seq.sequence_id
-            req.block_table = seq.block_table
-            req.num_computed = seq.num_cached_tokens
-            req.num_committed = seq.num_cached_tokens
-            req.num_recorded = req.num_tokens
-            if req.num_cached_prompt_tokens < 0:
-                # (A resumed request's hit may reach into its resumed output: the prompt's part.)
-                req.num_cached_prompt_tokens = min(seq.num_cached_tokens, len(req.prompt_token_ids))
-                self.observer.on_admitted(req, seq.num_cached_tokens)
-            req.status = Status.RUNNING
-            self.running.append(req)
+            self._start(req, seq)
+
+    def _start(self, req: Request, seq: SequenceBlocks) -> None:
+        """`req` got its blocks: it runs from the next prefill on."""
+        req.sequence_id = seq.sequence_id
+        req.block_table = seq.block_table
+        req.num_computed = seq.num_cached_tokens
+        req.num_committed = seq.num_cached_tokens
+        req.num_recorded = req.num_tokens
+        if req.num_cached_prompt_tokens < 0:
+            # (A resumed request's hit may reach into its resumed output: the prompt's part.)
+            req.num_cached_prompt_tokens = min(seq.num_cached_tokens, len(req.prompt_token_ids))
+            self.observer.on_admitted(req, seq.num_cached_tokens)
+        req.status = Status.RUNNING
+        self.running.append(req)
+
+    async def _admit_another_tenant(self, refused: Request) -> None:
+        """The oldest waiting request found no room. Waiting is first come, first served within
+        a tenant, not across tenants: the oldest request of another tenant may still fit (a
+        smaller one, or one under its fair share, which the cache service does not refuse), so
+        one tenant's request that cannot fit never holds up the others."""
+        if len(self.running) >= self.config.max_num_seqs:
+            return
+        other = next((r for r in self.waiting if r.tenant != refused.tenant), None)
+        if other is None:
+            return
+        try:
+            (seq,) = await self._allocate([other])
+        except (NoFreeBlocks, ValueError):
+            return  # it waits its turn (a refused item is failed when it reaches the head)
+        self.waiting.remove(other)
+        self._start(other, seq)
 
     async def _allocate(self, batch: list[Request]) -> list[SequenceBlocks]:
         lookahead = self.config.lookahead_blocks * self.block_size

@@ -361,3 +361,41 @@ def test_an_oversized_generate_is_refused_before_parsing_and_the_replica_keeps_s
     assert_invalid(results[3], f"context is {MAX_MODEL_LEN} tokens")  # a byte per token: too long
     assert in_flight == NUM_NEIGHBOURS, "the neighbours finished before the bad requests: nothing was tested"
     assert neighbours == expected
+
+
+# ---------------------------------------------------------------- one tenant's request that cannot fit
+
+
+def test_a_request_that_cannot_fit_does_not_hold_up_another_tenants_behind_it(tmp_path):
+    """Waiting is first come, first served within a tenant only: tenant a's second big request
+    finds no room while a's first one runs, and tenant b's small request behind it is admitted
+    and finishes meanwhile instead of waiting for a's first request to end."""
+    loaded = load_model(None)
+
+    async def scenario(address: str) -> list[str]:
+        client = CacheClient.connect(address, TOKEN, aio=True)
+        await client.attach_async("hol-test", loaded.shape.fingerprint)
+        pool = attach_pool(client.pool)
+        runner = ModelRunner(loaded.model, pool.tensor, client.pool.block_size)
+        scheduler = Scheduler(runner, RemoteCache(client), loaded.tokenizer, loaded.eos_token_ids)
+        params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        a1 = Request("a1", [BOS, *[5] * 299], params, tenant="a")  # 19 blocks + lookahead
+        a2 = Request("a2", [BOS, *[6] * 299], params, tenant="a")  # cannot fit while a1 runs
+        b1 = Request("b1", [BOS, *[7] * 49], SamplingParams(max_tokens=4, temperature=0), tenant="b")
+        finished: list[str] = []
+        for r in (a1, a2, b1):
+            scheduler.add(r)
+        while scheduler.has_work:
+            await scheduler.step()
+            for r in (a1, a2, b1):
+                if r.status.value == "finished" and r.request_id not in finished:
+                    finished.append(r.request_id)
+        await client.close()
+        del scheduler, runner
+        pool.close()
+        return finished
+
+    with cache_service(tmp_path, "--num-blocks", "32", "--lease-ttl", "30") as service:
+        finished = run(scenario(service.address), 180)
+    # b1 got in while a1 ran (it did not wait for a2, nor for a1 to end); a2 ran after a1.
+    assert finished.index("b1") < finished.index("a1") < finished.index("a2"), finished
