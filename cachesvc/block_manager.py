@@ -169,28 +169,32 @@ class BlockManager:
         just leaves its list.
         """
         index, copies = self.prefix_index, self.copies
-        removed: list[Block] = []
+        hashes: list[BlockHash] = []
+        ids: list[int] = []
+        # NOTE: one pass (this runs for every block evicted under pressure); copies are rare.
         for block in blocks:
             key = block.index_key
-            others = copies.get(key) if copies else None
-            if others is None:
-                del index[key]
-                removed.append(block)
-            elif index[key] is block:
-                index[key] = others.pop()
-                if not others:
-                    del copies[key]
+            if copies and key in copies:
+                self._drop_copy_or_promote(block, key)
             else:
-                others.remove(block)
-                if not others:
-                    del copies[key]
-        self.num_evictions += len(blocks)
-        if self.record_events and removed:
-            self._events.append(
-                (REMOVED, tuple(b.block_hash for b in removed), tuple(b.block_id for b in removed))
-            )
-        for block in blocks:
+                del index[key]
+                hashes.append(block.block_hash)
+                ids.append(block.block_id)
             block.block_hash = block.index_key = None
+        self.num_evictions += len(blocks)
+        if self.record_events and hashes:
+            self._events.append((REMOVED, tuple(hashes), tuple(ids)))
+
+    def _drop_copy_or_promote(self, block: Block, key: bytes) -> None:
+        """``block`` carries content that other blocks hold too: if it is the indexed one, a copy
+        takes its index entry; else it leaves the copies."""
+        others = self.copies[key]
+        if self.prefix_index[key] is block:
+            self.prefix_index[key] = others.pop()
+        else:
+            others.remove(block)
+        if not others:
+            del self.copies[key]
 
     def free(self, block_ids: Sequence[int]) -> int:
         """Drop one reference per id, in the given order; return how many blocks reached 0.

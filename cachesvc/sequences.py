@@ -179,12 +179,19 @@ class SequenceTable(Swapping):
         """Count ``blocks`` (negative: released) against a tenant and a lease."""
         if not blocks:
             return
-        for counts, key in ((self.tenant_blocks, tenant), (self.lease_blocks, lease_id)):
-            left = counts.get(key, 0) + blocks
-            if left:
-                counts[key] = left
-            else:
-                del counts[key]
+        # NOTE: unrolled (every allocate, growing extend and free runs this).
+        counts = self.tenant_blocks
+        left = counts.get(tenant, 0) + blocks
+        if left:
+            counts[tenant] = left
+        else:
+            del counts[tenant]
+        counts = self.lease_blocks
+        left = counts.get(lease_id, 0) + blocks
+        if left:
+            counts[lease_id] = left
+        else:
+            del counts[lease_id]
 
     def _check_fits(self, where: str, tenant: str, blocks: int) -> None:
         """ExceedsLimit if one sequence of ``blocks`` blocks can never be held."""
@@ -315,8 +322,9 @@ class SequenceTable(Swapping):
                     f"items[{k}]: len(token_ids) + num_lookahead_tokens = {n + lookahead} exceeds "
                     f"max_model_len {max_len}"
                 )
-            extra = self._extra_keys.get(f"items[{k}]", item.cache_salt, item.adapter_id)
-            data = pack_checked(f"items[{k}]", tokens, self.vocab_size)
+            where = f"items[{k}]"
+            extra = self._extra_keys.get(where, item.cache_salt, item.adapter_id)
+            data = pack_checked(where, tokens, self.vocab_size)
             # Cap: the last prompt token is always computed (its logits are needed).
             hit, hashes = bm.match_prefix(data, extra, (n - 1) // bs)
             num_new = -(-(n + lookahead) // bs) - len(hit)
@@ -385,7 +393,17 @@ class SequenceTable(Swapping):
         are applied first, as ``commit`` would; all or nothing: if either part is refused,
         neither is applied (room is counted from the token counts after the commits).
         """
-        if commits:
+        if len(items) == 1 and not commits:
+            # Fast path, once per decode step of a sequence: room is already there.
+            sid, num_tokens = items[0]
+            seq = self._sequences.get(sid)
+            if (
+                seq is not None
+                and seq.lease_id == lease_id
+                and 0 <= num_tokens <= seq.room - len(seq.token_ids)
+            ):
+                return [seq.cached_blocks or self._blocks_of(seq)]
+        elif commits:
             checked = self._check_commit(lease_id, commits)
             self._extend(lease_id, items, {sid: len(new) for sid, new, _ in commits})  # validates only
             self._apply_commit(checked, commits)
@@ -396,17 +414,7 @@ class SequenceTable(Swapping):
     ) -> list[SequenceBlocks]:
         """``extend``'s work. With ``pending`` (tokens a commit will append, per sequence id):
         validate and check room as if they were appended, change nothing, return []."""
-        if len(items) == 1 and pending is None:
-            # Fast path, once per decode step of a sequence: room is already there.
-            sid, num_tokens = items[0]
-            seq = self._sequences.get(sid)
-            if (
-                seq is not None
-                and seq.lease_id == lease_id
-                and 0 <= num_tokens <= seq.room - len(seq.token_ids)
-            ):
-                return [seq.cached_blocks or self._blocks_of(seq)]
-        elif len(items) > self.max_batch:
+        if len(items) > self.max_batch:
             check_batch(len(items), self.max_batch)
         sequences = self._sequences
         bs = self.block_size
