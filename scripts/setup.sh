@@ -25,4 +25,18 @@ if [ "$($VPY -c 'import torch; print((torch.version.cuda or "12").split(".")[0])
 fi
 $VPY -m pip install -q -e ".[dev,$extra]"
 $VPY -m kvtier.protogen --check >/dev/null 2>&1 || $VPY -m kvtier.protogen
+# promtool, for `promtool check metrics` in tests/test_vllm_metrics.py (which skips, saying so,
+# without it): on Debian, the prometheus package unpacked into .venv/bin (promtool is one static
+# binary; about 1 s), when apt can fetch it. Nothing is installed system-wide.
+if ! command -v promtool >/dev/null 2>&1 && [ ! -x .venv/bin/promtool ] && command -v apt-get >/dev/null 2>&1 \
+    && command -v dpkg >/dev/null 2>&1; then
+    tmp=$(mktemp -d)
+    if (cd "$tmp" && timeout 120 apt-get download -q prometheus >/dev/null 2>&1) \
+        && dpkg -x "$tmp"/prometheus_*.deb "$tmp/x" && [ -x "$tmp/x/usr/bin/promtool" ]; then
+        cp "$tmp/x/usr/bin/promtool" .venv/bin/
+    else
+        echo "promtool not available (apt-get download prometheus failed): its metrics check will skip"
+    fi
+    rm -rf "$tmp"
+fi
 echo "kvtier is set up in .venv ($($VPY -c 'import torch; print("torch", torch.__version__)'))"
