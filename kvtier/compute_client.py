@@ -21,6 +21,7 @@ requests for `AVOID_S`, while others serve.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -66,6 +67,8 @@ PROGRESS_TIMEOUT_S = 10.0
 # How long a replica that failed a call is passed over by new requests (unless every replica
 # failed): long enough for keepalive to close a frozen replica's connection (10 s at most).
 AVOID_S = 10.0
+# How long a finished stream waits for its status before the call is let go (it comes at once).
+FINISH_TIMEOUT_S = 5.0
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
@@ -219,6 +222,12 @@ class ComputeClient:
                     delivered += reply.token_ids
                     yield reply
                     if reply.finish_reason:
+                        # Let the call end with its status (sent right after the last reply):
+                        # cancelling it first (the finally below) would end a delivered stream
+                        # as CANCELLED on the replica, in its logs and metrics.
+                        with contextlib.suppress(TimeoutError, grpc.aio.AioRpcError):
+                            async with asyncio.timeout(FINISH_TIMEOUT_S):
+                                await call.code()
                         return
             except grpc.aio.AioRpcError as e:
                 if e.code() not in RETRYABLE:
