@@ -49,16 +49,16 @@ class FreeBlockQueue:
 
     A block is in the queue exactly when its reference count is 0, so the queue also owns the
     transitions of that count across 0: ``acquire`` (a prefix hit), ``pop_acquire_n`` (an
-    allocation) and ``release`` (a free) change counts and links in the same pass. The block
-    manager calls these on its hot paths; the plain list edits (``popleft_n``, ``append_n``,
-    ``appendleft_n``, ``remove_n``) leave counts alone.
+    allocation) and ``release`` (a free) change counts and links in the same pass; the block
+    manager calls only these. ``append_n`` (linking blocks whose count is already 0) is the one
+    plain list edit: it fills the queue at start.
 
     NOTE: every operation takes or returns a whole batch and loops inside: these run once per
     block of every sequence, and a method call per block cost more than the list edit itself.
     One pass per batch, too: a separate pass to collect blocks and another to link them cost
     about a tenth of a whole sequence lifecycle (bench/block_manager.py). Callers guarantee
-    membership (a block passed to ``append_n`` is not in the queue, one passed to ``remove_n``
-    is); nothing is checked on these paths but in ``check_links``.
+    membership (a block passed to ``append_n`` is not in the queue); nothing is checked on these
+    paths but in ``check_links``.
     NOTE: a block leaving the queue keeps its stale links (clearing them cost a sixth of an
     allocation); inserting a block sets both of its links, and whether a block is in the queue is
     decided by its reference count, never by its links.
@@ -73,29 +73,9 @@ class FreeBlockQueue:
         self.num_free = 0
         self.append_n(blocks)
 
-    def popleft_n(self, n: int) -> list[Block]:
-        """Unlink and return the ``n`` blocks at the head, oldest first. Needs ``n <= num_free``."""
-        popped: list[Block] = []
-        append = popped.append
-        head = self.head
-        block = head.next_free
-        for _ in range(n):
-            append(block)
-            block = block.next_free
-        # The sentinel is re-linked once, after the run.
-        head.next_free = block
-        block.prev_free = head
-        self.num_free -= n
-        return popped
-
     def append_n(self, blocks: list[Block]) -> None:
         """Link ``blocks`` behind the tail, in order (the last one becomes the newest)."""
         self._insert_after(self.tail.prev_free, blocks)
-
-    def appendleft_n(self, blocks: list[Block]) -> None:
-        """Link ``blocks`` at the head, in order (the first one is taken next): blocks worth less
-        than anything already free, so they are reused and evicted first."""
-        self._insert_after(self.head, blocks)
 
     def _insert_after(self, prev: Block, blocks: list[Block]) -> None:
         """Link ``blocks``, in order, between ``prev`` and the block now after it."""
@@ -108,14 +88,6 @@ class FreeBlockQueue:
         prev.next_free = nxt
         nxt.prev_free = prev
         self.num_free += len(blocks)
-
-    def remove_n(self, blocks: list[Block]) -> None:
-        """Unlink each of ``blocks`` from wherever it sits in the queue, O(1) each."""
-        for block in blocks:
-            prev, nxt = block.prev_free, block.next_free
-            prev.next_free = nxt
-            nxt.prev_free = prev
-        self.num_free -= len(blocks)
 
     # ------------------------------------------------------------ reference-count transitions
 

@@ -306,7 +306,7 @@ class SequenceTable(Swapping):
         touched: list[int] = []
         total_new = 0
         held_by_tenant: dict[str, int] = {}
-        track = self._limited or (self.fair_share and (len(self.tenant_blocks) > 1 or self.waiting_tenants))
+        track = self._limited or self._contested()
         for k, item in enumerate(items):
             tokens = item.token_ids
             n = len(tokens)
@@ -422,7 +422,7 @@ class SequenceTable(Swapping):
         seqs: list[Sequence] = []
         total_new = 0
         more_by_tenant: dict[str, int] = {}
-        track = self._limited or (self.fair_share and (len(self.tenant_blocks) > 1 or self.waiting_tenants))
+        track = self._limited or self._contested()
         # NOTE: extend runs once per decode step per sequence, so validation is one combined
         # test per item; the slow path re-walks the batch to name the first bad item.
         for sid, num_tokens in items:

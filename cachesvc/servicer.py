@@ -201,9 +201,8 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
 
     @rpc
     async def Extend(self, request, context):
-        lease_id = self._live_lease(request) if request.commits else _lease_id(request)
+        lease_id, commits = self._carried_commits(request)
         items = [(i.sequence_id, i.num_tokens) for i in request.items]
-        commits = self._commit_items(request.commits) if request.commits else ()
         response = cache_pb2.ExtendResponse()
         _add_blocks(response.sequences, self.node.extend(lease_id, items, commits))
         return response
@@ -213,6 +212,13 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         lease_id = self._live_lease(request)
         items = self._commit_items(request.items)
         return cache_pb2.CommitResponse(num_blocks_published=self.node.commit(lease_id, items))
+
+    def _carried_commits(self, request) -> tuple[str, list[tuple[int, list[int], int]]]:
+        """The lease id and the commits an Extend, Free or SwapOut request carries (the lease is
+        checked first when there are commits, as Commit checks it before bounding its items)."""
+        if not request.commits:
+            return _lease_id(request), []
+        return self._live_lease(request), self._commit_items(request.commits)
 
     def _commit_items(self, messages) -> list[tuple[int, list[int], int]]:
         """CommitItem messages (of Commit, or carried by Extend / Free / SwapOut), bounded first."""
@@ -227,8 +233,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
 
     @rpc
     async def Free(self, request, context):
-        lease_id = self._live_lease(request) if request.commits else _lease_id(request)
-        commits = self._commit_items(request.commits) if request.commits else ()
+        lease_id, commits = self._carried_commits(request)
         released = self.node.free(lease_id, list(request.sequence_ids), commits)
         return cache_pb2.FreeResponse(num_blocks_released=released)
 
@@ -243,8 +248,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
 
     @rpc
     async def SwapOut(self, request, context):
-        lease_id = self._live_lease(request) if request.commits else _lease_id(request)
-        commits = self._commit_items(request.commits) if request.commits else ()
+        lease_id, commits = self._carried_commits(request)
         num_blocks, num_bytes = self.node.swap_out(lease_id, list(request.sequence_ids), commits)
         return cache_pb2.SwapOutResponse(num_blocks=num_blocks, num_bytes=num_bytes)
 

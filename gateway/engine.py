@@ -211,7 +211,7 @@ class Engine:
 
     async def start(self) -> None:
         """Open the channels (on the running event loop: grpc.aio binds to it)."""
-        if self.addresses or self.router is None:
+        if self.router is None:  # with a router, each node's replicas have a client of their own
             self.client = ComputeClient(self.addresses, self._token, per_call_credential=self._forward_keys)
         self._channels = [
             grpc.aio.insecure_channel(auth.grpc_target(a), options=RECONNECT) for a in self.addresses

@@ -141,19 +141,6 @@ def parse_dns_flag(value: str) -> tuple[str, str]:
     return cache_service, compute_service
 
 
-def resolve_dns_nodes(cache_service: str, compute_service: str) -> list[Node]:
-    """Nodes from Kubernetes DNS: every address of the headless cache Service is a node (one
-    cache pod per GPU node), and every address of the headless compute Service a candidate
-    replica. A replica belongs to the node whose cache lists it among its leases (a replica
-    attaches with ``--name POD_IP:PORT``); ``Router`` assigns them from GetStats, and resolves
-    both Services again every ``DNS_PERIOD_S`` (pods come and go).
-    """
-    replicas = dns_addresses(compute_service)
-    return [
-        Node(f"cache-{a}", a, list(replicas), candidates=list(replicas)) for a in dns_addresses(cache_service)
-    ]
-
-
 @dataclass
 class NodeState:
     """What the router knows about one node."""

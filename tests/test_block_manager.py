@@ -190,13 +190,14 @@ def test_an_over_free_among_published_and_unpublished_blocks_is_undone_to_the_li
 def test_free_queue_batch_operations_keep_lru_order() -> None:
     blocks = [Block(i) for i in range(6)]
     queue = FreeBlockQueue(blocks)
-    assert [b.block_id for b in queue.popleft_n(2)] == [0, 1]
-    queue.remove_n([blocks[3], blocks[5]])
+    ids: list[int] = []
+    assert queue.pop_acquire_n(2, ids) == [] and ids == [0, 1]  # nothing cached to evict
+    queue.acquire(blocks, [3, 5])  # taken from the middle
     assert queue.block_ids() == [2, 4]
-    queue.append_n([blocks[5], blocks[0]])
-    queue.appendleft_n([blocks[1], blocks[3]])
+    blocks[5].block_hash = blocks[0].block_hash = b"h"  # published: released to the tail
+    assert queue.release(blocks, [5, 0, 1, 3]) == 4  # unpublished 1, 3: to the head
     assert queue.block_ids() == [1, 3, 2, 4, 5, 0]
-    assert queue.num_free == 6
+    assert queue.num_free == 6 and all(b.ref_cnt == 0 for b in blocks)
     assert [b.block_id for b in queue.check_links()] == [1, 3, 2, 4, 5, 0]
 
 
