@@ -23,7 +23,7 @@ class CacheMetrics(RpcLatency):
 
     Gauges and counters are filled from a ``CacheSnapshot`` by ``update`` (call it after a batch
     of RPCs or on a timer, from the event loop); RPC latency by ``observe_rpc`` (called by
-    ``kvtier.grpc_server.CallGuard``).
+    ``kvtier.call_guard.CallGuard``).
     """
 
     # CacheSnapshot attribute -> counter attribute, label values. The snapshot's values are

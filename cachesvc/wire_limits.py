@@ -1,7 +1,7 @@
 """What a CacheService request may cost before it is parsed: per-method byte limits, and a scan of
 the raw bytes of large token-list requests.
 
-Both run in the CallGuard (``kvtier.grpc_server``) on the raw request, before protobuf parses it:
+Both run in the CallGuard (``kvtier.call_guard``) on the raw request, before protobuf parses it:
 parsing a packed token list builds an 8-byte integer per token id (a 5 MB list of one-byte ids:
 40 MB and a few hundred milliseconds of the event loop), so a request whose items could never be
 accepted is refused on a walk over its bytes instead.

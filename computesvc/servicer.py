@@ -16,7 +16,7 @@ from computesvc.sampling import SamplingParams
 from computesvc.scheduler import RequestFailed, RequestRefused, StepFailed
 from kvtier.api import compute_pb2, compute_pb2_grpc
 from kvtier.api_keys import tenant_salt
-from kvtier.grpc_server import caller
+from kvtier.call_guard import caller
 
 log = logging.getLogger("kvtier.compute")
 

@@ -166,7 +166,7 @@ def tenant_salt(tenant: str, cache_salt: str) -> str:
 
 class ClientKeys:
     """The credential of ``ComputeService.Generate`` when keys are configured (a
-    ``kvtier.grpc_server.Credential``): a client key admits its tenant; the node token is refused
+    ``kvtier.call_guard.Credential``): a client key admits its tenant; the node token is refused
     unless ``node_token`` is given (``--allow-node-token``), and then admits the default tenant "".
     """
 

@@ -4,7 +4,7 @@ Each service's own metrics live with it (``cachesvc.metrics.CacheMetrics``,
 ``computesvc.metrics.ComputeMetrics``), each on its own ``CollectorRegistry`` (not the global
 one), so two services, or many tests, in one process never clash. A service exposes its registry
 with ``start_metrics_server(port, metrics.registry)`` and times every RPC through
-``kvtier.grpc_server.CallGuard(server, token, metrics)``, which labels calls with ``rpc_status_name``.
+``kvtier.call_guard.CallGuard(server, token, metrics)``, which labels calls with ``rpc_status_name``.
 
 Names follow Prometheus conventions: ``kvtier_`` prefix, the unit in the name (``_seconds``,
 ``_bytes``, ``_blocks``, ``_tokens``), ``_total`` on counters (added by prometheus-client).

@@ -15,7 +15,7 @@ from cachesvc.metrics import CacheMetrics
 from cachesvc.node import CacheSnapshot, LeaseSnapshot
 from computesvc.metrics import ComputeMetrics
 from kvtier.auth import bearer
-from kvtier.grpc_server import CallGuard
+from kvtier.call_guard import CallGuard
 from kvtier.metrics import start_metrics_server
 
 
