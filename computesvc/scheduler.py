@@ -15,50 +15,43 @@ One asyncio task runs `step()` in a loop. A step:
 The scheduler holds only in-flight state: everything needed to continue a sequence (its token
 ids, block table and computed tokens) is in the cache service. This module is the policy alone:
 it talks to the cache through the `BlockCache` port (computesvc.cache_port: remote over gRPC in
-the service, in-process in a benchmark), turns tokens into text with computesvc.output, and
-reports its events to a `SchedulerObserver` (computesvc.observer: counts, spans, metrics).
+the service, in-process in a benchmark), leaves which waiting requests get blocks to
+computesvc.admission, hands each step's logits to computesvc.token_emitter (sampling, text,
+streaming), and reports its events to a `SchedulerObserver` (computesvc.observer: counts, spans,
+metrics).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from computesvc.admission import Admission
 from computesvc.cache_port import (
     AllocateItem,
     BlockCache,
     CacheUnavailable,
     CommitItem,
-    ExceedsLimit,
     ExtendItem,
     NoFreeBlocks,
     SequenceBlocks,
 )
-from computesvc.model import LeaseExpired, ModelRunner, PrefillInput
+from computesvc.model import ModelRunner, PrefillInput
 from computesvc.observer import SchedulerObserver
-from computesvc.output import OutputProcessor
-from computesvc.request import Request, Status, StepOutput
-from computesvc.sampling import PenaltyState, Sampler, position_seed
+from computesvc.paged_attention import LeaseExpired
+from computesvc.request import Request, Status
+from computesvc.token_emitter import TokenEmitter
 
 log = logging.getLogger("kvtier.compute")
 
 
 class StepFailed(Exception):
     """A scheduler step raised something unexpected: the requests in flight failed with it (INTERNAL)."""
-
-
-class RequestFailed(Exception):
-    """One request failed on its own (its sampling, its output): only it fails (INTERNAL)."""
-
-
-class RequestRefused(Exception):
-    """The cache service refused this request's own item of a batched call (INVALID_ARGUMENT)."""
 
 
 def _public(error: Exception) -> str:
@@ -94,11 +87,11 @@ class Scheduler:
     ):
         self.runner = runner
         self.cache = cache
-        self.output = OutputProcessor(tokenizer, eos_token_ids)
         self.config = config or SchedulerConfig()
         self.block_size = cache.block_size
-        self.sampler = Sampler()
         self.observer = observer or SchedulerObserver()
+        self.emitter = TokenEmitter(tokenizer, eos_token_ids, self.observer)
+        self.admission = Admission(self.config, self._allocate, self._start, self.emitter)
         # Called when the cache service is lost (the replica re-attaches); default: fail in-flight requests.
         self.on_cache_lost: Callable[[Exception], None] = self.fail_all
         self.waiting: deque[Request] = deque()
@@ -115,7 +108,7 @@ class Scheduler:
         if request.generator is None:
             request.generator = request.params.make_generator(self.runner.device)
         if request.output_token_ids:  # resumed after a failover: its text continues, not restarts
-            self.output.resume(request)
+            self.emitter.resume(request)
         self.waiting.append(request)
         self._wakeup.set()
 
@@ -167,7 +160,7 @@ class Scheduler:
     def fail_all(self, error: Exception) -> None:
         """Fail every in-flight request (the cache service went away: their blocks are gone)."""
         for req in [*self.waiting, *self.running, *self.swapped]:
-            self._finish(req, "", error=error)
+            self.emitter.finish(req, "", error=error)
         self.waiting.clear()
         self.running.clear()
         self.swapped.clear()
@@ -228,39 +221,10 @@ class Scheduler:
             log.debug("request %s swapped back in", req.request_id)
 
     async def _admit(self) -> None:
-        """Allocate blocks for waiting requests (FCFS), one batched call."""
+        """Allocate blocks for waiting requests (computesvc.admission), one batched call."""
         if self.swapped or not self.waiting:
             return  # swapped sequences go first: they already hold a place in the queue
-        room = self.config.max_num_seqs - len(self.running)
-        budget = self.config.max_num_batched_tokens
-        batch: list[Request] = []
-        for req in self.waiting:
-            if len(batch) >= room or (batch and req.num_tokens > budget):
-                break
-            batch.append(req)
-            budget -= req.num_tokens
-        seqs: list[SequenceBlocks] = []  # none when no room (max_num_seqs running)
-        while batch:
-            try:
-                seqs = await self._allocate(batch)
-                break
-            except NoFreeBlocks as e:
-                if len(batch) == 1:
-                    self._expire_stuck(batch[0], e)
-                    await self._admit_another_tenant(batch[0])
-                    return
-                batch = batch[: len(batch) // 2]
-            except ValueError as e:
-                # The cache refused an item (INVALID_ARGUMENT): find it, one call per item, and
-                # fail only the refused requests, each with its own item's error.
-                if len(batch) == 1:
-                    self._refuse(batch[0], e)
-                    return
-                batch, seqs = await self._allocate_one_by_one(batch)
-                break
-        for req, seq in zip(batch, seqs, strict=True):
-            self.waiting.popleft()
-            self._start(req, seq)
+        await self.admission.admit(self.waiting, self.running)
 
     def _start(self, req: Request, seq: SequenceBlocks) -> None:
         """`req` got its blocks: it runs from the next prefill on."""
@@ -276,23 +240,6 @@ class Scheduler:
         req.status = Status.RUNNING
         self.running.append(req)
 
-    async def _admit_another_tenant(self, refused: Request) -> None:
-        """The oldest waiting request found no room. Waiting is first come, first served within
-        a tenant, not across tenants: the oldest request of another tenant may still fit (a
-        smaller one, or one under its fair share, which the cache service does not refuse), so
-        one tenant's request that cannot fit never holds up the others."""
-        if len(self.running) >= self.config.max_num_seqs:
-            return
-        other = next((r for r in self.waiting if r.tenant != refused.tenant), None)
-        if other is None:
-            return
-        try:
-            (seq,) = await self._allocate([other])
-        except (NoFreeBlocks, ValueError):
-            return  # it waits its turn (a refused item is failed when it reaches the head)
-        self.waiting.remove(other)
-        self._start(other, seq)
-
     async def _allocate(self, batch: list[Request]) -> list[SequenceBlocks]:
         lookahead = self.config.lookahead_blocks * self.block_size
         max_len = self.cache.max_model_len
@@ -301,46 +248,6 @@ class Scheduler:
             for r in batch
         ]
         return await self._call(self.cache.allocate(items), batch)
-
-    async def _allocate_one_by_one(self, batch: list[Request]) -> tuple[list[Request], list[SequenceBlocks]]:
-        """Allocate `batch` one request per call after a batched Allocate was refused: refused
-        requests leave the queue failed; stop at the first that finds no room. Returns the
-        admitted requests (the head of the queue, in order) and their blocks."""
-        admitted: list[Request] = []
-        seqs: list[SequenceBlocks] = []
-        for req in batch:
-            try:
-                (seq,) = await self._allocate([req])
-            except ValueError as e:
-                self._refuse(req, e)
-                continue
-            except NoFreeBlocks:
-                break
-            admitted.append(req)
-            seqs.append(seq)
-        return admitted, seqs
-
-    def _refuse(self, req: Request, error: ValueError) -> None:
-        self.waiting.remove(req)
-        log.warning("request %s refused by the cache service: %s", req.request_id, error)
-        self._finish(req, "", error=RequestRefused(str(error)))
-
-    def _expire_stuck(self, req: Request, error: NoFreeBlocks) -> None:
-        """Fail a request that found no blocks: at once if it can never fit (ExceedsLimit: over
-        its tenant's quota or the pool), else once it has waited admit_timeout_s."""
-        if isinstance(error, ExceedsLimit):
-            self.waiting.remove(req)
-            self._finish(req, "", error=error)
-        elif not self.running and time.monotonic() - req.arrival > self.config.admit_timeout_s:
-            self.waiting.remove(req)
-            self._finish(
-                req,
-                "",
-                error=NoFreeBlocks(
-                    f"no KV blocks for a {req.num_tokens}-token sequence after "
-                    f"{self.config.admit_timeout_s:.0f}s: the pool is too small or held by other replicas"
-                ),
-            )
 
     # ------------------------------------------------------------ prefill
 
@@ -374,7 +281,7 @@ class Scheduler:
             # sees one (the other n choices of a prompt, a client's next turn) then hits them.
             await self._commit([r for r, _ in done])
             rows = torch.tensor([i for _, i in done])
-            self._sample_and_emit([r for r, _ in done], logits.index_select(0, rows))
+            self.emitter.emit([r for r, _ in done], logits.index_select(0, rows), self.cache.max_model_len)
         return True
 
     # ------------------------------------------------------------ decode
@@ -400,7 +307,7 @@ class Scheduler:
         for req in decoding:
             req.num_computed += 1
         self.observer.on_decode_step()
-        self._sample_and_emit(decoding, logits)
+        self.emitter.emit(decoding, logits, self.cache.max_model_len)
         return True
 
     def _slots(self, req: Request) -> int:
@@ -495,94 +402,11 @@ class Scheduler:
             req.num_recorded = max(req.num_recorded, req.num_computed)
             req.num_committed = req.num_computed
 
-    # ------------------------------------------------------------ sampling and output
-
-    def _sample_and_emit(self, reqs: list[Request], logits: torch.Tensor) -> None:
-        """Sample one token per request from its row of `logits` [len(reqs), vocab] and stream it
-        (with its logprobs, from these raw logits, when the request asked for them)."""
-        penalties = None
-        if any(r.params.penalized for r in reqs):
-            for r in reqs:
-                if r.params.penalized and r.penalty is None:
-                    r.penalty = PenaltyState(
-                        r.prompt_token_ids, r.output_token_ids, logits.shape[-1], logits.device
-                    )
-            penalties = [r.penalty for r in reqs]
-        params = [r.params for r in reqs]
-        for r in reqs:
-            if r.generator is not None:
-                # Each output position draws from its own seed, so a request resumed on another
-                # replica after k delivered tokens draws token k+1 as the first attempt would.
-                r.generator.manual_seed(position_seed(r.params.seed, len(r.output_token_ids)))
-        tokens, failed = self.sampler.sample_isolated(logits, params, [r.generator for r in reqs], penalties)
-        logprobs = [None] * len(reqs)
-        if any(p.logprobs is not None for p in params):
-            ks = [None if i in failed else p.logprobs for i, p in enumerate(params)]
-            logprobs = self.sampler.logprobs(logits, ks, tokens)
-        now = time.monotonic()
-        max_len = self.cache.max_model_len
-        for i, (req, token, lp) in enumerate(zip(reqs, tokens, logprobs, strict=True)):
-            if i in failed:
-                self._fail_one(req, failed[i])
-                continue
-            req.output_token_ids.append(token)
-            if req.penalty is not None:
-                req.penalty.add(token)
-            ttft = 0.0
-            if not req.first_token_at:
-                req.first_token_at = now
-                ttft = now - req.arrival
-                self.observer.on_token(True, ttft)
-            else:
-                self.observer.on_token(False, now - req.last_token_at)
-            req.last_token_at = now
-            try:
-                reason, text = self.output.process(req, token, max_len)
-            except Exception as e:  # detokenizing this request's output: it alone fails
-                self._fail_one(req, f"output processing failed: {type(e).__name__}: {e}")
-                continue
-            token_lps = None if lp is None else [lp]
-            if reason:
-                self._finish(req, reason, text=text, token_ids=[token], ttft=ttft, logprobs=token_lps)
-            else:
-                req.outputs.put_nowait(
-                    StepOutput([token], text, time_to_first_token_s=ttft, logprobs=token_lps)
-                )
-
-    def _fail_one(self, req: Request, why: str) -> None:
-        """Fail `req` alone (the rest of its batch carries on); `why` names nothing of another request."""
-        log.error("request %s failed: %s", req.request_id, why)
-        self._finish(req, "", error=RequestFailed(why))
+    # ------------------------------------------------------------ release
 
     @staticmethod
     def _done(req: Request) -> bool:
         return req.status is Status.FINISHED
-
-    def _finish(
-        self,
-        req: Request,
-        reason: str,
-        *,
-        text: str = "",
-        token_ids: list[int] | None = None,
-        ttft: float = 0.0,
-        error: Exception | None = None,
-        logprobs: list | None = None,
-    ) -> None:
-        req.status = Status.FINISHED
-        out = StepOutput(
-            token_ids=token_ids or [],
-            text=text,
-            finish_reason=reason,
-            prompt_tokens=len(req.prompt_token_ids),
-            completion_tokens=len(req.output_token_ids),
-            cached_prompt_tokens=max(0, req.num_cached_prompt_tokens),
-            time_to_first_token_s=ttft,
-            error=error,
-            logprobs=logprobs,
-        )
-        req.outputs.put_nowait(out)
-        self.observer.on_finished(reason)
 
     async def _release_finished(self) -> None:
         done = [r for r in self.running if r.status is Status.FINISHED]

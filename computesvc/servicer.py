@@ -9,11 +9,13 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from opentelemetry import trace
 
+from computesvc.admission import RequestRefused
 from computesvc.cache_port import CacheUnavailable, ExceedsLimit, NoFreeBlocks
 from computesvc.replica import Replica
 from computesvc.request import Request, StepOutput, new_request_id
 from computesvc.sampling import SamplingParams
-from computesvc.scheduler import RequestFailed, RequestRefused, StepFailed
+from computesvc.scheduler import StepFailed
+from computesvc.token_emitter import RequestFailed
 from kvtier.api import compute_pb2, compute_pb2_grpc
 from kvtier.api_keys import tenant_salt
 from kvtier.call_guard import caller

@@ -19,11 +19,12 @@ import torch
 from servers import TOKEN, ModuleLoop, cache_service, greedy_request, local_stack
 
 from computesvc.__main__ import GENERATE_FIELDS_BYTES, TOKEN_ID_BYTES
+from computesvc.admission import RequestRefused
 from computesvc.model import ModelRunner, build_tiny_model, load_model
 from computesvc.remote_cache import RemoteCache
 from computesvc.request import Request
 from computesvc.sampling import NonFiniteLogits, Sampler, SamplingParams
-from computesvc.scheduler import RequestRefused, Scheduler
+from computesvc.scheduler import Scheduler
 from computesvc.servicer import MAX_CACHE_SALT_BYTES, PROMPT_BYTES_PER_TOKEN
 from kvtier.cache_client import CacheClient
 from kvtier.compute_client import Completion, ComputeClient

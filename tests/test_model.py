@@ -25,8 +25,8 @@ from computesvc.model import (
     build_byte_tokenizer,
     build_tiny_model,
     load_model,
-    use_paged_attention,
 )
+from computesvc.paged_attention import use_paged_attention
 from kvtier.model_spec import TINY_LLAMA_CONFIG, ModelShape
 
 BLOCK_SIZE = 16

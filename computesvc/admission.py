@@ -1,0 +1,147 @@
+"""Admission: which waiting requests get KV blocks this step, and which fail instead.
+
+Waiting is first come, first served within a tenant. `Admission.admit` sends the head of the
+queue out in one batched `Allocate`, as many requests as there are free seats and prompt tokens
+in the step's budget. A batch the pool cannot hold is halved until it fits; a batch with an
+item the cache refuses (INVALID_ARGUMENT) is retried one request per call, so only the refused
+requests fail (`RequestRefused`). A head that finds no room fails at once when it can never fit
+(ExceedsLimit), or once it has waited `admit_timeout_s` with nothing running, and it never holds
+up other tenants: the oldest request of another tenant may still fit. The scheduler
+(computesvc.scheduler) decides when admission runs and starts what it admits.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from computesvc.cache_port import ExceedsLimit, NoFreeBlocks, SequenceBlocks
+from computesvc.request import Request
+from computesvc.token_emitter import TokenEmitter
+
+if TYPE_CHECKING:
+    from computesvc.scheduler import SchedulerConfig
+
+log = logging.getLogger("kvtier.compute")
+
+
+class RequestRefused(Exception):
+    """The cache service refused this request's own item of a batched call (INVALID_ARGUMENT)."""
+
+
+class Admission:
+    """Admits from a waiting queue. allocate: one traced Allocate for a batch of requests (their
+    blocks, in order); start: `req` got its blocks and runs; emitter: ends the requests that fail."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        allocate: Callable[[list[Request]], Awaitable[list[SequenceBlocks]]],
+        start: Callable[[Request, SequenceBlocks], None],
+        emitter: TokenEmitter,
+    ):
+        self.config = config
+        self.allocate = allocate
+        self.start = start
+        self.emitter = emitter
+
+    async def admit(self, waiting: deque[Request], running: list[Request]) -> None:
+        """Allocate blocks for the head of `waiting` (FCFS), one batched call, with `running` the
+        sequences running now (read only: `start` adds to it). Admitted and failed requests
+        leave `waiting`."""
+        room = self.config.max_num_seqs - len(running)
+        budget = self.config.max_num_batched_tokens
+        batch: list[Request] = []
+        for req in waiting:
+            if len(batch) >= room or (batch and req.num_tokens > budget):
+                break
+            batch.append(req)
+            budget -= req.num_tokens
+        seqs: list[SequenceBlocks] = []  # none when no room (max_num_seqs running)
+        while batch:
+            try:
+                seqs = await self.allocate(batch)
+                break
+            except NoFreeBlocks as e:
+                if len(batch) == 1:
+                    self._expire_stuck(waiting, running, batch[0], e)
+                    await self._admit_another_tenant(waiting, running, batch[0])
+                    return
+                batch = batch[: len(batch) // 2]
+            except ValueError as e:
+                # The cache refused an item (INVALID_ARGUMENT): find it, one call per item, and
+                # fail only the refused requests, each with its own item's error.
+                if len(batch) == 1:
+                    self._refuse(waiting, batch[0], e)
+                    return
+                batch, seqs = await self._allocate_one_by_one(waiting, batch)
+                break
+        for req, seq in zip(batch, seqs, strict=True):
+            waiting.popleft()
+            self.start(req, seq)
+
+    async def _admit_another_tenant(
+        self, waiting: deque[Request], running: list[Request], refused: Request
+    ) -> None:
+        """The oldest waiting request found no room. Waiting is first come, first served within
+        a tenant, not across tenants: the oldest request of another tenant may still fit (a
+        smaller one, or one under its fair share, which the cache service does not refuse), so
+        one tenant's request that cannot fit never holds up the others."""
+        if len(running) >= self.config.max_num_seqs:
+            return
+        other = next((r for r in waiting if r.tenant != refused.tenant), None)
+        if other is None:
+            return
+        try:
+            (seq,) = await self.allocate([other])
+        except (NoFreeBlocks, ValueError):
+            return  # it waits its turn (a refused item is failed when it reaches the head)
+        waiting.remove(other)
+        self.start(other, seq)
+
+    async def _allocate_one_by_one(
+        self, waiting: deque[Request], batch: list[Request]
+    ) -> tuple[list[Request], list[SequenceBlocks]]:
+        """Allocate `batch` one request per call after a batched Allocate was refused: refused
+        requests leave the queue failed; stop at the first that finds no room. Returns the
+        admitted requests (the head of the queue, in order) and their blocks."""
+        admitted: list[Request] = []
+        seqs: list[SequenceBlocks] = []
+        for req in batch:
+            try:
+                (seq,) = await self.allocate([req])
+            except ValueError as e:
+                self._refuse(waiting, req, e)
+                continue
+            except NoFreeBlocks:
+                break
+            admitted.append(req)
+            seqs.append(seq)
+        return admitted, seqs
+
+    def _refuse(self, waiting: deque[Request], req: Request, error: ValueError) -> None:
+        waiting.remove(req)
+        log.warning("request %s refused by the cache service: %s", req.request_id, error)
+        self.emitter.finish(req, "", error=RequestRefused(str(error)))
+
+    def _expire_stuck(
+        self, waiting: deque[Request], running: list[Request], req: Request, error: NoFreeBlocks
+    ) -> None:
+        """Fail a request that found no blocks: at once if it can never fit (ExceedsLimit: over
+        its tenant's quota or the pool), else once it has waited admit_timeout_s."""
+        if isinstance(error, ExceedsLimit):
+            waiting.remove(req)
+            self.emitter.finish(req, "", error=error)
+        elif not running and time.monotonic() - req.arrival > self.config.admit_timeout_s:
+            waiting.remove(req)
+            self.emitter.finish(
+                req,
+                "",
+                error=NoFreeBlocks(
+                    f"no KV blocks for a {req.num_tokens}-token sequence after "
+                    f"{self.config.admit_timeout_s:.0f}s: the pool is too small or held by other replicas"
+                ),
+            )

@@ -1,0 +1,125 @@
+"""Token emission: a step's logits become each request's next token, streamed to its caller.
+
+`TokenEmitter.emit` samples one token per request (its penalties, its per-position seed, its
+logprobs), records it, times it (time to first token, inter-token gaps), turns it into text
+(computesvc.output) and puts the request's `StepOutput` on its queue, or its final one when it
+stops. A request whose sampling or output fails fails alone (`RequestFailed`); the rest of its
+batch carries on. `finish` ends any request, with a finish reason or an error. Which requests
+run, and when, is the scheduler's policy (computesvc.scheduler); this module never calls the
+cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from computesvc.observer import SchedulerObserver
+from computesvc.output import OutputProcessor
+from computesvc.request import Request, Status, StepOutput
+from computesvc.sampling import PenaltyState, Sampler, position_seed
+
+log = logging.getLogger("kvtier.compute")
+
+
+class RequestFailed(Exception):
+    """One request failed on its own (its sampling, its output): only it fails (INTERNAL)."""
+
+
+class TokenEmitter:
+    """Samples, records and streams the scheduler's tokens; ends requests (reporting to `observer`)."""
+
+    def __init__(self, tokenizer, eos_token_ids: list[int], observer: SchedulerObserver):
+        self.output = OutputProcessor(tokenizer, eos_token_ids)
+        self.sampler = Sampler()
+        self.observer = observer
+
+    def resume(self, request: Request) -> None:
+        """`request` resumes after a failover: its text continues, not restarts."""
+        self.output.resume(request)
+
+    def emit(self, reqs: list[Request], logits: torch.Tensor, max_len: int) -> None:
+        """Sample one token per request from its row of `logits` [len(reqs), vocab] and stream it
+        (with its logprobs, from these raw logits, when the request asked for them). `max_len`:
+        the model's length limit, where a request stops."""
+        penalties = None
+        if any(r.params.penalized for r in reqs):
+            for r in reqs:
+                if r.params.penalized and r.penalty is None:
+                    r.penalty = PenaltyState(
+                        r.prompt_token_ids, r.output_token_ids, logits.shape[-1], logits.device
+                    )
+            penalties = [r.penalty for r in reqs]
+        params = [r.params for r in reqs]
+        for r in reqs:
+            if r.generator is not None:
+                # Each output position draws from its own seed, so a request resumed on another
+                # replica after k delivered tokens draws token k+1 as the first attempt would.
+                r.generator.manual_seed(position_seed(r.params.seed, len(r.output_token_ids)))
+        tokens, failed = self.sampler.sample_isolated(logits, params, [r.generator for r in reqs], penalties)
+        logprobs = [None] * len(reqs)
+        if any(p.logprobs is not None for p in params):
+            ks = [None if i in failed else p.logprobs for i, p in enumerate(params)]
+            logprobs = self.sampler.logprobs(logits, ks, tokens)
+        now = time.monotonic()
+        for i, (req, token, lp) in enumerate(zip(reqs, tokens, logprobs, strict=True)):
+            if i in failed:
+                self.fail(req, failed[i])
+                continue
+            req.output_token_ids.append(token)
+            if req.penalty is not None:
+                req.penalty.add(token)
+            ttft = 0.0
+            if not req.first_token_at:
+                req.first_token_at = now
+                ttft = now - req.arrival
+                self.observer.on_token(True, ttft)
+            else:
+                self.observer.on_token(False, now - req.last_token_at)
+            req.last_token_at = now
+            try:
+                reason, text = self.output.process(req, token, max_len)
+            except Exception as e:  # detokenizing this request's output: it alone fails
+                self.fail(req, f"output processing failed: {type(e).__name__}: {e}")
+                continue
+            token_lps = None if lp is None else [lp]
+            if reason:
+                self.finish(req, reason, text=text, token_ids=[token], ttft=ttft, logprobs=token_lps)
+            else:
+                req.outputs.put_nowait(
+                    StepOutput([token], text, time_to_first_token_s=ttft, logprobs=token_lps)
+                )
+
+    def fail(self, req: Request, why: str) -> None:
+        """Fail `req` alone (the rest of its batch carries on); `why` names nothing of another request."""
+        log.error("request %s failed: %s", req.request_id, why)
+        self.finish(req, "", error=RequestFailed(why))
+
+    def finish(
+        self,
+        req: Request,
+        reason: str,
+        *,
+        text: str = "",
+        token_ids: list[int] | None = None,
+        ttft: float = 0.0,
+        error: Exception | None = None,
+        logprobs: list | None = None,
+    ) -> None:
+        """End `req`: its last StepOutput, with `reason` (or `error`) and its token counts."""
+        req.status = Status.FINISHED
+        out = StepOutput(
+            token_ids=token_ids or [],
+            text=text,
+            finish_reason=reason,
+            prompt_tokens=len(req.prompt_token_ids),
+            completion_tokens=len(req.output_token_ids),
+            cached_prompt_tokens=max(0, req.num_cached_prompt_tokens),
+            time_to_first_token_s=ttft,
+            error=error,
+            logprobs=logprobs,
+        )
+        req.outputs.put_nowait(out)
+        self.observer.on_finished(reason)
