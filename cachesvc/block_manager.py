@@ -144,9 +144,11 @@ class BlockManager:
     def allocate(self, num_blocks: int) -> list[int]:
         """Pop ``num_blocks`` blocks from the LRU head, each with ref_cnt 1.
 
-        A popped block that still carries a hash is evicted from the prefix index now (a
-        BlockRemoved event): cached blocks are only dropped when nothing else is free.
-        Raises ResourceExhausted, changing nothing, if fewer than ``num_blocks`` are free.
+        A popped block that still carries a hash is evicted now: an indexed block with a live
+        copy hands its index entry to that copy (the hash stays stored: no event); otherwise
+        the hash leaves the index (a BlockRemoved event). A copy just leaves its list. Cached
+        blocks are only dropped when nothing else is free. Raises ResourceExhausted, changing
+        nothing, if fewer than ``num_blocks`` are free.
         """
         if num_blocks < 0:
             raise InvalidArgument(f"num_blocks = {num_blocks} must be >= 0")
@@ -157,33 +159,26 @@ class BlockManager:
             )
         ids: list[int] = []
         cached = queue.pop_acquire_n(num_blocks, ids)
-        if cached:
-            self._evict(cached)
-        return ids
-
-    def _evict(self, blocks: list[Block]) -> None:
-        """Drop the hashes of ``blocks``, just taken from the queue for reuse.
-
-        An indexed block with a live copy hands the index entry to that copy (the hash stays
-        stored: no event); otherwise the hash leaves the index (a BlockRemoved event). A copy
-        just leaves its list.
-        """
+        if not cached:
+            return ids
         index, copies = self.prefix_index, self.copies
         hashes: list[BlockHash] = []
-        ids: list[int] = []
-        # NOTE: one pass (this runs for every block evicted under pressure); copies are rare.
-        for block in blocks:
+        evicted: list[int] = []
+        # NOTE: one pass, inline (this runs for almost every allocation of a full pool); copies
+        # are rare.
+        for block in cached:
             key = block.index_key
             if copies and key in copies:
                 self._drop_copy_or_promote(block, key)
             else:
                 del index[key]
                 hashes.append(block.block_hash)
-                ids.append(block.block_id)
+                evicted.append(block.block_id)
             block.block_hash = block.index_key = None
-        self.num_evictions += len(blocks)
+        self.num_evictions += len(cached)
         if self.record_events and hashes:
-            self._events.append((REMOVED, tuple(hashes), tuple(ids)))
+            self._events.append((REMOVED, tuple(hashes), tuple(evicted)))
+        return ids
 
     def _drop_copy_or_promote(self, block: Block, key: bytes) -> None:
         """``block`` carries content that other blocks hold too: if it is the indexed one, a copy

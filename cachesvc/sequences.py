@@ -19,42 +19,29 @@ table, the block manager and the host tier exactly as they were.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from cachesvc.block_manager import BlockManager
-from cachesvc.errors import ExceedsLimit, InvalidArgument, NotFound, ResourceExhausted
+from cachesvc.errors import InvalidArgument, NotFound, ResourceExhausted
+from cachesvc.fencing import Fencing
+from cachesvc.invariants import check_table
+from cachesvc.limits import TenantLimits
 from cachesvc.records import DEVICE, HOST, AllocateItem, CacheStats, Sequence, SequenceBlocks
 from cachesvc.swap import Swapping
-from cachesvc.validation import ExtraKeys, check_batch, check_unique, owned, pack_checked
-from kvtier.block_hash import BlockHash, pack_token_ids
+from cachesvc.validation import (
+    ExtraKeys,
+    check_batch,
+    check_unique,
+    owned,
+    pack_checked,
+    raise_commit_error,
+    raise_extend_error,
+)
+from kvtier.block_hash import BlockHash
 
 if TYPE_CHECKING:
     from cachesvc.host_tier import HostTier
-
-
-# A tenant refused an Allocate for lack of free blocks while another tenant holds blocks counts
-# as waiting this long (its replica retries admission every step, so one still waiting is seen
-# again), or until an Allocate of its own succeeds.
-FAIR_SHARE_WAIT_S = 2.0
-
-
-def fair_shares(total: int, quotas: dict[str, int]) -> dict[str, int]:
-    """Max-min fair split of ``total`` blocks among tenants, each capped by its quota (0 = none).
-
-    Tenants whose quota is below an even split keep their quota and leave the rest to the
-    others: ``fair_shares(100, {"a": 10, "b": 0, "c": 0}) == {"a": 10, "b": 45, "c": 45}``.
-    """
-    shares: dict[str, int] = {}
-    left = total
-    order = sorted(quotas, key=lambda t: (quotas[t] or total + 1, t))
-    for i, tenant in enumerate(order):
-        even = left // (len(order) - i)
-        quota = quotas[tenant]
-        shares[tenant] = min(quota, even) if quota else even
-        left -= shares[tenant]
-    return shares
 
 
 @dataclass(slots=True)
@@ -68,27 +55,14 @@ class _AllocatePlan:
     prompt_bytes: bytes
 
 
-class SequenceTable(Swapping):
+class SequenceTable(TenantLimits, Fencing, Swapping):
     """All live sequences, keyed by id and by lease, over one block manager and host tier.
 
     Units: tokens unless a name says blocks. Limits: ``vocab_size`` (token ids must be below it),
     ``max_model_len`` (tokens per sequence, lookahead included), ``max_batch`` (items per call).
 
-    Quotas (0 = none): ``max_blocks_per_tenant`` (a tenant's default), ``tenant_quotas`` (per
-    tenant, over the default) and ``max_blocks_per_lease``. A tenant's or lease's blocks are the
-    blocks its live sequences hold on either tier (``Sequence.num_blocks``; a prefix block two of
-    them share counts for each holder), so swapping never changes them. Allocate and Extend
-    refuse growth past a quota with ResourceExhausted (the caller waits or preempts); an
-    Allocate item that alone exceeds a quota or the pool gets ExceedsLimit (it never fits).
-
-    Fair share (``fair_share``, on by default; nothing to do while fewer than two tenants
-    compete): the tenants competing are those holding blocks and those waiting (refused an
-    Allocate for lack of free blocks in the last ``FAIR_SHARE_WAIT_S``). Under pressure (a call
-    would leave fewer than ``fair_share_reserve`` blocks free, or another tenant is waiting), a
-    tenant that already holds its share of device blocks (``fair_shares`` of the
-    pool, quotas as caps) is refused more with ResourceExhausted naming the share, so its
-    replica waits or preempts; a tenant under its share is never refused for this (one call may
-    take it past the share).
+    Quotas and the fair share (``cachesvc.limits``, which the table inherits) are checked
+    before any block is taken.
     """
 
     def __init__(
@@ -118,21 +92,10 @@ class SequenceTable(Swapping):
         self._by_lease: dict[str, dict[int, Sequence]] = {}
         self._next_sequence_id = 1
         self._extra_keys = ExtraKeys(model_fingerprint)
-        # Fencing: blocks of expired leases that a frozen writer could still be writing, held
-        # (still referenced) until a deadline; (release time on the caller's clock, block ids,
-        # lease id), oldest first. See ``free_lease``.
-        self.fenced: list[tuple[float, list[int], str]] = []
-        self.max_blocks_per_tenant = max_blocks_per_tenant
-        self.tenant_quotas = dict(tenant_quotas or {})
-        self.max_blocks_per_lease = max_blocks_per_lease
-        self._limited = bool(max_blocks_per_tenant or self.tenant_quotas or max_blocks_per_lease)
-        # Blocks held (either tier) per tenant and per lease; a key leaves when it reaches 0.
-        self.tenant_blocks: dict[str, int] = {}
-        self.lease_blocks: dict[str, int] = {}
-        self.fair_share = fair_share
-        self.fair_share_reserve = fair_share_reserve
-        # Waiting tenants (refused an Allocate for lack of blocks) -> monotonic time of refusal.
-        self.waiting_tenants: dict[str, float] = {}
+        self.fenced = []  # cachesvc.fencing
+        self._init_limits(
+            max_blocks_per_tenant, tenant_quotas, max_blocks_per_lease, fair_share, fair_share_reserve
+        )
 
     # ------------------------------------------------------------------ reading
 
@@ -169,126 +132,6 @@ class SequenceTable(Swapping):
             seq.cached_blocks = blocks
         return blocks
 
-    # ------------------------------------------------------------------ quotas
-
-    def tenant_quota(self, tenant: str) -> int:
-        """Most blocks ``tenant`` may hold; 0 = no limit."""
-        return self.tenant_quotas.get(tenant, self.max_blocks_per_tenant)
-
-    def _charge(self, tenant: str, lease_id: str, blocks: int) -> None:
-        """Count ``blocks`` (negative: released) against a tenant and a lease."""
-        if not blocks:
-            return
-        # NOTE: unrolled (every allocate, growing extend and free runs this).
-        counts = self.tenant_blocks
-        left = counts.get(tenant, 0) + blocks
-        if left:
-            counts[tenant] = left
-        else:
-            del counts[tenant]
-        counts = self.lease_blocks
-        left = counts.get(lease_id, 0) + blocks
-        if left:
-            counts[lease_id] = left
-        else:
-            del counts[lease_id]
-
-    def _check_fits(self, where: str, tenant: str, blocks: int) -> None:
-        """ExceedsLimit if one sequence of ``blocks`` blocks can never be held."""
-        limits = (
-            (self.block_manager.num_blocks, "the whole pool holds"),
-            (self.tenant_quota(tenant), f"tenant {tenant!r} may hold (its quota)"),
-            (self.max_blocks_per_lease, "one lease may hold (--max-blocks-per-lease)"),
-        )
-        for limit, what in limits:
-            if limit and blocks > limit:
-                raise ExceedsLimit(
-                    f"{where} needs {blocks} blocks but {what} {limit} blocks: it can never fit; "
-                    "shorten the prompt or max_tokens"
-                )
-
-    def _check_quotas(self, lease_id: str, more_by_tenant: dict[str, int], more: int) -> None:
-        """ResourceExhausted if ``more`` new blocks of a call would take its lease or a tenant
-        past a quota (they would fit once the holder's own sequences finish)."""
-        limit = self.max_blocks_per_lease
-        if limit and more:
-            held = self.lease_blocks.get(lease_id, 0)
-            if held + more > limit:
-                raise ResourceExhausted(
-                    f"lease {lease_id[:8]}… holds {held} of the {limit} blocks one lease may hold "
-                    f"(--max-blocks-per-lease); this call needs {more} more"
-                )
-        for tenant, want in more_by_tenant.items():
-            quota = self.tenant_quota(tenant)
-            held = self.tenant_blocks.get(tenant, 0)
-            if quota and want and held + want > quota:
-                raise ResourceExhausted(
-                    f"tenant {tenant!r} holds {held} of its {quota}-block quota; this call needs {want} more"
-                )
-
-    def _contested(self) -> bool:
-        """Whether a call must count blocks per tenant for the fair share (cheap: no tenants,
-        no work)."""
-        return self.fair_share and (len(self.tenant_blocks) > 1 or bool(self.waiting_tenants))
-
-    def _check_limits(self, lease_id: str, more_by_tenant: dict[str, int], more: int) -> None:
-        """Quotas, then the fair share, for ``more`` new blocks of a call."""
-        if self._limited:
-            self._check_quotas(lease_id, more_by_tenant, more)
-        if self.fair_share:
-            self._check_fair_share(more_by_tenant, more)
-
-    def _note_waiting(self, tenants: set[str]) -> None:
-        """Tenants refused for lack of free blocks while another tenant holds blocks wait."""
-        held = self.tenant_blocks
-        if self.fair_share and held:
-            now = time.monotonic()
-            for tenant in tenants:
-                if len(held) > 1 or tenant not in held:
-                    self.waiting_tenants[tenant] = now
-
-    def _check_fair_share(self, more_by_tenant: dict[str, int], more: int) -> None:
-        """ResourceExhausted if, under pressure, a tenant of the call that holds its fair share
-        of device blocks or more would take more (see the class docstring)."""
-        waiting = self.waiting_tenants
-        if waiting:
-            cutoff = time.monotonic() - FAIR_SHARE_WAIT_S
-            for tenant in [t for t, since in waiting.items() if since < cutoff]:
-                del waiting[tenant]
-        competing = set(self.tenant_blocks) | set(waiting) | {t for t, n in more_by_tenant.items() if n}
-        if len(competing) < 2:
-            return
-        bm = self.block_manager
-        free = bm.num_free_blocks
-        others_waiting = [t for t in waiting if t not in more_by_tenant]
-        if not others_waiting and free - more >= self.fair_share_reserve:
-            return
-        shares = fair_shares(bm.num_blocks, {t: self.tenant_quota(t) for t in competing})
-        held = dict.fromkeys(more_by_tenant, 0)
-        for seq in self._sequences.values():
-            if seq.tenant in held:
-                held[seq.tenant] += len(seq.block_table)
-        for tenant, want in more_by_tenant.items():
-            if want and held[tenant] >= shares[tenant]:
-                why = (
-                    f"tenant {others_waiting[0]!r} is waiting for blocks"
-                    if others_waiting
-                    else f"{free} of {bm.num_blocks} blocks are free"
-                )
-                raise ResourceExhausted(
-                    f"tenant {tenant!r} holds {held[tenant]} device blocks, at or over its fair share "
-                    f"of {shares[tenant]} blocks ({bm.num_blocks} among {len(competing)} tenants), "
-                    f"and the pool is under pressure ({why}); this call needs {want} more"
-                )
-
-    def tenant_usage(self) -> dict[str, tuple[int, int, int]]:
-        """Tenant -> (live sequences, blocks held, quota or 0), for every tenant with sequences
-        or a quota of its own."""
-        seqs: dict[str, int] = dict.fromkeys(self.tenant_quotas, 0)
-        for seq in self._sequences.values():
-            seqs[seq.tenant] = seqs.get(seq.tenant, 0) + 1
-        return {t: (n, self.tenant_blocks.get(t, 0), self.tenant_quota(t)) for t, n in seqs.items()}
-
     # ------------------------------------------------------------------ lifecycle
 
     def allocate(self, lease_id: str, items: list[AllocateItem]) -> list[SequenceBlocks]:
@@ -298,7 +141,8 @@ class SequenceTable(Swapping):
         ``len(token_ids) + num_lookahead_tokens`` tokens. Hits of ALL items are taken before any
         new block is allocated, so a later item's allocation never evicts an earlier item's hit.
         """
-        check_batch(len(items), self.max_batch)
+        if len(items) > self.max_batch:
+            check_batch(len(items), self.max_batch)
         bm = self.block_manager
         bs = self.block_size
         max_len = self.max_model_len
@@ -306,7 +150,10 @@ class SequenceTable(Swapping):
         touched: list[int] = []
         total_new = 0
         held_by_tenant: dict[str, int] = {}
-        track = self._limited or self._contested()
+        # NOTE: _contested() inline for its common answer (one tenant, none waiting: False).
+        track = self._limited or (
+            (len(self.tenant_sequences) > 1 or bool(self.waiting_tenants)) and self._contested()
+        )
         for k, item in enumerate(items):
             tokens = item.token_ids
             n = len(tokens)
@@ -348,6 +195,8 @@ class SequenceTable(Swapping):
         new_ids = bm.allocate(total_new)
         out: list[SequenceBlocks] = []
         stats = self.stats
+        tenant_seqs = self.tenant_sequences
+        limited = self._limited
         pos = 0
         for item, plan in zip(items, plans, strict=True):
             hit = plan.hit
@@ -370,12 +219,14 @@ class SequenceTable(Swapping):
                 block_hashes=plan.block_hashes,
                 request_id=item.request_id,
                 tenant=item.tenant,
-                room=self._room(table),
+                room=min(len(table) * bs, max_len),  # _room
                 num_published_blocks=len(hit),
             )
             self._sequences[sid] = seq
             self._by_lease.setdefault(lease_id, {})[sid] = seq
-            self._charge(item.tenant, lease_id, len(table))
+            tenant_seqs[item.tenant] = tenant_seqs.get(item.tenant, 0) + 1
+            if limited:
+                self._charge(item.tenant, lease_id, len(table))
             stats.prefix_query_tokens += len(seq.token_ids)
             stats.prefix_hit_tokens += num_cached
             out.append(self._blocks_of(seq))
@@ -420,32 +271,34 @@ class SequenceTable(Swapping):
         bs = self.block_size
         max_len = self.max_model_len
         seqs: list[Sequence] = []
+        grow: list[tuple[Sequence, int]] = []  # (sequence, new blocks) of those crossing a boundary
         total_new = 0
-        more_by_tenant: dict[str, int] = {}
-        track = self._limited or self._contested()
         # NOTE: extend runs once per decode step per sequence, so validation is one combined
         # test per item; the slow path re-walks the batch to name the first bad item.
         for sid, num_tokens in items:
             seq = sequences.get(sid)
             if seq is None or seq.lease_id != lease_id or seq.location != DEVICE:
-                self._raise_extend_error(lease_id, items)
+                raise_extend_error(self, lease_id, items)
             n = len(seq.token_ids) + (pending.get(sid, 0) if pending else 0)
             if not 0 <= num_tokens <= max_len - n:
-                self._raise_extend_error(lease_id, items, pending)
+                raise_extend_error(self, lease_id, items, pending)
             more = (n + num_tokens + bs - 1) // bs - len(seq.block_table)
             if more > 0:
                 total_new += more
-                if track:
-                    more_by_tenant[seq.tenant] = more_by_tenant.get(seq.tenant, 0) + more
+                grow.append((seq, more))
             seqs.append(seq)
         if len(items) > 1:
             check_unique([sid for sid, _ in items])
-        bm = self.block_manager
-        if more_by_tenant:
+        if total_new and (self._limited or self._contested()):
+            more_by_tenant: dict[str, int] = {}
+            for seq, more in grow:
+                more_by_tenant[seq.tenant] = more_by_tenant.get(seq.tenant, 0) + more
             self._check_limits(lease_id, more_by_tenant, total_new)
-        if total_new > bm.num_free_blocks:
+        bm = self.block_manager
+        free = bm.num_free_blocks
+        if total_new > free:
             raise ResourceExhausted(
-                f"extend needs {total_new} new blocks but only {bm.num_free_blocks} of {bm.num_blocks} are free"
+                f"extend needs {total_new} new blocks but only {free} of {bm.num_blocks} are free"
             )
         if pending is not None:
             return []
@@ -453,33 +306,19 @@ class SequenceTable(Swapping):
         if total_new:
             new_ids = bm.allocate(total_new)
             pos = 0
-            for seq, (_, num_tokens) in zip(seqs, items, strict=True):
-                more = (len(seq.token_ids) + num_tokens + bs - 1) // bs - len(seq.block_table)
-                if more > 0:
+            limited = self._limited
+            for seq, more in grow:
+                if limited:
                     self._charge(seq.tenant, lease_id, more)
-                    seq.block_table += new_ids[pos : pos + more]
-                    seq.room = self._room(seq.block_table)
-                    seq.cached_blocks = None
-                    pos += more
+                table = seq.block_table
+                table += new_ids[pos : pos + more]
+                pos += more
+                seq.room = min(len(table) * bs, max_len)  # _room
+                seq.cached_blocks = None
+        if len(seqs) == 1:
+            return [self._blocks_of(seqs[0])]
         blocks_of = self._blocks_of
         return [blocks_of(seq) for seq in seqs]
-
-    def _raise_extend_error(
-        self, lease_id: str, items: list[tuple[int, int]], pending: dict[int, int] | None = None
-    ) -> None:
-        for k, (sid, num_tokens) in enumerate(items):
-            seq = owned(self._sequences, lease_id, k, sid)
-            if num_tokens < 0:
-                raise InvalidArgument(f"items[{k}].num_tokens = {num_tokens} must be >= 0")
-            have = len(seq.token_ids) + (pending.get(sid, 0) if pending else 0)
-            need = have + num_tokens
-            if need > self.max_model_len:
-                after = " (after the call's commits)" if pending else ""
-                raise InvalidArgument(
-                    f"items[{k}]: {have} tokens{after} + num_tokens {num_tokens} = {need} exceeds "
-                    f"max_model_len {self.max_model_len}"
-                )
-        raise AssertionError("extend validation disagrees with its error path")
 
     def commit(self, lease_id: str, items: list[tuple[int, list[int], int]]) -> int:
         """Append generated tokens and record written KV; publish newly complete full blocks.
@@ -503,14 +342,14 @@ class SequenceTable(Swapping):
         for sid, new_tokens, num_computed in items:
             seq = sequences.get(sid)
             if seq is None or seq.lease_id != lease_id or seq.location != DEVICE:
-                self._raise_commit_error(lease_id, items)
+                raise_commit_error(self, lease_id, items)
             n = len(seq.token_ids) + len(new_tokens)
             if (
                 n > len(seq.block_table) * bs
                 or n > max_len
                 or not seq.num_computed_tokens <= num_computed <= n
             ):
-                self._raise_commit_error(lease_id, items)
+                raise_commit_error(self, lease_id, items)
             # A decode step commits a token or a few: a Python loop beats packing for those.
             if len(new_tokens) > 32:
                 pack_checked(f"items[{len(seqs)}]", new_tokens, vocab)
@@ -537,26 +376,6 @@ class SequenceTable(Swapping):
                 published += self._publish(seq, full)
         return published
 
-    def _raise_commit_error(self, lease_id: str, items: list[tuple[int, list[int], int]]) -> None:
-        bs = self.block_size
-        for k, (sid, new_tokens, num_computed) in enumerate(items):
-            seq = owned(self._sequences, lease_id, k, sid)
-            n = len(seq.token_ids) + len(new_tokens)
-            slots = len(seq.block_table) * bs
-            if n > slots:
-                raise InvalidArgument(
-                    f"items[{k}]: {len(seq.token_ids)} tokens + {len(new_tokens)} new = {n} exceed the "
-                    f"sequence's {slots} slots; Extend it first"
-                )
-            if n > self.max_model_len:
-                raise InvalidArgument(f"items[{k}]: {n} tokens exceed max_model_len {self.max_model_len}")
-            if not seq.num_computed_tokens <= num_computed <= n:
-                raise InvalidArgument(
-                    f"items[{k}].num_computed_tokens = {num_computed} is not in "
-                    f"[{seq.num_computed_tokens} (already computed), {n} (tokens)]"
-                )
-        raise AssertionError("commit validation disagrees with its error path")
-
     def _publish(self, seq: Sequence, num_full_blocks: int) -> int:
         """Offer blocks [num_published_blocks, num_full_blocks) of ``seq`` to the prefix index."""
         count = self.block_manager.publish_blocks(
@@ -579,15 +398,27 @@ class SequenceTable(Swapping):
         ``commits`` are applied first (a finished sequence's last tokens), all or nothing.
         """
         checked = self._check_commit(lease_id, commits) if commits else []
-        check_batch(len(sequence_ids), self.max_batch)
+        if len(sequence_ids) > self.max_batch:
+            check_batch(len(sequence_ids), self.max_batch)
         seqs = [owned(self._sequences, lease_id, k, sid, location=None) for k, sid in enumerate(sequence_ids)]
-        check_unique(sequence_ids)
+        if len(seqs) > 1:
+            check_unique(sequence_ids)
         if commits:
             self._apply_commit(checked, commits)
+        if len(seqs) == 1:
+            return self._release(seqs[0])
         return sum(self._release(seq) for seq in seqs)
 
     def _release(self, seq: Sequence) -> int:
-        self._charge(seq.tenant, seq.lease_id, -seq.num_blocks)
+        tenant = seq.tenant
+        if self._limited:
+            self._charge(tenant, seq.lease_id, -seq.num_blocks)
+        tenant_seqs = self.tenant_sequences
+        left = tenant_seqs[tenant] - 1
+        if left:
+            tenant_seqs[tenant] = left
+        else:
+            del tenant_seqs[tenant]
         if seq.location == DEVICE:
             released = self.block_manager.free(seq.block_table[::-1])
         else:
@@ -599,54 +430,6 @@ class SequenceTable(Swapping):
         if not lease_seqs:
             del self._by_lease[seq.lease_id]
         return released
-
-    def free_lease(self, lease_id: str, fence_until: float | None = None) -> int:
-        """Release every sequence of a lease, on the device and on the host (lease expiry).
-
-        Committed blocks stay in the prefix cache, so a retry elsewhere hits them. Returns
-        device blocks released; an unknown lease releases nothing.
-
-        With ``fence_until``, a device sequence's blocks from the first one holding an
-        uncommitted slot on are not released but fenced until that time (``release_fenced``):
-        a writer of the lease frozen inside a KV write can only finish it into them. Blocks
-        wholly committed are never written again, so they are released at once.
-        """
-        fenced: list[int] = []
-        released = 0
-        bs = self.block_size
-        for seq in self.sequences_of(lease_id):
-            if fence_until is not None and seq.location == DEVICE:
-                first_open = seq.num_computed_tokens // bs
-                held = seq.block_table[first_open:]
-                if held:  # charged to no tenant or lease while fenced
-                    self._charge(seq.tenant, seq.lease_id, -len(held))
-                    seq.block_table = seq.block_table[:first_open]
-                    fenced += held
-            released += self._release(seq)
-        if fenced:
-            self.fenced.append((fence_until, fenced, lease_id))
-        return released
-
-    @property
-    def num_fenced_blocks(self) -> int:
-        return sum(len(ids) for _, ids, _ in self.fenced)
-
-    def release_fenced(self, now: float) -> int:
-        """Free the fenced blocks whose time is up; returns how many."""
-        released = 0
-        while self.fenced and self.fenced[0][0] <= now:
-            _, ids, _ = self.fenced.pop(0)
-            released += len(ids)
-            self.block_manager.free(ids[::-1])
-        return released
-
-    def release_fenced_of(self, lease_id: str) -> int:
-        """Free the fenced blocks of ``lease_id`` now (its holder confirmed it writes no more)."""
-        mine = [entry for entry in self.fenced if entry[2] == lease_id]
-        for entry in mine:
-            self.fenced.remove(entry)
-            self.block_manager.free(entry[1][::-1])
-        return sum(len(ids) for _, ids, _ in mine)
 
     def lookup_prefix(self, items: list[tuple[list[int], str, str]]) -> list[int]:
         """Per ``(token_ids, cache_salt, adapter_id)``: leading tokens cached on the device.
@@ -671,65 +454,6 @@ class SequenceTable(Swapping):
     # ------------------------------------------------------------------ checks
 
     def check_invariants(self) -> None:
-        """Block-manager invariants over all device tables, plus sequence and host-tier accounting."""
-        bs = self.block_size
-        device_tables = []
-        host_slots: list[int] = []
-        for sid, seq in self._sequences.items():
-            assert seq.sequence_id == sid, f"sequence {sid} is filed under id {seq.sequence_id}"
-            assert self._by_lease.get(seq.lease_id, {}).get(sid) is seq, (
-                f"sequence {sid} missing from its lease index"
-            )
-            assert seq.prompt_bytes == pack_token_ids(seq.token_ids[: len(seq.prompt_bytes) // 4]), (
-                f"sequence {sid}: prompt_bytes do not match its leading token ids"
-            )
-            assert seq.num_cached_tokens <= seq.num_computed_tokens <= len(seq.token_ids), (
-                f"sequence {sid}: cached {seq.num_cached_tokens} <= computed {seq.num_computed_tokens} "
-                f"<= tokens {len(seq.token_ids)} does not hold"
-            )
-            if seq.location == DEVICE:
-                assert not seq.host_slots, f"device sequence {sid} holds host slots {seq.host_slots}"
-                assert len(seq.token_ids) <= len(seq.block_table) * bs, (
-                    f"sequence {sid}: {len(seq.token_ids)} tokens exceed {len(seq.block_table)} blocks"
-                )
-                assert seq.num_published_blocks <= min(len(seq.block_hashes), len(seq.block_table)), (
-                    f"sequence {sid}: {seq.num_published_blocks} published blocks but {len(seq.block_hashes)} hashes"
-                )
-                assert seq.room == self._room(seq.block_table), (
-                    f"sequence {sid}: room {seq.room} does not match {len(seq.block_table)} blocks"
-                )
-                device_tables.append(seq.block_table)
-            else:
-                assert seq.location == HOST, f"sequence {sid} has location {seq.location!r}"
-                assert not seq.block_table, f"host sequence {sid} holds device blocks {seq.block_table}"
-                assert len(seq.token_ids) <= len(seq.host_slots) * bs, (
-                    f"sequence {sid}: {len(seq.token_ids)} tokens exceed {len(seq.host_slots)} host slots"
-                )
-                assert seq.room == 0, f"host sequence {sid} has room {seq.room}"
-                host_slots += seq.host_slots
-        n_lease_seqs = sum(len(v) for v in self._by_lease.values())
-        assert n_lease_seqs == len(self._sequences), (
-            f"lease index holds {n_lease_seqs} sequences, table holds {len(self._sequences)}"
-        )
-        assert all(self._by_lease.values()), "lease index keeps an empty lease"
-        by_tenant: dict[str, int] = {}
-        by_lease: dict[str, int] = {}
-        for seq in self._sequences.values():
-            if seq.num_blocks:
-                by_tenant[seq.tenant] = by_tenant.get(seq.tenant, 0) + seq.num_blocks
-                by_lease[seq.lease_id] = by_lease.get(seq.lease_id, 0) + seq.num_blocks
-        assert by_tenant == self.tenant_blocks, (
-            f"tenant block counts {self.tenant_blocks} != held {by_tenant}"
-        )
-        assert by_lease == self.lease_blocks, f"lease block counts {self.lease_blocks} != held {by_lease}"
-        self.block_manager.check_invariants(device_tables + [ids for _, ids, _ in self.fenced])
-        host = self.host_tier
-        if host is None:
-            assert not host_slots, "sequences hold host slots but there is no host tier"
-            return
-        assert sorted(host_slots) == host.used_slots(), (
-            f"host slots held by sequences {sorted(host_slots)} != slots in use {host.used_slots()}"
-        )
-        assert host.num_used_blocks == len(host_slots), (
-            f"host tier counts {host.num_used_blocks} used slots, sequences hold {len(host_slots)}"
-        )
+        """Block-manager invariants over all device tables, plus sequence, tenant and host-tier
+        accounting (``cachesvc.invariants``)."""
+        check_table(self)

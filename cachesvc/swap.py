@@ -22,7 +22,7 @@ class Swapping:
     """``swap_out`` / ``swap_in`` of ``SequenceTable``, over the table's own state."""
 
     # Provided by SequenceTable, as are the _room, _blocks_of, _publish, _check_commit,
-    # _apply_commit, _contested and _check_fair_share methods used here.
+    # _apply_commit methods used here, and _contested and _check_fair_share (cachesvc.limits).
     block_manager: BlockManager
     host_tier: HostTier | None
     block_size: int

@@ -7,11 +7,16 @@ call that fails here leaves the cache as it was (see ``cachesvc.sequences``).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from cachesvc.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from cachesvc.records import DEVICE, Sequence
 from kvtier.block_hash import InvalidHashInput, extra_key, pack_token_ids
+
+if TYPE_CHECKING:
+    from cachesvc.sequences import SequenceTable
 
 # Cached extra keys per (cache_salt, adapter_id); cleared when it grows past this many entries
 # (one salt per request would otherwise grow it without bound).
@@ -125,3 +130,50 @@ class ExtraKeys:
                 self._keys.clear()
             self._keys[key] = extra
         return extra
+
+
+# ---------------------------------------------------------------- naming the first bad item
+# Extend and Commit validate each item with one combined test (they run every decode step); when
+# it fails, these re-walk the batch to raise the error that names the first bad item.
+
+
+def raise_extend_error(
+    table: SequenceTable, lease_id: str, items: list[tuple[int, int]], pending: dict[int, int] | None = None
+) -> None:
+    """Raise the error of the first bad Extend item (``pending``: tokens the call's commits
+    append, per sequence id)."""
+    for k, (sid, num_tokens) in enumerate(items):
+        seq = owned(table._sequences, lease_id, k, sid)
+        if num_tokens < 0:
+            raise InvalidArgument(f"items[{k}].num_tokens = {num_tokens} must be >= 0")
+        have = len(seq.token_ids) + (pending.get(sid, 0) if pending else 0)
+        need = have + num_tokens
+        if need > table.max_model_len:
+            after = " (after the call's commits)" if pending else ""
+            raise InvalidArgument(
+                f"items[{k}]: {have} tokens{after} + num_tokens {num_tokens} = {need} exceeds "
+                f"max_model_len {table.max_model_len}"
+            )
+    raise AssertionError("extend validation disagrees with its error path")
+
+
+def raise_commit_error(table: SequenceTable, lease_id: str, items: list[tuple[int, list[int], int]]) -> None:
+    """Raise the error of the first bad Commit item."""
+    bs = table.block_size
+    for k, (sid, new_tokens, num_computed) in enumerate(items):
+        seq = owned(table._sequences, lease_id, k, sid)
+        n = len(seq.token_ids) + len(new_tokens)
+        slots = len(seq.block_table) * bs
+        if n > slots:
+            raise InvalidArgument(
+                f"items[{k}]: {len(seq.token_ids)} tokens + {len(new_tokens)} new = {n} exceed the "
+                f"sequence's {slots} slots; Extend it first"
+            )
+        if n > table.max_model_len:
+            raise InvalidArgument(f"items[{k}]: {n} tokens exceed max_model_len {table.max_model_len}")
+        if not seq.num_computed_tokens <= num_computed <= n:
+            raise InvalidArgument(
+                f"items[{k}].num_computed_tokens = {num_computed} is not in "
+                f"[{seq.num_computed_tokens} (already computed), {n} (tokens)]"
+            )
+    raise AssertionError("commit validation disagrees with its error path")

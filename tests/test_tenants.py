@@ -27,7 +27,8 @@ from cachesvc.block_manager import BlockManager
 from cachesvc.errors import ExceedsLimit, ResourceExhausted
 from cachesvc.host_tier import HostTier
 from cachesvc.records import AllocateItem as TableItem
-from cachesvc.sequences import SequenceTable, fair_shares
+from cachesvc.limits import fair_shares
+from cachesvc.sequences import SequenceTable
 from kvtier import status
 from kvtier.api import cache_pb2
 from kvtier.api_keys import ApiKeys, ApiKeysError, ClientKeys, tenant_salt
