@@ -35,6 +35,7 @@ from cachesvc.validation import (
     check_unique,
     owned,
     pack_checked,
+    raise_allocate_error,
     raise_commit_error,
     raise_extend_error,
 )
@@ -157,18 +158,9 @@ class SequenceTable(TenantLimits, Fencing, Swapping):
         for k, item in enumerate(items):
             tokens = item.token_ids
             n = len(tokens)
-            if not 1 <= n <= max_len:
-                raise InvalidArgument(
-                    f"items[{k}]: len(token_ids) = {n} is not in [1, max_model_len {max_len}]"
-                )
             lookahead = item.num_lookahead_tokens
-            if lookahead < 0:
-                raise InvalidArgument(f"items[{k}].num_lookahead_tokens = {lookahead} must be >= 0")
-            if n + lookahead > max_len:
-                raise InvalidArgument(
-                    f"items[{k}]: len(token_ids) + num_lookahead_tokens = {n + lookahead} exceeds "
-                    f"max_model_len {max_len}"
-                )
+            if not (n >= 1 and lookahead >= 0 and n + lookahead <= max_len):
+                raise_allocate_error(k, n, lookahead, max_len)
             where = f"items[{k}]"
             extra = self._extra_keys.get(where, item.cache_salt, item.adapter_id)
             data = pack_checked(where, tokens, self.vocab_size)

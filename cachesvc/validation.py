@@ -133,8 +133,22 @@ class ExtraKeys:
 
 
 # ---------------------------------------------------------------- naming the first bad item
-# Extend and Commit validate each item with one combined test (they run every decode step); when
-# it fails, these re-walk the batch to raise the error that names the first bad item.
+# Allocate, Extend and Commit validate each item with one combined test (Extend and Commit run
+# every decode step); when it fails, these name the error (of the first bad item of the batch).
+
+
+def raise_allocate_error(k: int, num_tokens: int, lookahead: int, max_model_len: int) -> None:
+    """Raise the error of Allocate item ``k`` (``num_tokens`` prompt tokens)."""
+    if not 1 <= num_tokens <= max_model_len:
+        raise InvalidArgument(
+            f"items[{k}]: len(token_ids) = {num_tokens} is not in [1, max_model_len {max_model_len}]"
+        )
+    if lookahead < 0:
+        raise InvalidArgument(f"items[{k}].num_lookahead_tokens = {lookahead} must be >= 0")
+    raise InvalidArgument(
+        f"items[{k}]: len(token_ids) + num_lookahead_tokens = {num_tokens + lookahead} exceeds "
+        f"max_model_len {max_model_len}"
+    )
 
 
 def raise_extend_error(
