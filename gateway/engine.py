@@ -178,6 +178,10 @@ class Streams:
         aborts the sequence and frees its blocks."""
         for task in self._tasks:
             task.cancel()
+        # Each cancelled pump ends its own stream, and so its call: wait for them. (aclose on a
+        # stream a pump is still inside raises RuntimeError, which skipped the streams after it.)
+        if self._tasks:
+            await asyncio.wait(self._tasks)
         for gen in self._gens:
             await gen.aclose()
         self._done()

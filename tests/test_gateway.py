@@ -18,6 +18,8 @@ import openai
 import pytest
 from servers import TOKEN, ModuleLoop, cache_stats, child_env, greedy_request, wait_until
 
+from gateway.engine import Job, Streams
+from kvtier.api import compute_pb2
 from kvtier.compute_client import ComputeClient
 from kvtier.model_spec import TINY_LLAMA_CONFIG
 from kvtier.stack import LocalStack, start_gateway
@@ -458,6 +460,36 @@ def test_a_client_gone_before_a_whole_completion_cancels_generate_too(url, stack
     generated = generated_tokens(stack) - before
     print(f"the replicas generated {generated:.0f} of the {n * max_tokens} tokens asked for before the abort")
     assert n <= generated < n * max_tokens, generated
+
+
+def test_closing_a_requests_streams_while_they_are_collected_ends_every_one():
+    """The HTTP client went away while the n streams of a request were being collected (one pump
+    task each): aclose ends every stream, so each one's Generate call is cancelled, and raises
+    nothing (a stream a pump is still inside cannot be closed with aclose itself)."""
+    n = 4
+
+    async def run() -> list[int]:
+        ended: list[int] = []
+
+        async def stream(i: int):
+            try:
+                yield compute_pb2.GenerateResponse(text="a")
+                await asyncio.Event().wait()  # a replica that keeps the stream open
+                yield compute_pb2.GenerateResponse(text="b")
+            finally:
+                ended.append(i)
+
+        gens = [stream(i) for i in range(n)]
+        firsts = [await anext(g) for g in gens]  # primed, as Engine.open leaves them
+        jobs = [Job(i, 0, i, [BOS], compute_pb2.GenerateRequest()) for i in range(n)]
+        streams = Streams(jobs, gens, firsts)
+        collect = asyncio.ensure_future(streams.collect())
+        await asyncio.sleep(0.05)  # every pump is inside its stream
+        collect.cancel()
+        await streams.aclose()
+        return sorted(ended)
+
+    assert LOOP.run(run(), timeout_s=30) == list(range(n))
 
 
 def test_32_concurrent_streams_all_complete(url):
