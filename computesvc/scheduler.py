@@ -204,8 +204,11 @@ class Scheduler:
             await self._call(self.cache.free([r.sequence_id for r in gone]), gone)
             for r in gone:
                 r.status = Status.FINISHED
-            self.running = [r for r in self.running if not r.aborted]
-            self.swapped = deque(r for r in self.swapped if not r.aborted)
+            # Drop only what was freed: a request aborted while the free was awaited still holds
+            # its sequence, so it stays (running or swapped) and the next step frees it.
+            freed = {id(r) for r in gone}
+            self.running = [r for r in self.running if id(r) not in freed]
+            self.swapped = deque(r for r in self.swapped if id(r) not in freed)
 
     async def _resume_swapped(self) -> None:
         while self.swapped and len(self.running) < self.config.max_num_seqs:

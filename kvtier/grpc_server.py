@@ -55,9 +55,9 @@ def server_options(max_receive_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str
         ("grpc.so_reuseport", 0),
         # Clients probe a stream's connection with keepalive pings (kvtier.compute_client.KEEPALIVE,
         # every 5 s, also between calls); without these, grpc counts pings more often than every
-        # 5 minutes as abuse and closes the connection (GOAWAY too_many_pings).
+        # 5 minutes as abuse and closes the connection (GOAWAY too_many_pings; tests/test_keepalive.py).
         ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 1000),
     ]
 
 
