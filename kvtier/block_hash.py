@@ -110,15 +110,16 @@ def chain_preimages(
     num_known = min(max(len(hashes) - first, 0), len(offsets))
     preimages: list[bytes] = []
     keep = preimages.append
-    # Blocks whose hash is known: their preimages only.
-    for offset, block_hash in zip(offsets[:num_known], hashes[first : first + num_known], strict=True):
-        keep(parent + data[offset : offset + step])
-        parent = block_hash
+    if num_known:  # blocks whose hash is known: their preimages only
+        for offset, block_hash in zip(offsets[:num_known], hashes[first : first + num_known], strict=True):
+            keep(parent + data[offset : offset + step])
+            parent = block_hash
+        offsets = offsets[num_known:]
     append_hash = hashes.append
     sha256 = _sha256
     # NOTE: the token list is converted to bytes once; each block is a slice of it. The cost
     # per new block is dominated by one sha256 call (OpenSSL's per-call setup), not by Python.
-    for offset in offsets[num_known:]:
+    for offset in offsets:
         preimage = parent + data[offset : offset + step]
         keep(preimage)
         parent = sha256(preimage).digest()
