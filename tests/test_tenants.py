@@ -26,8 +26,8 @@ from servers import TOKEN, ModuleLoop, cache_service, child_env, greedy_request,
 from cachesvc.block_manager import BlockManager
 from cachesvc.errors import ExceedsLimit, ResourceExhausted
 from cachesvc.host_tier import HostTier
-from cachesvc.records import AllocateItem as TableItem
 from cachesvc.limits import fair_shares
+from cachesvc.records import AllocateItem as TableItem
 from cachesvc.sequences import SequenceTable
 from kvtier import status
 from kvtier.api import cache_pb2
