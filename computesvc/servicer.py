@@ -170,6 +170,15 @@ class ComputeServicer(compute_pb2_grpc.ComputeServiceServicer):
         except CacheUnavailable as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         finished = False
+
+        def on_done(_context) -> None:
+            # Runs when the call ends however it ends, also when the client cancels while grpc is
+            # writing a reply (outside this generator, whose `finally` then waits for the
+            # generator to be finalized).
+            if not finished:
+                self.replica.scheduler.abort(req)
+
+        context.add_done_callback(on_done)
         try:
             while not finished:
                 out: StepOutput = await req.outputs.get()
