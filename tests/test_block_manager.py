@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -398,3 +399,32 @@ def test_pressure_trace_evicts_only_what_the_unpublished_free_blocks_cannot_cove
     assert now.evictions == now.max_evictions
     assert before.evictions > before.max_evictions
     assert now.hit_tokens >= before.hit_tokens > 0
+
+
+def test_the_before_after_bench_runs_two_trees_in_one_process() -> None:
+    """bench/block_manager_ab.py, small: HEAD's packages against the working tree's, side by side."""
+    repo = Path(__file__).resolve().parent.parent
+    if subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("not a git checkout: the bench exports a revision with git archive")
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(repo / "bench" / "block_manager_ab.py"),
+            "--before",
+            "HEAD",
+            "--quick",
+            "--repeats",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    ).stdout
+    rows = {m[1]: m[2].split() for m in re.finditer(r"^(before|after) +([\d. ]+)$", out, re.M)}
+    assert set(rows) == {"before", "after"}, out
+    assert all(len(v) == 6 and float(v[0]) > 0 for v in rows.values()), out
+    headline = out.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"headline: after [\d.]+ vs before [\d.]+ µs per lifecycle, after/before [\d.]+", headline
+    )

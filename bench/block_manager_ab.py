@@ -1,0 +1,160 @@
+"""The block-manager lifecycle of two trees in ONE process: a git revision against the working tree.
+
+``bench/block_manager.py`` measures one tree. Comparing two trees by running it twice, one
+after the other, compares two machines as much as two trees here: the speed of this shared VM
+drifts by 2x within a minute. This benchmark imports both trees' ``cachesvc`` and ``kvtier``
+into one process (each under its own package name: ``before_cachesvc``, ``after_cachesvc``, ...)
+and runs the same trace through both, taking turns every ``--chunk`` lifecycles, each with its
+own table; every lifecycle's best of ``--repeats`` runs counts, as in ``block_manager.py``.
+
+The lifecycle and trace are ``block_manager.py``'s "prefix caching" mode (1k-token prompts,
+half of them a Zipf-popular shared prefix, 64 one-token extends, one commit, one free, events
+drained). Hashing is the same code in both trees and is not subtracted: the totals differ by
+what the trees do differently.
+
+    python bench/block_manager_ab.py --before 24f705e          # vs the tree before the redesign
+    python bench/block_manager_ab.py --before HEAD~1 --quick
+
+The last line is the headline: after vs before, µs per lifecycle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.block_manager import FINGERPRINT, LEASE, VOCAB, make_trace, parse_args  # noqa: E402
+
+PACKAGES = ("cachesvc", "kvtier")
+PHASES = ("allocate", "extend", "commit", "free", "events")
+
+
+def export_tree(rev: str | None, prefix: str, dest: Path) -> None:
+    """Write ``rev``'s packages (None: the working tree's) under ``dest`` as ``{prefix}_{pkg}``,
+    their imports of each other renamed to match."""
+    for pkg in PACKAGES:
+        target = dest / f"{prefix}_{pkg}"
+        if rev is None:
+            shutil.copytree(REPO / pkg, target, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            target.mkdir()
+            archive = subprocess.run(
+                ["git", "-C", str(REPO), "archive", "--format=tar", rev, pkg], check=True, capture_output=True
+            ).stdout
+            subprocess.run(
+                ["tar", "-x", "--strip-components=1", "-C", str(target)], input=archive, check=True
+            )
+    imports = re.compile(rf"\b(from|import) ({'|'.join(PACKAGES)})\b")
+    for path in dest.glob(f"{prefix}_*/**/*.py"):
+        path.write_text(imports.sub(rf"\1 {prefix}_\2", path.read_text()))
+
+
+class Tree:
+    """One tree's table, stepped one lifecycle at a time."""
+
+    def __init__(self, prefix: str, args: argparse.Namespace, prompts: list[list[int]]) -> None:
+        self.name = prefix
+        self.args = args
+        bm = importlib.import_module(f"{prefix}_cachesvc.block_manager")
+        sequences = importlib.import_module(f"{prefix}_cachesvc.sequences")
+        self.event_log = importlib.import_module(f"{prefix}_cachesvc.events").EventLog
+        try:  # the item type is AllocateItem in cachesvc.records since the redesign
+            item = importlib.import_module(f"{prefix}_cachesvc.records").AllocateItem
+        except (ImportError, AttributeError):
+            item = sequences.AllocateSpec
+        self.items = [item(p) for p in prompts]
+        self.new_table = lambda: sequences.SequenceTable(
+            bm.BlockManager(args.num_blocks, args.block_size),
+            None,
+            model_fingerprint=FINGERPRINT,
+            vocab_size=VOCAB,
+            max_model_len=args.prompt_len + args.decode + 64,
+        )
+
+    def reset(self) -> None:
+        self.table = self.new_table()
+        self.events = self.event_log(self.args.block_size)
+
+    def lifecycle(self, k: int, generated: list[int]) -> tuple[int, ...]:
+        table, item, clock, decode = self.table, self.items[k], time.perf_counter_ns, self.args.decode
+        t0 = clock()
+        (blocks,) = table.allocate(LEASE, [item])
+        t1 = clock()
+        sid = blocks.sequence_id
+        for i in range(1, decode + 1):
+            table.extend(LEASE, [(sid, i)])
+        t2 = clock()
+        table.commit(LEASE, [(sid, generated, len(item.token_ids) + decode)])
+        t3 = clock()
+        table.free(LEASE, [sid])
+        t4 = clock()
+        self.events.extend(table.block_manager.take_event_records())
+        t5 = clock()
+        return t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--before", required=True, help="git revision of the 'before' tree (e.g. 24f705e)")
+    ap.add_argument("--after", help="git revision of the 'after' tree (default: the working tree)")
+    ap.add_argument("--repeats", type=int, default=10, help="runs; each lifecycle's best counts")
+    ap.add_argument("--chunk", type=int, default=20, help="lifecycles per turn")
+    ap.add_argument("--quick", action="store_true", help="300 sequences (default 2000)")
+    ours = ap.parse_args(argv)
+    args = parse_args(["--quick"] if ours.quick else [])
+    trace = make_trace(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        export_tree(ours.before, "before", Path(tmp))
+        export_tree(ours.after, "after", Path(tmp))
+        sys.path.insert(0, tmp)
+        trees = [Tree(name, args, trace.prompts) for name in ("before", "after")]
+    n = args.sequences
+    print(
+        f"before = {ours.before}, after = {ours.after or 'working tree'}; {n} lifecycles of "
+        f"{args.prompt_len}-token prompts, {args.decode} extends; turns of {ours.chunk}, best of {ours.repeats}"
+    )
+    best = {t.name: np.full((n, len(PHASES)), np.iinfo(np.int64).max, np.int64) for t in trees}
+    for rep in range(ours.repeats):
+        for t in trees:
+            t.reset()
+        order = trees if rep % 2 == 0 else trees[::-1]
+        gc.collect()
+        gc.freeze()
+        for first in range(0, n, ours.chunk):
+            for t in order:
+                b = best[t.name]
+                for k in range(first, min(first + ours.chunk, n)):
+                    b[k] = np.minimum(b[k], t.lifecycle(k, trace.generated[k]))
+        gc.unfreeze()
+    clock_ns = min(-time.perf_counter_ns() + time.perf_counter_ns() for _ in range(2000))
+    totals = {}
+    print(f"{'tree':<7} {'µs/life':>8} {'alloc':>7} {'extend':>7} {'commit':>7} {'free':>6} {'events':>6}")
+    for t in trees:
+        parts = (best[t.name] - clock_ns).clip(min=0).sum(axis=0) / n / 1e3
+        totals[t.name] = parts.sum()
+        print(
+            f"{t.name:<7} {parts.sum():>8.1f} {parts[0]:>7.1f} {parts[1] / args.decode:>7.3f} "
+            f"{parts[2]:>7.1f} {parts[3]:>6.1f} {parts[4]:>6.1f}"
+        )
+    print("(extend: µs per call; the rest µs per lifecycle; hashing included, the same code in both)")
+    after, before = totals["after"], totals["before"]
+    print(
+        f"headline: after {after:.1f} vs before {before:.1f} µs per lifecycle, after/before {after / before:.3f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
