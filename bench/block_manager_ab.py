@@ -65,7 +65,9 @@ def export_tree(rev: str | None, prefix: str, dest: Path) -> None:
 class Tree:
     """One tree's table, stepped one lifecycle at a time."""
 
-    def __init__(self, prefix: str, args: argparse.Namespace, prompts: list[list[int]]) -> None:
+    def __init__(
+        self, prefix: str, args: argparse.Namespace, prompts: list[list[int]], no_hits: bool
+    ) -> None:
         self.name = prefix
         self.args = args
         bm = importlib.import_module(f"{prefix}_cachesvc.block_manager")
@@ -75,7 +77,8 @@ class Tree:
             item = importlib.import_module(f"{prefix}_cachesvc.records").AllocateItem
         except (ImportError, AttributeError):
             item = sequences.AllocateSpec
-        self.items = [item(p) for p in prompts]
+        # --no-hits: a salt per request, block_manager.py's "baseline (no hits)" mode
+        self.items = [item(p, cache_salt=f"req-{k}" if no_hits else "") for k, p in enumerate(prompts)]
         self.new_table = lambda: sequences.SequenceTable(
             bm.BlockManager(args.num_blocks, args.block_size),
             None,
@@ -113,6 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=10, help="runs; each lifecycle's best counts")
     ap.add_argument("--chunk", type=int, default=20, help="lifecycles per turn")
     ap.add_argument("--quick", action="store_true", help="300 sequences (default 2000)")
+    ap.add_argument("--no-hits", action="store_true", help="a cache_salt per request: nothing hits")
     ours = ap.parse_args(argv)
     args = parse_args(["--quick"] if ours.quick else [])
     trace = make_trace(args)
@@ -120,11 +124,12 @@ def main(argv: list[str] | None = None) -> None:
         export_tree(ours.before, "before", Path(tmp))
         export_tree(ours.after, "after", Path(tmp))
         sys.path.insert(0, tmp)
-        trees = [Tree(name, args, trace.prompts) for name in ("before", "after")]
+        trees = [Tree(name, args, trace.prompts, ours.no_hits) for name in ("before", "after")]
     n = args.sequences
     print(
         f"before = {ours.before}, after = {ours.after or 'working tree'}; {n} lifecycles of "
-        f"{args.prompt_len}-token prompts, {args.decode} extends; turns of {ours.chunk}, best of {ours.repeats}"
+        f"{args.prompt_len}-token prompts ({'no prefix hits' if ours.no_hits else 'about half a shared prefix'}), "
+        f"{args.decode} extends; turns of {ours.chunk}, best of {ours.repeats}"
     )
     best = {t.name: np.full((n, len(PHASES)), np.iinfo(np.int64).max, np.int64) for t in trees}
     for rep in range(ours.repeats):
