@@ -470,10 +470,12 @@ def test_closing_a_requests_streams_while_they_are_collected_ends_every_one():
 
     async def run() -> list[int]:
         ended: list[int] = []
+        inside = [asyncio.Event() for _ in range(n)]
 
         async def stream(i: int):
             try:
                 yield compute_pb2.GenerateResponse(text="a")
+                inside[i].set()
                 await asyncio.Event().wait()  # a replica that keeps the stream open
                 yield compute_pb2.GenerateResponse(text="b")
             finally:
@@ -484,7 +486,8 @@ def test_closing_a_requests_streams_while_they_are_collected_ends_every_one():
         jobs = [Job(i, 0, i, [BOS], compute_pb2.GenerateRequest()) for i in range(n)]
         streams = Streams(jobs, gens, firsts)
         collect = asyncio.ensure_future(streams.collect())
-        await asyncio.sleep(0.05)  # every pump is inside its stream
+        for event in inside:  # every pump is inside its stream
+            await event.wait()
         collect.cancel()
         await streams.aclose()
         return sorted(ended)
