@@ -1,4 +1,4 @@
-"""bench/serve.py --quick runs end to end and writes a complete, sane report.
+"""bench/serve.py --quick (at a smoke test's size, SMOKE) runs end to end and writes a complete, sane report.
 
 The benchmark's targets (waste, concurrency ratio, TTFT ratio) are speed/size claims checked by
 the benchmark itself, not here: these tests pin that every system and metric is reported, that
@@ -26,11 +26,18 @@ REQUIRED = ("kvtier", "kvtier-prefix-off", "hf-static-prealloc")
 OPTIONAL = "hf-continuous-batching"  # transformers' own; reported or skipped with a reason
 
 
+# --quick at a smoke test's size: every system, workload and metric still runs and is reported,
+# but on 2 high rates (whose runs take the least wall time), 4 requests per run (multi-turn: 2
+# conversations of 3 turns), 8 output tokens each, and a burst of 3x (not 6x) the preallocated
+# baseline's sequences. The benchmark's own --quick defaults are unchanged.
+SMOKE = ("--requests", "4", "--max-tokens", "8", "--rates", "16", "64", "--burst-factor", "3")
+
+
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory) -> tuple[Path, dict, str]:
     out = tmp_path_factory.mktemp("serve")
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "serve.py"), "--quick", "--out", str(out)],
+        [sys.executable, str(ROOT / "bench" / "serve.py"), "--quick", *SMOKE, "--out", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
