@@ -12,7 +12,6 @@ from dataclasses import dataclass, replace
 
 from cachesvc.block_manager import BlockManager
 from cachesvc.config import GIB, CacheConfig, parse_config
-from cachesvc.host_tier import HostTier
 from cachesvc.leases import LeaseTable
 from cachesvc.node import CacheNode
 from cachesvc.sequences import SequenceTable
@@ -147,6 +146,10 @@ def human_bytes(n: float) -> str:
 
 
 async def _serve_pool(cfg: CacheConfig, shape: ModelShape, plan: PoolPlan, pool, token: str) -> None:
+    # NOTE: imported here, not at the top: it imports torch (seconds), which `--help` and a flag
+    # error need not wait for; by now create_pool has imported torch anyway.
+    from cachesvc.host_tier import HostTier
+
     host_tier = HostTier.from_bytes(pool.tensor, int(cfg.swap_space * GIB)) if cfg.swap_space > 0 else None
     num_host = host_tier.num_blocks if host_tier else 0
     log.info(
