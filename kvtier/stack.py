@@ -180,7 +180,8 @@ class LocalStack:
         env.setdefault("PYTHONUNBUFFERED", "1")
         return env
 
-    def start_cache(self) -> Process:
+    def spawn_cache(self) -> Process:
+        """Start the cache service (not yet waited on: `wait_serving(stack.cache)`)."""
         ensure_run_dir(self.run_dir)  # 0700 if new; another user's, or writable by others: refused
         self.cache = start(
             "cache",
@@ -190,7 +191,10 @@ class LocalStack:
             self.run_dir,
             self._env(),
         )
-        wait_serving(self.cache)
+        return self.cache
+
+    def start_cache(self) -> Process:
+        wait_serving(self.spawn_cache())
         return self.cache
 
     def start_replica(self, i: int) -> Process:
@@ -206,23 +210,23 @@ class LocalStack:
         ]
         return start(f"compute-{i}", "computesvc", args, address, self.run_dir, self._env())
 
+    def spawn_servers(self) -> None:
+        """Start the replicas and the gateway, once the cache service serves (not yet waited on)."""
+        self.replicas = [self.start_replica(i) for i in range(self.num_replicas)]
+        if self.gateway_args is not None:  # it loads its tokenizer while the replicas load the model
+            self.gateway = spawn_gateway(
+                self.compute_addresses, self.gateway_args, self.run_dir, self._env(), self.gateway_port
+            )
+
+    def wait_servers(self) -> None:
+        for p in self.replicas:
+            wait_serving(p)
+        if self.gateway is not None:
+            wait_gateway(self.gateway)
+
     def up(self) -> LocalStack:
         """Start the cache service, then the replicas and the gateway (in parallel), and wait until all serve."""
-        try:
-            self.start_cache()
-            self.replicas = [self.start_replica(i) for i in range(self.num_replicas)]
-            if self.gateway_args is not None:  # it loads its tokenizer while the replicas load the model
-                self.gateway = spawn_gateway(
-                    self.compute_addresses, self.gateway_args, self.run_dir, self._env(), self.gateway_port
-                )
-            for p in self.replicas:
-                wait_serving(p)
-            if self.gateway is not None:
-                wait_gateway(self.gateway)
-        except BaseException:
-            self.down()
-            raise
-        write_stack_file(self, {p.name: p.proc.pid for p in self.processes})
+        up_side_by_side([self])
         return self
 
     @property
@@ -247,6 +251,27 @@ class LocalStack:
 
     def __exit__(self, *exc) -> None:
         self.down()
+
+
+def up_side_by_side(stacks: list[LocalStack]) -> None:
+    """Start several stacks at once, each as `LocalStack.up` does: every cache service, then, once
+    they all serve, every stack's replicas and gateway, and wait until all serve. If any fails to
+    start, every stack is stopped and the error raised."""
+    try:
+        for stack in stacks:
+            stack.spawn_cache()
+        for stack in stacks:
+            wait_serving(stack.cache)
+        for stack in stacks:
+            stack.spawn_servers()
+        for stack in stacks:
+            stack.wait_servers()
+    except BaseException:
+        for stack in stacks:
+            stack.down()
+        raise
+    for stack in stacks:
+        write_stack_file(stack, {p.name: p.proc.pid for p in stack.processes})
 
 
 @dataclass
@@ -307,8 +332,8 @@ class MultiNodeStack:
             for i in range(self.num_nodes)
         ]
         try:
+            up_side_by_side(self.nodes)  # the nodes start in parallel
             for node in self.nodes:
-                node.up()
                 (node.run_dir / STACK_FILE).unlink(missing_ok=True)  # the stack file is the parent's
             if self.gateway_args is not None:
                 self.gateway = wait_gateway(
