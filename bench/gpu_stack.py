@@ -249,7 +249,7 @@ async def kvtier_serve(addresses: list[str], prompts: list[list[int]], max_token
 
 
 def start_stack(a: argparse.Namespace, model_dir: Path, run_dir: Path):
-    from kvtier.stack import LocalStack
+    from kvtier_cli.stack import LocalStack
 
     stack = LocalStack(
         run_dir,

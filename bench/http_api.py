@@ -361,7 +361,7 @@ def main() -> int:
     rounds = args.rounds or (1 if args.quick else 2)
     probes = 5 if args.quick and args.probes == 20 else args.probes
 
-    from kvtier.stack import LocalStack
+    from kvtier_cli.stack import LocalStack
 
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-http-"))
     model, params = make_model_dir(tmp / "model")

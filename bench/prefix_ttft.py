@@ -75,7 +75,7 @@ def main() -> int:
     if args.quick:
         args.requests = 4
 
-    from kvtier.stack import LocalStack
+    from kvtier_cli.stack import LocalStack
 
     work = Path(tempfile.mkdtemp(prefix="kvtier-bench-ttft-"))
     model = args.model or str(make_model_dir(work / "model"))

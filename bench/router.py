@@ -117,7 +117,7 @@ def main() -> int:
         args.systems, args.questions = 6, 3
 
     from bench.models import random_llama_dir
-    from kvtier.stack import LocalStack, start, wait_gateway
+    from kvtier_cli.stack import LocalStack, start, wait_gateway
 
     work = Path(tempfile.mkdtemp(prefix="kvtier-bench-router-"))
     model = args.model or str(

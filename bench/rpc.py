@@ -160,7 +160,7 @@ def main() -> int:
     if args.quick:
         args.clients, args.seconds = [1, 8], 1.0
 
-    from kvtier.stack import LocalStack
+    from kvtier_cli.stack import LocalStack
 
     token = "bench-token"
     run_dir = Path(tempfile.mkdtemp(prefix="kvtier-bench-rpc-"))

@@ -147,7 +147,7 @@ async def run_remote(loaded, args, num_blocks: int) -> dict:
     from computesvc.remote_cache import RemoteCache
     from kvtier.cache_client import CacheClient
     from kvtier.pool import attach_pool
-    from kvtier.stack import LocalStack
+    from kvtier_cli.stack import LocalStack
 
     token = "bench-token"
     run_dir = Path(tempfile.mkdtemp(prefix="kvtier-bench-sep-"))

@@ -472,7 +472,7 @@ async def run_kvtier(
 ) -> dict:
     from kvtier.cache_client import CacheClient
     from kvtier.compute_client import ComputeClient
-    from kvtier.stack import LocalStack
+    from kvtier_cli.stack import LocalStack
 
     token = "bench-serve-token"
     run_dir = Path(tempfile.mkdtemp(prefix="kvtier-bench-serve-"))

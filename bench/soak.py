@@ -46,7 +46,7 @@ import grpc  # noqa: E402
 from clients.generate_load import LoadSpec, collect, start_clients  # noqa: E402
 
 from kvtier.cache_client import CacheClient  # noqa: E402
-from kvtier.stack import LocalStack, wait_serving  # noqa: E402
+from kvtier_cli.stack import LocalStack, wait_serving  # noqa: E402
 
 POOL = ["--num-blocks", "192", "--swap-space", "0.01"]
 

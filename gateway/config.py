@@ -168,7 +168,7 @@ def parse_config(argv: list[str] | None = None, prog: str = "python -m gateway")
         raise SystemExit(f"--routing-load-weight must be >= 0, got {args.routing_load_weight}")
     if args.compute is None:  # the local stack's replicas, and its model unless --model says
         from kvtier import auth
-        from kvtier.stack_file import running_stack
+        from kvtier_cli.stack_file import running_stack
 
         stack = running_stack(auth.run_dir())
         if stack is None:

@@ -1,4 +1,4 @@
-"""Start kvtier services as real subprocesses for tests (through kvtier.stack), each in its own run dir."""
+"""Start kvtier services as real subprocesses for tests (through kvtier_cli.stack), each in its own run dir."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from kvtier.cache_client import CacheClient
 from kvtier.compute_client import ComputeClient
-from kvtier.stack import LocalStack, Process
+from kvtier_cli.stack import LocalStack, Process
 
 REPO = Path(__file__).resolve().parent.parent
 TOKEN = "test-token-0123456789"

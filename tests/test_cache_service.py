@@ -533,7 +533,7 @@ def test_tcp_with_tls_serves_a_client_that_trusts_the_certificate_and_refuses_pl
          "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
         check=True, capture_output=True,
     )  # fmt: skip
-    from kvtier.stack import start
+    from kvtier_cli.stack import start
 
     args = [
         "--listen",

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from kvtier.stack import Process, wait_gateway
+from kvtier_cli.stack import Process, wait_gateway
 
 REPO = Path(__file__).resolve().parent.parent
 KVTIER = str(Path(sys.executable).parent / "kvtier")

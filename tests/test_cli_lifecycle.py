@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.stack_file import STACK_FILE
+from kvtier_cli.stack_file import STACK_FILE
 
 REPO = Path(__file__).resolve().parent.parent
 KVTIER = str(Path(sys.executable).parent / "kvtier")

@@ -41,7 +41,7 @@ from computesvc.config import build_parser
 from computesvc.model import build_tiny_model
 from kvtier.compute_client import Completion, ComputeClient
 from kvtier.model_spec import TINY_LLAMA_CONFIG
-from kvtier.stack import LocalStack, wait_serving
+from kvtier_cli.stack import LocalStack, wait_serving
 
 SEED = 0
 BLOCK = 16

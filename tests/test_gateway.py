@@ -22,7 +22,7 @@ from gateway.engine import Job, Streams
 from kvtier.api import compute_pb2
 from kvtier.compute_client import ComputeClient
 from kvtier.model_spec import TINY_LLAMA_CONFIG
-from kvtier.stack import LocalStack, start_gateway
+from kvtier_cli.stack import LocalStack, start_gateway
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

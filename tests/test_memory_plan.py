@@ -286,7 +286,7 @@ def test_cache_service_refuses_to_start_when_the_plan_leaves_no_pool(monkeypatch
 
 
 def test_kvtier_up_tells_the_cache_service_how_many_replicas_share_its_device():
-    from kvtier.cli import _service_args, build_parser
+    from kvtier_cli.cli import _service_args, build_parser
 
     for argv, replicas in (
         (["up"], 2),

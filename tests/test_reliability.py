@@ -46,7 +46,7 @@ from kvtier.cache_client import CacheClient
 from kvtier.compute_client import ComputeClient
 from kvtier.model_spec import TINY_LLAMA_CONFIG
 from kvtier.pool import attach_pool
-from kvtier.stack import LocalStack, wait_serving
+from kvtier_cli.stack import LocalStack, wait_serving
 
 BOS = TINY_LLAMA_CONFIG["bos_token_id"]
 MAX_MODEL_LEN = TINY_LLAMA_CONFIG["max_position_embeddings"]

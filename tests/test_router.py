@@ -15,7 +15,7 @@ from servers import TOKEN, ModuleLoop, cache_service, child_env
 from gateway.router import Node, NodeFileError, Router, load_node_file, parse_node_flag
 from kvtier.cache_client import AllocateItem, CacheClient
 from kvtier.model_spec import ModelShape
-from kvtier.stack import LocalStack, start, wait_gateway
+from kvtier_cli.stack import LocalStack, start, wait_gateway
 
 BS = 16
 LOOP = ModuleLoop()

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from servers import REPO, cache_stats, child_env, wait_until
 
 from kvtier.model_spec import TINY_LLAMA_CONFIG
-from kvtier.stack import LocalStack, start, up_side_by_side, wait_gateway
+from kvtier_cli.stack import LocalStack, start, up_side_by_side, wait_gateway
 
 BS = 16
 SYSTEM_LEN = 6 * BS  # six full blocks per system prompt

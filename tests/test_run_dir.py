@@ -33,7 +33,7 @@ from kvtier import auth
 from kvtier.cache_client import CacheClient
 from kvtier.compute_client import ComputeClient
 from kvtier.grpc_server import bind
-from kvtier.stack_file import running_stack, stop_stack
+from kvtier_cli.stack_file import running_stack, stop_stack
 
 NOBODY = pwd.getpwnam("nobody").pw_uid
 needs_root = pytest.mark.skipif(os.getuid() != 0, reason="giving a directory to another user needs root")

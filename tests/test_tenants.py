@@ -35,7 +35,7 @@ from kvtier.api_keys import ApiKeys, ApiKeysError, ClientKeys, tenant_salt
 from kvtier.auth import bearer, grpc_target
 from kvtier.cache_client import AllocateItem, CacheClient
 from kvtier.compute_client import ComputeClient
-from kvtier.stack import LocalStack, start_gateway
+from kvtier_cli.stack import LocalStack, start_gateway
 
 pytestmark = [pytest.mark.timeout(600)]
 
@@ -337,7 +337,7 @@ def test_a_bad_api_keys_file_stops_kvtier_up_and_the_compute_service_at_once(tmp
     assert "is the node token" in compute.stderr
     duplicate = tmp_path / "dup.json"
     duplicate.write_text(json.dumps({"tenants": {"a": {"keys": [ACME_KEY]}, "b": {"keys": [ACME_KEY]}}}))
-    up = run("kvtier.cli", "up", "--api-keys", str(duplicate))
+    up = run("kvtier_cli.cli", "up", "--api-keys", str(duplicate))
     assert up.returncode != 0 and "already a key of tenant 'a'" in up.stderr, up.stderr
     assert not (tmp_path / "stack.json").exists() and not list(tmp_path.glob("*.sock"))
 

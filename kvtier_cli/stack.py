@@ -4,7 +4,7 @@ processes, and stop it.
 Used by `kvtier up` / `kvtier demo`, by the tests and by the benchmarks: every service is a
 real process on a Unix socket in one run directory, ready once its gRPC health service says
 SERVING; the gateway listens on TCP and is ready once its GET /health answers 200. The stack file
-a started stack writes, and finding or stopping a stack from another process: kvtier.stack_file.
+a started stack writes, and finding or stopping a stack from another process: kvtier_cli.stack_file.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import grpc
 
 from kvtier.auth import create_token_file, ensure_run_dir
 from kvtier.healthcheck import check
-from kvtier.stack_file import STACK_FILE, write_stack_file
+from kvtier_cli.stack_file import STACK_FILE, write_stack_file
 
 # Each service's own trace name (as in docker-compose.yml and deploy/k8s): the one the caller's
 # OTEL_SERVICE_NAME (`kvtier generate`'s, a test client's) would otherwise give every process.

@@ -69,8 +69,8 @@ def _service_args(args) -> tuple[list[str], list[str], list[str]]:
 
 def _stack(args) -> tuple[object, dict]:
     """A running stack in the run dir, or a new one (returned so the caller stops it)."""
-    from kvtier.stack import LocalStack, MultiNodeStack
-    from kvtier.stack_file import running_stack
+    from kvtier_cli.stack import LocalStack, MultiNodeStack
+    from kvtier_cli.stack_file import running_stack
 
     run_dir = auth.run_dir()
     info = running_stack(run_dir)
@@ -176,7 +176,7 @@ def cmd_up(args) -> int:
 
 def cmd_down(args) -> int:
     """Stop the stack `kvtier up` runs in the run directory, from any shell."""
-    from kvtier.stack_file import stop_stack
+    from kvtier_cli.stack_file import stop_stack
 
     run_dir = auth.run_dir()
     stopped = stop_stack(run_dir, timeout_s=args.timeout)
@@ -224,7 +224,7 @@ def cmd_generate(args) -> int:
     from kvtier import telemetry
 
     _stop_on_signals()
-    # Before any channel is made; the services it may start keep their own names (kvtier.stack).
+    # Before any channel is made; the services it may start keep their own names (kvtier_cli.stack).
     try:
         telemetry.setup_tracing("kvtier-cli")
     except ValueError as e:  # an OTLP protocol we do not speak
@@ -240,7 +240,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from kvtier.demo import print_summary, run_demo
+    from kvtier_cli.demo import print_summary, run_demo
 
     _stop_on_signals()
     stack = None
