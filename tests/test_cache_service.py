@@ -103,17 +103,21 @@ def test_independent_process_writes_and_another_reads_the_same_bytes_through_a_p
         assert list(seq.block_table[:2]) == info["block_table"][:2]
         assert seq.block_table[2] != info["block_table"][2]
         pool = attach_pool(client.pool)
-        for block_id in seq.block_table[:2]:
-            assert torch.all(pool.tensor[block_id] == 1.5)
-        assert pool.tensor.shape[0] == 64
+        try:
+            for block_id in seq.block_table[:2]:
+                assert torch.all(pool.tensor[block_id] == 1.5)
+            assert pool.tensor.shape[0] == 64
+        finally:
+            pool.close()
     finally:
         writer.stdin.close()
         writer.wait(10)
 
 
-def test_swap_round_trip_preserves_bytes(client):
+def test_swap_round_trip_preserves_bytes(client, request):
     seq = _alloc(client, [[7] * 40])[0]
     pool = attach_pool(client.pool)
+    request.addfinalizer(pool.close)
     gen = torch.Generator().manual_seed(3)
     pattern = torch.randn((len(seq.block_table), *pool.tensor.shape[1:]), generator=gen)
     for i, block_id in enumerate(seq.block_table):

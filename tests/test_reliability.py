@@ -589,6 +589,7 @@ def test_a_replica_paused_past_its_lease_starts_no_write_into_blocks_given_to_an
     stop_beating = owner.start_heartbeat_thread()
     channel = grpc.insecure_channel(grpc_target(paused.address))
     seqs = []
+    pool = None
     try:
         stream = compute_pb2_grpc.ComputeServiceStub(channel).Generate(
             greedy_request(prompt(10, 70), MAX_MODEL_LEN - 10), metadata=bearer(TOKEN), timeout=120
@@ -632,6 +633,8 @@ def test_a_replica_paused_past_its_lease_starts_no_write_into_blocks_given_to_an
         }
     finally:
         channel.close()
+        if pool is not None:
+            pool.close()
         if seqs:
             owner.free([seq.sequence_id for seq in seqs])
         stop_beating.set()
