@@ -36,7 +36,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.block_manager import FINGERPRINT, LEASE, VOCAB, make_trace, parse_args  # noqa: E402
+from bench.block_manager import FINGERPRINT, VOCAB, Runner, Trace, make_trace, parse_args, salts  # noqa: E402
 
 PACKAGES = ("cachesvc", "kvtier")
 PHASES = ("allocate", "extend", "commit", "free", "events")
@@ -62,14 +62,14 @@ def export_tree(rev: str | None, prefix: str, dest: Path) -> None:
         path.write_text(imports.sub(rf"\1 {prefix}_\2", path.read_text()))
 
 
-class Tree:
-    """One tree's table, stepped one lifecycle at a time."""
+class Tree(Runner):
+    """One tree's table, stepped one lifecycle at a time: ``Runner.lifecycle`` (the same calls,
+    clock reads and event drain as block_manager.py) over this tree's classes."""
 
-    def __init__(
-        self, prefix: str, args: argparse.Namespace, prompts: list[list[int]], no_hits: bool
-    ) -> None:
+    def __init__(self, prefix: str, args: argparse.Namespace, trace: Trace, no_hits: bool) -> None:
         self.name = prefix
         self.args = args
+        self.trace = trace
         bm = importlib.import_module(f"{prefix}_cachesvc.block_manager")
         sequences = importlib.import_module(f"{prefix}_cachesvc.sequences")
         self.event_log = importlib.import_module(f"{prefix}_cachesvc.events").EventLog
@@ -78,7 +78,7 @@ class Tree:
         except (ImportError, AttributeError):
             item = sequences.AllocateSpec
         # --no-hits: a salt per request, block_manager.py's "baseline (no hits)" mode
-        self.items = [item(p, cache_salt=f"req-{k}" if no_hits else "") for k, p in enumerate(prompts)]
+        self.items = [item(p, cache_salt=s) for p, s in zip(trace.prompts, salts(args, no_hits), strict=True)]
         self.new_table = lambda: sequences.SequenceTable(
             bm.BlockManager(args.num_blocks, args.block_size),
             None,
@@ -90,23 +90,6 @@ class Tree:
     def reset(self) -> None:
         self.table = self.new_table()
         self.events = self.event_log(self.args.block_size)
-
-    def lifecycle(self, k: int, generated: list[int]) -> tuple[int, ...]:
-        table, item, clock, decode = self.table, self.items[k], time.perf_counter_ns, self.args.decode
-        t0 = clock()
-        (blocks,) = table.allocate(LEASE, [item])
-        t1 = clock()
-        sid = blocks.sequence_id
-        for i in range(1, decode + 1):
-            table.extend(LEASE, [(sid, i)])
-        t2 = clock()
-        table.commit(LEASE, [(sid, generated, len(item.token_ids) + decode)])
-        t3 = clock()
-        table.free(LEASE, [sid])
-        t4 = clock()
-        self.events.extend(table.block_manager.take_event_records())
-        t5 = clock()
-        return t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -124,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
         export_tree(ours.before, "before", Path(tmp))
         export_tree(ours.after, "after", Path(tmp))
         sys.path.insert(0, tmp)
-        trees = [Tree(name, args, trace.prompts, ours.no_hits) for name in ("before", "after")]
+        trees = [Tree(name, args, trace, ours.no_hits) for name in ("before", "after")]
     n = args.sequences
     print(
         f"before = {ours.before}, after = {ours.after or 'working tree'}; {n} lifecycles of "
@@ -142,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
             for t in order:
                 b = best[t.name]
                 for k in range(first, min(first + ours.chunk, n)):
-                    b[k] = np.minimum(b[k], t.lifecycle(k, trace.generated[k]))
+                    b[k] = np.minimum(b[k], t.lifecycle(k)[0])
         gc.unfreeze()
     clock_ns = min(-time.perf_counter_ns() + time.perf_counter_ns() for _ in range(2000))
     totals = {}
