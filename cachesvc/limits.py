@@ -61,7 +61,7 @@ def fair_shares(total: int, quotas: dict[str, int]) -> dict[str, int]:
     return shares
 
 
-def _add(counts: dict[str, int], key: str, n: int) -> None:
+def count(counts: dict[str, int], key: str, n: int) -> None:
     """``counts[key] += n``; a key leaves when it reaches 0."""
     left = counts.get(key, 0) + n
     if left:
@@ -123,8 +123,8 @@ class TenantLimits:
         """Count ``blocks`` (negative: released) against a tenant and a lease; callers call it
         only while ``_limited``."""
         if blocks:
-            _add(self._tenant_blocks, tenant, blocks)
-            _add(self._lease_blocks, lease_id, blocks)
+            count(self._tenant_blocks, tenant, blocks)
+            count(self._lease_blocks, lease_id, blocks)
 
     def tenant_quota(self, tenant: str) -> int:
         """Most blocks ``tenant`` may hold; 0 = no limit."""

@@ -26,7 +26,7 @@ from cachesvc.block_manager import BlockManager
 from cachesvc.errors import InvalidArgument, NotFound, ResourceExhausted
 from cachesvc.fencing import Fencing
 from cachesvc.invariants import check_table
-from cachesvc.limits import TenantLimits
+from cachesvc.limits import TenantLimits, count
 from cachesvc.records import DEVICE, HOST, AllocateItem, CacheStats, Sequence, SequenceBlocks
 from cachesvc.swap import Swapping
 from cachesvc.validation import (
@@ -142,8 +142,7 @@ class SequenceTable(TenantLimits, Fencing, Swapping):
         ``len(token_ids) + num_lookahead_tokens`` tokens. Hits of ALL items are taken before any
         new block is allocated, so a later item's allocation never evicts an earlier item's hit.
         """
-        if len(items) > self.max_batch:
-            check_batch(len(items), self.max_batch)
+        check_batch(len(items), self.max_batch)
         bm = self.block_manager
         bs = self.block_size
         max_len = self.max_model_len
@@ -151,10 +150,7 @@ class SequenceTable(TenantLimits, Fencing, Swapping):
         touched: list[int] = []
         total_new = 0
         held_by_tenant: dict[str, int] = {}
-        # NOTE: _contested() inline for its common answer (one tenant, none waiting: False).
-        track = self._limited or (
-            (len(self.tenant_sequences) > 1 or bool(self.waiting_tenants)) and self._contested()
-        )
+        track = self._limited or self._contested()
         for k, item in enumerate(items):
             tokens = item.token_ids
             n = len(tokens)
@@ -211,7 +207,7 @@ class SequenceTable(TenantLimits, Fencing, Swapping):
                 block_hashes=plan.block_hashes,
                 request_id=item.request_id,
                 tenant=item.tenant,
-                room=min(len(table) * bs, max_len),  # _room
+                room=min(len(table) * bs, max_len),  # _room, inline: once per sequence
                 num_published_blocks=len(hit),
             )
             self._sequences[sid] = seq
@@ -305,7 +301,7 @@ class SequenceTable(TenantLimits, Fencing, Swapping):
                 table = seq.block_table
                 table += new_ids[pos : pos + more]
                 pos += more
-                seq.room = min(len(table) * bs, max_len)  # _room
+                seq.room = min(len(table) * bs, max_len)  # _room, inline: every growing Extend
                 seq.cached_blocks = None
         if len(seqs) == 1:
             return [self._blocks_of(seqs[0])]
@@ -397,7 +393,7 @@ class SequenceTable(TenantLimits, Fencing, Swapping):
             check_unique(sequence_ids)
         if commits:
             self._apply_commit(checked, commits)
-        if len(seqs) == 1:
+        if len(seqs) == 1:  # a finished request's Free
             return self._release(seqs[0])
         return sum(self._release(seq) for seq in seqs)
 
@@ -405,12 +401,7 @@ class SequenceTable(TenantLimits, Fencing, Swapping):
         tenant = seq.tenant
         if self._limited:
             self._charge(tenant, seq.lease_id, -seq.num_blocks)
-        tenant_seqs = self.tenant_sequences
-        left = tenant_seqs[tenant] - 1
-        if left:
-            tenant_seqs[tenant] = left
-        else:
-            del tenant_seqs[tenant]
+        count(self.tenant_sequences, tenant, -1)
         if seq.location == DEVICE:
             released = self.block_manager.free(seq.block_table[::-1])
         else:
