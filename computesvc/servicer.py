@@ -171,10 +171,12 @@ class ComputeServicer(compute_pb2_grpc.ComputeServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         finished = False
 
-        def on_done(_context) -> None:
-            # Runs when the call ends however it ends, also when the client cancels while grpc is
-            # writing a reply (outside this generator, whose `finally` then waits for the
-            # generator to be finalized).
+        def on_done(_context=None) -> None:
+            # The client went away (or the stream was cancelled): release its blocks. Called by
+            # grpc when the call ends however it ends, also when the client cancels while grpc
+            # is writing a reply (outside this generator, whose `finally` then waits for the
+            # generator to be finalized), and from that `finally` (add_done_callback is
+            # experimental in grpc.aio). Aborting twice is harmless.
             if not finished:
                 self.replica.scheduler.abort(req)
 
@@ -199,9 +201,7 @@ class ComputeServicer(compute_pb2_grpc.ComputeServiceServicer):
             span.set_attribute("kvtier.cached_tokens", max(0, req.num_cached_prompt_tokens))
             span.set_attribute("kvtier.generated_tokens", len(req.output_token_ids))
         finally:
-            if not finished:
-                # The client went away (or the stream was cancelled): release its blocks.
-                self.replica.scheduler.abort(req)
+            on_done()
 
     @staticmethod
     def _reply(req: Request, out: StepOutput) -> compute_pb2.GenerateResponse:
