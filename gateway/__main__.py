@@ -72,6 +72,7 @@ async def serve(cfg: GatewayConfig) -> None:
             cfg.routing_load_weight,
             metrics,
             dns=cfg.nodes_dns,
+            tls_ca=cfg.cache_tls_ca,
         )
         for node in cfg.nodes:
             log.info("node %s: cache %s, replicas %s", node.name, node.cache, " ".join(node.compute))

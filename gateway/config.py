@@ -7,7 +7,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from gateway.router import Node, NodeFileError, load_node_file, parse_dns_flag, parse_node_flag
+from gateway.discovery import Node, NodeFileError, load_node_file, parse_dns_flag, parse_node_flag
 
 TINY_MODEL_NAME = "kvtier-tiny"
 
@@ -31,6 +31,7 @@ class GatewayConfig:
     nodes_dns: tuple[str, str] | None = None  # (cache, compute) headless Services, resolved by the router
     routing: str = "kv-aware"
     routing_load_weight: float = 1.0
+    cache_tls_ca: str | None = None  # PEM CA bundle: the router reaches cache services over TLS
 
     def describe(self) -> str:
         """One line for the log; the API key is never printed."""
@@ -103,6 +104,11 @@ def build_parser(prog: str = "python -m gateway") -> argparse.ArgumentParser:
         default=1.0,
         help="kv-aware: score = cached fraction of the prompt - this x the node's share of requests in "
         "flight; higher spreads a popular prefix sooner",
+    )
+    nodes.add_argument(
+        "--cache-tls-ca",
+        metavar="PEM",
+        help="CA bundle: the router reaches the cache services over TLS (as compute's --tls-ca)",
     )
     p.add_argument(
         "--api-key",

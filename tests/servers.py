@@ -11,7 +11,7 @@ from pathlib import Path
 
 from kvtier.cache_client import CacheClient
 from kvtier.compute_client import ComputeClient
-from kvtier_cli.stack import LocalStack, Process
+from kvtier_cli.stack import LocalStack, Process, start
 
 REPO = Path(__file__).resolve().parent.parent
 TOKEN = "test-token-0123456789"
@@ -35,6 +35,33 @@ def cache_service(run_dir: Path, *args: str, env: dict[str, str] | None = None):
         yield service
     finally:
         stack.down()
+
+
+@contextmanager
+def tls_cache_service(run_dir: Path, *args: str):
+    """A cache service on TCP with TLS (a self-signed certificate for 127.0.0.1 made with openssl):
+    yields (its host:port, the certificate's path, the Process)."""
+    import re
+    import subprocess
+
+    key, cert = run_dir / "key.pem", run_dir / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    tls = ["--listen", "tcp://127.0.0.1:0", "--tls-cert", str(cert), "--tls-key", str(key)]
+    proc = start("cache", "cachesvc", [*tls, *args], "", run_dir, child_env(run_dir))
+    try:
+        # The health probe speaks plaintext, so readiness here is the port the service logs.
+        address = wait_until(
+            lambda: (m := re.search(r"listening on (127\.0\.0\.1:\d+)", proc.log())) and m.group(1),
+            30.0,
+            "the TLS service to log its port",
+        )
+        yield address, cert, proc
+    finally:
+        proc.stop()
 
 
 @contextmanager

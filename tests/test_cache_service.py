@@ -20,7 +20,7 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from servers import REPO, TOKEN, cache_service, child_env, stats_without_clock, wait_until
+from servers import REPO, TOKEN, cache_service, child_env, stats_without_clock, tls_cache_service, wait_until
 
 from kvtier.api import cache_pb2
 from kvtier.cache_client import AllocateItem, CacheClient
@@ -529,34 +529,7 @@ def test_prometheus_endpoint_reports_blocks_hits_and_rpc_latency(tmp_path):
 
 
 def test_tcp_with_tls_serves_a_client_that_trusts_the_certificate_and_refuses_plaintext(tmp_path):
-    import re
-
-    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    from kvtier_cli.stack import start
-
-    args = [
-        "--listen",
-        "tcp://127.0.0.1:0",
-        "--tls-cert",
-        str(cert),
-        "--tls-key",
-        str(key),
-        "--num-blocks",
-        "8",
-    ]
-    # The health probe speaks plaintext, so readiness here is the port the service logs.
-    proc = start("cache", "cachesvc", args, "", tmp_path, child_env(tmp_path))
-    try:
-        address = wait_until(
-            lambda: (m := re.search(r"listening on (127\.0\.0\.1:\d+)", proc.log())) and m.group(1),
-            15.0,
-            "the TLS service to log its port",
-        )
+    with tls_cache_service(tmp_path, "--num-blocks", "8") as (address, cert, _):
         secure = CacheClient.connect(address, TOKEN, tls_ca=str(cert))
         secure.attach("tls")
         assert secure.pool.num_blocks == 8
@@ -566,8 +539,6 @@ def test_tcp_with_tls_serves_a_client_that_trusts_the_certificate_and_refuses_pl
             plain.attach("plaintext")
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
         plain.close()
-    finally:
-        proc.stop()
 
 
 def test_successful_control_calls_renew_the_lease_without_heartbeats(tmp_path):

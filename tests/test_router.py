@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from servers import TOKEN, ModuleLoop, cache_service, child_env
+from servers import TOKEN, ModuleLoop, cache_service, child_env, tls_cache_service
 
 from gateway.router import Node, NodeFileError, Router, load_node_file, parse_node_flag
 from kvtier.cache_client import AllocateItem, CacheClient
@@ -29,9 +29,9 @@ def prompt(system: int, question: int, system_len: int = 64) -> list[int]:
     ]
 
 
-def commit(client: CacheClient, token_ids: list[int], cache_salt: str = "") -> int:
+def commit(client: CacheClient, token_ids: list[int], tenant_salt: str = "") -> int:
     """Allocate and commit a whole prompt (as a replica does after prefill); returns the sequence id."""
-    (seq,) = client.allocate([AllocateItem(token_ids, cache_salt=cache_salt)]).sequences
+    (seq,) = client.allocate([AllocateItem(token_ids, tenant_salt=tenant_salt)]).sequences
     client.commit([(seq.sequence_id, [], len(token_ids))])
     return seq.sequence_id
 
@@ -96,7 +96,7 @@ def test_the_index_follows_events_and_equals_lookup_prefix_on_each_node(two_cach
             held = []
             for system in range(6):  # systems 0, 2, 4 on node 0; 1, 3, 5 on node 1
                 held.append(commit(writers[system % 2], prompt(system, 0)))
-            commit(writers[0], prompt(9, 0), cache_salt="tenant-salt")
+            commit(writers[0], prompt(9, 0), tenant_salt="tenant-salt")
             # Fill node 0 past its pool so some of its blocks are evicted (BlockRemoved).
             writers[0].free(held[0::2])
             for system in range(10, 13):
@@ -108,7 +108,7 @@ def test_the_index_follows_events_and_equals_lookup_prefix_on_each_node(two_cach
                         for salt in ("", "tenant-salt"):
                             p = prompt(system, 1)
                             got = router.predicted_tokens(state, router.block_hashes(p, salt, "", BS), len(p))
-                            want = writer.lookup_prefix([p], cache_salt=salt).num_cached_tokens[0]
+                            want = writer.lookup_prefix([p], tenant_salt=salt).num_cached_tokens[0]
                             if got != min(want, (len(p) - 1) // BS * BS):
                                 return False
                 return True
@@ -295,3 +295,27 @@ def test_a_gateway_whose_dns_finds_nothing_yet_starts_and_answers_503(tmp_path) 
         assert "cannot resolve no-such-host.invalid" in gateway.log()
     finally:
         gateway.stop()
+
+
+def test_the_router_reads_a_tls_cache_with_the_ca_it_is_given(tmp_path) -> None:
+    """Router(tls_ca=...) (the gateway's --cache-tls-ca) follows a cache service that serves TLS,
+    through kvtier.cache_client as every client does; a router without the CA cannot."""
+    with tls_cache_service(tmp_path, "--num-blocks", "8") as (address, cert, _):
+
+        async def check() -> None:
+            router = Router([Node("tls", address, ["unused"])], TOKEN, FINGERPRINT, tls_ca=str(cert))
+            plain = Router([Node("plain", address, ["unused"])], TOKEN, FINGERPRINT)
+            await router.start()
+            await plain.start()
+            try:
+                await router.wait_synced(30.0)
+                assert router.states[0].block_size == BS
+                await wait_until_async(
+                    lambda: not plain.states[0].up(time.monotonic()), 30.0, "the plaintext router to fail"
+                )
+                assert plain.states[0].block_size == 0
+            finally:
+                await router.close()
+                await plain.close()
+
+        run(check())
