@@ -3,8 +3,9 @@
 Waiting is first come, first served within a tenant. `Admission.admit` sends the head of the
 queue out in one batched `Allocate`, as many requests as there are free seats and prompt tokens
 in the step's budget. A batch the pool cannot hold is halved until it fits; a batch with an
-item the cache refuses (INVALID_ARGUMENT) is retried one request per call, so only the refused
-requests fail (`RequestRefused`). A head that finds no room fails at once when it can never fit
+item the cache refuses (INVALID_ARGUMENT) or that can never fit (ExceedsLimit, checked before
+room) is retried one request per call, so only those requests fail (`RequestRefused`, or the
+ExceedsLimit itself). A head that finds no room fails at once when it can never fit
 (ExceedsLimit), or once it has waited `admit_timeout_s` with nothing running, and it never holds
 up other tenants: the oldest request of another tenant may still fit. The scheduler
 (computesvc.scheduler) decides when admission runs and starts what it admits.
@@ -66,6 +67,10 @@ class Admission:
                 seqs = await self.allocate(batch)
                 break
             except NoFreeBlocks as e:
+                if isinstance(e, ExceedsLimit) and len(batch) > 1:
+                    # One item can never fit (the cache tests that before room): find it.
+                    batch, seqs = await self._allocate_one_by_one(waiting, batch)
+                    break
                 if len(batch) == 1:
                     self._expire_stuck(waiting, running, batch[0], e)
                     await self._admit_another_tenant(waiting, running, batch[0])
@@ -106,8 +111,9 @@ class Admission:
         self, waiting: deque[Request], batch: list[Request]
     ) -> tuple[list[Request], list[SequenceBlocks]]:
         """Allocate `batch` one request per call after a batched Allocate was refused: refused
-        requests leave the queue failed; stop at the first that finds no room. Returns the
-        admitted requests (the head of the queue, in order) and their blocks."""
+        requests and those that can never fit leave the queue failed; stop at the first that
+        finds no room. Returns the admitted requests (the head of the queue, in order) and their
+        blocks."""
         admitted: list[Request] = []
         seqs: list[SequenceBlocks] = []
         for req in batch:
@@ -115,6 +121,10 @@ class Admission:
                 (seq,) = await self.allocate([req])
             except ValueError as e:
                 self._refuse(waiting, req, e)
+                continue
+            except ExceedsLimit as e:
+                waiting.remove(req)
+                self.emitter.finish(req, "", error=e)
                 continue
             except NoFreeBlocks:
                 break

@@ -24,6 +24,7 @@ class ComputeConfig:
     max_num_batched_tokens: int
     lookahead_blocks: int
     admit_timeout_s: float
+    preemption_policy: str
     max_prompt_bytes: int | None
     max_request_bytes: int | None
     activation_reserve_gib: float | None
@@ -102,6 +103,14 @@ def build_parser(prog: str = "python -m computesvc") -> argparse.ArgumentParser:
         default=60.0,
         help="seconds a request may wait for KV blocks (the pool held by others) before it fails with "
         "RESOURCE_EXHAUSTED; a request that can never fit (over its tenant's quota or the pool) fails at once",
+    )
+    p.add_argument(
+        "--preemption-policy",
+        default="cost",
+        choices=["cost", "newest"],
+        help="which running sequence gives way when the pool has no room: cost = the cheapest to bring "
+        "back, swapped or recomputed, the refused tenant's own first, guarded against thrash "
+        "(computesvc/preemption.py); newest = the newest, swapped out (the old rule, for comparison)",
     )
     p.add_argument(
         "--max-prompt-bytes",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from computesvc.preemption import REASONS, RECOMPUTE, SWAP
 from kvtier.metrics import COMPUTE_RPC_BUCKETS, RpcLatency, VllmAliases
 
 # Bucket bounds in seconds.
@@ -47,6 +48,19 @@ class ComputeMetrics(RpcLatency):
         )
         self.preemptions = Counter(
             f"{p}_preemptions", "Sequences preempted for lack of blocks.", ["kind"], registry=r
+        )
+        self.preemptions_by_reason = Counter(
+            f"{p}_preemptions_by_reason",
+            "Sequences preempted, by why (pool: no room; tenant: its own tenant's limit; forced: every "
+            "candidate guarded against thrash and none could run) and mode (swap, recompute).",
+            ["reason", "mode"],
+            registry=r,
+        )
+        self.preemptions_deferred = Counter(
+            f"{p}_preemptions_deferred",
+            "Times no sequence was preempted because every candidate was guarded against thrash "
+            "(swapped in too recently, or preempted too often) and others could still run.",
+            registry=r,
         )
         self.time_to_first_token = Histogram(
             f"{p}_time_to_first_token_seconds",
@@ -102,8 +116,10 @@ class ComputeMetrics(RpcLatency):
         )
         self.decode_steps = Counter(f"{p}_decode_steps", "Batched decode steps run.", registry=r)
         # Label values known up front, so dashboards see zeros instead of missing series.
-        for kind in ("swap", "recompute"):
+        for kind in (SWAP, RECOMPUTE):
             self.preemptions.labels(kind)
+            for reason in REASONS:
+                self.preemptions_by_reason.labels(reason, kind)
         for method in CACHE_METHODS:
             self.cache_calls.labels(method)
         for reason in FINISH_REASONS:

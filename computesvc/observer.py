@@ -19,11 +19,12 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from opentelemetry import trace
 
+from computesvc.preemption import RECOMPUTE, SWAP, Decision
 from computesvc.request import Request, Status
 from kvtier import telemetry
 
@@ -46,6 +47,9 @@ class SchedulerStats:
     cache_calls: int = 0
     preemptions_swap: int = 0
     preemptions_recompute: int = 0
+    # (reason, mode) -> preemptions (computesvc.preemption's REASONS; mode as done, not as chosen).
+    preemptions_by_reason: dict[tuple[str, str], int] = field(default_factory=dict)
+    preemptions_deferred: int = 0  # times every candidate was guarded and the refused ones waited
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     generated_tokens: int = 0
@@ -183,12 +187,17 @@ class SchedulerObserver:
                 spans.decode_steps += 1
             yield batch
 
-    def preempt_span(self, victim: Request):
-        """The span of preempting `victim`; its own trace's open spans end (a new phase follows)."""
+    def preempt_span(self, victim: Request, decision: Decision):
+        """The span of preempting `victim` as `decision` says (its inputs are the span's
+        attributes); the victim's own trace's open spans end (a new phase follows)."""
         if (spans := self._traced.get(victim)) is not None:
             spans.end("preempted")
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("preempting request %s: %s", victim.request_id, decision.describe())
         return self._tracer.start_as_current_span(
-            "preempt", links=_links([victim]), attributes={"kvtier.request_id": victim.request_id}
+            "preempt",
+            links=_links([victim]),
+            attributes={"kvtier.request_id": victim.request_id, **decision.attributes()},
         )
 
     @contextlib.contextmanager
@@ -251,17 +260,35 @@ class SchedulerObserver:
     def on_decode_step(self) -> None:
         self.stats.decode_steps += 1
 
-    def on_preempted(self, span: trace.Span, victim: Request, swapped_bytes: int | None) -> None:
-        """`victim` was swapped out (`swapped_bytes` moved), or freed to recompute (None)."""
+    def on_preempted(
+        self, span: trace.Span, victim: Request, swapped_bytes: int | None, decision: Decision
+    ) -> None:
+        """`victim` was swapped out (`swapped_bytes` moved), or freed to recompute (None), as
+        `decision` chose (a swap the host tier refused became a recompute)."""
+        key = (decision.reason, RECOMPUTE if swapped_bytes is None else SWAP)
+        self.stats.preemptions_by_reason[key] = self.stats.preemptions_by_reason.get(key, 0) + 1
         if swapped_bytes is None:
             self.stats.preemptions_recompute += 1
             span.set_attribute("kvtier.preemption", "recompute")
-            log.info("preempted request %s: will recompute (host tier full)", victim.request_id)
+            why = "cheaper than a swap" if decision.mode == RECOMPUTE else "host tier full"
+            log.info(
+                "preempted request %s (%s): will recompute (%s)", victim.request_id, decision.reason, why
+            )
         else:
             self.stats.preemptions_swap += 1
             span.set_attribute("kvtier.swap_bytes", swapped_bytes)
             span.set_attribute("kvtier.preemption", "swap")
-            log.info("preempted request %s: swapped out (%d bytes)", victim.request_id, swapped_bytes)
+            log.info(
+                "preempted request %s (%s): swapped out (%d bytes)",
+                victim.request_id,
+                decision.reason,
+                swapped_bytes,
+            )
+
+    def on_preemption_deferred(self, candidates: int) -> None:
+        """No sequence was preempted: all `candidates` were guarded against thrash and another
+        can still run, so the sequences short of room wait."""
+        self.stats.preemptions_deferred += 1
 
     def on_finished(self, reason: str) -> None:
         """A request finished with `reason` ("stop", "length"; "" when it failed)."""
@@ -321,9 +348,17 @@ class MetricsObserver(SchedulerObserver):
         super().on_decode_step()
         self.metrics.decode_steps.inc()
 
-    def on_preempted(self, span: trace.Span, victim: Request, swapped_bytes: int | None) -> None:
-        super().on_preempted(span, victim, swapped_bytes)
-        self.metrics.preemptions.labels("recompute" if swapped_bytes is None else "swap").inc()
+    def on_preempted(
+        self, span: trace.Span, victim: Request, swapped_bytes: int | None, decision: Decision
+    ) -> None:
+        super().on_preempted(span, victim, swapped_bytes, decision)
+        mode = RECOMPUTE if swapped_bytes is None else SWAP
+        self.metrics.preemptions.labels(mode).inc()
+        self.metrics.preemptions_by_reason.labels(decision.reason, mode).inc()
+
+    def on_preemption_deferred(self, candidates: int) -> None:
+        super().on_preemption_deferred(candidates)
+        self.metrics.preemptions_deferred.inc()
 
     def on_finished(self, reason: str) -> None:
         self.metrics.finished_requests.labels(reason or "error").inc()

@@ -23,6 +23,7 @@ from computesvc.observer import MetricsObserver, SchedulerObserver
 from computesvc.remote_cache import RemoteCache
 from computesvc.request import Request
 from computesvc.scheduler import Scheduler, SchedulerConfig
+from kvtier.api_keys import ApiKeys
 from kvtier.cache_client import CacheClient
 from kvtier.model_spec import ModelShape
 from kvtier.pool import PoolSpec, attach_pool
@@ -160,6 +161,8 @@ class Replica:
                     max_num_batched_tokens=self.cfg.max_num_batched_tokens,
                     lookahead_blocks=self.cfg.lookahead_blocks,
                     admit_timeout_s=self.cfg.admit_timeout_s,
+                    preemption_policy=self.cfg.preemption_policy,
+                    tenant_quotas=ApiKeys.load(self.cfg.api_keys).quotas() if self.cfg.api_keys else {},
                 ),
                 observer=SchedulerObserver() if self.metrics is None else MetricsObserver(self.metrics),
             )

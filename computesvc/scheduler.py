@@ -8,7 +8,8 @@ One asyncio task runs `step()` in a loop. A step:
    the finished prompts so other requests can hit them at once;
 3. tops up the reserved slots of decoding sequences when one runs out (`Commit` + `Extend`
    for every sequence below the low-water mark, so most steps make no cache call), preempting
-   the newest sequence on RESOURCE_EXHAUSTED (`SwapOut`, or recompute when the host tier is full);
+   on RESOURCE_EXHAUSTED the sequence cheapest to bring back (computesvc.preemption: swap or
+   recompute, the refused tenant's own sequences first, guarded against thrash);
 4. runs one batched decode forward for all running sequences and streams their tokens;
 5. commits and frees finished sequences.
 
@@ -25,9 +26,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,13 +39,15 @@ from computesvc.cache_port import (
     BlockCache,
     CacheUnavailable,
     CommitItem,
-    ExtendItem,
+    ExceedsLimit,
     NoFreeBlocks,
     SequenceBlocks,
 )
 from computesvc.model import ModelRunner, PrefillInput
 from computesvc.observer import SchedulerObserver
 from computesvc.paged_attention import LeaseExpired
+from computesvc.preemption import Ledger
+from computesvc.preemptor import Preemptor
 from computesvc.request import Request, Status
 from computesvc.token_emitter import TokenEmitter
 
@@ -73,9 +77,14 @@ class SchedulerConfig:
     # more blocks mean fewer calls and more reserved-but-unused slots.
     lookahead_blocks: int = 1
     admit_timeout_s: float = 60.0  # a request that finds no blocks this long fails with NoFreeBlocks
+    preemption_policy: str = "cost"  # computesvc.preemption: "cost", or "newest" (the old rule)
+    min_resident_steps: int = 4  # steps a sequence swapped in is not swapped out again (cost policy)
+    max_preemptions: int = 3  # preemptions of one request before it is passed over (cost policy)
+    # Blocks each tenant may hold (the api-keys file's max_blocks): a prompt over it fails at once.
+    tenant_quotas: dict[str, int] = field(default_factory=dict)
 
 
-class Scheduler:
+class Scheduler(Preemptor):
     def __init__(
         self,
         runner: ModelRunner,
@@ -97,6 +106,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
+        # What the cost model remembers: measured rates, preemptions, swap-ins, host-tier room.
+        self.ledger = Ledger()
+        pool = runner.pool
+        self.block_bytes = pool[0].numel() * pool.element_size()  # one block, every layer, K and V
         self._wakeup = asyncio.Event()
         # Whether a step (and so maybe a forward writing KV) is running; set when one ends.
         self._in_step = False
@@ -109,8 +122,23 @@ class Scheduler:
             request.generator = request.params.make_generator(self.runner.device)
         if request.output_token_ids:  # resumed after a failover: its text continues, not restarts
             self.emitter.resume(request)
+        if (error := self._over_quota(request)) is not None:
+            self.emitter.finish(request, "", error=error)
+            return
         self.waiting.append(request)
         self._wakeup.set()
+
+    def _over_quota(self, request: Request) -> ExceedsLimit | None:
+        """ExceedsLimit if `request`'s tokens alone need more blocks than its tenant's quota: it
+        can never fit, so it fails at once instead of queueing behind the tenant's others."""
+        quota = self.config.tenant_quotas.get(request.tenant, 0)
+        blocks = -(-request.num_tokens // self.block_size)
+        if not quota or blocks <= quota:
+            return None
+        return ExceedsLimit(
+            f"a {request.num_tokens}-token sequence needs {blocks} blocks but tenant {request.tenant!r} "
+            f"may hold {quota} blocks (its quota): it can never fit; shorten the prompt"
+        )
 
     def abort(self, request: Request) -> None:
         """The client went away: drop the request at the next step."""
@@ -180,6 +208,7 @@ class Scheduler:
 
     async def step(self) -> bool:
         """One scheduling step; returns False when nothing could make progress."""
+        self.ledger.step += 1
         await self._drop_aborted()
         with self.observer.step_span([*self.running, *self.swapped, *self.waiting]) as span:
             await self._resume_swapped()
@@ -194,8 +223,12 @@ class Scheduler:
         """Await one BlockCache call (`coro`) made for `reqs`, counted under its method name (and
         traced in each request's own trace)."""
         self.observer.on_cache_call(coro.__name__)
+        started = time.perf_counter()
         with self.observer.cache_call_span(coro.__name__, reqs):
-            return await coro
+            result = await coro
+        if coro.__name__ in ("extend", "free", "commit"):  # calls that move no KV: the round trip
+            self.ledger.rates.observe_call(time.perf_counter() - started)
+        return result
 
     async def _drop_aborted(self) -> None:
         gone = [r for r in self.running + list(self.swapped) if r.aborted]
@@ -213,10 +246,15 @@ class Scheduler:
     async def _resume_swapped(self) -> None:
         while self.swapped and len(self.running) < self.config.max_num_seqs:
             req = self.swapped[0]
+            started = time.perf_counter()
             try:
                 seq = (await self._call(self.cache.swap_in([req.sequence_id]), [req]))[0]
             except NoFreeBlocks:
                 return
+            self.ledger.rates.observe_swap(
+                len(seq.block_table) * self.block_bytes, time.perf_counter() - started
+            )
+            self.ledger.swapped_in(req)
             self.swapped.popleft()
             req.block_table = seq.block_table
             req.status = Status.RUNNING
@@ -272,8 +310,10 @@ class Scheduler:
             )
             for req, n in chunks
         ]
+        started = time.perf_counter()
         with self.observer.prefill_span(chunks):
             logits = await asyncio.get_running_loop().run_in_executor(None, self.runner.prefill, inputs)
+        self.ledger.rates.observe_prefill(sum(n for _, n in chunks), time.perf_counter() - started)
         done: list[tuple[Request, int]] = []
         for i, (req, n) in enumerate(chunks):
             req.num_computed += n
@@ -296,9 +336,11 @@ class Scheduler:
         if not decoding:
             return False
         await self._reserve_slots(decoding)
-        decoding = [r for r in decoding if r.status is Status.RUNNING]
+        # A sequence left without a slot (it waits for room) sits this step out.
+        decoding = [r for r in decoding if r.status is Status.RUNNING and self._slots(r) > r.num_computed]
         if not decoding:
             return False
+        started = time.perf_counter()
         with self.observer.decode_span(decoding):
             logits = await asyncio.get_running_loop().run_in_executor(
                 None,
@@ -307,77 +349,12 @@ class Scheduler:
                 [r.num_computed for r in decoding],
                 [r.block_table for r in decoding],
             )
+        self.ledger.rates.observe_decode(time.perf_counter() - started)
         for req in decoding:
             req.num_computed += 1
         self.observer.on_decode_step()
         self.emitter.emit(decoding, logits, self.cache.max_model_len)
         return True
-
-    def _slots(self, req: Request) -> int:
-        return len(req.block_table) * self.block_size
-
-    async def _reserve_slots(self, decoding: list[Request]) -> None:
-        """Make sure each decoding sequence has a slot for this step's token.
-
-        NOTE: called rarely on purpose. When one sequence runs out, every sequence below one
-        block of headroom is topped up to `lookahead_blocks` in the same call, so with a batch
-        in flight most steps make no cache call at all.
-        """
-        if all(self._slots(r) > r.num_computed for r in decoding):
-            return
-        low = [r for r in decoding if self._slots(r) - r.num_computed <= self.block_size]
-        while low:
-            # One call: the tokens written since the last call are committed, then the room is
-            # counted from the record as it is after that commit.
-            commits = self._commit_items(low)
-            lookahead = self.config.lookahead_blocks * self.block_size
-            max_len = self.cache.max_model_len
-            items = [
-                ExtendItem(
-                    r.sequence_id, max(1, min(lookahead, max_len - max(r.num_recorded, r.num_computed)))
-                )
-                for r in low
-            ]
-            try:
-                seqs = await self._call(self.cache.extend(items, commits), low)
-            except NoFreeBlocks:
-                victim = await self._preempt()
-                if victim is None:
-                    return
-                low = [r for r in low if r is not victim]
-                continue
-            self._committed(low)
-            for req, seq in zip(low, seqs, strict=True):
-                req.block_table = seq.block_table
-            return
-
-    async def _preempt(self) -> Request | None:
-        """Preempt the newest running sequence: swap it out, or free it to recompute later."""
-        if not self.running:
-            return None
-        victim = max(self.running, key=lambda r: r.arrival)
-        commits = self._commit_items([victim])  # carried by the SwapOut (or the Free)
-        with self.observer.preempt_span(victim) as span:
-            try:
-                moved = await self._call(self.cache.swap_out([victim.sequence_id], commits), [victim])
-                self._committed([victim])
-                # NOTE: it leaves `running` only once the cache took it: if a call fails,
-                # _abandon_all still finds (and frees) its sequence.
-                self.running.remove(victim)
-                victim.status = Status.SWAPPED
-                self.swapped.append(victim)
-                self.observer.on_preempted(span, victim, moved)
-            except NoFreeBlocks:
-                # Host tier full: drop the blocks; the committed ones stay cached, so recompute
-                # of this sequence is mostly prefix hits.
-                await self._call(self.cache.free([victim.sequence_id], commits), [victim])
-                self._committed([victim])
-                self.running.remove(victim)
-                victim.status = Status.WAITING
-                victim.block_table = []
-                self.waiting.appendleft(victim)
-                self.observer.on_preempted(span, victim, None)
-        return victim
 
     async def _commit(self, reqs: list[Request]) -> None:
         """Report computed tokens (and append their ids to the cache's records) in a Commit of

@@ -1,0 +1,180 @@
+"""Decode slots and preemption: the part of `Scheduler` (which inherits it) that tops up the
+reserved slots of decoding sequences and, when the cache has no room, preempts the sequence
+computesvc.preemption picks (swap out or free to recompute), measuring what the cost model reads.
+
+Kept apart from the scheduler's step because it is the one place a step acts on another
+request's state for lack of room; the step calls `_reserve_slots` and nothing else here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+from computesvc.cache_port import BlockCache, CommitItem, ExtendItem, NoFreeBlocks
+from computesvc.observer import SchedulerObserver
+from computesvc.preemption import SWAP, Candidate, Ledger, Pressure, choose_victim
+from computesvc.request import Request, Status
+
+if TYPE_CHECKING:
+    from computesvc.scheduler import SchedulerConfig
+
+
+class Preemptor:
+    """Slots and preemption of `Scheduler`, over the scheduler's own state."""
+
+    # Provided by Scheduler.
+    cache: BlockCache
+    observer: SchedulerObserver
+    block_size: int
+    block_bytes: int
+    ledger: Ledger
+    running: list[Request]
+    waiting: deque[Request]
+    swapped: deque[Request]
+    config: SchedulerConfig
+
+    async def _call(self, coro, reqs: list[Request] = ()): ...  # Scheduler._call
+    def _commit_items(self, reqs: list[Request]) -> list[CommitItem]: ...  # Scheduler._commit_items
+    def _committed(self, reqs: list[Request]) -> None: ...  # Scheduler._committed
+
+    def _slots(self, req: Request) -> int:
+        return len(req.block_table) * self.block_size
+
+    async def _reserve_slots(self, decoding: list[Request]) -> None:
+        """Make sure each decoding sequence has a slot for this step's token.
+
+        NOTE: called rarely on purpose. When one sequence runs out, every sequence below one
+        block of headroom is topped up to `lookahead_blocks` in the same call, so with a batch
+        in flight most steps make no cache call at all.
+        """
+        if all(self._slots(r) > r.num_computed for r in decoding):
+            return
+        low = [r for r in decoding if self._slots(r) - r.num_computed <= self.block_size]
+        while low:
+            try:
+                await self._extend(low)
+                return
+            except NoFreeBlocks:
+                low, tenant = await self._extend_apart(low)
+            if not low:
+                return
+            # Waiting is an option while any other running sequence can still make progress.
+            victim = await self._preempt(tenant, can_wait=len(low) < len(self.running))
+            if victim is None:
+                return  # those in `low` wait for room (the step decodes the others)
+            low = [r for r in low if r is not victim]
+
+    async def _extend(self, reqs: list[Request]) -> None:
+        """One Extend topping `reqs` up to the lookahead, carrying their commits: the tokens written
+        since the last call are committed, then the room is counted from the record as it is."""
+        commits = self._commit_items(reqs)
+        lookahead = self.config.lookahead_blocks * self.block_size
+        max_len = self.cache.max_model_len
+        items = [
+            ExtendItem(r.sequence_id, max(1, min(lookahead, max_len - max(r.num_recorded, r.num_computed))))
+            for r in reqs
+        ]
+        seqs = await self._call(self.cache.extend(items, commits), reqs)
+        self._committed(reqs)
+        for req, seq in zip(reqs, seqs, strict=True):
+            req.block_table = seq.block_table
+
+    async def _extend_apart(self, low: list[Request]) -> tuple[list[Request], str | None]:
+        """After the Extend of `low` was refused (nothing applied), with the cost policy: extend
+        each tenant's sequences in a call of their own, so one tenant's quota or share fails only
+        its own. Returns the sequences still without room and the tenant whose own limit refused
+        them: the one refused tenant when another tenant's call succeeded, or the only tenant of
+        `low` when it holds more than an even share of this replica's blocks; else None (the pool)."""
+        tenants = list(dict.fromkeys(r.tenant for r in low))
+        if self.config.preemption_policy != "cost":
+            return low, None
+        if len(tenants) == 1:
+            return low, tenants[0] if self._over_share(tenants[0]) else None
+        refused: list[Request] = []
+        for tenant in tenants:
+            group = [r for r in low if r.tenant == tenant]
+            try:
+                await self._extend(group)
+            except NoFreeBlocks:
+                refused += group
+        alone = {r.tenant for r in refused}
+        return refused, alone.pop() if len(alone) == 1 and len(refused) < len(low) else None
+
+    def _over_share(self, tenant: str) -> bool:
+        """Whether `tenant` holds more than an even share of the running sequences' blocks."""
+        held: dict[str, int] = {}
+        for r in self.running:
+            held[r.tenant] = held.get(r.tenant, 0) + len(r.block_table)
+        return len(held) > 1 and held.get(tenant, 0) > sum(held.values()) / len(held)
+
+    def _candidate(self, req: Request) -> Candidate:
+        generated = len(req.output_token_ids)
+        remaining = min(req.params.max_tokens - generated, self.cache.max_model_len - req.num_tokens)
+        return Candidate(
+            req,
+            req.arrival,
+            req.tenant,
+            req.num_computed,
+            len(req.block_table),
+            generated,
+            max(0, remaining),
+            self.ledger.preemptions(req),
+            self.ledger.resident_steps(req),
+        )
+
+    async def _preempt(self, refused_tenant: str | None = None, can_wait: bool = False) -> Request | None:
+        """Preempt the running sequence the policy picks (computesvc.preemption): swap it out, or
+        free it to recompute later. None when there is none, or when it is better to wait."""
+        cfg = self.config
+        pressure = Pressure(
+            self.block_bytes,
+            self.ledger.host_has_room,
+            refused_tenant,
+            can_wait,
+            cfg.min_resident_steps,
+            cfg.max_preemptions,
+        )
+        candidates = [self._candidate(r) for r in self.running]
+        decision = choose_victim(candidates, self.ledger.rates, pressure, cfg.preemption_policy)
+        if decision is None:
+            self.observer.on_preemption_deferred(len(candidates))
+            return None
+        victim: Request = decision.victim.key
+        with self.observer.preempt_span(victim, decision) as span:
+            moved = await self._swap_out(victim) if decision.mode == SWAP else None
+            if moved is None:
+                # Drop the blocks; the committed ones stay cached, so recompute of this sequence
+                # is mostly prefix hits.
+                await self._call(
+                    self.cache.free([victim.sequence_id], self._commit_items([victim])), [victim]
+                )
+                self._committed([victim])
+                self.running.remove(victim)
+                victim.status = Status.WAITING
+                victim.block_table = []
+                self.waiting.appendleft(victim)
+            self.ledger.preempted(victim)
+            self.observer.on_preempted(span, victim, moved, decision)
+        return victim
+
+    async def _swap_out(self, victim: Request) -> int | None:
+        """SwapOut `victim` (carrying its commit): the bytes moved, or None when the host tier
+        has no room (then it is remembered as full until a SwapIn frees slots)."""
+        started = time.perf_counter()
+        try:
+            moved = await self._call(
+                self.cache.swap_out([victim.sequence_id], self._commit_items([victim])), [victim]
+            )
+        except NoFreeBlocks:
+            self.ledger.host_has_room = False
+            return None
+        self.ledger.rates.observe_swap(moved, time.perf_counter() - started)
+        self._committed([victim])
+        # NOTE: it leaves `running` only once the cache took it: if a call fails, _abandon_all
+        # still finds (and frees) its sequence.
+        self.running.remove(victim)
+        victim.status = Status.SWAPPED
+        self.swapped.append(victim)
+        return moved
