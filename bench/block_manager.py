@@ -49,9 +49,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cachesvc.block_manager import BlockManager  # noqa: E402
 from cachesvc.events import EventLog  # noqa: E402
 from cachesvc.free_queue import Block, FreeBlockQueue  # noqa: E402
-from cachesvc.records import AllocateItem  # noqa: E402
 from cachesvc.sequences import SequenceTable  # noqa: E402
 from kvtier.block_hash import extra_key, hash_full_blocks, pack_token_ids  # noqa: E402
+from kvtier.sequence_types import AllocateItem  # noqa: E402
 
 VOCAB = 50257
 FINGERPRINT = "bench-model"
@@ -113,7 +113,7 @@ class Runner:
         self.table = make_table(args, mode)
         self.events = EventLog(args.block_size)
         salt_of = salts(args, mode.unique_salts)
-        self.items = [AllocateItem(p, cache_salt=s) for p, s in zip(trace.prompts, salt_of, strict=True)]
+        self.items = [AllocateItem(p, tenant_salt=s) for p, s in zip(trace.prompts, salt_of, strict=True)]
         self.extras = [extra_key(FINGERPRINT, s) for s in salt_of]
 
     def lifecycle(self, k: int) -> tuple[list[int], int]:

@@ -62,6 +62,17 @@ def export_tree(rev: str | None, prefix: str, dest: Path) -> None:
         path.write_text(imports.sub(rf"\1 {prefix}_\2", path.read_text()))
 
 
+def _item_type(prefix: str, sequences):
+    """A tree's allocate item type: kvtier.sequence_types.AllocateItem since issue 21,
+    cachesvc.records.AllocateItem since the redesign, sequences.AllocateSpec before it."""
+    for module in (f"{prefix}_kvtier.sequence_types", f"{prefix}_cachesvc.records"):
+        try:
+            return importlib.import_module(module).AllocateItem
+        except (ImportError, AttributeError):
+            pass
+    return sequences.AllocateSpec
+
+
 class Tree(Runner):
     """One tree's table, stepped one lifecycle at a time: ``Runner.lifecycle`` (the same calls,
     clock reads and event drain as block_manager.py) over this tree's classes."""
@@ -73,12 +84,10 @@ class Tree(Runner):
         bm = importlib.import_module(f"{prefix}_cachesvc.block_manager")
         sequences = importlib.import_module(f"{prefix}_cachesvc.sequences")
         self.event_log = importlib.import_module(f"{prefix}_cachesvc.events").EventLog
-        try:  # the item type is AllocateItem in cachesvc.records since the redesign
-            item = importlib.import_module(f"{prefix}_cachesvc.records").AllocateItem
-        except (ImportError, AttributeError):
-            item = sequences.AllocateSpec
-        # --no-hits: a salt per request, block_manager.py's "baseline (no hits)" mode
-        self.items = [item(p, cache_salt=s) for p, s in zip(trace.prompts, salts(args, no_hits), strict=True)]
+        item = _item_type(prefix, sequences)
+        # --no-hits: a salt per request, block_manager.py's "baseline (no hits)" mode. The salt is
+        # the second field in every tree (cache_salt, later tenant_salt): passed by position.
+        self.items = [item(p, s) for p, s in zip(trace.prompts, salts(args, no_hits), strict=True)]
         self.new_table = lambda: sequences.SequenceTable(
             bm.BlockManager(args.num_blocks, args.block_size),
             None,

@@ -33,7 +33,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cachesvc import records  # noqa: E402
 from cachesvc.block_manager import BlockManager  # noqa: E402
 from cachesvc.errors import ResourceExhausted  # noqa: E402
 from cachesvc.sequences import SequenceTable  # noqa: E402
@@ -74,11 +73,8 @@ class InProcessCache:
         return [SequenceBlocks(b.sequence_id, list(b.block_table), b.num_cached_tokens) for b in table_blocks]
 
     async def allocate(self, items):
-        table_items = [
-            records.AllocateItem(i.token_ids, i.cache_salt, num_lookahead_tokens=i.num_lookahead_tokens)
-            for i in items
-        ]
-        return self._blocks(self._do(self.table.allocate, table_items))
+        # The scheduler's items are the table's own type (kvtier.sequence_types).
+        return self._blocks(self._do(self.table.allocate, items))
 
     async def extend(self, items, commits=()):
         self._carrying(commits)

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from cachesvc.errors import FailedPrecondition, InvalidArgument
 from cachesvc.events import EventLog
 from cachesvc.leases import Lease, LeaseTable
-from cachesvc.records import DEVICE, HOST, AllocateItem, SequenceBlocks
+from cachesvc.records import DEVICE, HOST
 from cachesvc.sequences import SequenceTable
+from kvtier.sequence_types import AllocateItem, CommitItem, ExtendItem, PrefixQuery, SequenceBlocks
 
 log = logging.getLogger("kvtier.cache")
 
@@ -199,7 +200,7 @@ class CacheNode:
         return self._succeeded(lease, self.sequences.allocate(lease.lease_id, _nonempty("items", items)))
 
     def extend(
-        self, lease_id: str, items: list[tuple[int, int]], commits: list[tuple[int, list[int], int]] = ()
+        self, lease_id: str, items: list[ExtendItem], commits: list[CommitItem] = ()
     ) -> list[SequenceBlocks]:
         """Per ``(sequence_id, num_tokens)``: room for that many tokens more, after ``commits``."""
         lease = self.leases.get(lease_id)
@@ -207,26 +208,24 @@ class CacheNode:
             lease, self.sequences.extend(lease.lease_id, _nonempty("items", items), commits)
         )
 
-    def commit(self, lease_id: str, items: list[tuple[int, list[int], int]]) -> int:
+    def commit(self, lease_id: str, items: list[CommitItem]) -> int:
         """Per ``(sequence_id, new_token_ids, num_computed_tokens)``; returns blocks published."""
         lease = self.leases.get(lease_id)
         return self._succeeded(lease, self.sequences.commit(lease.lease_id, _nonempty("items", items)))
 
-    def free(
-        self, lease_id: str, sequence_ids: list[int], commits: list[tuple[int, list[int], int]] = ()
-    ) -> int:
+    def free(self, lease_id: str, sequence_ids: list[int], commits: list[CommitItem] = ()) -> int:
         """Returns the device blocks released (after ``commits``)."""
         lease = self.leases.get(lease_id)
         return self._succeeded(
             lease, self.sequences.free(lease.lease_id, _nonempty("sequence_ids", sequence_ids), commits)
         )
 
-    def lookup_prefix(self, items: list[tuple[list[int], str, str]]) -> list[int]:
-        """Per ``(token_ids, cache_salt, adapter_id)``: leading tokens cached. Needs no lease."""
+    def lookup_prefix(self, items: list[PrefixQuery]) -> list[int]:
+        """Per prompt: leading tokens cached. Needs no lease."""
         return self.sequences.lookup_prefix(_nonempty("items", items))
 
     def swap_out(
-        self, lease_id: str, sequence_ids: list[int], commits: list[tuple[int, list[int], int]] = ()
+        self, lease_id: str, sequence_ids: list[int], commits: list[CommitItem] = ()
     ) -> tuple[int, int]:
         """Returns ``(blocks, bytes)`` copied to the host tier (after ``commits``)."""
         lease = self.leases.get(lease_id)

@@ -1,7 +1,7 @@
-"""What the cache service keeps per sequence, and the shapes its sequence calls take and return.
+"""What the cache service keeps per sequence (``Sequence``) and its cumulative counters.
 
-``AllocateItem`` and ``SequenceBlocks`` mirror the protobuf messages of the same names; the
-servicer converts between the two, so nothing here imports gRPC or protobuf.
+The values its sequence calls take and return (``AllocateItem``, ``SequenceBlocks``,
+``CommitItem``, ...) are ``kvtier.sequence_types``', shared with the clients.
 """
 
 from __future__ import annotations
@@ -10,31 +10,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from kvtier.block_hash import BlockHash
+from kvtier.sequence_types import SequenceBlocks
 
 DEVICE: Literal["device"] = "device"
 HOST: Literal["host"] = "host"
-
-
-@dataclass(slots=True)
-class AllocateItem:
-    """One sequence to allocate: its prompt and how to key and size it."""
-
-    token_ids: list[int]
-    cache_salt: str = ""
-    adapter_id: str = ""
-    num_lookahead_tokens: int = 0
-    request_id: str = ""
-    tenant: str = ""  # whose quota the sequence's blocks count against
-
-
-@dataclass(slots=True)
-class SequenceBlocks:
-    """A sequence's blocks as a caller sees them after Allocate / Extend / SwapIn (a copy, not a live view)."""
-
-    sequence_id: int
-    block_table: list[int]
-    num_cached_tokens: int  # tokens served from the prefix cache at Allocate
-    num_slots: int  # tokens the block table has room for: len(block_table) * block_size
 
 
 @dataclass(slots=True)
@@ -51,7 +30,7 @@ class Sequence:
     location: Literal["device", "host"]
     # Host slots in token order while on the host; empty while on the device.
     host_slots: list[int]
-    extra: bytes  # extra_key(model, cache_salt, adapter_id) of this sequence
+    extra: bytes  # extra_key(model, tenant_salt, adapter_id) of this sequence
     # The prompt as pack_token_ids bytes, kept from Allocate so publishing its blocks (Commit,
     # SwapIn) does not convert the same token ids again. 4 bytes per prompt token.
     prompt_bytes: bytes

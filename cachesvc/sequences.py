@@ -27,7 +27,7 @@ from cachesvc.errors import InvalidArgument, NotFound, ResourceExhausted
 from cachesvc.fencing import Fencing
 from cachesvc.invariants import check_table
 from cachesvc.limits import TenantLimits, count
-from cachesvc.records import DEVICE, HOST, AllocateItem, CacheStats, Sequence, SequenceBlocks
+from cachesvc.records import DEVICE, HOST, CacheStats, Sequence
 from cachesvc.swap import Swapping
 from cachesvc.validation import (
     ExtraKeys,
@@ -40,6 +40,7 @@ from cachesvc.validation import (
     raise_extend_error,
 )
 from kvtier.block_hash import BlockHash
+from kvtier.sequence_types import AllocateItem, CommitItem, ExtendItem, PrefixQuery, SequenceBlocks
 
 if TYPE_CHECKING:
     from cachesvc.host_tier import HostTier
@@ -158,7 +159,7 @@ class SequenceTable(TenantLimits, Fencing, Swapping):
             if not (n >= 1 and lookahead >= 0 and n + lookahead <= max_len):
                 raise_allocate_error(k, n, lookahead, max_len)
             where = f"items[{k}]"
-            extra = self._extra_keys.get(where, item.cache_salt, item.adapter_id)
+            extra = self._extra_keys.get(where, item.tenant_salt, item.adapter_id)
             data = pack_checked(where, tokens, self.vocab_size)
             # Cap: the last prompt token is always computed (its logits are needed).
             hit, hashes = bm.match_prefix(data, extra, (n - 1) // bs)
@@ -224,7 +225,7 @@ class SequenceTable(TenantLimits, Fencing, Swapping):
         return out
 
     def extend(
-        self, lease_id: str, items: list[tuple[int, int]], commits: list[tuple[int, list[int], int]] = ()
+        self, lease_id: str, items: list[ExtendItem], commits: list[CommitItem] = ()
     ) -> list[SequenceBlocks]:
         """Make room for ``num_tokens`` tokens beyond each sequence's current token count.
 
@@ -249,7 +250,7 @@ class SequenceTable(TenantLimits, Fencing, Swapping):
         return self._extend(lease_id, items)
 
     def _extend(
-        self, lease_id: str, items: list[tuple[int, int]], pending: dict[int, int] | None = None
+        self, lease_id: str, items: list[ExtendItem], pending: dict[int, int] | None = None
     ) -> list[SequenceBlocks]:
         """``extend``'s work. With ``pending`` (tokens a commit will append, per sequence id):
         validate and check room as if they were appended, change nothing, return []."""
@@ -308,7 +309,7 @@ class SequenceTable(TenantLimits, Fencing, Swapping):
         blocks_of = self._blocks_of
         return [blocks_of(seq) for seq in seqs]
 
-    def commit(self, lease_id: str, items: list[tuple[int, list[int], int]]) -> int:
+    def commit(self, lease_id: str, items: list[CommitItem]) -> int:
         """Append generated tokens and record written KV; publish newly complete full blocks.
 
         Per item ``(sequence_id, new_token_ids, num_computed_tokens)``: the token count after
@@ -318,7 +319,7 @@ class SequenceTable(TenantLimits, Fencing, Swapping):
         """
         return self._apply_commit(self._check_commit(lease_id, items), items)
 
-    def _check_commit(self, lease_id: str, items: list[tuple[int, list[int], int]]) -> list[Sequence]:
+    def _check_commit(self, lease_id: str, items: list[CommitItem]) -> list[Sequence]:
         """``commit``'s validation (it reads, never writes): the items' sequences, in order."""
         if len(items) > self.max_batch:
             check_batch(len(items), self.max_batch)
@@ -351,7 +352,7 @@ class SequenceTable(TenantLimits, Fencing, Swapping):
             check_unique([item[0] for item in items])
         return seqs
 
-    def _apply_commit(self, seqs: list[Sequence], items: list[tuple[int, list[int], int]]) -> int:
+    def _apply_commit(self, seqs: list[Sequence], items: list[CommitItem]) -> int:
         """``commit``'s changes, after ``_check_commit`` passed; returns blocks published."""
         bs = self.block_size
         published = 0
@@ -378,9 +379,7 @@ class SequenceTable(TenantLimits, Fencing, Swapping):
         seq.num_published_blocks = num_full_blocks
         return count
 
-    def free(
-        self, lease_id: str, sequence_ids: list[int], commits: list[tuple[int, list[int], int]] = ()
-    ) -> int:
+    def free(self, lease_id: str, sequence_ids: list[int], commits: list[CommitItem] = ()) -> int:
         """Drop sequences. Device blocks go to the LRU tail in reverse table order (still cached
         if committed); a swapped-out sequence releases its host slots. Returns device blocks released.
         ``commits`` are applied first (a finished sequence's last tokens), all or nothing.
@@ -414,21 +413,21 @@ class SequenceTable(TenantLimits, Fencing, Swapping):
             del self._by_lease[seq.lease_id]
         return released
 
-    def lookup_prefix(self, items: list[tuple[list[int], str, str]]) -> list[int]:
-        """Per ``(token_ids, cache_salt, adapter_id)``: leading tokens cached on the device.
+    def lookup_prefix(self, items: list[PrefixQuery]) -> list[int]:
+        """Per PrefixQuery ``(token_ids, tenant_salt, adapter_id)``: leading tokens cached on the device.
 
         Whole blocks only and NOT capped below the last token (a router wants the raw figure).
         Read-only: no reference taken, no LRU change, no stats.
         """
         check_batch(len(items), self.max_batch)
         keyed: list[tuple[bytes, bytes]] = []
-        for k, (tokens, cache_salt, adapter_id) in enumerate(items):
+        for k, (tokens, tenant_salt, adapter_id) in enumerate(items):
             if len(tokens) > self.max_model_len:
                 raise InvalidArgument(
                     f"items[{k}]: len(token_ids) = {len(tokens)} exceeds max_model_len {self.max_model_len}"
                 )
             data = pack_checked(f"items[{k}]", tokens, self.vocab_size)
-            extra = self._extra_keys.get(f"items[{k}]", cache_salt, adapter_id)
+            extra = self._extra_keys.get(f"items[{k}]", tenant_salt, adapter_id)
             keyed.append((data, extra))
         bm = self.block_manager
         bs = self.block_size

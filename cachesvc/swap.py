@@ -10,8 +10,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from cachesvc.errors import ResourceExhausted
-from cachesvc.records import DEVICE, HOST, CacheStats, Sequence, SequenceBlocks
+from cachesvc.records import DEVICE, HOST, CacheStats, Sequence
 from cachesvc.validation import check_batch, check_unique, owned
+from kvtier.sequence_types import CommitItem, SequenceBlocks
 
 if TYPE_CHECKING:
     from cachesvc.block_manager import BlockManager
@@ -31,7 +32,7 @@ class Swapping:
     _sequences: dict[int, Sequence]
 
     def swap_out(
-        self, lease_id: str, sequence_ids: list[int], commits: list[tuple[int, list[int], int]] = ()
+        self, lease_id: str, sequence_ids: list[int], commits: list[CommitItem] = ()
     ) -> tuple[int, int]:
         """Move whole sequences to the host tier; their device blocks are freed (reverse order,
         committed ones stay cached). Returns ``(blocks, bytes)`` copied. ``commits`` are applied

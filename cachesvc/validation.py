@@ -14,11 +14,12 @@ import numpy as np
 from cachesvc.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from cachesvc.records import DEVICE, Sequence
 from kvtier.block_hash import InvalidHashInput, extra_key, pack_token_ids
+from kvtier.sequence_types import CommitItem, ExtendItem
 
 if TYPE_CHECKING:
     from cachesvc.sequences import SequenceTable
 
-# Cached extra keys per (cache_salt, adapter_id); cleared when it grows past this many entries
+# Cached extra keys per (tenant_salt, adapter_id); cleared when it grows past this many entries
 # (one salt per request would otherwise grow it without bound).
 _MAX_EXTRA_KEYS = 4096
 
@@ -26,7 +27,7 @@ _MAX_EXTRA_KEYS = 4096
 # Most UTF-8 bytes of a request's strings: they are hashed, kept with a sequence or lease, logged
 # and reported by GetStats, so one request's strings must not cost the service (or every GetStats
 # reader) more than this. Lease ids are 32 hex digits.
-MAX_SALT_BYTES = 1024  # cache_salt: room for a high-entropy salt in any encoding
+MAX_SALT_BYTES = 1024  # tenant_salt: room for a high-entropy salt in any encoding
 MAX_NAME_BYTES = 256  # client_name, adapter_id, request_id
 MAX_LEASE_ID_BYTES = 64
 
@@ -44,7 +45,7 @@ def check_text(where: str, value: str, limit: int) -> None:
 
 
 def check_item_sizes(
-    k: int, num_tokens: int, max_model_len: int, cache_salt: str, adapter_id: str, request_id: str = ""
+    k: int, num_tokens: int, max_model_len: int, tenant_salt: str, adapter_id: str, request_id: str = ""
 ) -> None:
     """Bounds of item ``k`` of a call carrying token lists, checked on the wire message before
     any list is built from it: ``num_tokens`` (len of its token ids) and its strings."""
@@ -52,8 +53,8 @@ def check_item_sizes(
         raise InvalidArgument(
             f"items[{k}]: len(token_ids) = {num_tokens} exceeds max_model_len {max_model_len}"
         )
-    if len(cache_salt) > MAX_SALT_BYTES // 4:
-        check_text(f"items[{k}].cache_salt", cache_salt, MAX_SALT_BYTES)
+    if len(tenant_salt) > MAX_SALT_BYTES // 4:
+        check_text(f"items[{k}].tenant_salt", tenant_salt, MAX_SALT_BYTES)
     if len(adapter_id) > MAX_NAME_BYTES // 4:
         check_text(f"items[{k}].adapter_id", adapter_id, MAX_NAME_BYTES)
     if len(request_id) > MAX_NAME_BYTES // 4:
@@ -111,19 +112,19 @@ def _raise_token_range(where: str, token_ids: list[int], vocab_size: int) -> Non
 
 
 class ExtraKeys:
-    """``extra_key`` of one model per (cache_salt, adapter_id), computed once per pair."""
+    """``extra_key`` of one model per (tenant_salt, adapter_id), computed once per pair."""
 
     def __init__(self, model_fingerprint: str) -> None:
         self.model_fingerprint = model_fingerprint
         self._keys: dict[tuple[str, str], bytes] = {}
 
-    def get(self, where: str, cache_salt: str, adapter_id: str) -> bytes:
+    def get(self, where: str, tenant_salt: str, adapter_id: str) -> bytes:
         """The 32-byte extra key; InvalidArgument naming ``where`` if a field holds a NUL."""
-        key = (cache_salt, adapter_id)
+        key = (tenant_salt, adapter_id)
         extra = self._keys.get(key)
         if extra is None:
             try:
-                extra = extra_key(self.model_fingerprint, cache_salt, adapter_id)
+                extra = extra_key(self.model_fingerprint, tenant_salt, adapter_id)
             except InvalidHashInput as e:
                 raise InvalidArgument(f"{where}.{e}") from None
             if len(self._keys) >= _MAX_EXTRA_KEYS:
@@ -152,7 +153,7 @@ def raise_allocate_error(k: int, num_tokens: int, lookahead: int, max_model_len:
 
 
 def raise_extend_error(
-    table: SequenceTable, lease_id: str, items: list[tuple[int, int]], pending: dict[int, int] | None = None
+    table: SequenceTable, lease_id: str, items: list[ExtendItem], pending: dict[int, int] | None = None
 ) -> None:
     """Raise the error of the first bad Extend item (``pending``: tokens the call's commits
     append, per sequence id)."""
@@ -171,7 +172,7 @@ def raise_extend_error(
     raise AssertionError("extend validation disagrees with its error path")
 
 
-def raise_commit_error(table: SequenceTable, lease_id: str, items: list[tuple[int, list[int], int]]) -> None:
+def raise_commit_error(table: SequenceTable, lease_id: str, items: list[CommitItem]) -> None:
     """Raise the error of the first bad Commit item."""
     bs = table.block_size
     for k, (sid, new_tokens, num_computed) in enumerate(items):

@@ -23,13 +23,8 @@ from computesvc.cache_port import (
     NoFreeBlocks,
     SequenceBlocks,
 )
-from kvtier import cache_client, status
-from kvtier.cache_client import CacheClient
-
-
-def _blocks(seqs) -> list[SequenceBlocks]:
-    """Port values of the `cache_pb2.SequenceBlocks` messages of a reply."""
-    return [SequenceBlocks(s.sequence_id, list(s.block_table), s.num_cached_tokens) for s in seqs]
+from kvtier import status
+from kvtier.cache_client import CacheClient, sequence_blocks
 
 
 class RemoteCache:
@@ -66,16 +61,10 @@ class RemoteCache:
             raise RuntimeError(f"cache service refused the call: {code.name}: {e.details()}") from None
 
     async def allocate(self, items: list[AllocateItem]) -> list[SequenceBlocks]:
-        wire = [
-            cache_client.AllocateItem(
-                i.token_ids, i.cache_salt, num_lookahead_tokens=i.num_lookahead_tokens, tenant=i.tenant
-            )
-            for i in items
-        ]
-        return _blocks((await self._rpc(self.client.allocate(wire))).sequences)
+        return sequence_blocks((await self._rpc(self.client.allocate(items))).sequences)
 
     async def extend(self, items: list[ExtendItem], commits: list[CommitItem] = ()) -> list[SequenceBlocks]:
-        return _blocks((await self._rpc(self.client.extend(items, commits))).sequences)
+        return sequence_blocks((await self._rpc(self.client.extend(items, commits))).sequences)
 
     async def commit(self, items: list[CommitItem]) -> None:
         await self._rpc(self.client.commit(items))
@@ -87,4 +76,4 @@ class RemoteCache:
         return (await self._rpc(self.client.swap_out(sequence_ids, commits))).num_bytes
 
     async def swap_in(self, sequence_ids: list[int]) -> list[SequenceBlocks]:
-        return _blocks((await self._rpc(self.client.swap_in(sequence_ids))).sequences)
+        return sequence_blocks((await self._rpc(self.client.swap_in(sequence_ids))).sequences)

@@ -44,7 +44,7 @@ class Request:
     params: SamplingParams
     # The salt the cache hashes this request's blocks with: kvtier.api_keys.tenant_salt(tenant,
     # the client's cache_salt), so tenants never share blocks.
-    cache_salt: str = ""
+    tenant_salt: str = ""
     tenant: str = ""  # the client key's tenant ("" = node credential, or no keys configured)
     arrival: float = field(default_factory=time.monotonic)  # time.monotonic() seconds
     outputs: asyncio.Queue[StepOutput] = field(default_factory=asyncio.Queue)

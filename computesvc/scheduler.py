@@ -285,7 +285,12 @@ class Scheduler(Preemptor):
         lookahead = self.config.lookahead_blocks * self.block_size
         max_len = self.cache.max_model_len
         items = [
-            AllocateItem(r.token_ids, r.cache_salt, max(0, min(lookahead, max_len - r.num_tokens)), r.tenant)
+            AllocateItem(
+                r.token_ids,
+                tenant_salt=r.tenant_salt,
+                num_lookahead_tokens=max(0, min(lookahead, max_len - r.num_tokens)),
+                tenant=r.tenant,
+            )
             for r in batch
         ]
         return await self._call(self.cache.allocate(items), batch)

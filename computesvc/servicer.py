@@ -133,7 +133,7 @@ class ComputeServicer(compute_pb2_grpc.ComputeServiceServicer):
             request_id=request.request_id or new_request_id(),
             prompt_token_ids=ids,
             params=params,
-            cache_salt=tenant_salt(tenant, request.cache_salt),
+            tenant_salt=tenant_salt(tenant, request.cache_salt),
             tenant=tenant,
             span_context=trace.get_current_span().get_span_context(),
             output_token_ids=self._resumed(request, params.max_tokens),

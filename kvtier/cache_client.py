@@ -4,12 +4,14 @@ One class serves both gRPC flavours: every method builds the request and returns
 call. On a sync channel that is the response; on an aio channel it is awaitable:
 
     client = CacheClient.connect("unix:///tmp/kvtier-0/cache.sock")            # sync
-    seqs = client.allocate([[1, 2, 3], AllocateItem([1, 2, 4], cache_salt="tenant-b")]).sequences
+    seqs = client.allocate([[1, 2, 3], AllocateItem([1, 2, 4], tenant_salt="tenant-b")]).sequences
 
     client = CacheClient.connect(address, aio=True)                              # asyncio
     seqs = (await client.allocate([[1, 2, 3]])).sequences
 
-Requests carry the shared token as call metadata and the lease opened by `attach()`.
+Requests carry the shared token as call metadata and the lease opened by `attach()`. The items
+are `kvtier.sequence_types`' values (plain tuples work for Extend and Commit items); this module
+is the client side's one place that turns them into protobuf.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -28,6 +29,7 @@ from kvtier import auth, telemetry
 from kvtier.api import cache_pb2, cache_pb2_grpc
 from kvtier.grpc_server import MAX_MESSAGE_BYTES
 from kvtier.pool import PoolSpec
+from kvtier.sequence_types import AllocateItem, CommitItem, ExtendItem, SequenceBlocks
 from kvtier.wire import pool_spec_from_proto
 
 log = logging.getLogger("kvtier.client")
@@ -38,31 +40,28 @@ CHANNEL_OPTIONS = [
 ]
 
 
-@dataclass(slots=True)
-class AllocateItem:
-    """One sequence for `CacheClient.allocate` (the `AllocateItem` message's fields)."""
+def allocate_fields(item: AllocateItem) -> dict:
+    """The fields of an AllocateItem message that differ from its defaults (see the NOTE on
+    filling requests)."""
+    fields = {"token_ids": item.token_ids}
+    if item.tenant_salt:
+        fields["tenant_salt"] = item.tenant_salt
+    if item.adapter_id:
+        fields["adapter_id"] = item.adapter_id
+    if item.num_lookahead_tokens:
+        fields["num_lookahead_tokens"] = item.num_lookahead_tokens
+    if item.request_id:
+        fields["request_id"] = item.request_id
+    if item.tenant:
+        fields["tenant"] = item.tenant
+    return fields
 
-    token_ids: Sequence[int]  # the prompt (or all tokens so far)
-    cache_salt: str = ""  # only sequences with the same salt share prefix-cache blocks
-    adapter_id: str = ""  # LoRA adapter: part of the prefix-cache key
-    num_lookahead_tokens: int = 0  # slots reserved beyond the tokens, for the next decode steps
-    request_id: str = ""  # the caller's request id, for the cache service's logs and traces
-    tenant: str = ""  # whose quota the sequence counts against ("" = the default tenant)
 
-    def message_fields(self) -> dict:
-        """The fields that differ from the message's defaults (see the NOTE on filling requests)."""
-        fields = {"token_ids": self.token_ids}
-        if self.cache_salt:
-            fields["cache_salt"] = self.cache_salt
-        if self.adapter_id:
-            fields["adapter_id"] = self.adapter_id
-        if self.num_lookahead_tokens:
-            fields["num_lookahead_tokens"] = self.num_lookahead_tokens
-        if self.request_id:
-            fields["request_id"] = self.request_id
-        if self.tenant:
-            fields["tenant"] = self.tenant
-        return fields
+def sequence_blocks(messages) -> list[SequenceBlocks]:
+    """The SequenceBlocks of a reply's repeated ``sequences`` field, every field kept."""
+    return [
+        SequenceBlocks(m.sequence_id, list(m.block_table), m.num_cached_tokens, m.num_slots) for m in messages
+    ]
 
 
 def open_channel(address: str, *, aio: bool = False, tls_ca: str | None = None):
@@ -207,16 +206,14 @@ class CacheClient:
         add = request.items.add
         for item in items:
             if isinstance(item, AllocateItem):
-                add(**item.message_fields())
+                add(**allocate_fields(item))
             else:
                 add(token_ids=item)
         return self._call(self.stub.Allocate, request)
 
-    def extend(
-        self, items: Iterable[tuple[int, int]], commits: Iterable[tuple[int, Sequence[int], int]] = ()
-    ):
-        """items: (sequence_id, num_tokens of room beyond the sequence's current tokens), after
-        `commits` (as `commit` takes them) are applied: one call for both."""
+    def extend(self, items: Iterable[ExtendItem], commits: Iterable[CommitItem] = ()):
+        """Room for `num_tokens` more tokens per sequence, after `commits` (as `commit` takes
+        them) are applied: one call for both."""
         request = cache_pb2.ExtendRequest(lease_id=self.lease_id)
         add = request.items.add
         for sequence_id, num_tokens in items:
@@ -224,19 +221,19 @@ class CacheClient:
         _add_commits(request.commits, commits)
         return self._call(self.stub.Extend, request)
 
-    def commit(self, items: Iterable[tuple[int, Sequence[int], int]]):
-        """items: (sequence_id, token ids to append, num_computed_tokens)."""
+    def commit(self, items: Iterable[CommitItem]):
+        """Append each item's token ids to its sequence and record its computed tokens."""
         request = cache_pb2.CommitRequest(lease_id=self.lease_id)
         _add_commits(request.items, items)
         return self._call(self.stub.Commit, request)
 
-    def free(self, sequence_ids: Iterable[int], commits: Iterable[tuple[int, Sequence[int], int]] = ()):
+    def free(self, sequence_ids: Iterable[int], commits: Iterable[CommitItem] = ()):
         """Drop sequences, after `commits` (a finished sequence's last tokens) are applied."""
         request = cache_pb2.FreeRequest(lease_id=self.lease_id, sequence_ids=sequence_ids)
         _add_commits(request.commits, commits)
         return self._call(self.stub.Free, request)
 
-    def swap_out(self, sequence_ids: Iterable[int], commits: Iterable[tuple[int, Sequence[int], int]] = ()):
+    def swap_out(self, sequence_ids: Iterable[int], commits: Iterable[CommitItem] = ()):
         req = cache_pb2.SwapOutRequest(lease_id=self.lease_id, sequence_ids=sequence_ids)
         _add_commits(req.commits, commits)
         return self._call(self.stub.SwapOut, req)
@@ -247,9 +244,11 @@ class CacheClient:
 
     # ------------------------------------------------------------ observation
 
-    def lookup_prefix(self, prompts: Iterable[Sequence[int]], *, cache_salt: str = "", adapter_id: str = ""):
+    def lookup_prefix(self, prompts: Iterable[Sequence[int]], *, tenant_salt: str = "", adapter_id: str = ""):
+        """Leading tokens of each prompt cached on the device, hashed with `tenant_salt` (the salt
+        kvtier.api_keys.tenant_salt bound to a tenant, as Allocate takes it)."""
         items = [
-            cache_pb2.LookupPrefixItem(token_ids=t, cache_salt=cache_salt, adapter_id=adapter_id)
+            cache_pb2.LookupPrefixItem(token_ids=t, tenant_salt=tenant_salt, adapter_id=adapter_id)
             for t in prompts
         ]
         return self._call(self.stub.LookupPrefix, cache_pb2.LookupPrefixRequest(items=items))
@@ -263,8 +262,8 @@ class CacheClient:
         return self.stub.WatchEvents(req, metadata=self.metadata)
 
 
-def _add_commits(field, commits: Iterable[tuple[int, Sequence[int], int]]) -> None:
-    """Fill a repeated CommitItem field from (sequence_id, token ids to append, num_computed_tokens)."""
+def _add_commits(field, commits: Iterable[CommitItem]) -> None:
+    """Fill a repeated CommitItem field from CommitItems (or plain tuples of the same fields)."""
     add = field.add
     for sequence_id, token_ids, num_computed in commits:
         add(sequence_id=sequence_id, token_ids=token_ids, num_computed_tokens=num_computed)

@@ -21,8 +21,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from cachesvc.block_manager import BlockManager
 from cachesvc.errors import CacheError, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from cachesvc.host_tier import HostTier
-from cachesvc.records import AllocateItem
 from cachesvc.sequences import SequenceTable
+from kvtier.sequence_types import AllocateItem
 
 BS = 4
 NUM_BLOCKS = 24
@@ -39,7 +39,7 @@ prompt_st = st.builds(lambda p, s: p + s, st.sampled_from([*PREFIXES, *PREFIXES,
 spec_st = st.builds(
     AllocateItem,
     token_ids=prompt_st,
-    cache_salt=st.sampled_from(["", "", "tenant-b"]),
+    tenant_salt=st.sampled_from(["", "", "tenant-b"]),
     num_lookahead_tokens=st.integers(0, 6),
 )
 
@@ -128,14 +128,14 @@ class SequenceTableMachine(RuleBasedStateMachine):
         if not self.expect_failure(lambda: views.extend(self.table.allocate(lease, specs)), CacheError):
             return
         for spec, view in zip(specs, views, strict=True):
-            self.salts[view.sequence_id] = spec.cache_salt
+            self.salts[view.sequence_id] = spec.tenant_salt
             n = len(spec.token_ids)
             assert view.num_cached_tokens % BS == 0
             assert view.num_cached_tokens <= n - 1, "hit must leave the last prompt token to compute"
             assert view.num_slots >= n + spec.num_lookahead_tokens
             for p in range(view.num_cached_tokens):
                 got = int(self.pool[view.block_table[p // BS], p % BS])
-                assert got == fingerprint(spec.cache_salt, spec.token_ids[: p + 1]), (
+                assert got == fingerprint(spec.tenant_salt, spec.token_ids[: p + 1]), (
                     f"hit block {view.block_table[p // BS]} does not hold the KV of the prompt at {p}"
                 )
 

@@ -239,12 +239,12 @@ def test_one_lease_cannot_touch_another_leases_sequences(service, client):
 
 def test_cache_salt_isolates_tenants_in_allocate_and_lookup(service, client):
     prompt = [9] * 33
-    seq = _alloc(client, [AllocateItem(prompt, cache_salt="tenant-a")])[0]
+    seq = _alloc(client, [AllocateItem(prompt, tenant_salt="tenant-a")])[0]
     client.commit([(seq.sequence_id, [], 33)])
-    assert client.lookup_prefix([prompt], cache_salt="tenant-a").num_cached_tokens[0] == 32
-    assert client.lookup_prefix([prompt], cache_salt="tenant-b").num_cached_tokens[0] == 0
+    assert client.lookup_prefix([prompt], tenant_salt="tenant-a").num_cached_tokens[0] == 32
+    assert client.lookup_prefix([prompt], tenant_salt="tenant-b").num_cached_tokens[0] == 0
     assert client.lookup_prefix([prompt]).num_cached_tokens[0] == 0
-    other = _alloc(client, [AllocateItem(prompt, cache_salt="tenant-b")])[0]
+    other = _alloc(client, [AllocateItem(prompt, tenant_salt="tenant-b")])[0]
     assert other.num_cached_tokens == 0
     assert not set(other.block_table) & set(seq.block_table)
 

@@ -96,11 +96,11 @@ def test_watch_events_delivers_events_that_arrive_while_a_batch_is_being_sent() 
     # that. The new events must still come, without waiting for a later publish.
     from cachesvc.leases import LeaseTable
     from cachesvc.node import CacheNode
-    from cachesvc.records import AllocateItem
     from cachesvc.sequences import SequenceTable
     from cachesvc.servicer import CacheServicer
     from kvtier.api import cache_pb2
     from kvtier.pool import PoolSpec
+    from kvtier.sequence_types import AllocateItem
 
     async def scenario() -> list[int]:
         table = SequenceTable(

@@ -277,7 +277,7 @@ class CacheApiMachine(RuleBasedStateMachine):
             invalid |= kind != "ok"
             need += blocks_for(len(tokens) + max(lookahead, 0))
             built.append(
-                cache_pb2.AllocateItem(token_ids=tokens, cache_salt=salt, num_lookahead_tokens=lookahead)
+                cache_pb2.AllocateItem(token_ids=tokens, tenant_salt=salt, num_lookahead_tokens=lookahead)
             )
         if lease == EMPTY_LEASE:
             expected = INV
@@ -312,9 +312,9 @@ class CacheApiMachine(RuleBasedStateMachine):
             hit = seq.num_cached_tokens
             assert hit % BS == 0 and hit <= (n - 1) // BS * BS, f"hit {hit} of a {n}-token prompt"
             for b in range(hit // BS):
-                key = (item.cache_salt, tuple(item.token_ids[: (b + 1) * BS]))
+                key = (item.tenant_salt, tuple(item.token_ids[: (b + 1) * BS]))
                 assert table[b] in PUBLISHED.get(key, set()), (
-                    f"block {table[b]} served as a hit for block {b} of a salt={item.cache_salt!r} prompt, "
+                    f"block {table[b]} served as a hit for block {b} of a salt={item.tenant_salt!r} prompt, "
                     "but no sequence of that tenant committed that prefix into it"
                 )
             assert not set(table[: hit // BS]) & unwritten, (
@@ -326,7 +326,7 @@ class CacheApiMachine(RuleBasedStateMachine):
             new_needed += len(table) - hit // BS
             assert seq.sequence_id not in self.seqs and seq.sequence_id not in self.dead
             self.seqs[seq.sequence_id] = SequenceModel(
-                lease, item.cache_salt, list(item.token_ids), table, computed=hit
+                lease, item.tenant_salt, list(item.token_ids), table, computed=hit
             )
         self.check_fresh(fresh_all, held, "Allocate")
         assert new_needed <= before.num_blocks_free
@@ -508,7 +508,7 @@ class CacheApiMachine(RuleBasedStateMachine):
             if oov and tokens:
                 tokens[-1] = VOCAB
             invalid |= (oov and bool(tokens)) or "\0" in salt
-            built.append(cache_pb2.LookupPrefixItem(token_ids=tokens, cache_salt=salt))
+            built.append(cache_pb2.LookupPrefixItem(token_ids=tokens, tenant_salt=salt))
         reply, before = self.call(
             "LookupPrefix", cache_pb2.LookupPrefixRequest(items=built), INV if invalid else OK
         )
@@ -520,9 +520,9 @@ class CacheApiMachine(RuleBasedStateMachine):
         for item, cached in zip(built, reply.num_cached_tokens, strict=True):
             assert cached % BS == 0 and cached <= len(item.token_ids)
             for b in range(cached // BS):
-                key = (item.cache_salt, tuple(item.token_ids[: (b + 1) * BS]))
+                key = (item.tenant_salt, tuple(item.token_ids[: (b + 1) * BS]))
                 assert key in PUBLISHED, (
-                    f"LookupPrefix reports block {b} of a salt={item.cache_salt!r} prompt cached, "
+                    f"LookupPrefix reports block {b} of a salt={item.tenant_salt!r} prompt cached, "
                     "but no sequence of that tenant committed that prefix"
                 )
 

@@ -146,11 +146,11 @@ def test_over_long_strings_are_refused_and_get_stats_keeps_working_for_everyone(
             assert e.code() == code and details in e.details(), (code, e.code(), e.details())
         e = refused(stub.Heartbeat, cache_pb2.HeartbeatRequest(lease_id="f" * 65), bearer(TOKEN))
         assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "lease_id is 65 bytes" in e.details()
-        salted = cache_pb2.AllocateItem(token_ids=[1, 2, 3], cache_salt="s" * 1025)
+        salted = cache_pb2.AllocateItem(token_ids=[1, 2, 3], tenant_salt="s" * 1025)
         request = cache_pb2.AllocateRequest(lease_id=client.lease_id, items=[salted])
         e = refused(stub.Allocate, request, bearer(TOKEN))
         assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, e.details()
-        assert "items[0].cache_salt is 1025 bytes, over the limit of 1024" in e.details()
+        assert "items[0].tenant_salt is 1025 bytes, over the limit of 1024" in e.details()
         # The longest accepted name still attaches, and GetStats answers everyone, small.
         client.attach("n" * 256)
         stats = client.get_stats()
@@ -478,8 +478,8 @@ def test_the_raw_scan_agrees_with_the_parsed_request_and_leaves_malformed_bytes_
 def _other_fields(item_type, rng: random.Random) -> dict:
     fields = item_type.DESCRIPTOR.fields_by_name
     out = {}
-    if "cache_salt" in fields:
-        out["cache_salt"] = "s" * rng.randrange(3)
+    if "tenant_salt" in fields:
+        out["tenant_salt"] = "s" * rng.randrange(3)
     if "sequence_id" in fields:
         out["sequence_id"] = rng.choice([1, 2**40])
     if "num_computed_tokens" in fields:

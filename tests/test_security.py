@@ -248,7 +248,7 @@ def test_tenants_with_different_cache_salt_never_share_cached_blocks_through_com
         return generate(address, request)[-1].usage.cached_prompt_tokens
 
     def looked_up(salt: str) -> int:
-        return owner.lookup_prefix([prompt], cache_salt=salt).num_cached_tokens[0]
+        return owner.lookup_prefix([prompt], tenant_salt=salt).num_cached_tokens[0]
 
     assert cached("tenant-a") == 0
     assert cached("tenant-a") == 2 * BS, "the same tenant hits its own prompt"

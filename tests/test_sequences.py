@@ -17,8 +17,8 @@ from cachesvc.errors import (
     ResourceExhausted,
 )
 from cachesvc.host_tier import HostTier
-from cachesvc.records import AllocateItem
 from cachesvc.sequences import SequenceTable
+from kvtier.sequence_types import AllocateItem
 
 BS = 4
 VOCAB = 100
@@ -177,15 +177,15 @@ def test_generated_tokens_are_published_when_committed() -> None:
 def test_cache_salt_isolates_tenants() -> None:
     table = make_table()
     prompt = list(range(9))
-    alloc_commit_free(table, prompt, cache_salt="tenant-a")
+    alloc_commit_free(table, prompt, tenant_salt="tenant-a")
     assert table.lookup_prefix([(prompt, "tenant-a", ""), (prompt, "tenant-b", ""), (prompt, "", "")]) == [
         8,
         0,
         0,
     ]
     assert table.lookup_prefix([(prompt, "tenant-a", "lora")]) == [0]
-    (other,) = table.allocate(LEASE, [AllocateItem(prompt, cache_salt="tenant-b")])
-    (same,) = table.allocate(LEASE, [AllocateItem(prompt, cache_salt="tenant-a")])
+    (other,) = table.allocate(LEASE, [AllocateItem(prompt, tenant_salt="tenant-b")])
+    (same,) = table.allocate(LEASE, [AllocateItem(prompt, tenant_salt="tenant-a")])
     assert (other.num_cached_tokens, same.num_cached_tokens) == (0, 8)
 
 

@@ -27,7 +27,6 @@ from cachesvc.block_manager import BlockManager
 from cachesvc.errors import ExceedsLimit, ResourceExhausted
 from cachesvc.host_tier import HostTier
 from cachesvc.limits import fair_shares
-from cachesvc.records import AllocateItem as TableItem
 from cachesvc.sequences import SequenceTable
 from kvtier import status
 from kvtier.api import cache_pb2
@@ -35,6 +34,7 @@ from kvtier.api_keys import ApiKeys, ApiKeysError, ClientKeys, tenant_salt
 from kvtier.auth import bearer, grpc_target
 from kvtier.cache_client import AllocateItem, CacheClient
 from kvtier.compute_client import ComputeClient
+from kvtier.sequence_types import AllocateItem as TableItem
 from kvtier_cli.stack import LocalStack, start_gateway
 
 pytestmark = [pytest.mark.timeout(600)]
@@ -135,8 +135,8 @@ def test_a_tenant_cannot_hit_another_tenants_prefix_with_any_salt(stack):
     # A router (node credential) finds acme's blocks under the derived salt, and only there.
     client = cache_client(stack)
     try:
-        found = client.lookup_prefix([PROMPT], cache_salt=tenant_salt("acme", salt)).num_cached_tokens
-        plain = client.lookup_prefix([PROMPT], cache_salt=salt).num_cached_tokens
+        found = client.lookup_prefix([PROMPT], tenant_salt=tenant_salt("acme", salt)).num_cached_tokens
+        plain = client.lookup_prefix([PROMPT], tenant_salt=salt).num_cached_tokens
     finally:
         client.close()
     assert list(found) == [32] and list(plain) == [0]
@@ -170,7 +170,7 @@ def test_the_gateway_forwards_each_callers_key_and_needs_no_node_token(stack, ke
 def blocks_item(tenant: str, blocks: int, start: int = 0) -> AllocateItem:
     """An item that holds exactly `blocks` blocks of 16 tokens (distinct tokens: no prefix hit)."""
     return AllocateItem(
-        [3 + (start + i) % 250 for i in range(16 * blocks)], cache_salt=f"q{start}", tenant=tenant
+        [3 + (start + i) % 250 for i in range(16 * blocks)], tenant_salt=f"q{start}", tenant=tenant
     )
 
 
@@ -397,7 +397,7 @@ def fair_table(**kwargs) -> SequenceTable:
 
 def grab(table: SequenceTable, lease: str, tenant: str, blocks: int, salt: int) -> int:
     (seq,) = table.allocate(
-        lease, [TableItem([salt % 100] * (4 * blocks), cache_salt=str(salt), tenant=tenant)]
+        lease, [TableItem([salt % 100] * (4 * blocks), tenant_salt=str(salt), tenant=tenant)]
     )
     return seq.sequence_id
 

@@ -70,20 +70,20 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, lease_ttl_s: _Optional[float] = ...) -> None: ...
 
 class AllocateItem(_message.Message):
-    __slots__ = ("token_ids", "cache_salt", "adapter_id", "num_lookahead_tokens", "request_id", "tenant")
+    __slots__ = ("token_ids", "tenant_salt", "adapter_id", "num_lookahead_tokens", "request_id", "tenant")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    TENANT_SALT_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    cache_salt: str
+    tenant_salt: str
     adapter_id: str
     num_lookahead_tokens: int
     request_id: str
     tenant: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., adapter_id: _Optional[str] = ..., num_lookahead_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., tenant_salt: _Optional[str] = ..., adapter_id: _Optional[str] = ..., num_lookahead_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
     __slots__ = ("lease_id", "items")
@@ -176,14 +176,14 @@ class FreeResponse(_message.Message):
     def __init__(self, num_blocks_released: _Optional[int] = ...) -> None: ...
 
 class LookupPrefixItem(_message.Message):
-    __slots__ = ("token_ids", "cache_salt", "adapter_id")
+    __slots__ = ("token_ids", "tenant_salt", "adapter_id")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    TENANT_SALT_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    cache_salt: str
+    tenant_salt: str
     adapter_id: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., adapter_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., tenant_salt: _Optional[str] = ..., adapter_id: _Optional[str] = ...) -> None: ...
 
 class LookupPrefixRequest(_message.Message):
     __slots__ = ("items",)
