@@ -17,7 +17,7 @@ from cachesvc.node import CacheNode
 from cachesvc.sequences import SequenceTable
 from cachesvc.servicer import CacheServicer
 from cachesvc.wire_limits import request_limits, request_scans
-from kvtier import auth, telemetry
+from kvtier import auth, kv_dtypes, telemetry
 from kvtier.api import cache_pb2_grpc
 from kvtier.grpc_server import (
     AddressInUse,
@@ -52,6 +52,8 @@ def model_shape(cfg: CacheConfig) -> ModelShape:
 
 @dataclass
 class PoolPlan:
+    """The pool to create: backend, element dtype (kvtier.kv_dtypes), blocks and bytes per block."""
+
     backend: str
     dtype: str
     num_blocks: int
@@ -60,9 +62,7 @@ class PoolPlan:
 
 def plan_pool(cfg: CacheConfig, shape: ModelShape) -> PoolPlan:
     backend = default_backend() if cfg.backend == "auto" else cfg.backend
-    dtype = cfg.dtype
-    if dtype == "auto":
-        dtype = shape.dtype if backend == "cuda" else "float32"
+    dtype = kv_dtypes.pool_dtype(cfg.dtype, backend, shape.dtype)
     block_bytes = shape.block_bytes(cfg.block_size, dtype)
     if cfg.num_blocks is not None:
         num_blocks = cfg.num_blocks
@@ -72,7 +72,8 @@ def plan_pool(cfg: CacheConfig, shape: ModelShape) -> PoolPlan:
         require_cuda()
         free, total = torch.cuda.mem_get_info(cfg.device)
         device = f"cuda:{cfg.device} ({torch.cuda.get_device_name(cfg.device)})"
-        num_blocks = device_pool_plan(cfg, dtype, block_bytes, device, total, free).num_blocks
+        weights = kv_dtypes.weights_dtype(dtype, backend, shape.dtype)
+        num_blocks = device_pool_plan(cfg, weights, block_bytes, device, total, free).num_blocks
     else:
         budget = int(cfg.kv_cache_space * GIB)
         shm_free = shutil.disk_usage("/dev/shm").free
@@ -90,12 +91,14 @@ def plan_pool(cfg: CacheConfig, shape: ModelShape) -> PoolPlan:
 
 
 def device_pool_plan(
-    cfg: CacheConfig, dtype: str, block_bytes: int, device: str, total: int, free: int
+    cfg: CacheConfig, weights_dtype: str, block_bytes: int, device: str, total: int, free: int
 ) -> DevicePoolPlan:
     """The cuda pool's share of a device of ``total`` bytes, ``free`` free now (kvtier/memory_plan.py),
-    logged as one block; MemoryPlanError (a ValueError) when it leaves less than one block."""
+    with each replica's weights at ``weights_dtype`` (kvtier.kv_dtypes.weights_dtype: the dtype
+    compute runs them in, not necessarily the pool's), logged as one block; MemoryPlanError (a
+    ValueError) when it leaves less than one block."""
     reserve = None if cfg.activation_reserve_gib is None else int(cfg.activation_reserve_gib * GIB)
-    weights, reserve_of = model_needs(cfg.model, dtype, reserve)
+    weights, reserve_of = model_needs(cfg.model, weights_dtype, reserve)
     plan = plan_device_pool(
         device=device,
         total_bytes=total,

@@ -28,10 +28,11 @@ import os
 import torch
 
 from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv_ref
+from kvtier import kv_dtypes
 
 __all__ = ["backend", "paged_decode_attention", "paged_prefill_attention", "write_kv"]
 
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_DTYPES = tuple(kv_dtypes.torch_dtype(name) for name in kv_dtypes.MODEL_DTYPES)
 
 
 def backend(device: torch.device | str | None = None) -> str:

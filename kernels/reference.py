@@ -28,16 +28,17 @@ _CHUNK_BYTES = 2 << 20
 
 class _Workspace(threading.local):
     """Per-thread scratch buffers, reused across calls so a decode step allocates (and page-faults)
-    nothing proportional to the context. One flat buffer per (device, dtype, slot), grown on demand."""
+    nothing proportional to the context. One flat buffer per (device, dtype, slot, inference mode),
+    grown on demand: a buffer made under `torch.inference_mode` may not be written outside it."""
 
     def __init__(self) -> None:
-        self.buffers: dict[tuple[torch.device, torch.dtype, str], torch.Tensor] = {}
+        self.buffers: dict[tuple[torch.device, torch.dtype, str, bool], torch.Tensor] = {}
 
     def get(
         self, slot: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
         numel = math.prod(shape)
-        key = (device, dtype, slot)
+        key = (device, dtype, slot, torch.is_inference_mode_enabled())
         buf = self.buffers.get(key)
         if buf is None or buf.numel() < numel:
             buf = torch.empty(numel, dtype=dtype, device=device)

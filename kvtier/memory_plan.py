@@ -25,10 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvtier import kv_dtypes
+
 GIB = 1 << 30
 MIB = 1 << 20
 
-# Bytes per element of each safetensors dtype (the header's names).
+# Bytes per element of each safetensors dtype (the header's names): the checkpoint file format's
+# own types (integers, bools); the dtypes weights and KV run in are kvtier.kv_dtypes.
 SAFETENSORS_ITEMSIZE = {
     "F64": 8,
     "F32": 4,
@@ -43,7 +46,6 @@ SAFETENSORS_ITEMSIZE = {
     "F8_E4M3": 1,
     "F8_E5M2": 1,
 }
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 # Per replica, beyond weights and activations: its CUDA context, cuBLAS / Triton workspaces and
 # the caching allocator's fragmentation. Measured contexts run 300-600 MiB on recent drivers.
@@ -123,7 +125,7 @@ def checkpoint_weight_bytes(model_dir: str | Path, dtype: str | None = None) -> 
                     raise ValueError(f"{shard}: tensor {name!r} has unknown dtype {st_dtype!r}")
                 params += numel
                 stored += numel * SAFETENSORS_ITEMSIZE[st_dtype]
-        as_run = params * ITEMSIZE[dtype] if dtype else stored
+        as_run = params * kv_dtypes.model_dtype(dtype).itemsize if dtype else stored
         what = f"as {dtype}" if dtype else "as stored"
         return WeightSize(
             as_run, params, f"safetensors headers of {len(shards)} file(s), {params:,} params {what}"
@@ -187,7 +189,7 @@ def estimate_activation_reserve(
     hd = int(config.get("head_dim") or h // heads)
     inter = int(config["intermediate_size"])
     vocab = int(config["vocab_size"])
-    per_token = (2 * h + (2 * heads + 2 * kv) * hd + 3 * inter) * ITEMSIZE[dtype] * 2
+    per_token = (2 * h + (2 * heads + 2 * kv) * hd + 3 * inter) * kv_dtypes.model_dtype(dtype).itemsize * 2
     activations = max_num_batched_tokens * per_token + 2 * max_num_seqs * vocab * 4
     return Reserve(
         activations + RUNTIME_OVERHEAD_BYTES,
@@ -335,7 +337,9 @@ def model_needs(
         config: dict[str, Any] = {"model_type": "llama", **TINY_LLAMA_CONFIG}
         params = config_param_count(config)
         weights = WeightSize(
-            params * ITEMSIZE[dtype], params, f"{params:,} params of the built-in model as {dtype}"
+            params * kv_dtypes.model_dtype(dtype).itemsize,
+            params,
+            f"{params:,} params of the built-in model as {dtype}",
         )
     else:
         config_file = Path(model_dir) / "config.json"

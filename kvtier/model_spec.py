@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvtier import kv_dtypes
+
 # LlamaConfig kwargs of the built-in test model: a byte-level vocabulary (256 bytes + bos + eos).
 TINY_LLAMA_CONFIG: dict[str, Any] = {
     "hidden_size": 64,
@@ -31,8 +33,6 @@ TINY_LLAMA_CONFIG: dict[str, Any] = {
 
 # Decoder families whose attention is plain causal GQA with RoPE: what our kernels compute.
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
-
-DTYPE_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 # Keys of config.json that do not change what the model computes.
 _VOLATILE_CONFIG_KEYS = frozenset({"transformers_version", "_name_or_path", "use_cache", "return_dict"})
@@ -77,8 +77,7 @@ class ModelShape:
         num_kv_heads = int(config.get("num_key_value_heads") or num_heads)
         head_dim = int(config.get("head_dim") or hidden_size // num_heads)
         dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch.")
-        if dtype not in DTYPE_ITEMSIZE:
-            raise ValueError(f"config dtype {dtype!r} is not one of {sorted(DTYPE_ITEMSIZE)}")
+        kv_dtypes.model_dtype(dtype, "config dtype")
         # Within the sliding window, sliding-window attention equals full causal attention, which
         # is what the kernels compute: cap the context there instead of computing it wrong.
         window = config.get("sliding_window")
@@ -136,12 +135,12 @@ class ModelShape:
         return cls.from_hf_config(config, weights_id=f"kvtier-tiny-seed-{seed}")
 
     def block_bytes(self, block_size: int, dtype: str) -> int:
-        """Bytes of one pool block (K and V of `block_size` tokens in every layer) stored as `dtype`."""
-        if dtype not in DTYPE_ITEMSIZE:
-            raise ValueError(f"pool dtype {dtype!r} is not one of {sorted(DTYPE_ITEMSIZE)}")
+        """Bytes of one pool block (K and V of `block_size` tokens in every layer) stored as `dtype`,
+        with a quantized dtype's scales (kvtier.kv_dtypes.token_head_bytes)."""
+        per_token_head = kv_dtypes.token_head_bytes(kv_dtypes.lookup(dtype, "pool dtype").name, self.head_dim)
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        return self.num_layers * 2 * block_size * self.num_kv_heads * self.head_dim * DTYPE_ITEMSIZE[dtype]
+        return self.num_layers * 2 * block_size * self.num_kv_heads * per_token_head
 
     def describe_mismatch(self, other: ModelShape) -> str | None:
         """One line naming each field that differs (`num_layers: 2 != 32`), or None if all match."""

@@ -24,6 +24,8 @@ from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvtier import kv_dtypes
+
 if TYPE_CHECKING:
     import torch
 
@@ -31,7 +33,6 @@ log = logging.getLogger(__name__)
 
 # NOTE: torch is imported only where a tensor is made, so clients that only talk to the cache
 # service (routers, benchmarks' load generators) do not pay for importing it.
-DTYPES = ("float32", "float16", "bfloat16")
 SHM_PREFIX = "kvtier-"
 
 
@@ -81,12 +82,8 @@ class PoolSpec:
 
 
 def torch_dtype(dtype: str) -> torch.dtype:
-    """The torch dtype named `dtype` ("float32", "float16" or "bfloat16")."""
-    import torch
-
-    if dtype not in DTYPES:
-        raise ValueError(f"pool dtype {dtype!r} is not one of {sorted(DTYPES)}")
-    return getattr(torch, dtype)
+    """The torch dtype of a pool of `dtype` (kvtier.kv_dtypes.MODEL_DTYPES)."""
+    return kv_dtypes.model_dtype(dtype, "pool dtype").torch_dtype()
 
 
 @dataclass
