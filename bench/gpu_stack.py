@@ -122,7 +122,7 @@ def build_model_dir(a: argparse.Namespace, path: Path) -> dict:
     import torch
     from transformers import LlamaForCausalLM
 
-    from computesvc.model import build_byte_tokenizer
+    from kvtier.tokenizer import build_byte_tokenizer
 
     config = llama_config(a)
     with torch.device(a.device):

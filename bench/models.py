@@ -27,8 +27,8 @@ def random_llama_dir(
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from computesvc.model import build_byte_tokenizer
     from kvtier.model_spec import TINY_LLAMA_CONFIG
+    from kvtier.tokenizer import build_byte_tokenizer
 
     config = LlamaConfig(
         **{

@@ -23,18 +23,17 @@ import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
-    AutoTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
     PreTrainedTokenizerBase,
-    PreTrainedTokenizerFast,
 )
 
-from computesvc.generation_config import GENERATION_CONFIG, describe, read_generation_defaults
 from computesvc.paged_attention import ATTN_IMPLEMENTATION, PagedBatch, use_paged_attention
+from kvtier.generation_config import GENERATION_CONFIG, describe, read_generation_defaults
 from kvtier.memory_plan import check_replica_fits, model_needs
 from kvtier.model_spec import TINY_LLAMA_CONFIG, ModelShape
+from kvtier.tokenizer import load_tokenizer
 
 log = logging.getLogger("kvtier.compute")
 
@@ -42,28 +41,6 @@ _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16":
 
 
 # --- the built-in tiny model -------------------------------------------------------------------
-
-
-def build_byte_tokenizer() -> PreTrainedTokenizerFast:
-    """A real Hugging Face tokenizer whose tokens are bytes: id b is byte b, bos 256, eos 257.
-
-    It is a byte-level BPE with no merges, so `save_pretrained` writes a `tokenizer.json` that
-    `AutoTokenizer.from_pretrained` loads offline like any other model's. `encode` prepends bos;
-    `decode` replaces invalid UTF-8 with U+FFFD.
-    """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    byte_to_char = bytes_to_unicode()
-    vocab = {byte_to_char[b]: b for b in range(256)}
-    vocab |= {"<s>": TINY_LLAMA_CONFIG["bos_token_id"], "</s>": TINY_LLAMA_CONFIG["eos_token_id"]}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", TINY_LLAMA_CONFIG["bos_token_id"])]
-    )
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
 
 
 def build_tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
@@ -101,7 +78,7 @@ class LoadedModel:
     `shape.dtype` is the checkpoint's dtype; the dtype the weights run in (and the pool must
     have) is `model.dtype`. `eos_token_ids` merges the generation config's and the tokenizer's.
     `sampling_defaults` are the SamplingParams fields its generation_config.json sets (the
-    defaults of requests that leave them unset; computesvc.generation_config).
+    defaults of requests that leave them unset; kvtier.generation_config).
     """
 
     model: PreTrainedModel
@@ -136,7 +113,6 @@ def load_model(
         check_device_memory(model_dir, run_dtype, device, activation_reserve_bytes)
     if model_dir is None:
         model = build_tiny_model(seed, _TORCH_DTYPES["float32" if dtype == "auto" else dtype])
-        tokenizer: PreTrainedTokenizerBase = build_byte_tokenizer()
         shape = ModelShape.tiny(seed)
     else:
         # Reads config.json first: an unsupported model fails here, before any weight is read.
@@ -146,7 +122,7 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(
             model_dir, config=config, dtype=torch_dtype, local_files_only=True
         )
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    tokenizer: PreTrainedTokenizerBase = load_tokenizer(model_dir)
     model = model.to(device).eval().requires_grad_(False)
     use_paged_attention(model)
     defaults = read_generation_defaults(model_dir)

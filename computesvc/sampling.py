@@ -25,18 +25,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-log = logging.getLogger("kvtier.compute")
+from kvtier import sampling_schema
 
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_CHARS = 256  # characters of one stop string
-MAX_STOP_TOKEN_IDS = 256
+log = logging.getLogger("kvtier.compute")
+_DEFAULT = {spec.name: spec.default for spec in sampling_schema.FIELDS}
+
 MIN_TEMPERATURE = 1e-2  # smaller positive temperatures are sampled as this (vLLM's _MAX_TEMP)
-MAX_TEMPERATURE = 100.0  # far past any API's range (OpenAI: 2); keeps logits / T finite
-REPETITION_PENALTY_RANGE = (1e-2, 100.0)  # 1 = off; beyond these, logits under/overflow in fp32
-MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
-PENALTY_RANGE = (-2.0, 2.0)  # presence/frequency penalties, as OpenAI allows
-# torch.Generator.manual_seed accepts any 64-bit value, signed or unsigned.
-_SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
 
 
 @dataclass
@@ -44,19 +38,21 @@ class SamplingParams:
     """How one request picks its tokens. `temperature == 0` is greedy; `top_k == 0`, `min_p == 0`,
     penalties of 0 (presence, frequency) or 1 (repetition) are off; `logprobs` None = none returned."""
 
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
+    # The defaults and ranges of the optional fields are kvtier.sampling_schema's (tests check
+    # that every row of it is a field here).
+    max_tokens: int = _DEFAULT["max_tokens"]
+    temperature: float = _DEFAULT["temperature"]
+    top_p: float = _DEFAULT["top_p"]
+    top_k: int = _DEFAULT["top_k"]
+    seed: int | None = _DEFAULT["seed"]
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
-    logprobs: int | None = None
+    presence_penalty: float = _DEFAULT["presence_penalty"]
+    frequency_penalty: float = _DEFAULT["frequency_penalty"]
+    repetition_penalty: float = _DEFAULT["repetition_penalty"]
+    min_p: float = _DEFAULT["min_p"]
+    logprobs: int | None = _DEFAULT["logprobs"]
 
     @property
     def greedy(self) -> bool:
@@ -68,55 +64,16 @@ class SamplingParams:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
     def validate(self, *, vocab_size: int, max_model_len: int) -> None:
-        """Raise ValueError naming the first field out of range, its value and the limit. Every
-        float must be finite; a temperature in (0, MIN_TEMPERATURE) is valid (sampled as
-        MIN_TEMPERATURE)."""
-        if not 1 <= self.max_tokens <= max_model_len:
-            raise ValueError(
-                f"max_tokens must be in [1, {max_model_len}] (max_model_len), got {self.max_tokens}"
-            )
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if self.temperature > MAX_TEMPERATURE:
-            raise ValueError(f"temperature must be at most {MAX_TEMPERATURE:g}, got {self.temperature}")
-        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        lo, hi = PENALTY_RANGE
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and lo <= value <= hi):
-                raise ValueError(f"{name} must be in [{lo:g}, {hi:g}], got {value}")
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
-            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
-        lo, hi = REPETITION_PENALTY_RANGE
-        if not lo <= self.repetition_penalty <= hi:
-            raise ValueError(f"repetition_penalty must be in [{lo:g}, {hi:g}], got {self.repetition_penalty}")
-        if not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if self.seed is not None and not _SEED_RANGE[0] <= self.seed <= _SEED_RANGE[1]:
-            raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
-        if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop has {len(self.stop)} strings, at most {MAX_STOP_STRINGS} allowed")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
-        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
-            longest = max(map(len, self.stop))
-            raise ValueError(
-                f"a stop string has {longest} characters, at most {MAX_STOP_STRING_CHARS} allowed"
-            )
-        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(
-                f"stop_token_ids has {len(self.stop_token_ids)} entries, at most {MAX_STOP_TOKEN_IDS} allowed"
-            )
-        for token_id in self.stop_token_ids:
-            if not 0 <= token_id < vocab_size:
-                raise ValueError(
-                    f"stop_token_ids entry {token_id} is outside the vocabulary [0, {vocab_size})"
-                )
+        """Raise ValueError naming the first field out of range (kvtier.sampling_schema), its value
+        and the limit. Every float must be finite; a temperature in (0, MIN_TEMPERATURE) is valid
+        (sampled as MIN_TEMPERATURE)."""
+        limits = {"max_model_len": max_model_len}
+        for spec in sampling_schema.FIELDS:
+            value = getattr(self, spec.name)
+            if value is not None and (message := spec.error(value, limits)):
+                raise ValueError(message)
+        if message := sampling_schema.stop_error(self.stop, self.stop_token_ids, vocab_size):
+            raise ValueError(message)
 
     def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
         """A generator seeded with `seed` (None when unseeded: the sampler then uses torch's global RNG)."""

@@ -16,9 +16,11 @@ from computesvc.request import Request, StepOutput, new_request_id
 from computesvc.sampling import SamplingParams
 from computesvc.scheduler import StepFailed
 from computesvc.token_emitter import RequestFailed
+from kvtier import sampling_schema
 from kvtier.api import compute_pb2, compute_pb2_grpc
 from kvtier.api_keys import tenant_salt
 from kvtier.call_guard import caller
+from kvtier.sampling_schema import resolve_max_tokens
 
 log = logging.getLogger("kvtier.compute")
 
@@ -34,28 +36,15 @@ class ComputeServicer(compute_pb2_grpc.ComputeServiceServicer):
         # and the scheduler) and off the default executor (which runs the model's forwards).
         self._tokenize = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
 
-    # Proto fields that are `optional`: unset ones take the model's default (its
-    # generation_config.json's, else SamplingParams'); the dataclass's defaults are the fallback.
-    _OPTIONAL = (
-        "max_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "seed",
-        "presence_penalty",
-        "frequency_penalty",
-        "repetition_penalty",
-        "min_p",
-        "logprobs",
-    )
-
     def _defaults(self) -> dict:
         loaded = self.replica.loaded
         return loaded.sampling_defaults if loaded is not None else {}
 
     def _sampling(self, msg: compute_pb2.SamplingParams) -> SamplingParams:
         values = dict(self._defaults())
-        values.update({name: getattr(msg, name) for name in self._OPTIONAL if msg.HasField(name)})
+        # The schema's fields are the proto's `optional` ones: unset ones take the model's default
+        # (its generation_config.json's), else SamplingParams' (the schema's).
+        values.update({name: getattr(msg, name) for name in sampling_schema.NAMES if msg.HasField(name)})
         return SamplingParams(
             **values,
             stop=list(msg.stop),
@@ -120,15 +109,14 @@ class ComputeServicer(compute_pb2_grpc.ComputeServiceServicer):
             tokenizer = self.replica.loaded.tokenizer
             loop = asyncio.get_running_loop()
             ids = await loop.run_in_executor(self._tokenize, tokenizer.encode, request.prompt)
-        if not request.sampling.HasField("max_tokens") and "max_tokens" in self._defaults():
-            # The model's max_new_tokens is a default, not a demand: it yields to the context.
-            params.max_tokens = max(1, min(params.max_tokens, shape.max_model_len - len(ids)))
-        params.validate(vocab_size=shape.vocab_size, max_model_len=shape.max_model_len)
-        if len(ids) + params.max_tokens > shape.max_model_len:
-            raise ValueError(
-                f"this model's context is {shape.max_model_len} tokens, but the request needs "
-                f"{len(ids) + params.max_tokens} ({len(ids)} prompt + {params.max_tokens} max_tokens)"
+        limit = shape.max_model_len
+        if not request.sampling.HasField("max_tokens"):  # a default yields to the context
+            params.max_tokens = resolve_max_tokens(
+                None, len(ids), limit, self._defaults().get("max_tokens"), params.max_tokens
             )
+        params.validate(vocab_size=shape.vocab_size, max_model_len=limit)
+        # The context check (ContextLengthError is a ValueError), as the gateway's.
+        resolve_max_tokens(params.max_tokens, len(ids), limit, None, None)
         return Request(
             request_id=request.request_id or new_request_id(),
             prompt_token_ids=ids,

@@ -34,6 +34,7 @@ from gateway.router import NodeState, NoNode, Router
 from kvtier import auth
 from kvtier.api import compute_pb2
 from kvtier.compute_client import RECONNECT, ComputeClient
+from kvtier.sampling_schema import ContextLengthError, resolve_max_tokens
 
 log = logging.getLogger("kvtier.gateway")
 
@@ -268,10 +269,9 @@ class Engine:
     ) -> list[Job]:
         """One Job per (prompt, sample), checked against the model's context.
 
-        max_tokens: what the client asked for; when None, the model's generation_config.json
-        max_new_tokens (capped to the room after the prompt), else `default_max_tokens`, or with
-        that None too, the rest of the context after the prompt. A seeded request's sample i uses
-        seed + i.
+        max_tokens: what the client asked for; when None, kvtier.sampling_schema.resolve_max_tokens
+        picks the model's default, else `default_max_tokens`, else the rest of the context. A
+        seeded request's sample i uses seed + i.
         """
         if not 1 <= req.n <= self.max_n:
             raise bad_request(f"n must be in [1, {self.max_n}], got {req.n}", param="n")
@@ -282,59 +282,35 @@ class Engine:
         for p, ids in enumerate(prompts):
             if not ids:
                 raise bad_request("the prompt is empty", param="prompt")
-            want = max_tokens if max_tokens is not None else default_max_tokens
-            if max_tokens is None and self.model.default_max_tokens is not None:
-                want = max(1, min(self.model.default_max_tokens, limit - len(ids)))
-            if want is None:
-                want = limit - len(ids)
-                if want < 1:
-                    raise bad_request(
-                        f"this model's context is {limit} tokens and the prompt has {len(ids)}: "
-                        "no room for a completion",
-                        param="messages",
-                        code="context_length_exceeded",
-                    )
-            if len(ids) + want > limit:
-                raise bad_request(
-                    f"this model's context is {limit} tokens, but the request needs {len(ids) + want} "
-                    f"({len(ids)} prompt + {want} max_tokens); shorten the prompt or lower max_tokens",
-                    param="max_tokens",
-                    code="context_length_exceeded",
+            try:
+                want = resolve_max_tokens(
+                    max_tokens, len(ids), limit, self.model.default_max_tokens, default_max_tokens
                 )
+            except ContextLengthError as e:
+                # With no max_tokens to blame (none given, none by default), the prompt is too long.
+                param = "messages" if max_tokens is None and default_max_tokens is None else "max_tokens"
+                raise bad_request(str(e), param=param, code="context_length_exceeded") from None
             for i in range(req.n):
-                jobs.append(
-                    Job(
-                        len(jobs),
-                        p,
-                        i,
-                        ids,
-                        self._generate_request(f"{request_id}-{len(jobs)}", ids, req, want, i),
-                    )
-                )
+                rid = f"{request_id}-{len(jobs)}"
+                jobs.append(Job(len(jobs), p, i, ids, self._generate_request(rid, ids, req, want, i)))
         return jobs
 
     @staticmethod
     def _generate_request(
         request_id: str, ids: list[int], req: _SamplingRequest, max_tokens: int, sample: int
     ) -> compute_pb2.GenerateRequest:
-        # None stays unset: the replica fills in the model's defaults (generation_config.json).
+        # Fields the client left out stay unset: the replica fills in the model's defaults.
+        sampling = req.sampling() | {"max_tokens": max_tokens, "logprobs": req.num_logprobs()}
+        if req.seed is not None:
+            sampling["seed"] = req.seed + sample
         return ComputeClient.request(
             prompt_token_ids=ids,
-            max_tokens=max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=0 if req.top_k == -1 else req.top_k,
-            presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty,
-            repetition_penalty=req.repetition_penalty,
-            min_p=req.min_p,
-            logprobs=req.num_logprobs(),
-            seed=None if req.seed is None else req.seed + sample,
             stop=req.stop_list(),
             stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos,
             request_id=request_id,
             cache_salt=req.cache_salt or "",
+            **sampling,
         )
 
     async def open(self, jobs: list[Job], credential: str | None = None, tenant: str = "") -> Streams:
@@ -354,29 +330,23 @@ class Engine:
         except NoNode as e:
             raise no_replica(str(e)) from None
         failure: APIError | None = None
+        work = sum(len(job.prompt_ids) + job.request.max_tokens for job in jobs)
         for state, predicted in zip(route.nodes, route.predicted_tokens, strict=True):
+            on_node = self.router.opened(state, predicted, work)  # counted now: routing meanwhile sees it
             try:
                 streams = await self._open_on(self._client_of(state), jobs, credential)
-            except APIError as e:
-                if e.status != 503:
+            except BaseException as e:
+                on_node.closed(None)
+                if not isinstance(e, APIError) or e.status != 503:
                     raise
                 log.warning("node %s: %s; trying the next node", state.name, e.info.message)
                 self.router.mark_down(state)
                 failure = e
                 continue
-            state.inflight += 1
-            streams._on_done = self._finisher(state, predicted)
+            streams._on_done = on_node.closed
             return streams
         assert failure is not None
         raise failure
-
-    def _finisher(self, state: NodeState, predicted: int) -> Callable[[int | None], None]:
-        def done(cached: int | None) -> None:
-            state.inflight -= 1
-            if cached is not None and self.router is not None:
-                self.router.record(state, predicted, cached)
-
-        return done
 
     async def _open_on(self, client: ComputeClient, jobs: list[Job], credential: str | None) -> Streams:
         gens = [client.stream(job.request, credential=credential) for job in jobs]

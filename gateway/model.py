@@ -14,18 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from computesvc.generation_config import GENERATION_CONFIG, describe, read_generation_defaults
+from kvtier.generation_config import GENERATION_CONFIG, describe, read_generation_defaults
 from kvtier.model_spec import ModelShape
+from kvtier.tokenizer import load_tokenizer, with_chat_template
 
 log = logging.getLogger("kvtier.gateway")
-
-# For tokenizers without a chat template (the built-in byte tokenizer, random benchmark models):
-# each message on its own line after a role tag, then the assistant's tag to answer after.
-SIMPLE_CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
 
 
 @dataclass
@@ -62,13 +55,8 @@ def load_served_model(model_dir: str | None, name: str) -> ServedModel:
         # The replicas apply the sampling ones; the gateway needs max_tokens to check the context.
         log.info("sampling defaults from %s/%s: %s", model_dir, GENERATION_CONFIG, describe(defaults))
     if model_dir is None:
-        from computesvc.model import build_byte_tokenizer
-
-        tokenizer = build_byte_tokenizer()
         shape = ModelShape.tiny()
     else:
-        from transformers import AutoTokenizer
-
         config_file = Path(model_dir) / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"no config.json in model directory {model_dir}")
@@ -77,10 +65,9 @@ def load_served_model(model_dir: str | None, name: str) -> ServedModel:
         except ValueError as e:  # a tokenizer-and-config directory: serving works, routing cannot name blocks
             log.info("%s; the KV-aware router predicts no hits without the weights' fingerprint", e)
             shape = ModelShape.from_hf_config(json.loads(config_file.read_text()))
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    if not getattr(tokenizer, "chat_template", None):
+    tokenizer = load_tokenizer(model_dir)
+    if with_chat_template(tokenizer):
         log.info("the tokenizer has no chat template; chat uses kvtier's simple one (<|role|> lines)")
-        tokenizer.chat_template = SIMPLE_CHAT_TEMPLATE
     return ServedModel(
         name=name,
         tokenizer=tokenizer,

@@ -14,7 +14,9 @@ import json
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
+
+from kvtier import sampling_schema
 
 # --- requests ------------------------------------------------------------------------------------
 
@@ -27,18 +29,26 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class _SamplingRequest(_Request):
-    """Fields /v1/completions and /v1/chat/completions share."""
+# The sampling fields both endpoints share, one per kvtier.sampling_schema row with an OpenAI name:
+# None = unset (the replica applies the model's default).
+_SamplingFields = create_model(
+    "_SamplingFields",
+    __base__=_Request,
+    **{
+        spec.openai: (spec.kind | None, Field(default=None, description=spec.doc))
+        for spec in sampling_schema.FIELDS
+        if spec.openai
+    },
+)
+
+
+class _SamplingRequest(_SamplingFields):
+    """Fields /v1/completions and /v1/chat/completions share (the sampling ones: _SamplingFields)."""
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = Field(default=None, description="vLLM extension; 0 or -1 = off")
     n: int = 1
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = Field(default=None, description="vLLM extension")
-    seed: int | None = None
     ignore_eos: bool = Field(default=False, description="vLLM extension")
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -49,12 +59,6 @@ class _SamplingRequest(_Request):
     return_token_ids: bool = Field(
         default=False, description="vLLM extension: token ids of the prompt and of each choice"
     )
-    presence_penalty: float | None = Field(default=None, description="[-2, 2], over the completion")
-    frequency_penalty: float | None = Field(default=None, description="[-2, 2], over the completion")
-    repetition_penalty: float | None = Field(
-        default=None, description="vLLM extension: > 0, Hugging Face's, over prompt and completion"
-    )
-    min_p: float | None = Field(default=None, description="vLLM extension: [0, 1]")
     # Accepted by the schema, not supported yet: a non-default value answers 400.
     logit_bias: dict[str, float] | None = None
 
@@ -65,6 +69,15 @@ class _SamplingRequest(_Request):
     def num_logprobs(self) -> int | None:
         """Top alternatives per token to return (SamplingParams.logprobs); None = no logprobs."""
         return None
+
+    def sampling(self) -> dict[str, Any]:
+        """{sampling_schema field: wire value} of the shared sampling fields the client set."""
+        out = {}
+        for spec in sampling_schema.FIELDS:
+            value = getattr(self, spec.openai) if spec.openai else None
+            if value is not None:
+                out[spec.name] = spec.wire(value)
+        return out
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from kvtier import auth, telemetry
+from kvtier import auth, sampling_schema, telemetry
 from kvtier.api import compute_pb2, compute_pb2_grpc
 
 log = logging.getLogger("kvtier.client")
@@ -139,47 +139,30 @@ class ComputeClient:
         prompt: str | None = None,
         prompt_token_ids: list[int] | None = None,
         *,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
         stop: list[str] | None = None,
         stop_token_ids: list[int] | None = None,
         ignore_eos: bool = False,
-        presence_penalty: float | None = None,
-        frequency_penalty: float | None = None,
-        repetition_penalty: float | None = None,
-        min_p: float | None = None,
-        logprobs: int | None = None,
         request_id: str = "",
         cache_salt: str = "",
+        **sampling: int | float | None,
     ) -> compute_pb2.GenerateRequest:
-        """A GenerateRequest. A sampling argument left None stays unset: the replica then uses the
-        model's default (its generation_config.json's, else the proto's documented default)."""
-        sampling = compute_pb2.SamplingParams(
+        """A GenerateRequest. `sampling`: the optional fields of kvtier.sampling_schema
+        (max_tokens=, temperature=, ...); one left None or out stays unset, and the replica then
+        uses the model's default (its generation_config.json's, else the schema's)."""
+        unknown = sorted(set(sampling) - set(sampling_schema.NAMES))
+        if unknown:
+            raise TypeError(f"unknown sampling fields {unknown}; known: {', '.join(sampling_schema.NAMES)}")
+        params = compute_pb2.SamplingParams(
             stop=stop or [], stop_token_ids=stop_token_ids or [], ignore_eos=ignore_eos
         )
-        optional = {
-            "max_tokens": max_tokens,
-            "temperature": temperature,
-            "top_p": top_p,
-            "top_k": top_k,
-            "seed": seed,
-            "presence_penalty": presence_penalty,
-            "frequency_penalty": frequency_penalty,
-            "repetition_penalty": repetition_penalty,
-            "min_p": min_p,
-            "logprobs": logprobs,
-        }
-        for name, value in optional.items():
+        for name, value in sampling.items():
             if value is not None:
-                setattr(sampling, name, value)
+                setattr(params, name, value)
         return compute_pb2.GenerateRequest(
             request_id=request_id,
             prompt=prompt or "",
             prompt_token_ids=prompt_token_ids or [],
-            sampling=sampling,
+            sampling=params,
             cache_salt=cache_salt,
         )
 

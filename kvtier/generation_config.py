@@ -5,28 +5,19 @@ that leaves them unset (the gRPC SamplingParams fields are `optional`, and the g
 unset field as unset). Only the keys present in the file count: Hugging Face's own class defaults
 (top_k=50, ...) are not the model's choice and are not applied.
 
-This module reads JSON only (no torch, no transformers): the gateway imports it too.
+The keys read are the `hf` names of kvtier.sampling_schema's rows. This module reads JSON only
+(no torch, no transformers): the gateway imports it too.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger("kvtier.compute")
+from kvtier.sampling_schema import FIELDS
 
 GENERATION_CONFIG = "generation_config.json"
-# generation_config.json key -> SamplingParams field.
-_FIELDS = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-    "max_new_tokens": "max_tokens",
-}
 
 
 def read_generation_defaults(model_dir: str | Path | None) -> dict[str, Any]:
@@ -45,11 +36,10 @@ def read_generation_defaults(model_dir: str | Path | None) -> dict[str, Any]:
     except ValueError as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from e
     out: dict[str, Any] = {}
-    for key, name in _FIELDS.items():
-        value = raw.get(key)
-        if value is None:
-            continue
-        out[name] = int(value) if name in ("top_k", "max_tokens") else float(value)
+    for spec in FIELDS:
+        value = raw.get(spec.hf) if spec.hf else None
+        if value is not None:
+            out[spec.name] = spec.kind(value)
     if raw.get("do_sample") is False:
         out["temperature"] = 0.0
     return out

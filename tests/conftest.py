@@ -17,7 +17,8 @@ import pytest
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A local Hugging Face model directory holding the built-in tiny Llama (seed 0) and its
     byte tokenizer: config.json, model.safetensors, tokenizer.json, as a downloaded model has."""
-    from computesvc.model import build_byte_tokenizer, build_tiny_model
+    from computesvc.model import build_tiny_model
+    from kvtier.tokenizer import build_byte_tokenizer
 
     path = tmp_path_factory.mktemp("tiny-llama")
     build_tiny_model(seed=0).save_pretrained(path)

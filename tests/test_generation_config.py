@@ -1,4 +1,4 @@
-"""Reading a model's generation_config.json into request defaults (computesvc.generation_config)."""
+"""Reading a model's generation_config.json into request defaults (kvtier.generation_config)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from computesvc.generation_config import describe, read_generation_defaults
+from kvtier.generation_config import describe, read_generation_defaults
 
 
 def write(tmp_path, config: dict):

@@ -22,12 +22,12 @@ from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2Fo
 from computesvc.model import (
     ModelRunner,
     PrefillInput,
-    build_byte_tokenizer,
     build_tiny_model,
     load_model,
 )
 from computesvc.paged_attention import use_paged_attention
 from kvtier.model_spec import TINY_LLAMA_CONFIG, ModelShape
+from kvtier.tokenizer import build_byte_tokenizer
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 64

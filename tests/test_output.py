@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from computesvc.model import build_byte_tokenizer
 from computesvc.output import CONTEXT_TOKENS, WINDOW_TOKENS, OutputProcessor
 from computesvc.request import Request
 from computesvc.sampling import SamplingParams
+from kvtier.tokenizer import build_byte_tokenizer
 
 TOKENIZER = build_byte_tokenizer()
 BOS, EOS = 256, 257

@@ -19,9 +19,10 @@ import pytest
 import torch
 from servers import TOKEN, ModuleLoop, cache_stats, child_env
 
-from computesvc.model import build_byte_tokenizer, build_tiny_model
+from computesvc.model import build_tiny_model
 from kvtier.compute_client import Completion, ComputeClient
 from kvtier.model_spec import TINY_LLAMA_CONFIG
+from kvtier.tokenizer import build_byte_tokenizer
 from kvtier_cli.stack import LocalStack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
