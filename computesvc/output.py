@@ -7,8 +7,13 @@ leading space, the bytes of a multi-byte character), not on the rest. The window
 is bounded whatever the output's length.
 
 Text ending in U+FFFD is held back: that is how an incomplete UTF-8 character decodes until its
-last byte arrives (byte-level tokenizers split characters across tokens). Stop strings are
-looked for only in the new text and the few characters streamed just before it.
+last byte arrives (byte-level tokenizers split characters across tokens). Text that could still
+become a stop string is held back too (vLLM does the same): the longest end of the text that
+begins one of the request's stop strings waits until the next tokens show it does not (it is
+then streamed) or complete the stop string (the request then stops, and the text ends before it,
+or after it with `include_stop_str_in_output`). Streamed text can never be taken back, so a stop
+string therefore never begins in what was streamed, and the text a client sees, streamed or not,
+never holds any part of a matched stop string.
 """
 
 from __future__ import annotations
@@ -37,8 +42,31 @@ class TextState:
     """How far one request's output tokens are detokenized."""
 
     window_start: int = 0  # index in the output tokens where the decode window starts
-    sent: int = 0  # characters of the window's text already streamed
-    tail: str = ""  # the last streamed characters: a stop string may begin in them
+    sent: int = 0  # characters of the window's text already decoded to stable text
+    held: str = ""  # stable text not streamed yet: it may be the start of a stop string
+
+
+def _held_length(text: str, stops: list[str]) -> int:
+    """Characters at the end of `text` that are the start of a stop string (the longest such end,
+    shorter than the stop string itself; 0 when none)."""
+    best = 0
+    last = text[-1:]
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), best, -1):
+            if stop[k - 1] == last and text.endswith(stop[:k]):
+                best = k
+                break
+    return best
+
+
+def _first_stop(text: str, stops: list[str]) -> tuple[int, str]:
+    """(where the earliest stop string in `text` begins, that stop string); (-1, "") when none."""
+    found = (-1, "")
+    for stop in stops:
+        at = text.find(stop)
+        if at >= 0 and (found[0] < 0 or at < found[0]):
+            found = (at, stop)
+    return found
 
 
 def _stable_length(text: str) -> int:
@@ -59,43 +87,46 @@ class OutputProcessor:
 
     def process(self, req: Request, token: int, max_model_len: int) -> tuple[str, str]:
         """`token`, the newest of `req.output_token_ids`, was sampled: (finish reason or "", new
-        text to stream). Past a stop string the text is cut; a finished request flushes held text."""
+        text to stream). A stop string ends the text (before it; after it with
+        include_stop_str_in_output); a request finished otherwise flushes all held text."""
         state, p = req.text_state, req.params
         output = req.output_token_ids
         window = self._decode(output[state.window_start :])
         new = window[state.sent : _stable_length(window)]
-        reason = ""
-        for stop in p.stop:
-            before = state.tail[1 - len(stop) :] if len(stop) > 1 else ""
-            at = (before + new).find(stop)
+        if p.stop:
+            text = state.held + new
+            at, stop = _first_stop(text, p.stop)
             if at >= 0:
-                # Streamed text cannot be taken back: a stop string that began in it cuts only
-                # the new text (all of it).
-                return "stop", new[: max(0, at - len(before))]
+                return "stop", text[: at + len(stop) if p.include_stop_str_in_output else at]
+        reason = ""
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             reason = "stop"
         elif len(output) >= p.max_tokens or req.num_tokens >= max_model_len:
             reason = "length"
         if reason:
-            return reason, window[state.sent :]
-        self._advance(req, new)
-        return "", new
+            return reason, state.held + window[state.sent :]
+        return "", self._advance(req, new)
 
-    def _advance(self, req: Request, new: str) -> None:
-        """Record that `new` was streamed for the newest output token."""
-        state, output = req.text_state, req.output_token_ids
+    def _advance(self, req: Request, new: str) -> str:
+        """Record `new`, the newest output token's stable text; what may be streamed of it and of
+        the text held before it (all but the end that may begin a stop string)."""
+        state, output, stops = req.text_state, req.output_token_ids, req.params.stop
         state.sent += len(new)
-        if req.params.stop:
-            keep = max(map(len, req.params.stop)) - 1
-            state.tail = (state.tail + new)[-keep:] if keep else ""
+        out = new
+        if stops:
+            text = state.held + new
+            cut = len(text) - _held_length(text, stops)
+            out, state.held = text[:cut], text[cut:]
         if len(output) - state.window_start >= WINDOW_TOKENS:
             state.window_start = len(output) - CONTEXT_TOKENS
             state.sent = _stable_length(self._decode(output[state.window_start :]))
+        return out
 
     def resume(self, req: Request) -> None:
         """Bring `req.text_state` to where streaming its output tokens (delivered by an earlier
         attempt of the request, on another replica) left it, streaming nothing: the next token's
-        text then continues exactly where the delivered text ended."""
+        text then continues exactly where the delivered text ended (text the earlier attempt held
+        back, as the start of a stop string, is held here too, and streamed when it resolves)."""
         delivered, req.output_token_ids = req.output_token_ids, []
         req.text_state = TextState()
         for token in delivered:

@@ -48,6 +48,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False  # vLLM's: the text ends after the stop string, not before
     presence_penalty: float = _DEFAULT["presence_penalty"]
     frequency_penalty: float = _DEFAULT["frequency_penalty"]
     repetition_penalty: float = _DEFAULT["repetition_penalty"]

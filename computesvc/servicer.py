@@ -50,6 +50,7 @@ class ComputeServicer(compute_pb2_grpc.ComputeServiceServicer):
             stop=list(msg.stop),
             stop_token_ids=list(msg.stop_token_ids),
             ignore_eos=msg.ignore_eos,
+            include_stop_str_in_output=msg.include_stop_str_in_output,
         )
 
     @property

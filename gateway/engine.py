@@ -308,6 +308,7 @@ class Engine:
             stop=req.stop_list(),
             stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos,
+            include_stop_str_in_output=req.include_stop_str_in_output,
             request_id=request_id,
             cache_salt=req.cache_salt or "",
             **sampling,

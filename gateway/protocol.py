@@ -50,6 +50,9 @@ class _SamplingRequest(_SamplingFields):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = Field(default=None, description="vLLM extension")
     ignore_eos: bool = Field(default=False, description="vLLM extension")
+    include_stop_str_in_output: bool = Field(
+        default=False, description="vLLM extension: the text ends after the stop string, not before"
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None

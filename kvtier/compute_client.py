@@ -142,6 +142,7 @@ class ComputeClient:
         stop: list[str] | None = None,
         stop_token_ids: list[int] | None = None,
         ignore_eos: bool = False,
+        include_stop_str_in_output: bool = False,
         request_id: str = "",
         cache_salt: str = "",
         **sampling: int | float | None,
@@ -153,7 +154,10 @@ class ComputeClient:
         if unknown:
             raise TypeError(f"unknown sampling fields {unknown}; known: {', '.join(sampling_schema.NAMES)}")
         params = compute_pb2.SamplingParams(
-            stop=stop or [], stop_token_ids=stop_token_ids or [], ignore_eos=ignore_eos
+            stop=stop or [],
+            stop_token_ids=stop_token_ids or [],
+            ignore_eos=ignore_eos,
+            include_stop_str_in_output=include_stop_str_in_output,
         )
         for name, value in sampling.items():
             if value is not None:

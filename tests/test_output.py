@@ -87,8 +87,49 @@ def test_a_stop_string_spanning_two_tokens_is_caught_and_what_follows_is_cut(wor
     output = word_tokenizer.ids("Hel", "lo w", "orld!", " more")
     pieces, reason, consumed = stream(OutputProcessor(word_tokenizer, [EOS]), output, stop=["zz", "wor"])
     assert (reason, consumed) == ("stop", 3)
-    # "w" was streamed before the stop string was complete; nothing at or after it is streamed since.
-    assert pieces == ["Hel", "lo w", ""]
+    # "w" could begin "wor": it is held back, and never streamed once "orld" completes the stop.
+    assert pieces == ["Hel", "lo ", ""]
+
+
+def test_held_text_that_does_not_become_a_stop_string_is_streamed_when_it_cannot(word_tokenizer):
+    output = word_tokenizer.ids("Hel", "lo w", "ay", " out")
+    pieces, reason, _ = stream(OutputProcessor(word_tokenizer, [EOS]), output, stop=["wor", "lo wz"])
+    assert reason == "length"
+    # "l" could begin "lo wz", then "lo w" could: each is held until the next token rules it out.
+    assert pieces == ["He", "l", "lo way", " out"]
+
+
+def test_the_issue_example_ends_before_the_stop_string_with_no_part_of_it():
+    # Built-in model, stop "gB" (issue 26): the text streamed "B\ufffdg" (the g leaked) before.
+    output = byte_tokens("aB") + [0xFF] + byte_tokens("gBz")
+    pieces, reason, _ = stream(OutputProcessor(TOKENIZER, [EOS]), output, stop=["gB"])
+    assert reason == "stop" and "".join(pieces) == "aB\ufffd"
+    pieces, reason, _ = stream(
+        OutputProcessor(TOKENIZER, [EOS]), output, stop=["gB"], include_stop_str_in_output=True
+    )
+    assert reason == "stop" and "".join(pieces) == "aB\ufffdgB"
+
+
+def test_the_earliest_stop_string_wins_and_a_length_finish_flushes_held_text(word_tokenizer):
+    output = word_tokenizer.ids("ab", "cd")
+    pieces, reason, _ = stream(OutputProcessor(word_tokenizer, [EOS]), output, stop=["cd", "bc"])
+    assert (reason, "".join(pieces)) == ("stop", "a")
+    pieces, reason, _ = stream(OutputProcessor(word_tokenizer, [EOS]), output[:1], stop=["bx"])
+    assert (reason, pieces) == ("length", ["ab"])  # "b" held, then flushed with the finish
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text("ab", min_size=1, max_size=40), st.lists(st.text("ab", min_size=1, max_size=4), max_size=3))
+def test_streamed_text_is_the_whole_text_cut_at_the_first_stop_string(text, stops):
+    pieces, reason, _ = stream(OutputProcessor(TOKENIZER, [EOS]), byte_tokens(text), stop=stops)
+    # The first character (token) that completes a stop string ends the text, before that string.
+    ends = (i for i in range(1, len(text) + 1) if any(text[:i].endswith(s) for s in stops))
+    end = next(ends, None)
+    if end is None:
+        assert ("".join(pieces), reason) == (text, "length")
+    else:
+        longest = max(len(s) for s in stops if text[:end].endswith(s))
+        assert ("".join(pieces), reason) == (text[: end - longest], "stop")
 
 
 def test_a_stop_string_of_one_multibyte_character_is_never_streamed():
