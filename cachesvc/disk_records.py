@@ -1,0 +1,164 @@
+"""The on-disk record of one KV block: what the disk tier writes, and the checks before it serves one.
+
+One record is one file, named by the block's hash (``<sha256 hex>.kvb``)::
+
+    head      20 bytes  magic b"KVTBLK01", meta length (u32 LE), payload length (u64 LE)
+    meta      msgpack   {"model", "block_size", "dtype", "shape", "block_bytes", "parent", "key"}
+    payload   the block's bytes, as the pool holds them (``shape`` of ``dtype``, row-major)
+    checksum  32 bytes  blake2b-256 over head + meta + payload
+
+``key`` is the block's prefix-index key (its hash preimage, ``parent-or-extra || token ids as
+LE int32``; see ``kvtier.block_hash``), so the token ids are ``key[32:]``; ``parent`` is the
+previous block's hash, empty for a sequence's first block. A record is served only if all of
+these hold (``decode``): the length adds up (a torn or truncated write fails here), the
+checksum matches (a flipped byte), the header is this pool's (model fingerprint, block size,
+dtype, shape: another model's record never hits even if its key collided), the key is the one
+asked for and ``sha256(key)`` is the name of the file (a record renamed or copied over another).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+
+import msgpack
+
+from kvtier import kv_dtypes
+from kvtier.block_hash import hash_preimage
+
+MAGIC = b"KVTBLK01"
+SUFFIX = ".kvb"
+HEAD = struct.Struct("<8sIQ")
+CHECKSUM_BYTES = 32
+KEY_PREFIX_BYTES = 32  # the parent hash, or the extra key of a sequence's first block
+MAX_META_BYTES = 64 * 1024  # a header larger than this is not ours (keys are 32 + 4 * block_size)
+
+
+class BadRecord(ValueError):
+    """A record that must not be served; the message says which check failed."""
+
+
+@dataclass(frozen=True)
+class RecordLayout:
+    """What a record must say about itself to be served by this pool.
+
+    ``shape`` is one pool block (``[num_layers, 2, block_size, num_kv_heads, head_dim]``),
+    ``dtype`` the pool's dtype name (``kvtier.kv_dtypes``), ``block_bytes`` the bytes of one
+    block as the pool holds it (``PoolSpec.block_bytes``: a quantized block's scales included).
+    """
+
+    model_fingerprint: str
+    block_size: int
+    dtype: str
+    shape: tuple[int, ...]
+    block_bytes: int
+
+    def __post_init__(self) -> None:
+        kv_dtypes.lookup(self.dtype, "record dtype")
+        if self.block_size <= 0 or self.block_bytes <= 0 or not self.shape or min(self.shape) <= 0:
+            raise ValueError(
+                f"record block_size {self.block_size} / shape {self.shape} / block_bytes {self.block_bytes} "
+                "must be positive"
+            )
+
+    def meta(self, key: bytes, parent: bytes) -> dict:
+        return {
+            "model": self.model_fingerprint,
+            "block_size": self.block_size,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "block_bytes": self.block_bytes,
+            "parent": parent,
+            "key": key,
+        }
+
+
+def file_name(key: bytes) -> str:
+    """The record file of the block whose index key is ``key``: its hash in hex plus ``.kvb``."""
+    return hash_preimage(key).hex() + SUFFIX
+
+
+def check_key(layout: RecordLayout, key: bytes, parent: bytes | None) -> None:
+    """ValueError unless ``key`` is a block key of this layout and ``parent`` agrees with it."""
+    want = KEY_PREFIX_BYTES + 4 * layout.block_size
+    if len(key) != want:
+        raise ValueError(f"block key of {len(key)} bytes; a block of {layout.block_size} tokens has {want}")
+    if parent and key[:KEY_PREFIX_BYTES] != parent:
+        raise ValueError(f"parent hash {parent.hex()[:16]} is not the first 32 bytes of the key")
+
+
+def encode(layout: RecordLayout, key: bytes, parent: bytes | None, payload) -> list[bytes]:
+    """The record as buffers to write in order (head + meta, payload, checksum).
+
+    ``payload`` is a bytes-like object of exactly ``layout.block_bytes`` bytes; it is not copied.
+    """
+    payload = memoryview(payload).cast("B")
+    if payload.nbytes != layout.block_bytes:
+        raise ValueError(f"payload of {payload.nbytes} bytes; this layout's block is {layout.block_bytes}")
+    check_key(layout, key, parent)
+    meta = msgpack.packb(layout.meta(key, parent or b""), use_bin_type=True)
+    head = HEAD.pack(MAGIC, len(meta), payload.nbytes) + meta
+    digest = hashlib.blake2b(head, digest_size=CHECKSUM_BYTES)
+    digest.update(payload)
+    return [head, payload, digest.digest()]
+
+
+def record_bytes(layout: RecordLayout, key_len: int) -> int:
+    """Size of a record file for a key of ``key_len`` bytes (for the disk budget)."""
+    meta = msgpack.packb(layout.meta(bytes(key_len), bytes(KEY_PREFIX_BYTES)), use_bin_type=True)
+    return HEAD.size + len(meta) + layout.block_bytes + CHECKSUM_BYTES
+
+
+def decode(
+    layout: RecordLayout, data: bytes, name: str, key: bytes | None = None
+) -> tuple[bytes, memoryview]:
+    """``(key, payload)`` of the record ``data`` read from file ``name``, or BadRecord.
+
+    ``key``, if given, is the key the caller looks up; the record must carry exactly it.
+    The payload is a view into ``data``.
+    """
+    if len(data) < HEAD.size + CHECKSUM_BYTES:
+        raise BadRecord(f"{len(data)} bytes, shorter than an empty record (torn write?)")
+    magic, meta_len, payload_len = HEAD.unpack_from(data)
+    if magic != MAGIC:
+        raise BadRecord(f"magic {magic!r} is not {MAGIC!r}")
+    if meta_len > MAX_META_BYTES:
+        raise BadRecord(f"meta length {meta_len} > {MAX_META_BYTES}")
+    total = HEAD.size + meta_len + payload_len + CHECKSUM_BYTES
+    if len(data) != total:
+        raise BadRecord(f"{len(data)} bytes but its head says {total} (torn or truncated write)")
+    body = memoryview(data)[: total - CHECKSUM_BYTES]
+    if hashlib.blake2b(body, digest_size=CHECKSUM_BYTES).digest() != data[total - CHECKSUM_BYTES :]:
+        raise BadRecord("checksum mismatch (the bytes changed after they were written)")
+    try:
+        meta = msgpack.unpackb(body[HEAD.size : HEAD.size + meta_len], raw=False)
+        record_key, parent = bytes(meta["key"]), bytes(meta["parent"])
+        theirs = RecordLayout(
+            meta["model"], meta["block_size"], meta["dtype"], tuple(meta["shape"]), meta["block_bytes"]
+        )
+    except (ValueError, KeyError, TypeError) as e:
+        raise BadRecord(f"unreadable header: {e}") from None
+    if theirs != layout:
+        raise BadRecord(f"written for another pool ({_differs(theirs, layout)})")
+    if payload_len != layout.block_bytes:
+        raise BadRecord(f"payload of {payload_len} bytes; this layout's block is {layout.block_bytes}")
+    try:
+        check_key(layout, record_key, parent)
+    except ValueError as e:
+        raise BadRecord(str(e)) from None
+    if key is not None and record_key != key:
+        raise BadRecord("carries another block's key")
+    if file_name(record_key) != name:
+        raise BadRecord(f"its key hashes to {file_name(record_key)}, not its file name")
+    return record_key, body[HEAD.size + meta_len :]
+
+
+def _differs(theirs: RecordLayout, ours: RecordLayout) -> str:
+    """Which layout fields differ, e.g. ``block_size 32 != 16``."""
+    fields = ("model_fingerprint", "block_size", "dtype", "shape", "block_bytes")
+    return ", ".join(
+        f"{f} {getattr(theirs, f)!r} != {getattr(ours, f)!r}"
+        for f in fields
+        if getattr(theirs, f) != getattr(ours, f)
+    )

@@ -1,0 +1,295 @@
+"""The host block cache: published blocks evicted from the device pool live on in host memory.
+
+A block is kept under its prefix-index key (``kvtier.block_hash``: ``parent-or-extra || token
+ids``), the key ``BlockManager.prefix_index`` uses, so a prompt's chain is followed the same way
+on every tier: ``lookup_chain`` counts how many of a prompt's leading keys the cache holds, and
+``load`` copies one back into a device block. Entries are LRU within a budget of slots.
+
+Backing memory is one uint8 tensor ``[num_slots, block_bytes]`` (pinned on CUDA, so copies run
+at full PCIe speed; plain on CPU). Swap space and cached blocks share it, swap first:
+``take_slots`` hands the swap side free slots, evicting cached entries (LRU first) to make room,
+and ``release_slots`` gives them back to the cache. An evicted entry goes to ``on_evict(key,
+parent_hash, data)`` before its slot is reused (the disk tier's ``offer`` has that signature);
+``data`` is the slot's row, valid only during the call.
+
+On CUDA every copy runs on a side stream that first waits for the default stream's work; the
+call returns once the copy has completed, so a device block handed to ``offer`` may be reused
+and a block filled by ``load`` read as soon as the call returns (a replica in another process
+reads it next). Single-threaded: the cache service's loop calls every method.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from cachesvc.errors import InvalidArgument, ResourceExhausted
+
+EvictSink = Callable[[bytes, "bytes | None", torch.Tensor], object]
+
+
+@dataclass(slots=True)
+class HostEntry:
+    """One cached block: its index key, its parent's hash (None for a first block), its slot."""
+
+    key: bytes
+    parent_hash: bytes | None
+    slot: int
+
+
+class HostBlockCache:
+    """``num_slots`` host slots of ``block_bytes`` each, shared by cached blocks and swap.
+
+    Units: slots (one block each) and bytes. Every method is O(blocks touched).
+    """
+
+    def __init__(
+        self,
+        num_slots: int,
+        block_bytes: int,
+        *,
+        device: str | torch.device = "cpu",
+        on_evict: EvictSink | None = None,
+    ) -> None:
+        if num_slots < 0 or block_bytes <= 0:
+            raise InvalidArgument(
+                f"host cache of {num_slots} slots x {block_bytes} bytes: need >= 0 slots, > 0 bytes"
+            )
+        self.device = torch.device(device)
+        self.block_bytes = block_bytes
+        self.num_slots = num_slots
+        cuda = self.device.type == "cuda"
+        self.slots = torch.empty((num_slots, block_bytes), dtype=torch.uint8, pin_memory=cuda)
+        self.stream = torch.cuda.Stream(device=self.device) if cuda else None
+        self.on_evict = on_evict
+        self._entries: OrderedDict[bytes, HostEntry] = OrderedDict()  # least recently used first
+        self._free = list(range(num_slots - 1, -1, -1))  # a stack: lowest slot ids first
+        self._swap_slots: set[int] = set()
+        self._counts = dict.fromkeys(("hits", "promotions", "evictions", "stored", "rejected"), 0)
+
+    @classmethod
+    def from_budget(cls, budget_bytes: int, block_bytes: int, **kwargs) -> HostBlockCache:
+        """A cache of ``budget_bytes // block_bytes`` slots (``--host-cache-gib`` in bytes)."""
+        return cls(max(0, budget_bytes) // block_bytes, block_bytes, **kwargs)
+
+    # ------------------------------------------------------------------ cached blocks
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def offer(self, key: bytes, parent_hash: bytes | None, block_view: torch.Tensor) -> bool:
+        """``offer_many`` for one block."""
+        return self.offer_many([(key, parent_hash, block_view)]) == 1
+
+    def offer_many(self, blocks: Sequence[tuple[bytes, bytes | None, torch.Tensor]]) -> int:
+        """Copy published blocks (``(key, parent_hash, block_view)``) in; return how many are held.
+
+        ``block_view`` is one pool block (``pool[block_id]``, contiguous, ``block_bytes`` bytes)
+        on this cache's device. A key already held is only touched. A block that finds no slot
+        (every slot is swap's) is not held (counted as rejected). Least recently used entries
+        are evicted to make room. The copies are complete when this returns.
+        """
+        held = 0
+        slots: list[int] = []
+        views: list[torch.Tensor] = []
+        for key, parent_hash, view in blocks:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                held += 1
+                continue
+            flat = _flat_bytes(view)
+            if flat.numel() != self.block_bytes:
+                raise InvalidArgument(
+                    f"block of {flat.numel()} bytes offered to a host cache of {self.block_bytes}-byte slots"
+                )
+            if not self._free and slots and self._entries[next(iter(self._entries))].slot in slots:
+                # The LRU entry is one of this batch, not copied yet: copy first, so what
+                # on_evict receives is the block, not the slot's old bytes.
+                self._copy_in(slots, views)
+                self._counts["stored"] += len(slots)
+                slots, views = [], []
+            slot = self._free_slot()
+            if slot is None:
+                self._counts["rejected"] += 1
+                continue
+            self._entries[key] = HostEntry(key, parent_hash, slot)
+            slots.append(slot)
+            views.append(flat)
+            held += 1
+        self._copy_in(slots, views)
+        self._counts["stored"] += len(slots)
+        return held
+
+    def lookup_chain(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` the cache holds (each counted as a hit); LRU order unchanged."""
+        entries = self._entries
+        n = 0
+        for key in keys:
+            if key not in entries:
+                break
+            n += 1
+        self._counts["hits"] += n
+        return n
+
+    def load(self, key: bytes, dst_view: torch.Tensor) -> bool:
+        """``load_many`` for one block."""
+        return self.load_many([key], [dst_view]) == 1
+
+    def load_many(self, keys: Sequence[bytes], dst_views: Sequence[torch.Tensor]) -> int:
+        """Copy the blocks of the leading held ``keys`` into ``dst_views`` (pool blocks); return how many.
+
+        Stops at the first key not held (the rest of a chain is useless without it). Each loaded
+        entry becomes the most recently used and stays cached. Complete when this returns.
+        """
+        if len(keys) != len(dst_views):
+            raise InvalidArgument(f"len(keys) = {len(keys)} != len(dst_views) = {len(dst_views)}")
+        slots: list[int] = []
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is None:
+                break
+            self._entries.move_to_end(key)
+            slots.append(entry.slot)
+        views = [_flat_bytes(v) for v in dst_views[: len(slots)]]
+        for k, view in enumerate(views):
+            if view.numel() != self.block_bytes:
+                raise InvalidArgument(f"dst_views[{k}] has {view.numel()} bytes, a slot {self.block_bytes}")
+        self._copy_out(slots, views)
+        self._counts["promotions"] += len(slots)
+        return len(slots)
+
+    def entry(self, key: bytes) -> HostEntry | None:
+        """The entry held under ``key`` (its slot row is ``slots[entry.slot]``), or None."""
+        return self._entries.get(key)
+
+    def touch(self, key: bytes) -> bool:
+        """Make ``key`` the most recently used entry; False if it is not held."""
+        if key not in self._entries:
+            return False
+        self._entries.move_to_end(key)
+        return True
+
+    def evict(self, num_blocks: int = 1) -> int:
+        """Evict up to ``num_blocks`` least recently used entries (each to ``on_evict``); return how many."""
+        n = 0
+        while n < num_blocks and self._entries:
+            self._free.append(self._evict_lru())
+            n += 1
+        return n
+
+    def discard(self, key: bytes) -> bool:
+        """Drop ``key`` without handing it to ``on_evict`` (it is back on the device); False if not held."""
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return False
+        self._free.append(entry.slot)
+        return True
+
+    # ------------------------------------------------------------------ swap's share
+
+    def take_slots(self, num_slots: int) -> list[int]:
+        """``num_slots`` slots for swap, evicting cached entries (LRU first) as needed.
+
+        Raises ResourceExhausted, changing nothing, if fewer slots are free or cached than asked.
+        """
+        room = len(self._free) + len(self._entries)
+        if num_slots > room:
+            raise ResourceExhausted(
+                f"host area: swap needs {num_slots} slots but only {room} of {self.num_slots} are not swap's "
+                f"({len(self._swap_slots)} are); raise --host-cache-gib"
+            )
+        taken = [self._free_slot() for _ in range(num_slots)]
+        self._swap_slots.update(taken)
+        return taken
+
+    def release_slots(self, slots: Sequence[int]) -> None:
+        """Give swap slots back to the cache."""
+        for k, s in enumerate(slots):
+            if s not in self._swap_slots:
+                raise InvalidArgument(f"slots[{k}] = {s} is not a swap slot of this host area")
+        for s in slots:
+            self._swap_slots.remove(s)
+            self._free.append(s)
+
+    # ------------------------------------------------------------------ figures
+
+    def stats(self) -> dict:
+        """blocks and bytes cached, swap slots, free slots, hits, promotions, evictions, stored, rejected."""
+        return {
+            "blocks": len(self._entries),
+            "bytes": len(self._entries) * self.block_bytes,
+            "capacity_blocks": self.num_slots,
+            "swap_slots": len(self._swap_slots),
+            "free_slots": len(self._free),
+            **self._counts,
+        }
+
+    def check_invariants(self) -> None:
+        """AssertionError unless every slot is exactly one of free, cached or swap's. O(num_slots)."""
+        cached = [e.slot for e in self._entries.values()]
+        every = sorted([*self._free, *cached, *self._swap_slots])
+        assert every == list(range(self.num_slots)), f"slots free/cached/swap overlap or leak: {every}"
+
+    # ------------------------------------------------------------------ internals
+
+    def _free_slot(self) -> int | None:
+        """A free slot, evicting the least recently used entry if none is; None if nothing can be."""
+        if self._free:
+            return self._free.pop()
+        if self._entries:
+            return self._evict_lru()
+        return None
+
+    def _evict_lru(self) -> int:
+        """Evict the least recently used entry through ``on_evict``; return its (now unused) slot."""
+        _, entry = self._entries.popitem(last=False)
+        self._counts["evictions"] += 1
+        if self.on_evict is not None:
+            self.on_evict(entry.key, entry.parent_hash, self.slots[entry.slot])
+        return entry.slot
+
+    def _copy_in(self, slots: list[int], views: list[torch.Tensor]) -> None:
+        if not slots:
+            return
+        if self.stream is None:
+            for slot, view in zip(slots, views, strict=True):
+                self.slots[slot].copy_(view)
+            return
+        self._on_side_stream(
+            lambda: [self.slots[s].copy_(v, non_blocking=True) for s, v in zip(slots, views, strict=True)]
+        )
+
+    def _copy_out(self, slots: list[int], views: list[torch.Tensor]) -> None:
+        if not slots:
+            return
+        if self.stream is None:
+            for slot, view in zip(slots, views, strict=True):
+                view.copy_(self.slots[slot])
+            return
+        self._on_side_stream(
+            lambda: [v.copy_(self.slots[s], non_blocking=True) for s, v in zip(slots, views, strict=True)]
+        )
+
+    def _on_side_stream(self, copies: Callable[[], object]) -> None:
+        """Run ``copies`` on the side stream after the default stream's queued work; wait for them."""
+        stream = self.stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            copies()
+            done = torch.cuda.Event()
+            done.record(stream)
+        # Complete before returning: the device block is reused, or read by another process, next.
+        done.synchronize()
+
+
+def _flat_bytes(view: torch.Tensor) -> torch.Tensor:
+    """A contiguous block as a flat uint8 view (no copy)."""
+    if not view.is_contiguous():
+        raise InvalidArgument(f"block view of shape {tuple(view.shape)} is not contiguous")
+    return view.reshape(-1).view(torch.uint8)

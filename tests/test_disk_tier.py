@@ -1,0 +1,294 @@
+"""The disk tier on real files and a real writer thread: exact round trips, LRU within the budget,
+warm restart that indexes only whole verified records of this pool, a SIGKILLed writer, a full
+write queue, refused directories and a tier that fails after it started."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from cachesvc.disk_records import RecordLayout, file_name, record_bytes
+from cachesvc.disk_tier import DiskPathError, DiskTier
+from cachesvc.host_cache import HostBlockCache
+from kvtier.auth import UntrustedPath
+from kvtier.block_hash import pack_token_ids
+
+LAYOUT = RecordLayout("model-a", 16, "float32", (2, 2, 16, 2, 8), 4096)  # 2 layers, 2 KV heads, head_dim 8
+FLUSH_S = 60.0  # a deadline for the writer's progress, not a speed target
+
+
+def key_of(i: int, layout: RecordLayout = LAYOUT) -> bytes:
+    """A first block's index key: a 32-byte root (an extra key) and ``block_size`` token ids."""
+    return hashlib.sha256(b"root %d" % i).digest() + pack_token_ids([i % 50_000] * layout.block_size)
+
+
+def payload_of(i: int, layout: RecordLayout = LAYOUT) -> bytes:
+    """Bytes that differ for every ``i``: its 4-byte index repeated over one block."""
+    return i.to_bytes(4, "little") * (layout.block_bytes // 4)
+
+
+def open_tier(path: Path, blocks: int = 64, layout: RecordLayout = LAYOUT, **kwargs) -> DiskTier:
+    return DiskTier(path, blocks * record_bytes(layout, len(key_of(0, layout))), layout, **kwargs)
+
+
+def write(tier: DiskTier, indices) -> None:
+    for i in indices:
+        assert tier.offer(key_of(i, tier.layout), None, payload_of(i, tier.layout))
+        assert tier.flush(FLUSH_S)
+
+
+def test_round_trip_is_byte_exact_and_survives_a_restart(tmp_path):
+    layout = RecordLayout("model-a", 16, "bfloat16", (2, 2, 16, 2, 8), 2048)
+    block = torch.randn((2, 2, 16, 2, 8)).to(torch.bfloat16)
+    tier = open_tier(tmp_path / "disk", layout=layout)
+    assert tier.offer(key_of(7, layout), None, block)  # a tensor: copied before offer returns
+    expected = block.view(torch.uint8).flatten().clone()
+    block.zero_()
+    assert tier.flush(FLUSH_S)
+    got = tier.load(key_of(7, layout))
+    assert torch.equal(torch.frombuffer(bytearray(got), dtype=torch.uint8), expected)
+    assert tier.stats()["writes"] == 1 and tier.stats()["hits"] == 1
+    tier.close()
+    assert oct((tmp_path / "disk").stat().st_mode & 0o777) == "0o700"
+
+    again = open_tier(tmp_path / "disk", layout=layout)
+    assert again.lookup_chain([key_of(7, layout), key_of(8, layout)]) == 1
+    assert torch.equal(
+        torch.frombuffer(bytearray(again.load(key_of(7, layout))), dtype=torch.uint8), expected
+    )
+    again.close()
+
+
+def test_lru_within_the_budget_deletes_the_least_recently_used_records(tmp_path):
+    tier = open_tier(tmp_path, blocks=3)
+    write(tier, range(3))
+    assert tier.load(key_of(0)) is not None  # 0 is now the most recently used
+    write(tier, [3, 4])  # evicts 1, then 2
+    assert [tier.contains(key_of(i)) for i in range(5)] == [True, False, False, True, True]
+    assert not (tmp_path / file_name(key_of(1))).exists()
+    stats = tier.stats()
+    assert (stats["blocks"], stats["evictions"], stats["writes"]) == (3, 2, 5)
+    assert stats["bytes"] <= stats["budget_bytes"]
+    assert bytes(tier.load(key_of(4))) == payload_of(4)
+    tier.close()
+
+
+def test_a_restart_drops_corrupt_truncated_and_temporary_files_with_a_log_line_each(tmp_path, caplog):
+    tier = open_tier(tmp_path)
+    write(tier, range(4))
+    tier.close()
+    corrupt, truncated = tmp_path / file_name(key_of(1)), tmp_path / file_name(key_of(2))
+    data = bytearray(corrupt.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    corrupt.write_bytes(data)
+    truncated.write_bytes(truncated.read_bytes()[:-100])
+    temp = tmp_path / f".{file_name(key_of(9))}.1234.tmp"
+    temp.write_bytes(b"half a record")
+
+    with caplog.at_level(logging.WARNING, logger="kvtier.cache"):
+        again = open_tier(tmp_path)
+    assert again.lookup_chain([key_of(0)]) == 1 and again.contains(key_of(3))
+    assert not again.contains(key_of(1)) and not again.contains(key_of(2))
+    assert again.load(key_of(1)) is None and again.load(key_of(2)) is None
+    assert bytes(again.load(key_of(3))) == payload_of(3)
+    assert again.stats()["dropped_at_startup"] == 3
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert f"dropped {corrupt.name}: checksum mismatch" in logged
+    assert f"dropped {truncated.name}:" in logged and "truncated" in logged
+    assert f"dropped {temp.name}: a temporary file" in logged
+    assert not corrupt.exists() and not truncated.exists() and not temp.exists()
+    again.close()
+
+
+def test_a_record_corrupted_after_it_was_indexed_is_not_served(tmp_path, caplog):
+    tier = open_tier(tmp_path)
+    write(tier, [5])
+    path = tmp_path / file_name(key_of(5))
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(data)
+    with caplog.at_level(logging.WARNING, logger="kvtier.cache"):
+        assert tier.load(key_of(5)) is None
+    assert f"dropped {path.name} on read: checksum mismatch" in caplog.text
+    assert not tier.contains(key_of(5)) and tier.stats()["dropped_on_read"] == 1 and tier.enabled
+    tier.close()
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        RecordLayout("model-b", 16, "float32", (2, 2, 16, 2, 8), 4096),
+        RecordLayout("model-a", 16, "float16", (2, 2, 16, 2, 16), 4096),  # same bytes per block
+        RecordLayout("model-a", 16, "float32", (4, 2, 16, 1, 8), 4096),  # same bytes, another shape
+        RecordLayout("model-a", 32, "float32", (2, 2, 32, 1, 8), 4096),
+    ],
+    ids=["fingerprint", "dtype", "shape", "block_size"],
+)
+def test_another_pools_records_never_hit(tmp_path, caplog, other):
+    tier = open_tier(tmp_path)
+    write(tier, range(3))
+    tier.close()
+    with caplog.at_level(logging.WARNING, logger="kvtier.cache"):
+        theirs = open_tier(tmp_path, layout=other)
+    assert theirs.stats()["blocks"] == 0 and theirs.stats()["dropped_at_startup"] == 3
+    assert theirs.lookup_chain([key_of(i, other) for i in range(3)]) == 0
+    assert "written for another pool" in caplog.text
+    theirs.close()
+
+
+def test_a_full_queue_skips_blocks_instead_of_blocking(tmp_path):
+    tier = open_tier(tmp_path, queue_blocks=4)
+    results: list[bool] = []
+    with tier.lock:  # the writer cannot index what it wrote: it stalls, as on a slow disk
+        offers = threading.Thread(
+            target=lambda: results.extend(tier.offer(key_of(i), None, payload_of(i)) for i in range(10))
+        )
+        offers.start()
+        offers.join(FLUSH_S)
+        assert not offers.is_alive(), "offer blocked on a stalled writer"
+        assert tier.stats()["queue_depth"] <= 4
+    assert tier.flush(FLUSH_S)
+    accepted = sum(results)
+    assert accepted in (4, 5)  # the queue's 4, plus the one the writer may have taken first
+    assert tier.stats()["skipped_writes"] == 10 - accepted and tier.stats()["writes"] == accepted
+    tier.close()
+
+
+def test_host_cache_evictions_reach_the_disk_byte_exact(tmp_path):
+    disk = open_tier(tmp_path)
+    host = HostBlockCache(2, LAYOUT.block_bytes, on_evict=disk.offer)
+    blocks = [
+        torch.frombuffer(bytearray(payload_of(i)), dtype=torch.float32).view(LAYOUT.shape) for i in range(4)
+    ]
+    assert host.offer_many([(key_of(i), None, blocks[i]) for i in range(4)]) == 4  # 0 and 1 go down
+    assert disk.flush(FLUSH_S)
+    assert [disk.contains(key_of(i)) for i in range(4)] == [True, True, False, False]
+    assert bytes(disk.load(key_of(0))) == payload_of(0) and bytes(disk.load(key_of(1))) == payload_of(1)
+    disk.close()
+
+
+def test_refused_directories(tmp_path):
+    for mode in (0o777, 0o770, 0o722):
+        path = tmp_path / f"mode-{mode:o}"
+        path.mkdir()
+        path.chmod(mode)
+        with pytest.raises(UntrustedPath, match=f"--disk-path refused: .*{path}.*mode {mode:04o}"):
+            open_tier(path)
+    if os.getuid() == 0:
+        theirs = tmp_path / "theirs"
+        theirs.mkdir(mode=0o700)
+        os.chown(theirs, 65534, 65534)
+        with pytest.raises(UntrustedPath, match="owned by .*uid 65534"):
+            open_tier(theirs)
+    else:
+        with pytest.raises(UntrustedPath):
+            open_tier(Path("/tmp"))  # root's, and everyone's to write
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(DiskPathError, match=f"--disk-path {tmp_path / 'a-file' / 'disk'} cannot be created"):
+        open_tier(tmp_path / "a-file" / "disk")
+    first = open_tier(tmp_path / "shared")
+    with pytest.raises(DiskPathError, match="in use by another cache service"):
+        open_tier(tmp_path / "shared")
+    first.close()
+    with pytest.raises(ValueError, match="below one record"):
+        DiskTier(tmp_path / "small", 100, LAYOUT)
+
+
+def test_an_unwritable_directory_is_a_startup_error(tmp_path):
+    path = tmp_path / "ro"
+    path.mkdir(mode=0o700)
+    if os.getuid() == 0:  # root writes anywhere: ask as another user, in a child process
+        base = Path(tempfile.mkdtemp())  # pytest's tmp_path is under a directory only root can enter
+        base.chmod(0o711)
+        path = base / "ro"
+        path.mkdir(mode=0o700)
+        os.chown(path, 65534, 65534)
+        path.chmod(0o500)
+        code = f"""
+import os, sys
+sys.path.insert(0, {str(Path(__file__).parents[1])!r})
+from tests.test_disk_tier import open_tier
+from cachesvc.disk_tier import DiskPathError
+os.setgid(65534); os.setuid(65534)  # after the imports: the interpreter is under root's home
+try:
+    open_tier({str(path)!r})
+except DiskPathError as e:
+    print(e)
+"""
+        try:
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        finally:
+            shutil.rmtree(base)
+        if "Permission denied" in out.stderr and "DiskPathError" not in out.stderr and not out.stdout:
+            pytest.skip(f"uid 65534 cannot run this interpreter here: {out.stderr.strip()[-200:]}")
+        assert f"--disk-path {path} is not writable" in out.stdout, out.stderr
+    else:
+        path.chmod(0o500)
+        with pytest.raises(DiskPathError, match=f"--disk-path {path} is not writable"):
+            open_tier(path)
+
+
+def test_a_directory_that_fails_later_disables_the_tier_without_a_crash(tmp_path, caplog):
+    tier = open_tier(tmp_path / "disk")
+    write(tier, [1])
+    shutil.rmtree(tmp_path / "disk")  # the disk went away under a running service
+    with caplog.at_level(logging.WARNING, logger="kvtier.cache"):
+        tier.offer(key_of(2), None, payload_of(2))
+        assert tier.flush(FLUSH_S)
+    assert "disabled" in caplog.text and not tier.enabled
+    assert tier.lookup_chain([key_of(1)]) == 0 and tier.load(key_of(1)) is None
+    assert not tier.offer(key_of(3), None, payload_of(3))
+    tier.close()
+
+
+WRITER = """
+import sys
+sys.path.insert(0, {root!r})
+from tests.test_disk_tier import key_of, open_tier, payload_of
+tier = open_tier({path!r}, blocks=100_000, queue_blocks=8)
+i = 0
+while True:
+    if tier.offer(key_of(i), None, payload_of(i)):
+        i += 1
+    else:
+        tier.flush(60)
+        print(tier.stats()["writes"], flush=True)
+"""
+
+
+def test_a_writer_killed_mid_write_leaves_only_whole_verified_records(tmp_path):
+    root = str(Path(__file__).parents[1])
+    child = subprocess.Popen(
+        [sys.executable, "-c", WRITER.format(root=root, path=str(tmp_path))],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for line in child.stdout:
+            if int(line) >= 200:
+                break
+        os.kill(child.pid, signal.SIGKILL)  # the writer thread is busy: the queue was just refilled
+    finally:
+        child.kill()
+        child.wait(60)
+    assert child.returncode == -signal.SIGKILL
+    tier = open_tier(tmp_path, blocks=100_000)
+    stats = tier.stats()
+    assert stats["blocks"] >= 200
+    n = max(i for i in range(stats["blocks"] + 64) if tier.contains(key_of(i))) + 1
+    assert tier.lookup_chain([key_of(i) for i in range(n)]) == stats["blocks"] == n  # written in order
+    for i in range(n):
+        assert bytes(tier.load(key_of(i))) == payload_of(i)
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+    tier.close()

@@ -1,0 +1,124 @@
+"""The host block cache on real tensors: exact round trips under the block manager's own keys, LRU
+within the slots, evicted entries handed on with their bytes, swap taking slots first; pinned
+memory and side-stream copies on CUDA (skipped with the reason on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_host_tier import needs_cuda  # the same reason printed when it skips
+
+from cachesvc.block_manager import BlockManager
+from cachesvc.errors import ResourceExhausted
+from cachesvc.host_cache import HostBlockCache
+from kvtier.block_hash import chain_preimages, extra_key, pack_token_ids
+
+SHAPE = (8, 2, 2, 16, 2, 8)  # pool: 8 blocks of [2 layers, K/V, 16 tokens, 2 heads, head_dim 8]
+
+
+def filled_pool(device: str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A pool whose every element differs (block b starts at b * block elements)."""
+    n = torch.Size(SHAPE).numel()
+    return torch.arange(n, dtype=torch.float32).view(SHAPE).to(device=device, dtype=dtype)
+
+
+def block_bytes(pool: torch.Tensor) -> int:
+    return pool[0].numel() * pool.element_size()
+
+
+def test_round_trip_under_the_prefix_index_keys_is_byte_exact():
+    pool = filled_pool(dtype=torch.bfloat16)
+    manager = BlockManager(8, 16, record_events=False)
+    extra = extra_key("model-a", "tenant-salt")
+    tokens = list(range(100, 148))  # three full blocks
+    ids = manager.allocate(3)
+    hashes: list = []
+    manager.publish_blocks(ids, hashes, 0, 3, tokens, extra)
+    published = [(manager.blocks[i].index_key, hashes[k - 1] if k else None) for k, i in enumerate(ids)]
+
+    cache = HostBlockCache(4, block_bytes(pool))
+    assert (
+        cache.offer_many([(key, parent, pool[i]) for (key, parent), i in zip(published, ids, strict=True)])
+        == 3
+    )
+    expected = pool[ids].clone()
+    pool.zero_()
+    # The keys a later prompt computes from its token ids find them: 3 of a 4-block prompt.
+    prompt_keys = chain_preimages(pack_token_ids([*tokens, *range(16)]), 16, extra, [], 0)
+    assert cache.lookup_chain(prompt_keys) == 3
+    assert cache.load_many(prompt_keys, [pool[5], pool[6], pool[7], pool[0]]) == 3
+    assert torch.equal(pool[5:8].view(torch.uint8), expected.view(torch.uint8))
+    assert torch.all(pool[0] == 0)  # the fourth key is not held: nothing copied there
+    assert cache.lookup_chain(chain_preimages(pack_token_ids(tokens), 16, extra_key("model-a"), [], 0)) == 0
+    stats = cache.stats()
+    assert (stats["blocks"], stats["bytes"], stats["promotions"], stats["hits"]) == (
+        3,
+        3 * block_bytes(pool),
+        3,
+        3,
+    )
+
+
+def test_lru_within_the_slots_hands_evicted_entries_on_with_their_bytes():
+    pool = filled_pool()
+    evicted: list[tuple[bytes, bytes | None, bytes]] = []
+    cache = HostBlockCache(
+        3, block_bytes(pool), on_evict=lambda k, p, data: evicted.append((k, p, data.numpy().tobytes()))
+    )
+    keys = [bytes([i]) * 96 for i in range(5)]
+    for i in range(3):
+        assert cache.offer(keys[i], keys[i - 1][:32] if i else None, pool[i])
+    assert cache.touch(keys[0])  # 1 is now the least recently used
+    assert cache.offer(keys[3], keys[2][:32], pool[3])
+    assert [e[0] for e in evicted] == [keys[1]] and evicted[0][1] == keys[0][:32]
+    assert evicted[0][2] == pool[1].numpy().tobytes()
+    assert cache.evict(1) == 1 and evicted[-1][0] == keys[2]
+    assert [k in cache for k in keys] == [True, False, False, True, False]
+    # A batch larger than the cache: what goes down is each block's own bytes, never a stale slot.
+    fresh = [bytes([10 + i]) * 96 for i in range(4)]
+    assert cache.offer_many([(fresh[i], None, pool[4 + i]) for i in range(4)]) == 4
+    assert [e[0] for e in evicted[2:]] == [keys[0], keys[3], fresh[0]]
+    assert evicted[-1][2] == pool[4].numpy().tobytes()
+    assert cache.load(fresh[3], pool[0]) and torch.equal(pool[0], pool[7])
+    assert cache.stats()["evictions"] == 5
+    cache.check_invariants()
+
+
+def test_swap_takes_slots_first_by_evicting_cached_entries():
+    pool = filled_pool()
+    evicted: list[bytes] = []
+    cache = HostBlockCache(4, block_bytes(pool), on_evict=lambda k, p, data: evicted.append(k))
+    keys = [bytes([i]) * 96 for i in range(4)]
+    assert cache.offer_many([(keys[i], None, pool[i]) for i in range(4)]) == 4
+    slots = cache.take_slots(3)
+    assert evicted == keys[:3] and len(cache) == 1 and cache.stats()["swap_slots"] == 3
+    cache.slots[slots[0]].copy_(pool[7].view(-1).view(torch.uint8))  # swap uses its rows
+    assert cache.offer(keys[0], None, pool[0])  # the cache's one slot now holds key 0, not key 3
+    assert evicted == [*keys[:3], keys[3]] and len(cache) == 1
+    slots += cache.take_slots(1)  # every slot is swap's
+    with pytest.raises(ResourceExhausted, match="swap needs 1 slots but only 0 of 4"):
+        cache.take_slots(1)
+    assert not cache.offer(keys[1], None, pool[1]) and cache.stats()["rejected"] == 1
+    assert cache.stats()["swap_slots"] == 4 and len(cache) == 0
+    cache.check_invariants()
+    cache.release_slots(slots)
+    assert cache.stats()["free_slots"] == 4
+    assert (
+        cache.offer(keys[2], None, pool[2]) and cache.load(keys[2], pool[6]) and torch.equal(pool[6], pool[2])
+    )
+    cache.check_invariants()
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_cache_is_pinned_and_sees_writes_queued_just_before_it():
+    pool = torch.zeros((64, 4, 2, 16, 8, 128), dtype=torch.bfloat16, device="cuda")
+    cache = HostBlockCache(64, block_bytes(pool), device="cuda")
+    assert cache.slots.is_pinned() and cache.stream != torch.cuda.current_stream()
+    for _ in range(3):  # a long queue of default-stream work ahead of the copy
+        pool.mul_(1.0).add_(1.0)
+    keys = [i.to_bytes(2, "little") * 48 for i in range(64)]
+    assert cache.offer_many([(keys[i], None, pool[i]) for i in range(64)]) == 64
+    pool.zero_()
+    assert cache.load_many(keys, [pool[63 - i] for i in range(64)]) == 64
+    assert torch.all(pool == 3.0)  # read on the default stream right after the call returned
