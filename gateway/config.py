@@ -102,8 +102,9 @@ def build_parser(prog: str = "python -m gateway") -> argparse.ArgumentParser:
         "--routing-load-weight",
         type=float,
         default=1.0,
-        help="kv-aware: score = cached fraction of the prompt - this x the node's share of requests in "
-        "flight; higher spreads a popular prefix sooner",
+        help="kv-aware: score = prefill seconds a node's cached prefix saves - this x the seconds of "
+        "work queued on it (its measured throughput); higher spreads a popular prefix sooner, 0 "
+        "routes by prefix alone",
     )
     nodes.add_argument(
         "--cache-tls-ca",

@@ -331,7 +331,7 @@ class Engine:
         except NoNode as e:
             raise no_replica(str(e)) from None
         failure: APIError | None = None
-        work = sum(len(job.prompt_ids) + job.request.max_tokens for job in jobs)
+        work = sum(len(job.prompt_ids) + job.request.sampling.max_tokens for job in jobs)
         for state, predicted in zip(route.nodes, route.predicted_tokens, strict=True):
             on_node = self.router.opened(state, predicted, work)  # counted now: routing meanwhile sees it
             try:

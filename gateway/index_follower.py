@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from gateway.discovery import Node
+from gateway.node_load import NodeLoad
 from kvtier.block_hash import BlockHash
 from kvtier.cache_client import CacheClient
 
@@ -29,9 +30,10 @@ log = logging.getLogger("kvtier.gateway.router")
 
 DOWN_S = 5.0  # a node that failed is passed over this long
 STATS_PERIOD_S = 1.0  # how often each node's GetStats is read (load, block size, replicas)
+DOWN_POLL_S = 0.25  # how often a node that does not answer is asked again (back within ~1 s)
 STATS_TIMEOUT_S = 2.0
 LOOKUP_TIMEOUT_S = 0.5
-RESYNC_BACKOFF_S = (0.1, 2.0)  # first and largest wait between attempts to reopen an event stream
+RESYNC_BACKOFF_S = (0.1, 1.0)  # first and largest wait between attempts to reopen an event stream
 
 
 @dataclass
@@ -46,13 +48,22 @@ class NodeState:
     block_size: int = 0  # from GetStats; 0 until the first answer
     usage: float = 0.0  # pool usage, 0..1
     num_sequences: int = 0
-    inflight: int = 0  # requests this gateway has open on the node
+    load: NodeLoad = field(default_factory=NodeLoad)  # this gateway's requests on the node
     down_until: float = 0.0
     tasks: list[asyncio.Task] = field(default_factory=list)
 
     @property
     def name(self) -> str:
         return self.node.name
+
+    @property
+    def inflight(self) -> int:
+        """Requests this gateway has open on the node."""
+        return self.load.inflight
+
+    @inflight.setter
+    def inflight(self, value: int) -> None:
+        self.load.inflight = value
 
     def up(self, now: float) -> bool:
         return self.down_until <= now
@@ -166,7 +177,7 @@ async def _poll_stats(state: NodeState) -> None:
                 )
             was_down = True
             state.down_until = time.monotonic() + DOWN_S
-        await asyncio.sleep(STATS_PERIOD_S)
+        await asyncio.sleep(DOWN_POLL_S if was_down else STATS_PERIOD_S)
 
 
 def _assign_replicas(state: NodeState, lease_names: list[str]) -> None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
+import contextlib
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from kvtier.metrics import COMPUTE_RPC_BUCKETS
 
@@ -60,17 +63,51 @@ class GatewayMetrics:
             f"{p}_cached_prompt_tokens", "Prompt tokens served from the prefix cache.", registry=r
         )
         self.generation_tokens = Counter(f"{p}_generation_tokens", "Completion tokens generated.", registry=r)
-        # The router (gateway/router.py), when the gateway routes across nodes.
+        # The router (gateway/router.py), when the gateway routes across nodes; node_*: per node.
         self.route_decisions = Counter(
             "kvtier_router_decisions",
-            "Routing decisions by reason: prefix (the node holding the longest prefix), load (no "
-            "hit or the load term won), round_robin, random, only_node; node_down and resync count "
-            "nodes routed around and event streams restarted.",
+            "Routing decisions by reason: prefix (the node holding the longest prefix), load_spill "
+            "(a node holding more of the prompt was too loaded), tie (no node holds any of it), "
+            "round_robin, random, only_node; node_down counts a node routed around (per request), "
+            "resync an event stream restarted.",
             ["reason"],
             registry=r,
         )
-        for reason in ("prefix", "load", "round_robin", "random", "only_node", "node_down", "resync"):
+        for reason in (
+            "prefix",
+            "load_spill",
+            "tie",
+            "round_robin",
+            "random",
+            "only_node",
+            "node_down",
+            "resync",
+        ):
             self.route_decisions.labels(reason=reason)
+        self.node_requests = Counter(
+            "kvtier_gateway_node_requests", "Requests sent to each node.", ["node"], registry=r
+        )
+        self.node_inflight = Gauge(
+            "kvtier_gateway_node_requests_in_flight", "Requests open on each node.", ["node"], registry=r
+        )
+        self.node_up = Gauge(
+            "kvtier_gateway_node_up",
+            "1 while the router routes to the node, 0 while it routes around it.",
+            ["node"],
+            registry=r,
+        )
+        self.node_predicted_tokens = Counter(
+            "kvtier_gateway_node_predicted_cached_tokens",
+            "Cached prompt tokens the router predicted on each node, for finished requests.",
+            ["node"],
+            registry=r,
+        )
+        self.node_actual_tokens = Counter(
+            "kvtier_gateway_node_actual_cached_tokens",
+            "Cached prompt tokens finished requests actually got on each node (usage.cached_tokens).",
+            ["node"],
+            registry=r,
+        )
         self.route_predicted_tokens = Counter(
             "kvtier_router_predicted_cached_tokens",
             "Cached prompt tokens the router predicted on the node it chose, for finished requests.",
@@ -88,6 +125,25 @@ class GatewayMetrics:
             buckets=(0, 16, 64, 256, 1024, 4096),
             registry=r,
         )
+
+    def watch_node(self, node: str, up: Callable[[], bool], inflight: Callable[[], int]) -> None:
+        """Per-node series of a node the router follows: up/down and in-flight read when scraped."""
+        self.node_up.labels(node=node).set_function(lambda: 1.0 if up() else 0.0)
+        self.node_inflight.labels(node=node).set_function(inflight)
+        for series in (self.node_requests, self.node_predicted_tokens, self.node_actual_tokens):
+            series.labels(node=node)
+
+    def forget_node(self, node: str) -> None:
+        """A node gone (DNS): its series end."""
+        for series in (
+            self.node_up,
+            self.node_inflight,
+            self.node_requests,
+            self.node_predicted_tokens,
+            self.node_actual_tokens,
+        ):
+            with contextlib.suppress(KeyError):
+                series.remove(node)
 
     def observe(self, endpoint: str, status: int, seconds: float) -> None:
         self.requests.labels(endpoint, str(status)).inc()

@@ -9,7 +9,8 @@ in tokens, capped as the cache caps a hit.
 
 Policies (``--routing``):
 
-- ``kv-aware``: nodes ranked by ``gateway/scoring.py`` from each node's predicted hit and load;
+- ``kv-aware``: nodes ranked by ``gateway/scoring.py``: the prefill a node's cached prefix saves
+  against the work queued there (``gateway/node_load.py``), both in seconds;
 - ``round-robin`` and ``random``, for comparison.
 
 A node that does not answer is routed around and retried after ``DOWN_S``. The router reads
@@ -42,6 +43,7 @@ from gateway.discovery import (
     rediscover_forever,
 )
 from gateway.index_follower import DOWN_S, STATS_TIMEOUT_S, NodeState
+from gateway.metrics import GatewayMetrics
 from gateway.scoring import NodeFigures, rank
 from kvtier.api_keys import tenant_salt
 from kvtier.block_hash import BlockHash, extra_key, hash_full_blocks
@@ -72,7 +74,24 @@ class Route:
 
     nodes: list[NodeState]
     predicted_tokens: list[int]  # per node in `nodes`: the predicted cached prompt tokens
-    reason: str  # prefix | load | round_robin | random | only_node
+    reason: str  # prefix | load_spill | tie | round_robin | random | only_node
+
+
+class OnNode:
+    """One request open on one node (``Router.opened``): its work counts in the node's load until
+    ``closed`` is called, once."""
+
+    def __init__(self, router: Router, state: NodeState, predicted: int, work_tokens: int) -> None:
+        self._router, self.state, self.predicted, self.work_tokens = router, state, predicted, work_tokens
+        state.load.opened(work_tokens)
+        router.metrics.node_requests.labels(node=state.name).inc()
+
+    def closed(self, cached: int | None) -> None:
+        """The request ended: with its actual cached prompt tokens (``usage``), or None if it
+        did not finish (failed, cancelled, abandoned)."""
+        self.state.load.closed(self.work_tokens, finished=cached is not None)
+        if cached is not None:
+            self._router.record(self.state, self.predicted, cached)
 
 
 class Router:
@@ -85,7 +104,7 @@ class Router:
         model_fingerprint: str,
         policy: str = "kv-aware",
         load_weight: float = 1.0,
-        metrics=None,
+        metrics: GatewayMetrics | None = None,
         seed: int | None = None,
         dns: tuple[str, str] | None = None,
         tls_ca: str | None = None,
@@ -102,7 +121,7 @@ class Router:
         self.policy = policy
         self.load_weight = load_weight
         self.fingerprint = model_fingerprint
-        self.metrics = metrics
+        self.metrics = metrics if metrics is not None else GatewayMetrics()
         self._token = token
         self._tls_ca = tls_ca
         self._rr = itertools.count()
@@ -115,7 +134,9 @@ class Router:
         client = CacheClient.connect(
             node.cache, self._token, aio=True, tls_ca=self._tls_ca, timeout_s=STATS_TIMEOUT_S
         )
-        return NodeState(node, client)
+        state = NodeState(node, client)
+        self.metrics.watch_node(state.name, lambda: state.up(time.monotonic()), lambda: state.inflight)
+        return state
 
     # ------------------------------------------------------------ life
 
@@ -137,6 +158,7 @@ class Router:
             log.info("router: node %s is gone from DNS", state.name)
             self.states.remove(state)
             await index_follower.stop(state)
+            self.metrics.forget_node(state.name)
         for address in caches:
             state = known.get(address)
             if state is None:
@@ -197,6 +219,8 @@ class Router:
         down = [s for s in self.states if not s.up(now)]
         candidates = up or down  # every node down: try them anyway
         after = down if up else []
+        for _ in after:  # routed around: last in the order
+            self._count("node_down")
         if len(self.states) == 1:
             return self._decided(Route(list(self.states), [0], "only_node"))
         if self.policy == "round-robin":
@@ -208,10 +232,25 @@ class Router:
             self._random.shuffle(order)
             return self._decided(Route(order + after, [0] * len(self.states), "random"))
         predicted = await self._predictions(candidates, prompt_ids, tenant_salt(tenant, cache_salt))
-        figures = [NodeFigures(p, s.inflight) for p, s in zip(predicted, candidates, strict=True)]
+        figures = [
+            NodeFigures(p, s.load.outstanding_tokens, s.load.tokens_per_s(), s.inflight)
+            for p, s in zip(predicted, candidates, strict=True)
+        ]
         ranking = rank(figures, len(prompt_ids), self.load_weight, next(self._rr))
         order = [candidates[k] for k in ranking.order]
         tokens = [predicted[k] for k in ranking.order] + [0] * len(after)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "route: %d prompt tokens -> %s (%s); %s",
+                len(prompt_ids),
+                order[0].name,
+                ranking.reason,
+                "; ".join(
+                    f"{s.name}: cached {f.predicted_tokens}, queued {f.outstanding_tokens} tokens at "
+                    f"{f.tokens_per_s:.0f}/s, score {ranking.scores[k] * 1000:.1f} ms"
+                    for k, (s, f) in enumerate(zip(candidates, figures, strict=True))
+                ),
+            )
         return self._decided(Route(order + after, tokens, ranking.reason))
 
     async def _predictions(self, states: list[NodeState], prompt_ids: list[int], salt: str) -> list[int]:
@@ -236,16 +275,24 @@ class Router:
         return route
 
     def _count(self, reason: str) -> None:
-        if self.metrics is not None:
-            self.metrics.route_decisions.labels(reason=reason).inc()
+        self.metrics.route_decisions.labels(reason=reason).inc()
 
     def mark_down(self, state: NodeState) -> None:
         state.down_until = time.monotonic() + DOWN_S
         self._count("node_down")
 
+    def opened(self, state: NodeState, predicted: int, request_tokens: int) -> OnNode:
+        """A request is being sent to ``state``'s node: from now its work counts in the node's load
+        (requests routed meanwhile see it). ``predicted``: its cached prompt tokens predicted
+        there; ``request_tokens``: its prompt tokens plus its max_tokens, over all its samples.
+        Call ``closed`` on the result when it ends."""
+        return OnNode(self, state, predicted, max(0, request_tokens - predicted))
+
     def record(self, state: NodeState, predicted: int, actual: int) -> None:
         """A finished request's predicted and actual cached prompt tokens on ``state``."""
-        if self.metrics is not None:
-            self.metrics.route_predicted_tokens.inc(predicted)
-            self.metrics.route_actual_tokens.inc(actual)
-            self.metrics.route_error_tokens.observe(abs(predicted - actual))
+        m = self.metrics
+        m.route_predicted_tokens.inc(predicted)
+        m.route_actual_tokens.inc(actual)
+        m.route_error_tokens.observe(abs(predicted - actual))
+        m.node_predicted_tokens.labels(node=state.name).inc(predicted)
+        m.node_actual_tokens.labels(node=state.name).inc(actual)

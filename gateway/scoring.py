@@ -3,6 +3,16 @@
 Nothing here reads a clock, a socket or the router's state; ``rank`` is given, per candidate
 node, what the router knows of it now, and returns the order to try the nodes in and why the
 first one won.
+
+The score of a node is what the request's time to first token would be there, negated:
+
+    score = saved_s - queue_s - prompt_s
+    saved_s = predicted cached tokens / tokens_per_s     (prefill the node's cache saves)
+    queue_s = load_weight * outstanding tokens / tokens_per_s   (work queued ahead of it)
+    prompt_s = prompt tokens / tokens_per_s              (the whole prefill; equal on equal nodes)
+
+So a node holding the prompt's prefix wins until the work queued on it costs more than the
+prefill it saves: then the request *spills* to the best other node, which caches the prefix too.
 """
 
 from __future__ import annotations
@@ -10,36 +20,56 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+REASONS = ("prefix", "load_spill", "tie")
+TIE_FRACTION = 0.1  # scores within this fraction of the best one count as equal
+
 
 @dataclass(frozen=True)
 class NodeFigures:
     """One candidate node's figures for one request."""
 
     predicted_tokens: int  # leading prompt tokens the node's cache holds (capped as a hit is)
-    inflight: int  # requests this gateway has open on the node
+    outstanding_tokens: int = 0  # work open on the node: uncached prompt + max_tokens, in tokens
+    tokens_per_s: float = 1.0  # the node's measured throughput of that work (> 0)
+    inflight: int = 0  # requests this gateway has open on the node
 
 
 @dataclass(frozen=True)
 class Ranking:
     order: list[int]  # indexes into the candidates, best first
-    reason: str  # prefix (the first node holds the longest prefix) | load (no hit, or load won)
+    scores: list[float]  # per candidate (not reordered): minus the expected time to first token, s
+    reason: str  # one of REASONS (see rank)
+
+
+def score(node: NodeFigures, prompt_len: int, load_weight: float) -> float:
+    """Minus the expected seconds to the first token on ``node`` (module docstring)."""
+    uncached = prompt_len - node.predicted_tokens
+    return -(load_weight * node.outstanding_tokens + uncached) / node.tokens_per_s
 
 
 def rank(nodes: Sequence[NodeFigures], prompt_len: int, load_weight: float, tie: int) -> Ranking:
-    """Rank ``nodes`` by ``hit fraction - load_weight * load share``, the load share being the
-    node's requests in flight over all of them (+1, this request). Equal scores go to the lower
-    share, then round-robin from candidate ``tie`` (a counter the caller advances).
+    """Rank ``nodes`` by ``score``, best first; scores within TIE_FRACTION of the best are equal
+    and go to fewer requests in flight, then round-robin from candidate ``tie`` (a counter the
+    caller advances).
 
-    ``prompt_len``: the request's prompt, in tokens.
+    ``prompt_len``: the request's prompt, in tokens. ``load_weight``: the weight of the queueing
+    delay against the prefill saved (1 = both in seconds; 0 = prefix only). The reason is
+    ``prefix`` when the first node holds the longest predicted prefix, ``load_spill`` when a
+    node holding more lost on load, ``tie`` when no node holds any of the prompt.
     """
-    total_inflight = sum(n.inflight for n in nodes)
-
-    def score(k: int) -> tuple[float, float, int]:
-        share = nodes[k].inflight / (total_inflight + 1)
-        hit = nodes[k].predicted_tokens / max(1, prompt_len)
-        return (hit - load_weight * share, -share, -((k - tie) % len(nodes)))
-
-    order = sorted(range(len(nodes)), key=score, reverse=True)
-    best_hit = nodes[order[0]].predicted_tokens
+    scores = [score(n, prompt_len, load_weight) for n in nodes]
+    by_score = sorted(range(len(nodes)), key=lambda k: scores[k], reverse=True)
+    best = scores[by_score[0]]
+    # Measured throughputs differ by noise: scores this close to the best are equal, so requests
+    # that no node holds spread over the nodes instead of all going to the one measured fastest.
+    equal = [k for k in by_score if scores[k] >= best - TIE_FRACTION * abs(best)]
+    equal.sort(key=lambda k: (-nodes[k].inflight, -((k - tie) % len(nodes))), reverse=True)
+    order = equal + [k for k in by_score if k not in equal]
     most = max(n.predicted_tokens for n in nodes)
-    return Ranking(order, "prefix" if best_hit > 0 and best_hit >= most else "load")
+    if most == 0:
+        reason = "tie"
+    elif nodes[order[0]].predicted_tokens == most:
+        reason = "prefix"
+    else:
+        reason = "load_spill"
+    return Ranking(order, scores, reason)

@@ -143,11 +143,16 @@ def test_kv_aware_prefers_the_held_prefix_until_the_load_term_outweighs_it(two_c
             p = prompt(40, 1)
             await wait_until_async(lambda: predicted(router, 0, p) == 64, 30.0, "the commit's events")
             assert (await router.route(p)).nodes[0].name == "n0"
-            # Requests in flight on node 0 push the next ones to node 1 once the share outweighs the hit.
-            router.states[0].inflight = 40
+            # Work queued on node 0 pushes the next requests to node 1 once it costs more than
+            # the prefill the hit saves (both nodes at the same, unmeasured throughput).
+            queued = [router.opened(router.states[0], 64, len(p) + 16)]  # 36 tokens of work
+            assert (await router.route(p)).nodes[0].name == "n0"
+            queued += [router.opened(router.states[0], 64, len(p) + 16) for _ in range(39)]
             route = await router.route(p)
-            assert route.nodes[0].name == "n1" and route.reason == "load"
-            router.states[0].inflight = 0
+            assert route.nodes[0].name == "n1" and route.reason == "load_spill"
+            for on_node in queued:
+                on_node.closed(None)
+            assert router.states[0].load.outstanding_tokens == 0 and router.states[0].inflight == 0
             # No hit anywhere: the least loaded node, then round-robin between equals.
             router.states[1].inflight = 1
             assert (await router.route(prompt(41, 0))).nodes[0].name == "n0"

@@ -9,6 +9,7 @@ import random
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -120,6 +121,56 @@ def test_kv_aware_routing_hits_like_one_big_node_and_beats_round_robin(gateways)
     predicted = values["kvtier_router_predicted_cached_tokens_total"]
     actual = values["kvtier_router_actual_cached_tokens_total"]
     assert actual == kv and abs(predicted - actual) <= 0.05 * actual, (predicted, actual)
+
+
+def test_a_hot_prefix_spills_to_the_other_node_when_its_node_is_loaded(gateways) -> None:
+    """Requests for one system prompt, all at once: the node that caches it takes them until the
+    work queued there costs more than the prefill it saves; the rest spill to the other node,
+    which then caches the prompt too. Per-node series show where they went."""
+    url = gateways["kv-aware"].address
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    hot = system_prompt(NUM_SYSTEMS + 1)
+
+    def ask(q: int):
+        return client.completions.create(
+            model="kvtier-tiny",
+            prompt=hot + question(NUM_SYSTEMS + 1, q),
+            max_tokens=24,
+            temperature=0,
+            extra_body={"cache_salt": "spill", "ignore_eos": True},
+        )
+
+    before = scrape(url)
+    ask(0)  # caches the prompt on one node
+    with ThreadPoolExecutor(12) as pool:
+        replies = list(pool.map(ask, range(1, 13)))
+    assert all(r.usage.completion_tokens == 24 for r in replies)
+    after = scrape(url)
+    spills = (
+        after[("kvtier_router_decisions_total", "load_spill")]
+        - before[("kvtier_router_decisions_total", "load_spill")]
+    )
+    served = {
+        node: after[("kvtier_gateway_node_requests_total", node)]
+        - before.get(("kvtier_gateway_node_requests_total", node), 0)
+        for node in ("node-0", "node-1")
+    }
+    print(f"13 requests for one prompt: {served} per node, {spills:.0f} spilled")
+    assert spills > 0 and min(served.values()) > 0, (served, spills)
+    assert sum(served.values()) == 13
+    assert after[("kvtier_gateway_node_up", "node-0")] == after[("kvtier_gateway_node_up", "node-1")] == 1
+    # The node the prompt spilled to cached it too: both now predict (and get) a hit.
+    assert ask(13).usage.prompt_tokens_details.cached_tokens >= SYSTEM_LEN
+
+
+def scrape(url: str) -> dict[tuple[str, str], float]:
+    """The gateway's samples by (name, the value of its reason or node label)."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return {
+        (s.name, s.labels.get("reason") or s.labels.get("node") or ""): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
 
 
 def test_a_killed_cache_service_sends_requests_to_the_other_node_until_it_is_back(nodes, gateways) -> None:

@@ -1,0 +1,71 @@
+"""The kv-aware router's pure parts: gateway/scoring.py ranks nodes from named figures, and
+gateway/node_load.py measures a node's open work and throughput. No services, no clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.node_load import PRIOR_TOKENS_PER_S, NodeLoad
+from gateway.scoring import NodeFigures, rank, score
+
+PROMPT = 1000  # tokens
+FAST = 1000.0  # tokens of work per second
+
+
+def test_the_score_is_minus_the_expected_time_to_first_token() -> None:
+    # 600 cached of 1000, 2000 tokens queued at 1000/s: 2 s of queue + 0.4 s of prefill.
+    assert score(NodeFigures(600, 2000, FAST), PROMPT, 1.0) == pytest.approx(-2.4)
+    assert score(NodeFigures(600, 2000, FAST), PROMPT, 0.5) == pytest.approx(-1.4)
+    assert score(NodeFigures(0, 0, 2 * FAST), PROMPT, 1.0) == pytest.approx(-0.5)
+
+
+def test_the_held_prefix_wins_until_the_queue_on_its_node_costs_more_than_it_saves() -> None:
+    holder, idle = NodeFigures(800, 0, FAST), NodeFigures(0, 0, FAST)
+    assert rank([holder, idle], PROMPT, 1.0, tie=0).order == [0, 1]
+    assert rank([holder, idle], PROMPT, 1.0, tie=0).reason == "prefix"
+    # 700 tokens queued: 0.7 s + 0.2 s < 1.0 s on the idle node: still the holder.
+    assert rank([NodeFigures(800, 700, FAST), idle], PROMPT, 1.0, tie=0).order[0] == 0
+    # 1500 tokens queued: 1.7 s > 1.0 s: the request spills to the idle node.
+    spilled = rank([NodeFigures(800, 1500, FAST), idle], PROMPT, 1.0, tie=0)
+    assert spilled.order == [1, 0] and spilled.reason == "load_spill"
+    # Load weight 0: the prefix alone decides, however long the queue.
+    assert rank([NodeFigures(800, 10**6, FAST), idle], PROMPT, 0.0, tie=0).reason == "prefix"
+
+
+def test_a_slower_node_needs_more_of_the_prompt_cached_to_win() -> None:
+    slow_with_hit, fast_without = NodeFigures(400, 0, FAST), NodeFigures(0, 0, 4 * FAST)
+    # 0.6 s on the slow node against 0.25 s on the fast one.
+    assert rank([slow_with_hit, fast_without], PROMPT, 1.0, tie=0).order[0] == 1
+
+
+def test_no_hit_anywhere_is_a_tie_broken_by_requests_in_flight_then_round_robin() -> None:
+    a, b = NodeFigures(0, 0, FAST, inflight=2), NodeFigures(0, 0, FAST, inflight=1)
+    ranking = rank([a, b], PROMPT, 1.0, tie=0)
+    assert ranking.order == [1, 0] and ranking.reason == "tie"
+    equal = [NodeFigures(0, 0, FAST), NodeFigures(0, 0, FAST), NodeFigures(0, 0, FAST)]
+    assert [rank(equal, PROMPT, 1.0, tie=t).order[0] for t in range(4)] == [0, 1, 2, 0]
+    # Throughputs measured a few percent apart are equal: the work still spreads.
+    noisy = [NodeFigures(0, 0, FAST), NodeFigures(0, 0, 1.05 * FAST)]
+    assert {rank(noisy, PROMPT, 1.0, tie=t).order[0] for t in range(2)} == {0, 1}
+
+
+def test_node_load_counts_open_work_and_measures_throughput_from_finished_work() -> None:
+    load = NodeLoad(_since=0.0)
+    assert load.tokens_per_s() == PRIOR_TOKENS_PER_S and load.queue_s() == 0
+    load.opened(3000, now=0.0)
+    assert load.inflight == 1 and load.queue_s() == pytest.approx(3000 / PRIOR_TOKENS_PER_S)
+    # Failed or abandoned work leaves the queue without counting as work done.
+    load.closed(3000, finished=False, now=0.0)
+    assert (load.inflight, load.outstanding_tokens, load.tokens_per_s()) == (0, 0, PRIOR_TOKENS_PER_S)
+    # A node that gets through 500 tokens of work per busy second, back to back for 2 minutes:
+    # the prior fades and the measurement takes over.
+    t = 0.0
+    for _ in range(120):
+        load.opened(500, now=t)
+        t += 1.0
+        load.closed(500, finished=True, now=t)
+    assert load.tokens_per_s() == pytest.approx(500, rel=0.1)
+    # A minute idle does not change the measurement.
+    before = load.tokens_per_s()
+    load.opened(10, now=t + 60)
+    assert load.tokens_per_s() == pytest.approx(before)
