@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from typing import TYPE_CHECKING
 
 from computesvc.cache_port import ExceedsLimit, NoFreeBlocks, SequenceBlocks
@@ -49,14 +49,17 @@ class Admission:
         self.start = start
         self.emitter = emitter
 
-    async def admit(self, waiting: deque[Request], running: list[Request]) -> None:
+    async def admit(
+        self, waiting: deque[Request], running: list[Request], held_back: Collection[str] = ()
+    ) -> None:
         """Allocate blocks for the head of `waiting` (FCFS), one batched call, with `running` the
-        sequences running now (read only: `start` adds to it). Admitted and failed requests
-        leave `waiting`."""
+        sequences running now (read only: `start` adds to it), passing over the requests of the
+        tenants `held_back` (their own limit preempted one of theirs: they wait until one of their
+        running sequences finishes). Admitted and failed requests leave `waiting`."""
         room = self.config.max_num_seqs - len(running)
         budget = self.config.max_num_batched_tokens
         batch: list[Request] = []
-        for req in waiting:
+        for req in (r for r in waiting if r.tenant not in held_back):
             if len(batch) >= room or (batch and req.num_tokens > budget):
                 break
             batch.append(req)
@@ -73,7 +76,7 @@ class Admission:
                     break
                 if len(batch) == 1:
                     self._expire_stuck(waiting, running, batch[0], e)
-                    await self._admit_another_tenant(waiting, running, batch[0])
+                    await self._admit_another_tenant(waiting, running, {batch[0].tenant, *held_back})
                     return
                 batch = batch[: len(batch) // 2]
             except ValueError as e:
@@ -85,19 +88,20 @@ class Admission:
                 batch, seqs = await self._allocate_one_by_one(waiting, batch)
                 break
         for req, seq in zip(batch, seqs, strict=True):
-            waiting.popleft()
+            waiting.remove(req)
             self.start(req, seq)
 
     async def _admit_another_tenant(
-        self, waiting: deque[Request], running: list[Request], refused: Request
+        self, waiting: deque[Request], running: list[Request], passed_over: Collection[str]
     ) -> None:
         """The oldest waiting request found no room. Waiting is first come, first served within
         a tenant, not across tenants: the oldest request of another tenant may still fit (a
         smaller one, or one under its fair share, which the cache service does not refuse), so
-        one tenant's request that cannot fit never holds up the others."""
+        one tenant's request that cannot fit never holds up the others. `passed_over`: the
+        refused request's tenant and those held back."""
         if len(running) >= self.config.max_num_seqs:
             return
-        other = next((r for r in waiting if r.tenant != refused.tenant), None)
+        other = next((r for r in waiting if r.tenant not in passed_over), None)
         if other is None:
             return
         try:

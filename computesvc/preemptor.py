@@ -33,6 +33,7 @@ class Preemptor:
     running: list[Request]
     waiting: deque[Request]
     swapped: deque[Request]
+    held_back: set[str]
     config: SchedulerConfig
 
     async def _call(self, coro, reqs: list[Request] = ()): ...  # Scheduler._call
@@ -156,6 +157,8 @@ class Preemptor:
                 victim.block_table = []
                 self.waiting.appendleft(victim)
             self.ledger.preempted(victim)
+            if victim.tenant == refused_tenant:
+                self.held_back.add(victim.tenant)
             self.observer.on_preempted(span, victim, moved, decision)
         return victim
 

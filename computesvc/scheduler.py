@@ -108,6 +108,10 @@ class Scheduler(Preemptor):
         self.swapped: deque[Request] = deque()
         # What the cost model remembers: measured rates, preemptions, swap-ins, host-tier room.
         self.ledger = Ledger()
+        # Tenants whose own limit preempted one of their sequences: their waiting requests are
+        # not admitted until one of their running sequences finishes (else the preempted one
+        # comes straight back and the tenant's sequences take turns without finishing).
+        self.held_back: set[str] = set()
         pool = runner.pool
         self.block_bytes = pool[0].numel() * pool.element_size()  # one block, every layer, K and V
         self._wakeup = asyncio.Event()
@@ -265,7 +269,9 @@ class Scheduler(Preemptor):
         """Allocate blocks for waiting requests (computesvc.admission), one batched call."""
         if self.swapped or not self.waiting:
             return  # swapped sequences go first: they already hold a place in the queue
-        await self.admission.admit(self.waiting, self.running)
+        # A tenant held back has no sequence running here any more: nothing left to wait for.
+        self.held_back &= {r.tenant for r in self.running}
+        await self.admission.admit(self.waiting, self.running, self.held_back)
 
     def _start(self, req: Request, seq: SequenceBlocks) -> None:
         """`req` got its blocks: it runs from the next prefill on."""
@@ -401,5 +407,6 @@ class Scheduler(Preemptor):
         # conversation so far is a prefix hit for the next turn, and free, in one call.
         await self._call(self.cache.free([r.sequence_id for r in done], self._commit_items(done)), done)
         self._committed(done)
+        self.held_back -= {r.tenant for r in done}
         # NOTE: dropped from `running` only once freed: if a call fails, _abandon_all frees them.
         self.running = [r for r in self.running if r.status is not Status.FINISHED]

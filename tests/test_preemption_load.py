@@ -1,0 +1,150 @@
+"""Preemption under a sustained overload (issue 23): bounded per request, no swap thrash, and one
+tenant's quota never preempts another tenant.
+
+A real cache service (a pool far too small for the load, a host tier, a quota for tenant
+"evil"), the replica-side scheduler and model in this process over RemoteCache, as a replica
+runs them. An observer records every preemption the scheduler makes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from servers import TOKEN, ModuleLoop, cache_service
+
+from computesvc.model import ModelRunner, load_model
+from computesvc.observer import SchedulerObserver
+from computesvc.remote_cache import RemoteCache
+from computesvc.request import Request
+from computesvc.sampling import SamplingParams
+from computesvc.scheduler import Scheduler, SchedulerConfig
+from kvtier.cache_client import CacheClient
+from kvtier.pool import attach_pool
+
+LOOP = ModuleLoop()
+EVIL_QUOTA = 20  # blocks of 16 tokens
+
+
+class Recorder(SchedulerObserver):
+    """Every preemption: (request id, tenant, reason, mode done, steps since its last swap-in)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.preempted: list[tuple[str, str, str, str, int]] = []
+
+    def on_preempted(self, span, victim, swapped_bytes, decision) -> None:
+        super().on_preempted(span, victim, swapped_bytes, decision)
+        mode = "recompute" if swapped_bytes is None else "swap"
+        self.preempted.append(
+            (victim.request_id, victim.tenant, decision.reason, mode, decision.victim.resident_steps)
+        )
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model(None)
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("preemption")
+    quotas = run_dir / "quotas.json"
+    quotas.write_text(
+        json.dumps({"tenants": {"evil": {"keys": ["sk-evil-0123456789abcdef"], "max_blocks": EVIL_QUOTA}}})
+    )
+    args = ["--num-blocks", "48", "--swap-space", "0.01", "--lease-ttl", "30", "--tenant-quotas", str(quotas)]
+    with cache_service(run_dir, *args) as svc:
+        yield svc
+
+
+def run_load(service, loaded, policy: str, requests: list[tuple[str, str, list[int], int]], stop=None):
+    """Run `requests` (id, tenant, prompt, max_tokens; added in order) to the end on one
+    scheduler with `policy`, or until `stop(recorder)` (then every sequence is freed): their
+    outputs by id, and the recorder."""
+
+    async def scenario():
+        client = CacheClient.connect(service.address, TOKEN, aio=True)
+        await client.attach_async(f"load-{policy}", loaded.shape.fingerprint)
+        pool = attach_pool(client.pool)
+        beat = asyncio.ensure_future(client.heartbeat_forever())
+        recorder = Recorder()
+        scheduler = Scheduler(
+            ModelRunner(loaded.model, pool.tensor, client.pool.block_size),
+            RemoteCache(client),
+            loaded.tokenizer,
+            loaded.eos_token_ids,
+            SchedulerConfig(max_num_seqs=16, preemption_policy=policy),
+            observer=recorder,
+        )
+        reqs = [
+            Request(rid, prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), tenant=tenant)
+            for rid, tenant, prompt, n in requests
+        ]
+        for req in reqs:
+            scheduler.add(req)
+        steps = 0
+        while scheduler.has_work:
+            if stop is not None and stop(recorder):
+                await scheduler._abandon_all(RuntimeError("stopped by the test"))
+                break
+            await scheduler.step()
+            steps += 1
+            assert steps < 20_000, "the load made no progress"
+        beat.cancel()
+        await client.close()
+        scheduler = None  # its model runner holds the last view of the pool: close the mapping after it
+        pool.close()
+        return {r.request_id: r.output_token_ids for r in reqs}, recorder
+
+    return LOOP.run(scenario(), 300)
+
+
+def prompt(k: int, n: int = 24) -> list[int]:
+    return [1 + (k * 31 + j * 7) % 250 for j in range(n)]
+
+
+def test_preemptions_per_request_are_bounded_and_swapped_in_sequences_stay_a_while(service, loaded):
+    # 10 sequences of 24 + 150 tokens (11 blocks each) on a 48-block pool: at most 4 at once.
+    load = [(f"r{k}", "", prompt(k), 150) for k in range(10)]
+    outputs, cost = run_load(service, loaded, "cost", load)
+    reference, newest = run_load(service, loaded, "newest", load)
+    per_request = {rid: sum(1 for p in cost.preempted if p[0] == rid) for rid, *_ in load}
+    print("preemptions per request, cost:", per_request)
+    print("newest:", {rid: sum(1 for p in newest.preempted if p[0] == rid) for rid, *_ in load})
+    assert cost.preempted, "the load never preempted: make the pool smaller"
+    config = SchedulerConfig()
+    forced = [p for p in cost.preempted if p[2] == "forced"]
+    assert max(per_request.values()) <= config.max_preemptions + len(forced), per_request
+    assert not forced, cost.preempted
+    # A sequence swapped back in is not swapped out again within min_resident_steps steps.
+    assert all(p[4] >= config.min_resident_steps for p in cost.preempted), cost.preempted
+    assert cost.stats.preemptions_swap + cost.stats.preemptions_recompute == len(cost.preempted)
+    assert sum(cost.stats.preemptions_by_reason.values()) == len(cost.preempted)
+    # Preemption never changes what a greedy sequence generates.
+    assert outputs == reference
+    assert all(len(tokens) == 150 for tokens in outputs.values())
+
+
+def test_a_tenants_quota_preempts_only_its_own_sequences(service, loaded):
+    # evil (quota 20 blocks) sends 5 long requests, then acme 2; the pool (48) holds acme's 2
+    # and evil's quota, so only evil's quota ever refuses room.
+    load = [(f"evil{k}", "evil", prompt(k), 120) for k in range(5)]
+    load += [(f"acme{k}", "acme", prompt(50 + k), 120) for k in range(2)]
+    outputs, cost = run_load(service, loaded, "cost", load)
+    print("cost:", cost.preempted)
+    assert cost.preempted, "evil's quota never refused room: raise its load"
+    assert all(tenant == "evil" for _, tenant, *_ in cost.preempted), cost.preempted
+    # Its quota counts the host tier too: freeing (recompute) gives evil room, a swap would not.
+    assert all(mode == "recompute" for *_, mode, _ in cost.preempted), cost.preempted
+    quiet, _ = run_load(service, loaded, "cost", load[5:])
+    assert {rid: outputs[rid] for rid in quiet} == quiet
+    assert all(len(tokens) == 120 for tokens in outputs.values())
+    # The old rule preempts the newest sequence of any tenant: acme's, for evil's quota (and
+    # its swaps never give evil room, so it is stopped there).
+    _, newest = run_load(
+        service, loaded, "newest", load, stop=lambda rec: any(p[1] == "acme" for p in rec.preempted)
+    )
+    print("newest:", newest.preempted)
+    assert any(tenant == "acme" for _, tenant, *_ in newest.preempted), newest.preempted
