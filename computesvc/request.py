@@ -13,6 +13,7 @@ from opentelemetry import trace
 
 from computesvc.output import TextState
 from computesvc.sampling import PenaltyState, SamplingParams, TokenLogprob
+from computesvc.structured_output import GrammarState
 
 
 class Status(enum.Enum):
@@ -65,6 +66,8 @@ class Request:
     text_state: TextState = field(default_factory=TextState)  # how far the output is detokenized
     # Token counts for the penalties (made at the first sample; None when the request has none).
     penalty: PenaltyState | None = None
+    # Where the output is in its structured-output grammar (None: unconstrained).
+    grammar: GrammarState | None = None
     aborted: bool = False
 
     @property

@@ -15,8 +15,9 @@ from computesvc.replica import Replica
 from computesvc.request import Request, StepOutput, new_request_id
 from computesvc.sampling import SamplingParams
 from computesvc.scheduler import StepFailed
+from computesvc.structured_output import Grammars, GrammarState
 from computesvc.token_emitter import RequestFailed
-from kvtier import sampling_schema
+from kvtier import sampling_schema, structured_output
 from kvtier.api import compute_pb2, compute_pb2_grpc
 from kvtier.api_keys import tenant_salt
 from kvtier.call_guard import caller
@@ -35,6 +36,7 @@ class ComputeServicer(compute_pb2_grpc.ComputeServiceServicer):
         # NOTE: text prompts are tokenized here, off the event loop (which serves every stream
         # and the scheduler) and off the default executor (which runs the model's forwards).
         self._tokenize = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+        self._grammars: Grammars | None = None  # made at the first structured-output request
 
     def _defaults(self) -> dict:
         loaded = self.replica.loaded
@@ -118,6 +120,7 @@ class ComputeServicer(compute_pb2_grpc.ComputeServiceServicer):
         params.validate(vocab_size=shape.vocab_size, max_model_len=limit)
         # The context check (ContextLengthError is a ValueError), as the gateway's.
         resolve_max_tokens(params.max_tokens, len(ids), limit, None, None)
+        resumed = self._resumed(request, params.max_tokens)
         return Request(
             request_id=request.request_id or new_request_id(),
             prompt_token_ids=ids,
@@ -125,8 +128,21 @@ class ComputeServicer(compute_pb2_grpc.ComputeServiceServicer):
             tenant_salt=tenant_salt(tenant, request.cache_salt),
             tenant=tenant,
             span_context=trace.get_current_span().get_span_context(),
-            output_token_ids=self._resumed(request, params.max_tokens),
+            output_token_ids=resumed,
+            grammar=await self._grammar(request.sampling, resumed),
         )
+
+    async def _grammar(self, msg: compute_pb2.SamplingParams, resumed: list[int]) -> GrammarState | None:
+        """The request's structured-output state, compiled on the tokenize threads (off the event
+        loop and the step loop; computesvc.structured_output); None when it sets no constraint."""
+        constraint = structured_output.from_proto(msg.structured_output)
+        if constraint is None:
+            return None
+        if self._grammars is None:
+            loaded = self.replica.loaded
+            self._grammars = Grammars(loaded.tokenizer, self.replica.shape.vocab_size, loaded.eos_token_ids)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenize, self._grammars.start, constraint, resumed)
 
     def _resumed(self, request: compute_pb2.GenerateRequest, max_tokens: int) -> list[int]:
         """The checked `resume_token_ids` (output delivered by an earlier attempt), [] if none."""

@@ -20,6 +20,7 @@ from computesvc.observer import SchedulerObserver
 from computesvc.output import OutputProcessor
 from computesvc.request import Request, Status, StepOutput
 from computesvc.sampling import PenaltyState, Sampler, position_seed
+from computesvc.structured_output import advance, mask_logits
 
 log = logging.getLogger("kvtier.compute")
 
@@ -58,7 +59,13 @@ class TokenEmitter:
                 # Each output position draws from its own seed, so a request resumed on another
                 # replica after k delivered tokens draws token k+1 as the first attempt would.
                 r.generator.manual_seed(position_seed(r.params.seed, len(r.output_token_ids)))
-        tokens, failed = self.sampler.sample_isolated(logits, params, [r.generator for r in reqs], penalties)
+        # Structured outputs: constrained rows sample from their grammar's masked logits (the
+        # logprobs below stay the raw ones); a token the grammar refuses fails its request alone.
+        grammars = [r.grammar for r in reqs]
+        allowed = mask_logits(logits, grammars)
+        tokens, failed = self.sampler.sample_isolated(allowed, params, [r.generator for r in reqs], penalties)
+        if allowed is not logits:
+            advance(grammars, tokens, failed)
         logprobs = [None] * len(reqs)
         if any(p.logprobs is not None for p in params):
             ks = [None if i in failed else p.logprobs for i, p in enumerate(params)]

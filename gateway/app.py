@@ -9,6 +9,7 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
+from functools import partial
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
@@ -34,6 +35,8 @@ from gateway.protocol import (
 )
 from gateway.router import Router
 from gateway.streaming import ChatEvents, CompletionEvents, Events
+from gateway.structured_output import constraint_of, with_param
+from gateway.tools import DEFAULT_PARSER, ToolChatEvents, ToolOutput, ToolPlan, plan_tools
 from kvtier.api_keys import ApiKeys
 
 log = logging.getLogger("kvtier.gateway")
@@ -92,11 +95,13 @@ def create_app(
     keys: ApiKeys | None = None,
     router: Router | None = None,
     metrics: GatewayMetrics | None = None,
+    tool_call_parser: str = DEFAULT_PARSER,
 ) -> FastAPI:
     """`api_key`: the one key /v1 requests need (calls go on with the node `token`). `keys`:
     client API keys per tenant (kvtier.api_keys); each request's own key is checked here and
     forwarded to Generate, so the replica charges that key's tenant and no node token is needed.
-    `router`: route each request to one node's replicas (gateway.router)."""
+    `router`: route each request to one node's replicas (gateway.router). `tool_call_parser`:
+    how tool calls are read from the output under tool_choice auto (gateway.tools.PARSERS)."""
     engine = Engine(addresses, model, max_n, token, forward_keys=keys is not None, router=router)
     metrics = metrics if metrics is not None else GatewayMetrics()  # the router's counters live there too
 
@@ -170,12 +175,17 @@ def create_app(
     async def generate(
         endpoint: str, req: _SamplingRequest, raw: Request, arrival: float, prompts: list[list[int]], rid: str,
         max_tokens: int | None, default_max_tokens: int | None, events: type[Events], respond,
+        constraint=None,
     ) -> Response:  # fmt: skip
-        """Run the request's Generate streams; answer with their events (stream) or `respond(...)`."""
-        jobs = engine.jobs(rid, prompts, req, max_tokens, default_max_tokens)
-        streams = await engine.open(
-            jobs, getattr(raw.state, "api_key", None), getattr(raw.state, "tenant", "")
-        )
+        """Run the request's Generate streams; answer with their events (stream) or `respond(...)`.
+        `constraint`: what every output must match (kvtier.structured_output.Constraint)."""
+        jobs = engine.jobs(rid, prompts, req, max_tokens, default_max_tokens, constraint)
+        try:
+            streams = await engine.open(
+                jobs, getattr(raw.state, "api_key", None), getattr(raw.state, "tenant", "")
+            )
+        except APIError as e:  # a constraint the replica could not compile: name its field
+            raise with_param(e, constraint) from None
         metrics.time_to_first_token.labels(endpoint).observe(time.monotonic() - arrival)
         created = int(time.time())
         if req.stream:
@@ -220,14 +230,19 @@ def create_app(
         rid = f"cmpl-{uuid.uuid4().hex}"
         return await generate(
             COMPLETIONS, req, raw, arrival, prompts, rid, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS,
-            CompletionEvents, respond,
+            CompletionEvents, respond, constraint_of(req),
         )  # fmt: skip
 
     @app.post(CHAT, dependencies=[Depends(check_api_key)])
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         arrival = time.monotonic()
         check_request(req)
-        prompt = chat_prompt(req, model)
+        plan = plan_tools(req.tools, req.tool_choice, tool_call_parser)
+        constraint = constraint_of(req)
+        if plan.constraint is not None and constraint is not None:
+            raise bad_request(f"tool_choice {plan.mode} constrains the output already; unset {constraint.param}",
+                              param=constraint.param)  # fmt: skip
+        prompt = chat_prompt(req, model, plan.tools)
 
         def respond(rid, created, choices, usage, ids) -> ChatCompletionResponse:
             return ChatCompletionResponse(
@@ -237,8 +252,7 @@ def create_app(
                 choices=[
                     ChatChoice(
                         index=c.index,
-                        message=AssistantMessage(content=c.text),
-                        finish_reason=c.finish_reason,
+                        **tool_message(plan, c.text, c.finish_reason),
                         logprobs=engine.logprobs.chat(c.token_ids, c.logprobs) if req.logprobs else None,
                     ).model_copy(update={k: c.token_ids for k in ids})
                     for c in choices
@@ -248,9 +262,11 @@ def create_app(
             )
 
         rid = f"chatcmpl-{uuid.uuid4().hex}"
+        events = partial(ToolChatEvents, plan) if plan.active else ChatEvents
         return await generate(
-            CHAT, req, raw, arrival, [prompt], rid, req.requested_max_tokens, None, ChatEvents, respond
-        )
+            CHAT, req, raw, arrival, [prompt], rid, req.requested_max_tokens, None, events, respond,
+            plan.constraint or constraint,
+        )  # fmt: skip
 
     return app
 
@@ -270,7 +286,17 @@ def completion_prompts(prompt: str | list, model: ServedModel) -> list[list[int]
     return [model.encode(p) if isinstance(p, str) else list(p) for p in prompt]
 
 
-def chat_prompt(req: ChatCompletionRequest, model: ServedModel) -> list[int]:
+def tool_message(plan: ToolPlan, text: str, finish_reason: str | None) -> dict:
+    """A chat choice's `message` and `finish_reason`: with tools, content and tool calls apart."""
+    if not plan.active:
+        return {"message": AssistantMessage(content=text), "finish_reason": finish_reason}
+    content, calls, reason = ToolOutput(plan).whole(text, finish_reason)
+    return {"message": AssistantMessage(content=content, tool_calls=calls), "finish_reason": reason}
+
+
+def chat_prompt(req: ChatCompletionRequest, model: ServedModel, tools: list[dict] | None = None) -> list[int]:
+    """The conversation's token ids; `tools` go to the chat template (and tool calls and results
+    in the messages, as they came)."""
     messages = []
     for i, m in enumerate(req.messages):
         content = m.content
@@ -283,11 +309,18 @@ def chat_prompt(req: ChatCompletionRequest, model: ServedModel) -> list[int]:
                     code="unsupported_parameter",
                 )
             content = "\n".join(part.text or "" for part in content)
-        messages.append({"role": m.role, "content": content or ""})
+        messages.append({"role": m.role, "content": content or ""} | _tool_fields(m))
+    kwargs = (req.chat_template_kwargs or {}) | ({"tools": tools} if tools else {})
     try:
-        return model.render_chat(messages, req.add_generation_prompt, req.chat_template_kwargs)
+        return model.render_chat(messages, req.add_generation_prompt, kwargs)
     except Exception as e:  # jinja errors from the model's own template (raise_exception in it, ...)
         raise bad_request(f"the chat template cannot render these messages: {e}", param="messages") from e
+
+
+def _tool_fields(message) -> dict:
+    """An assistant message's `tool_calls` and a tool message's `tool_call_id` and `name`, for the template."""
+    extra = {k: v for k, v in (message.model_extra or {}).items() if k in ("tool_calls", "tool_call_id")}
+    return extra | ({"name": message.name} if message.name else {})
 
 
 async def until_done_or_gone(streams: Streams, raw: Request, engine: Engine):

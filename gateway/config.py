@@ -32,6 +32,7 @@ class GatewayConfig:
     routing: str = "kv-aware"
     routing_load_weight: float = 1.0
     cache_tls_ca: str | None = None  # PEM CA bundle: the router reaches cache services over TLS
+    tool_call_parser: str = "hermes"  # gateway.tools.PARSERS: tool calls in the output (tool_choice auto)
 
     def describe(self) -> str:
         """One line for the log; the API key is never printed."""
@@ -139,6 +140,13 @@ def build_parser(prog: str = "python -m gateway") -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-n", type=int, default=16, help="largest `n` (completions per prompt) a request may ask for"
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=("hermes", "llama3_json"),  # gateway.tools.PARSERS (tests/test_tools.py checks they match)
+        default="hermes",
+        help="how tool calls are read from the model's output under tool_choice auto: hermes = "
+        '<tool_call>{json}</tool_call> blocks, llama3_json = the output is {"name": ..., "parameters": ...}',
     )
     p.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn's access log)")
     p.add_argument(

@@ -31,10 +31,11 @@ from gateway.logprobs import LogprobFormatter
 from gateway.model import ServedModel
 from gateway.protocol import Usage, _SamplingRequest
 from gateway.router import NodeState, NoNode, Router
-from kvtier import auth
+from kvtier import auth, structured_output
 from kvtier.api import compute_pb2
 from kvtier.compute_client import RECONNECT, ComputeClient
 from kvtier.sampling_schema import ContextLengthError, resolve_max_tokens
+from kvtier.structured_output import Constraint
 
 log = logging.getLogger("kvtier.gateway")
 
@@ -266,8 +267,10 @@ class Engine:
         req: _SamplingRequest,
         max_tokens: int | None,
         default_max_tokens: int | None,
+        constraint: Constraint | None = None,
     ) -> list[Job]:
-        """One Job per (prompt, sample), checked against the model's context.
+        """One Job per (prompt, sample), checked against the model's context. `constraint`: what
+        every output must match (gateway.structured_output, gateway.tools).
 
         max_tokens: what the client asked for; when None, kvtier.sampling_schema.resolve_max_tokens
         picks the model's default, else `default_max_tokens`, else the rest of the context. A
@@ -292,13 +295,15 @@ class Engine:
                 raise bad_request(str(e), param=param, code="context_length_exceeded") from None
             for i in range(req.n):
                 rid = f"{request_id}-{len(jobs)}"
-                jobs.append(Job(len(jobs), p, i, ids, self._generate_request(rid, ids, req, want, i)))
+                request = self._generate_request(rid, ids, req, want, i, constraint)
+                jobs.append(Job(len(jobs), p, i, ids, request))
         return jobs
 
     @staticmethod
     def _generate_request(
-        request_id: str, ids: list[int], req: _SamplingRequest, max_tokens: int, sample: int
-    ) -> compute_pb2.GenerateRequest:
+        request_id: str, ids: list[int], req: _SamplingRequest, max_tokens: int, sample: int,
+        constraint: Constraint | None = None,
+    ) -> compute_pb2.GenerateRequest:  # fmt: skip
         # Fields the client left out stay unset: the replica fills in the model's defaults.
         sampling = req.sampling() | {"max_tokens": max_tokens, "logprobs": req.num_logprobs()}
         if req.seed is not None:
@@ -311,6 +316,7 @@ class Engine:
             include_stop_str_in_output=req.include_stop_str_in_output,
             request_id=request_id,
             cache_salt=req.cache_salt or "",
+            structured_output=None if constraint is None else structured_output.to_proto(constraint),
             **sampling,
         )
 

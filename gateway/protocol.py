@@ -130,22 +130,15 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # gateway.tools
+    tool_choice: str | dict[str, Any] | None = None  # None = "auto" with tools, "none" without
+    response_format: dict[str, Any] | None = None  # gateway.structured_output (completions: an extra)
     add_generation_prompt: bool = Field(default=True, description="vLLM extension")
     chat_template_kwargs: dict[str, Any] | None = Field(default=None, description="vLLM extension")
 
     def num_logprobs(self) -> int | None:
         # OpenAI: top_logprobs (0..20) counts only with logprobs: true (checked by the app).
         return (self.top_logprobs or 0) if self.logprobs else None
-
-    def unsupported_fields(self) -> dict[str, Any]:
-        out = super().unsupported_fields()
-        if self.tools:
-            out["tools"] = f"{len(self.tools)} tools"
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            out["response_format"] = self.response_format
-        return out
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -216,6 +209,7 @@ class CompletionResponse(_Response):
 class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class TopLogprob(_Response):
@@ -253,6 +247,7 @@ class ChatCompletionResponse(_Response):
 class DeltaMessage(_Response):
     role: Literal["assistant"] | None = Field(default=None, exclude_if=lambda v: v is None)
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ChatChunkChoice(_Response):

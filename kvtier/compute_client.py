@@ -145,6 +145,7 @@ class ComputeClient:
         include_stop_str_in_output: bool = False,
         request_id: str = "",
         cache_salt: str = "",
+        structured_output: compute_pb2.StructuredOutput | None = None,
         **sampling: int | float | None,
     ) -> compute_pb2.GenerateRequest:
         """A GenerateRequest. `sampling`: the optional fields of kvtier.sampling_schema
@@ -162,6 +163,8 @@ class ComputeClient:
         for name, value in sampling.items():
             if value is not None:
                 setattr(params, name, value)
+        if structured_output is not None:  # kvtier.structured_output.to_proto
+            params.structured_output.CopyFrom(structured_output)
         return compute_pb2.GenerateRequest(
             request_id=request_id,
             prompt=prompt or "",
