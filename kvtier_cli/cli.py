@@ -133,6 +133,8 @@ def _stop_on_signals() -> None:
 
 
 def cmd_up(args) -> int:
+    from kvtier_cli.supervisor import GiveUp, Supervisor
+
     if args.nodes < 1:
         raise SystemExit(f"--nodes must be >= 1, got {args.nodes}")
     _stop_on_signals()
@@ -163,9 +165,13 @@ def cmd_up(args) -> int:
             "Ctrl-C or `kvtier down` stops.",
             flush=True,
         )
-        while all(p.alive() for p in stack.processes):
-            time.sleep(0.5)
-        print("a service exited; stopping the stack", file=sys.stderr)
+        supervisor = Supervisor(stack)
+        while True:  # until Ctrl-C, SIGTERM or a service that keeps failing
+            for line in supervisor.step():
+                print(line, file=sys.stderr, flush=True)
+            time.sleep(0.2)
+    except GiveUp as e:
+        print(f"{e}\nstopping the stack", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 0

@@ -37,9 +37,19 @@ class Process:
     proc: subprocess.Popen
     address: str
     log_path: Path
+    command: list[str] = field(default_factory=list)  # what `restart` runs again
+    env: dict[str, str] | None = None
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def restart(self) -> None:
+        """Run the process's command again (it has exited), its output appended to the same log.
+        A gateway keeps the port it got: the URL `kvtier up` printed stays right."""
+        command = list(self.command)
+        if self.address.startswith("http://") and "--port" in command:
+            command[command.index("--port") + 1] = self.address.rsplit(":", 1)[1].split("/")[0]
+        self.proc = _popen(command, self.env or {}, self.log_path, "a")
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -75,15 +85,20 @@ def start(
 ) -> Process:
     """Start `python -m module args` with its output in run_dir/name.log (not yet waited on)."""
     log_path = run_dir / f"{name}.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", module, *args],
-            env={**env, "OTEL_SERVICE_NAME": SERVICE_NAMES.get(module, module)},
+    command = [sys.executable, "-m", module, *args]
+    env = {**env, "OTEL_SERVICE_NAME": SERVICE_NAMES.get(module, module)}
+    return Process(name, _popen(command, env, log_path, "w"), address, log_path, command, env)
+
+
+def _popen(command: list[str], env: dict[str, str], log_path: Path, mode: str) -> subprocess.Popen:
+    with open(log_path, mode) as log:
+        return subprocess.Popen(
+            command,
+            env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # Ctrl-C in a terminal reaches the CLI, which stops us cleanly
         )
-    return Process(name, proc, address, log_path)
 
 
 GATEWAY_URL = re.compile(r"serving the OpenAI API on (http://\S+)")
@@ -233,6 +248,10 @@ class LocalStack:
     def processes(self) -> list[Process]:
         return [p for p in [self.cache, *self.replicas, self.gateway] if p is not None]
 
+    def record(self) -> None:
+        """(Re)write the stack file: addresses and every process's pid (after a restart too)."""
+        write_stack_file(self, {p.name: p.proc.pid for p in self.processes})
+
     def down(self) -> None:
         procs = [
             *([self.gateway] if self.gateway else []),
@@ -271,7 +290,7 @@ def up_side_by_side(stacks: list[LocalStack]) -> None:
             stack.down()
         raise
     for stack in stacks:
-        write_stack_file(stack, {p.name: p.proc.pid for p in stack.processes})
+        stack.record()
 
 
 @dataclass
@@ -356,6 +375,11 @@ class MultiNodeStack:
         except BaseException:
             self.down()
             raise
+        self.record()
+        return self
+
+    def record(self) -> None:
+        """(Re)write the stack file: every node, and every process's pid (after a restart too)."""
         nodes = [
             {"name": f"node-{i}", "cache": n.cache_address, "compute": n.compute_addresses}
             for i, n in enumerate(self.nodes)
@@ -363,7 +387,6 @@ class MultiNodeStack:
         write_stack_file(
             self, {f"{p.name}@{p.address or 'gateway'}": p.proc.pid for p in self.processes}, nodes
         )
-        return self
 
     @property
     def processes(self) -> list[Process]:

@@ -161,7 +161,58 @@ def test_kvtier_up_with_two_nodes_routes_across_them_and_stops_them_all(tmp_path
         for url in info["metrics"].values():
             assert url.startswith("http://127.0.0.1:"), url
             assert "process_resident_memory_bytes" in urllib.request.urlopen(url, timeout=10).read().decode()
+        # SIGKILL node 0's cache service: no request fails, `kvtier up` restarts it (the stack
+        # file names the new pid) and node 0 gets traffic again once it answers.
+        cache0 = next(name for name in info["pids"] if name.startswith("cache@") and "node-0" in name)
+        os.kill(info["pids"][cache0], signal.SIGKILL)
+        for k in range(6):
+            reply = client.completions.create(
+                model="kvtier-tiny", prompt=[1, 5, k], max_tokens=2, temperature=0
+            )
+            assert reply.usage.completion_tokens == 2
+        restarted = wait_for(
+            lambda: (
+                (pid := json.loads((tmp_path / STACK_FILE).read_text())["pids"][cache0])
+                != info["pids"][cache0]
+                and alive(pid)
+                and pid
+            ),
+            90.0,
+            "the cache service restarted",
+        )
+        services.append(restarted)
+
+        def node0_served() -> bool:
+            client.completions.create(model="kvtier-tiny", prompt=[1, 6, 7], max_tokens=2, temperature=0)
+            return node_requests(info["gateway"], "node-0") > before
+
+        before = node_requests(info["gateway"], "node-0")
+        wait_for(node0_served, 90.0, "node 0 serving again")
     finally:
         proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
+        out = proc.communicate(timeout=60)[0]
+    assert "cache exited (killed by SIGKILL)" in out and "cache restarted" in out, out
     assert wait_all_gone(services) == [], "kvtier up --nodes 2 left services running"
+
+
+def node_requests(gateway: str, node: str) -> float:
+    """The gateway's kvtier_gateway_node_requests_total for `node`."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{gateway}/metrics", timeout=30).text
+    return next(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "kvtier_gateway_node_requests_total" and s.labels.get("node") == node
+    )
+
+
+def wait_for(predicate, timeout_s: float, what: str):
+    """Poll `predicate` until it returns a truthy value (which is returned)."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:.0f}s"
+        time.sleep(0.1)  # polling a state change with a deadline
+    return value

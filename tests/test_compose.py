@@ -274,6 +274,15 @@ def test_healthcheck_probes_the_port_the_service_listens_on(services, name: str)
     assert port_of(test[4]) == port_of(flag(svc["command"], "listen"))
 
 
+@pytest.mark.parametrize("name", CACHE_SERVICES + COMPUTE_SERVICES + tuple(GATEWAYS.values()))
+def test_every_kvtier_service_is_restarted_when_it_exits_and_has_a_healthcheck(services, name: str):
+    """A service that exits (a crash, an OOM kill) comes back by itself, as under `kvtier up`; a
+    replica re-attaches to its cache by itself, so no dependent is restarted with it."""
+    svc = services[name]
+    assert svc["restart"] in ("unless-stopped", "always"), name
+    assert svc["healthcheck"]["retries"] >= 1 and svc["healthcheck"]["start_period"], name
+
+
 @pytest.mark.parametrize("name", GATEWAYS.values())
 def test_gateway_healthcheck_gets_its_health_endpoint(services, name: str):
     test = services[name]["healthcheck"]["test"]

@@ -204,6 +204,17 @@ def test_cache_liveness_is_grpc_health():
     )
 
 
+@pytest.mark.parametrize("role", sorted(WORKLOADS))
+def test_every_workload_restarts_its_container_and_probes_it(role: str):
+    """Kubernetes restarts an exited container (restartPolicy Always, the only one a DaemonSet or
+    Deployment allows) and a hung one (liveness), and routes only to a ready one (readiness)."""
+    assert pod(role).get("restartPolicy", "Always") == "Always"
+    c = container(role)
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert probe in c, (role, probe)
+    assert c["livenessProbe"]["failureThreshold"] >= 2, "one slow answer must not restart it"
+
+
 def test_gateway_probes_are_http_on_its_port():
     c = container("gateway")
     port = int(flag(c["args"], "port"))
