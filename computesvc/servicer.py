@@ -21,13 +21,11 @@ from kvtier import sampling_schema, structured_output
 from kvtier.api import compute_pb2, compute_pb2_grpc
 from kvtier.api_keys import tenant_salt
 from kvtier.call_guard import caller
-from kvtier.sampling_schema import resolve_max_tokens
+from kvtier.sampling_schema import MAX_CACHE_SALT_BYTES, PROMPT_BYTES_PER_TOKEN, resolve_max_tokens
 
 log = logging.getLogger("kvtier.compute")
 
-MAX_CACHE_SALT_BYTES = 256
 MAX_REQUEST_ID_BYTES = 256
-PROMPT_BYTES_PER_TOKEN = 16  # --max-prompt-bytes default: this many bytes per token of context
 
 
 class ComputeServicer(compute_pb2_grpc.ComputeServiceServicer):

@@ -19,6 +19,7 @@ import kvtier
 from gateway import errors
 from gateway.engine import Engine, Streams, usage_of
 from gateway.errors import APIError, bad_request, unsupported
+from gateway.limits import BodyLimit, check_fields, max_body_bytes, off_loop
 from gateway.metrics import GatewayMetrics
 from gateway.model import ServedModel
 from gateway.protocol import (
@@ -116,6 +117,7 @@ def create_app(
     app = FastAPI(title="kvtier gateway", version=kvtier.__version__, lifespan=lifespan)
     app.state.engine, app.state.metrics = engine, metrics
     errors.install(app)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes(model))  # inside MetricsAndLogs: counted
     app.add_middleware(MetricsAndLogs, metrics=metrics)
 
     async def check_api_key(request: Request) -> None:
@@ -139,11 +141,13 @@ def create_app(
 
     def check_request(req: _SamplingRequest) -> None:
         if req.model is not None and req.model != model.name:
-            raise bad_request(
+            raise APIError(
+                404,
                 f"the model '{req.model}' does not exist; this server serves '{model.name}'",
                 param="model",
                 code="model_not_found",
             )
+        check_fields(req, model)
         if bad := req.unsupported_fields():
             raise unsupported(bad)
         if isinstance(req, ChatCompletionRequest) and req.top_logprobs is not None and not req.logprobs:
@@ -205,7 +209,7 @@ def create_app(
     async def completions(req: CompletionRequest, raw: Request) -> Response:
         arrival = time.monotonic()
         check_request(req)
-        prompts = completion_prompts(req.prompt, model)
+        prompts = await off_loop(completion_prompts, req.prompt, model)
 
         def respond(rid, created, choices, usage, ids) -> CompletionResponse:
             return CompletionResponse(
@@ -242,7 +246,7 @@ def create_app(
         if plan.constraint is not None and constraint is not None:
             raise bad_request(f"tool_choice {plan.mode} constrains the output already; unset {constraint.param}",
                               param=constraint.param)  # fmt: skip
-        prompt = chat_prompt(req, model, plan.tools)
+        prompt = await off_loop(chat_prompt, req, model, plan.tools)
 
         def respond(rid, created, choices, usage, ids) -> ChatCompletionResponse:
             return ChatCompletionResponse(

@@ -29,7 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.errors import APIError, bad_request, from_grpc, no_replica
 from gateway.logprobs import LogprobFormatter
 from gateway.model import ServedModel
-from gateway.protocol import Usage, _SamplingRequest
+from gateway.protocol import ChatCompletionRequest, Usage, _SamplingRequest
 from gateway.router import NodeState, NoNode, Router
 from kvtier import auth, structured_output
 from kvtier.api import compute_pb2
@@ -290,8 +290,9 @@ class Engine:
                     max_tokens, len(ids), limit, self.model.default_max_tokens, default_max_tokens
                 )
             except ContextLengthError as e:
-                # With no max_tokens to blame (none given, none by default), the prompt is too long.
-                param = "messages" if max_tokens is None and default_max_tokens is None else "max_tokens"
+                # A prompt that fills the context alone is at fault, whatever max_tokens says.
+                prompt_param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+                param = prompt_param if e.prompt_alone else "max_tokens"
                 raise bad_request(str(e), param=param, code="context_length_exceeded") from None
             for i in range(req.n):
                 rid = f"{request_id}-{len(jobs)}"

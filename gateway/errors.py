@@ -18,6 +18,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
 from gateway.protocol import ErrorInfo, ErrorResponse
+from kvtier.sampling_schema import FIELDS
 
 log = logging.getLogger("kvtier.gateway")
 
@@ -34,6 +35,20 @@ _GRPC_STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: (503, UNAVAILABLE),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (503, UNAVAILABLE),
 }
+
+
+# The fields a replica's INVALID_ARGUMENT message starts with -> the request field at fault.
+_REPLICA_PARAMS = {spec.name: spec.openai or spec.name for spec in FIELDS} | {
+    "stop": "stop",
+    "stop_token_ids": "stop_token_ids",
+    "cache_salt": "cache_salt",
+    "prompt_token_ids": "prompt",
+}
+
+
+def _param_of(message: str) -> str | None:
+    """The request field a replica's message names first ("temperature must be ..."), else None."""
+    return _REPLICA_PARAMS.get(message.split(" ", 1)[0])
 
 
 class APIError(Exception):
@@ -84,15 +99,19 @@ def from_grpc(error: grpc.aio.AioRpcError) -> APIError:
     if error.code() == grpc.StatusCode.UNAUTHENTICATED:
         # The replicas' keys file differs from the gateway's (it admitted this key): say so.
         return APIError(401, "the compute replica does not accept this API key", code="invalid_api_key")
-    if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "over this method's limit" in error.details():
-        # The request itself is too large for the replica: the client's to fix, not a retry.
-        return APIError(413, error.details(), INVALID_REQUEST)
+    details = error.details() or ""
+    if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and (
+        "over this method's limit" in details or "larger than max" in details
+    ):
+        # The request itself is too large for the replica (its guard's limit, or grpc's message
+        # size on either side): the client's to fix, not a retry.
+        return APIError(413, f"the request is too large for the compute replicas: {details}", INVALID_REQUEST)
     if status == 503:
         return no_replica(f"{error.code().name}: {error.details()}")
     if status == 500:
         # UNAUTHENTICATED, INTERNAL, ...: the gateway's or the replica's fault, not the client's.
         return APIError(500, f"the compute replica failed ({error.code().name}); see the gateway's log", kind)
-    return APIError(status, error.details() or error.code().name, kind)
+    return APIError(status, details or error.code().name, kind, _param_of(details))
 
 
 def from_validation(exc: RequestValidationError) -> APIError:

@@ -22,6 +22,15 @@ from dataclasses import dataclass, field
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256  # characters of one stop string
 MAX_STOP_TOKEN_IDS = 256
+# The other strings of a Generate request, checked by the gateway and by the replica.
+MAX_CACHE_SALT_BYTES = 256
+PROMPT_BYTES_PER_TOKEN = 16  # a text prompt may have this many bytes per token of context
+INT32_MAX = (1 << 31) - 1
+
+
+def _num(x: float) -> str:
+    """A bound as a message writes it: ints whole, floats short (100.0 -> 100)."""
+    return str(x) if isinstance(x, int) else f"{x:g}"
 
 
 @dataclass(frozen=True)
@@ -45,11 +54,11 @@ class Bound:
             return self.text
         out = "must be "
         if self.lo is not None and hi is not None:
-            out += f"in {'(' if self.lo_open else '['}{self.lo:g}, {hi:g}]"
+            out += f"in {'(' if self.lo_open else '['}{_num(self.lo)}, {_num(hi)}]"
         elif self.lo is not None:
-            out += f"{'>' if self.lo_open else '>='} {self.lo:g}"
+            out += f"{'>' if self.lo_open else '>='} {_num(self.lo)}"
         else:
-            out += f"at most {hi:g}"
+            out += f"at most {_num(hi)}"
         return f"{out} ({self.note})" if self.note else out
 
 
@@ -98,7 +107,7 @@ FIELDS: tuple[SamplingField, ...] = (
         "top_p", float, 1.0, (Bound(0.0, 1.0, lo_open=True),), openai="top_p", hf="top_p", doc="(0, 1]"
     ),
     SamplingField(
-        "top_k", int, 0, (Bound(0, note="0 = off"),),
+        "top_k", int, 0, (Bound(0, note="0 = off"), Bound(hi=INT32_MAX)),
         openai="top_k", hf="top_k", doc="vLLM extension; 0 or -1 = off", aliases={-1: 0},
     ),
     SamplingField(
@@ -186,9 +195,10 @@ def resolve_max_tokens(
             )
         want = room
     if prompt_tokens + want > max_model_len:
+        advice = "the prompt alone fills it: shorten the prompt" if room < 1 else "shorten the prompt or lower max_tokens"
         raise ContextLengthError(
             f"this model's context is {max_model_len} tokens, but the request needs {prompt_tokens + want} "
-            f"({prompt_tokens} prompt + {want} max_tokens); shorten the prompt or lower max_tokens",
+            f"({prompt_tokens} prompt + {want} max_tokens); {advice}",
             prompt_alone=room < 1,
         )
     return want

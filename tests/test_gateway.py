@@ -291,10 +291,10 @@ def test_chat_without_max_tokens_may_use_the_rest_of_the_context(client):
 
 
 def test_openai_client_raises_the_documented_errors(client, url):
-    with pytest.raises(openai.BadRequestError) as e:
+    with pytest.raises(openai.NotFoundError) as e:  # OpenAI's and vLLM's status for an unknown model
         client.completions.create(model="gpt-4", prompt="x")
-    assert e.value.status_code == 400 and e.value.body["param"] == "model"
-    assert e.value.body["code"] == "model_not_found"
+    assert e.value.status_code == 404 and e.value.body["param"] == "model"
+    assert e.value.body["code"] == "model_not_found" and "does not exist" in e.value.body["message"]
     with pytest.raises(openai.AuthenticationError) as e:
         openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
     assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
@@ -311,7 +311,8 @@ def test_openai_client_raises_the_documented_errors(client, url):
             "max_tokens",
             "context is 1024 tokens",
         ),
-        ("/v1/completions", {"prompt": "y" * MAX_MODEL_LEN, "max_tokens": 1}, "max_tokens", "1025 prompt"),
+        # The prompt alone fills the context: the prompt is at fault, not max_tokens.
+        ("/v1/completions", {"prompt": "y" * MAX_MODEL_LEN, "max_tokens": 1}, "prompt", "1025 prompt"),
         (
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": "z" * MAX_MODEL_LEN}]},
@@ -323,35 +324,34 @@ def test_openai_client_raises_the_documented_errors(client, url):
         ("/v1/chat/completions", {"messages": []}, "messages", ""),
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role", ""),
         ("/v1/completions", {"prompt": []}, "prompt", "empty"),
-        ("/v1/completions", {"prompt": "x", "model": "other"}, "model", "does not exist"),
         (
             "/v1/completions",
             {"prompt": "x", "temperature": -1},
-            None,
+            "temperature",
             "temperature must be >= 0",
-        ),  # from the replica
-        ("/v1/completions", {"prompt": [5, 99999]}, None, "outside the vocabulary"),  # from the replica
-        # Sampling fields out of range: refused by the replica (INVALID_ARGUMENT), naming the range.
+        ),
+        ("/v1/completions", {"prompt": [5, 99999]}, "prompt", "outside the vocabulary"),
+        # Sampling fields out of range: refused at the gateway (the replica checks again), naming the range.
         (
             "/v1/completions",
             {"prompt": "x", "presence_penalty": 2.5},
-            None,
+            "presence_penalty",
             "presence_penalty must be in [-2, 2]",
         ),
         (
             "/v1/completions",
             {"prompt": "x", "frequency_penalty": -3},
-            None,
+            "frequency_penalty",
             "frequency_penalty must be in [-2, 2]",
         ),
-        ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, None, "repetition_penalty must be > 0"),
-        ("/v1/completions", {"prompt": "x", "min_p": 1.5}, None, "min_p must be in [0, 1]"),
-        ("/v1/completions", {"prompt": "x", "logprobs": 21}, None, "logprobs must be in [0, 20]"),
+        ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty", "repetition_penalty must be > 0"),
+        ("/v1/completions", {"prompt": "x", "min_p": 1.5}, "min_p", "min_p must be in [0, 1]"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs", "logprobs must be in [0, 20]"),
         (
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 25},
-            None,
-            "logprobs must be in [0, 20]",
+            "top_logprobs",
+            "top_logprobs must be in [0, 20]",
         ),
         (
             "/v1/chat/completions",

@@ -4,6 +4,10 @@ process, the official `openai` client (or httpx for raw bodies)."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import json
+import time
+
 import httpx
 import openai
 import pytest
@@ -69,3 +73,55 @@ def test_a_stop_string_never_leaks_its_start_streamed_or_not(client, include):
     chunks = list(client.completions.create(model=MODEL, **ISSUE_EXAMPLE, stop="gB", stream=True, extra_body=extra))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want
     assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+# --- bounded input -----------------------------------------------------------------------------
+
+
+def assert_error(reply: httpx.Response, status: int, param: str | None, says: str) -> dict:
+    assert reply.status_code == status, (reply.status_code, reply.text)
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert error["param"] == param and says in error["message"], error
+    return error
+
+
+def test_a_16_mib_prompt_is_refused_at_once_while_health_answers(url):
+    body = json.dumps({"model": MODEL, "prompt": "a" * (16 << 20), "max_tokens": 1}).encode()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        start = time.monotonic()
+        refused = pool.submit(post, url, "/v1/completions", body)
+        health = [httpx.get(f"{url}/health", timeout=30) for _ in range(3)]
+        reply = refused.result()
+        took = time.monotonic() - start
+    print(f"16 MiB body refused in {took:.3f} s")
+    assert_error(reply, 413, None, "this gateway takes at most")
+    assert took < 10, took  # the tokenizer on the event loop took 26 s here (issue 26)
+    assert all(h.status_code == 200 for h in health)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param", "says"),
+    [
+        ({"prompt": "x", "seed": 2**70}, 400, "seed", "seed must fit in 64 bits"),
+        ({"prompt": "x", "seed": 2**64 - 1, "n": 2}, 400, "seed", "seed + n - 1"),
+        ({"prompt": "x", "top_k": 2**40}, 400, "top_k", "top_k must be at most 2147483647"),
+        ({"prompt": [5, 2**70]}, 400, "prompt", "outside the vocabulary"),
+        ({"prompt": "x", "stop_token_ids": [2**70]}, 400, "stop_token_ids", "outside the vocabulary"),
+        ({"prompt": "x", "stop": ["s"] * 100_000}, 400, "stop", "at most 16 allowed"),
+        ({"prompt": "x", "cache_salt": "s" * (100 << 10)}, 400, "cache_salt", "longer than 256 bytes"),
+        ({"prompt": "x" * (16 << 10) + "x"}, 413, "prompt", "takes at most 16384"),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", "stream: true"),
+    ],
+)
+def test_out_of_range_or_oversized_fields_are_refused_naming_them(url, body, status, param, says):
+    assert_error(post(url, "/v1/completions", {"model": MODEL} | body), status, param, says)
+
+
+def test_chat_limits_name_their_fields(url):
+    long_chat = {"model": MODEL, "messages": [{"role": "user", "content": "z" * (16 << 10)}] * 2}
+    assert_error(post(url, "/v1/chat/completions", long_chat), 413, "messages", "takes at most")
+    top = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}
+    assert_error(post(url, "/v1/chat/completions", top), 400, "top_logprobs", "top_logprobs must be in [0, 20], got 21")
+    too_long = {"model": MODEL, "messages": [{"role": "user", "content": "z" * 1100}], "max_tokens": 5}
+    assert_error(post(url, "/v1/chat/completions", too_long), 400, "messages", "the prompt alone fills it")

@@ -177,6 +177,7 @@ def test_chat_max_tokens_prefers_max_completion_tokens():
         ("UNAVAILABLE", "replica restarting", 503),
         ("RESOURCE_EXHAUSTED", "no free blocks", 503),
         ("RESOURCE_EXHAUSTED", "the request is 200000 bytes, over this method's limit of 92160 bytes", 413),
+        ("RESOURCE_EXHAUSTED", "Received message larger than max (4194404 vs. 4194304)", 413),  # grpc's own
         ("UNAUTHENTICATED", "missing or wrong credential", 401),
         ("INTERNAL", "boom", 500),
     ],
@@ -191,3 +192,23 @@ def test_a_replica_status_becomes_the_http_status_a_client_can_act_on(code, deta
     assert error.status == status
     if status in (400, 413):
         assert details in error.info.message
+
+
+@pytest.mark.parametrize(
+    ("details", "param"),
+    [
+        ("temperature must be >= 0 (0 = greedy), got -1.0", "temperature"),
+        ("stop_token_ids entry 70000 is outside the vocabulary [0, 258)", "stop_token_ids"),
+        ("prompt_token_ids [99999] are outside the vocabulary [0, 258)", "prompt"),
+        ("cache_salt is longer than 256 bytes", "cache_salt"),
+        ("request r-1: refused by the cache", None),
+    ],
+)
+def test_a_replica_refusal_names_the_request_field_at_fault(details, param) -> None:
+    import grpc
+    from grpc.aio import AioRpcError, Metadata
+
+    from gateway.errors import from_grpc
+
+    error = from_grpc(AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, Metadata(), Metadata(), details))
+    assert (error.status, error.info.param, error.info.message) == (400, param, details)
