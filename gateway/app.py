@@ -19,7 +19,7 @@ import kvtier
 from gateway import errors
 from gateway.engine import Engine, Streams, usage_of
 from gateway.errors import APIError, bad_request, unsupported
-from gateway.limits import BodyLimit, check_fields, max_body_bytes, off_loop
+from gateway.limits import BodyLimit, check_fields, check_model, max_body_bytes, off_loop
 from gateway.metrics import GatewayMetrics
 from gateway.model import ServedModel
 from gateway.protocol import (
@@ -37,13 +37,16 @@ from gateway.protocol import (
 from gateway.router import Router
 from gateway.streaming import ChatEvents, CompletionEvents, Events
 from gateway.structured_output import constraint_of, with_param
+from gateway.tokenize import tokenize_routes
 from gateway.tools import DEFAULT_PARSER, ToolChatEvents, ToolOutput, ToolPlan, plan_tools
 from kvtier.api_keys import ApiKeys
 
 log = logging.getLogger("kvtier.gateway")
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
-ENDPOINTS = frozenset({COMPLETIONS, CHAT, "/v1/models", "/health", "/metrics", "/version"})
+ENDPOINTS = frozenset(
+    {COMPLETIONS, CHAT, "/v1/models", "/health", "/metrics", "/version", "/tokenize", "/detokenize"}
+)
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 REPLICA_TTFT_HEADER = "x-kvtier-replica-ttft-s"  # on streamed responses: seconds, as the replica measured
 
@@ -140,18 +143,14 @@ def create_app(
             raise APIError(401, "incorrect API key provided", code="invalid_api_key")
 
     def check_request(req: _SamplingRequest) -> None:
-        if req.model is not None and req.model != model.name:
-            raise APIError(
-                404,
-                f"the model '{req.model}' does not exist; this server serves '{model.name}'",
-                param="model",
-                code="model_not_found",
-            )
+        check_model(req.model, model)
         check_fields(req, model)
         if bad := req.unsupported_fields():
             raise unsupported(bad)
         if isinstance(req, ChatCompletionRequest) and req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+
+    app.include_router(tokenize_routes(model, chat_prompt), dependencies=[Depends(check_api_key)])
 
     @app.get("/health")
     async def health() -> Response:

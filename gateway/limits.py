@@ -13,7 +13,7 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from gateway.errors import APIError, INVALID_REQUEST, bad_request
+from gateway.errors import INVALID_REQUEST, APIError, bad_request
 from gateway.model import ServedModel
 from gateway.protocol import ChatCompletionRequest, _SamplingRequest
 from kvtier import sampling_schema
@@ -121,7 +121,9 @@ def _check_prompt(req: _SamplingRequest, model: ServedModel) -> None:
         for ids in (p for p in parts if not isinstance(p, str)):
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
-                raise bad_request(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param)
+                raise bad_request(
+                    f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param
+                )
     # A character is at least one byte: counting characters first bounds the work.
     size = sum(map(len, texts))
     if size <= limit:
@@ -131,6 +133,17 @@ def _check_prompt(req: _SamplingRequest, model: ServedModel) -> None:
             f"the {param} text is {size} bytes; this model ({model.max_model_len} tokens of context) "
             f"takes at most {limit}",
             param,
+        )
+
+
+def check_model(name: str | None, model: ServedModel) -> None:
+    """404 model_not_found unless `name` (a request's `model`) is unset or the served model's."""
+    if name is not None and name != model.name:
+        raise APIError(
+            404,
+            f"the model '{name}' does not exist; this server serves '{model.name}'",
+            param="model",
+            code="model_not_found",
         )
 
 

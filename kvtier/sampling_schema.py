@@ -78,7 +78,9 @@ class SamplingField:
     # Request values with another meaning on the wire (vLLM's top_k -1 = off = kvtier's 0).
     aliases: dict = field(default_factory=dict)
 
-    def error(self, value: float, limits: dict[str, float] | None = None, name: str | None = None) -> str | None:
+    def error(
+        self, value: float, limits: dict[str, float] | None = None, name: str | None = None
+    ) -> str | None:
         """The message naming `name` (default: this field), its range and `value` when `value` is
         out of range (a float must be finite), else None. `limits`: values of named bounds."""
         finite = not isinstance(value, float) or math.isfinite(value)
@@ -195,7 +197,11 @@ def resolve_max_tokens(
             )
         want = room
     if prompt_tokens + want > max_model_len:
-        advice = "the prompt alone fills it: shorten the prompt" if room < 1 else "shorten the prompt or lower max_tokens"
+        advice = (
+            "the prompt alone fills it: shorten the prompt"
+            if room < 1
+            else "shorten the prompt or lower max_tokens"
+        )
         raise ContextLengthError(
             f"this model's context is {max_model_len} tokens, but the request needs {prompt_tokens + want} "
             f"({prompt_tokens} prompt + {want} max_tokens); {advice}",

@@ -344,7 +344,12 @@ def test_openai_client_raises_the_documented_errors(client, url):
             "frequency_penalty",
             "frequency_penalty must be in [-2, 2]",
         ),
-        ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty", "repetition_penalty must be > 0"),
+        (
+            "/v1/completions",
+            {"prompt": "x", "repetition_penalty": 0},
+            "repetition_penalty",
+            "repetition_penalty must be > 0",
+        ),
         ("/v1/completions", {"prompt": "x", "min_p": 1.5}, "min_p", "min_p must be in [0, 1]"),
         ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs", "logprobs must be in [0, 20]"),
         (

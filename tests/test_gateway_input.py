@@ -70,7 +70,9 @@ def test_a_stop_string_never_leaks_its_start_streamed_or_not(client, include):
     assert reply.choices[0].text == want
     if not include:
         assert want == "B\ufffd"  # issue 26's example: "B\ufffdg" before
-    chunks = list(client.completions.create(model=MODEL, **ISSUE_EXAMPLE, stop="gB", stream=True, extra_body=extra))
+    chunks = list(
+        client.completions.create(model=MODEL, **ISSUE_EXAMPLE, stop="gB", stream=True, extra_body=extra)
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want
     assert chunks[-1].choices[0].finish_reason == "stop"
 
@@ -121,7 +123,40 @@ def test_out_of_range_or_oversized_fields_are_refused_naming_them(url, body, sta
 def test_chat_limits_name_their_fields(url):
     long_chat = {"model": MODEL, "messages": [{"role": "user", "content": "z" * (16 << 10)}] * 2}
     assert_error(post(url, "/v1/chat/completions", long_chat), 413, "messages", "takes at most")
-    top = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}
-    assert_error(post(url, "/v1/chat/completions", top), 400, "top_logprobs", "top_logprobs must be in [0, 20], got 21")
+    top = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "x"}],
+        "logprobs": True,
+        "top_logprobs": 21,
+    }
+    assert_error(
+        post(url, "/v1/chat/completions", top), 400, "top_logprobs", "top_logprobs must be in [0, 20], got 21"
+    )
     too_long = {"model": MODEL, "messages": [{"role": "user", "content": "z" * 1100}], "max_tokens": 5}
     assert_error(post(url, "/v1/chat/completions", too_long), 400, "messages", "the prompt alone fills it")
+
+
+# --- /tokenize and /detokenize ------------------------------------------------------------------
+
+
+def test_tokenize_counts_what_generation_counts_and_detokenize_inverts_it(url, client):
+    reply = post(url, "/tokenize", {"model": MODEL, "prompt": "héllo"})
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    usage = client.completions.create(model=MODEL, prompt="héllo", max_tokens=1).usage
+    assert body["count"] == len(body["tokens"]) == usage.prompt_tokens and body["max_model_len"] == 1024
+    assert body["token_strs"] is None
+    bare = post(url, "/tokenize", {"prompt": "héllo", "add_special_tokens": False}).json()
+    assert bare["tokens"] == body["tokens"][1:]  # without the bos a completion prompt starts with
+    assert post(url, "/detokenize", {"tokens": bare["tokens"]}).json() == {"prompt": "héllo"}
+    messages = [{"role": "user", "content": "hi"}]
+    chat = post(url, "/tokenize", {"messages": messages}).json()
+    chat_usage = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1).usage
+    assert chat["count"] == chat_usage.prompt_tokens
+
+
+def test_tokenize_and_detokenize_errors(url):
+    assert_error(post(url, "/tokenize", {"model": "other", "prompt": "x"}), 404, "model", "does not exist")
+    assert_error(post(url, "/detokenize", {"tokens": [1, 99999]}), 400, "tokens", "outside the vocabulary")
+    assert_error(post(url, "/tokenize", {"prompt": "x" * ((16 << 10) + 1)}), 413, "prompt", "takes at most")
+    assert httpx.post(f"{url}/tokenize", json={"prompt": "x"}, timeout=30).status_code == 401

@@ -30,7 +30,10 @@ def test_the_gateway_request_has_a_field_per_row_with_an_openai_name():
     req = CompletionRequest(prompt="x", temperature=0.5, top_k=-1, min_p=0.1, seed=7)
     for spec in FIELDS:
         if spec.openai:
-            assert spec.openai in CompletionRequest.model_fields and spec.openai in ChatCompletionRequest.model_fields
+            assert (
+                spec.openai in CompletionRequest.model_fields
+                and spec.openai in ChatCompletionRequest.model_fields
+            )
     # Only what the client set, with vLLM's top_k -1 (off) as the wire's 0.
     assert req.sampling() == {"temperature": 0.5, "top_k": 0, "min_p": 0.1, "seed": 7}
 
@@ -75,7 +78,10 @@ def test_field_errors_name_the_field_its_range_and_the_value():
     assert BY_NAME["top_p"].error(0.0) == "top_p must be in (0, 1], got 0.0"
     assert BY_NAME["temperature"].error(float("inf")) == "temperature must be >= 0 (0 = greedy), got inf"
     assert BY_NAME["logprobs"].error(21, name="top_logprobs") == "top_logprobs must be in [0, 20], got 21"
-    assert BY_NAME["max_tokens"].error(0, {"max_model_len": 8}) == "max_tokens must be in [1, 8] (max_model_len), got 0"
+    assert (
+        BY_NAME["max_tokens"].error(0, {"max_model_len": 8})
+        == "max_tokens must be in [1, 8] (max_model_len), got 0"
+    )
     assert BY_NAME["seed"].error(1 << 70).startswith("seed must fit in 64 bits")
     assert BY_NAME["min_p"].error(0.5) is None
 
