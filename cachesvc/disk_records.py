@@ -111,7 +111,7 @@ def record_bytes(layout: RecordLayout, key_len: int) -> int:
 
 
 def decode(
-    layout: RecordLayout, data: bytes, name: str, key: bytes | None = None
+    layout: RecordLayout, data: bytes | bytearray, name: str, key: bytes | None = None
 ) -> tuple[bytes, memoryview]:
     """``(key, payload)`` of the record ``data`` read from file ``name``, or BadRecord.
 

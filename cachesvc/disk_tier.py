@@ -262,6 +262,23 @@ class DiskTier:
         self._counts["hits"] += 1
         return payload
 
+    def load_into(self, key: bytes, dst_view) -> bool:
+        """``load`` into one pool block ``dst_view`` (a contiguous tensor of ``block_bytes``); False on a miss."""
+        import torch
+
+        from cachesvc.host_cache import copy_block
+
+        payload = self.load(key)
+        if payload is None:
+            return False
+        flat = dst_view.reshape(-1).view(torch.uint8)
+        if flat.numel() != self.layout.block_bytes:
+            raise ValueError(
+                f"destination of {flat.numel()} bytes; a block of this tier is {self.layout.block_bytes}"
+            )
+        copy_block(flat, payload)
+        return True
+
     def flush(self, timeout_s: float) -> bool:
         """Wait until every queued block is written (or dropped); False if ``timeout_s`` ran out."""
         with self._queue_cond:
@@ -398,13 +415,17 @@ def _open_dir(path: Path) -> int:
     return fd
 
 
-def _read(path: Path) -> tuple[bytes, float]:
-    """A file's bytes and mtime (not following a symlink)."""
+def _read(path: Path) -> tuple[bytearray, float]:
+    """A file's bytes (writable: a tensor can be made over them without a copy) and its mtime;
+    a symlink is not followed."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     try:
-        mtime = os.fstat(fd).st_mtime
+        st = os.fstat(fd)
+        data = bytearray(st.st_size)
         with open(fd, "rb", closefd=False) as f:
-            return f.read(), mtime
+            got = f.readinto(data)
+        del data[got:]
+        return data, st.st_mtime
     finally:
         os.close(fd)
 

@@ -174,7 +174,10 @@ def test_host_cache_evictions_reach_the_disk_byte_exact(tmp_path):
     assert host.offer_many([(key_of(i), None, blocks[i]) for i in range(4)]) == 4  # 0 and 1 go down
     assert disk.flush(FLUSH_S)
     assert [disk.contains(key_of(i)) for i in range(4)] == [True, True, False, False]
-    assert bytes(disk.load(key_of(0))) == payload_of(0) and bytes(disk.load(key_of(1))) == payload_of(1)
+    assert bytes(disk.load(key_of(0))) == payload_of(0)
+    back = torch.zeros(LAYOUT.shape)  # a pool block to promote into
+    assert disk.load_into(key_of(1), back) and back.numpy().tobytes() == payload_of(1)
+    assert not disk.load_into(key_of(2), back)  # on the host, not on disk
     disk.close()
 
 
