@@ -89,7 +89,8 @@ class HostBlockCache:
         return self.offer_many([(key, parent_hash, block_view)]) == 1
 
     def offer_many(self, blocks: Sequence[tuple[bytes, bytes | None, torch.Tensor]]) -> int:
-        """Copy published blocks (``(key, parent_hash, block_view)``) in; return how many are held.
+        """Copy published blocks (``(key, parent_hash, block_view)``) in; return how many were taken
+        (one evicted again by a later block of the same batch counts: it went to ``on_evict``).
 
         ``block_view`` is one pool block (``pool[block_id]``, contiguous, ``block_bytes`` bytes)
         on this cache's device. A key already held is only touched. A block that finds no slot

@@ -295,3 +295,88 @@ def test_a_writer_killed_mid_write_leaves_only_whole_verified_records(tmp_path):
         assert bytes(tier.load(key_of(i))) == payload_of(i)
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
     tier.close()
+
+
+def test_reads_racing_the_writer_see_whole_blocks_or_nothing(tmp_path):
+    tier = open_tier(tmp_path, blocks=400, queue_blocks=400)
+    wrong: list[int] = []
+    seen: set[int] = set()
+    done = threading.Event()
+
+    def reader() -> None:
+        while not done.is_set() or len(seen) < 300:
+            for i in range(300):
+                payload = tier.load(key_of(i)) if i not in seen else None
+                if payload is not None:
+                    seen.add(i)
+                    if bytes(payload) != payload_of(i):
+                        wrong.append(i)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    for i in range(300):
+        assert tier.offer(key_of(i), None, payload_of(i))
+    assert tier.flush(FLUSH_S)
+    done.set()
+    thread.join(FLUSH_S)
+    assert not thread.is_alive() and not wrong and len(seen) == 300
+    tier.close()
+
+
+def lower_tiers(tmp_path: Path, host_slots: int, policy: str = "evict"):
+    from cachesvc.lower_tiers import LowerTiers
+
+    pool = torch.stack([torch.frombuffer(bytearray(payload_of(i)), dtype=torch.uint8) for i in range(8)])
+    host = HostBlockCache(host_slots, LAYOUT.block_bytes) if host_slots else None
+    return pool, LowerTiers(pool, host, open_tier(tmp_path), policy)
+
+
+@pytest.mark.parametrize("host_slots", [2, 0], ids=["host-then-disk", "disk-only"])
+def test_evicted_blocks_go_down_the_tiers_and_come_back_byte_exact(tmp_path, host_slots):
+    pool, tiers = lower_tiers(tmp_path, host_slots)
+    keys = [key_of(i) for i in range(4)]
+    assert tiers.keep([0, 1, 2, 3], keys) == 4  # with a host: 2 held, 2 evicted on to the disk
+    assert tiers.disk.flush(FLUSH_S)
+    assert tiers.disk.stats()["blocks"] == (2 if host_slots else 4)
+    assert tiers.lookup_chain([*keys, key_of(99)]) == 4
+    pool[4:].zero_()
+    assert tiers.promote([*keys[:2], key_of(99), keys[2]], [4, 5, 6, 7]) == 2  # stops at the miss
+    assert tiers.promote(keys[2:], [6, 7]) == 2
+    assert [pool[b].numpy().tobytes() for b in (4, 5, 6, 7)] == [payload_of(i) for i in range(4)]
+    tiers.close()
+
+
+def test_write_through_puts_every_kept_block_on_disk_and_a_bad_record_stops_a_promotion(tmp_path):
+    pool, tiers = lower_tiers(tmp_path, 4, "through")
+    keys = [key_of(i) for i in range(3)]
+    assert tiers.keep([0, 1, 2], keys) == 3
+    assert tiers.disk.flush(FLUSH_S) and tiers.disk.stats()["blocks"] == 3
+    tiers.host.discard(keys[1])  # now only on disk, and that record is damaged
+    path = tmp_path / file_name(keys[1])
+    path.write_bytes(path.read_bytes()[:-1] + b"\0")
+    pool[3:].zero_()
+    assert tiers.promote(keys, [3, 4, 5]) == 1 and torch.all(pool[4] == 0)
+    assert tiers.stats()["disk"]["dropped_on_read"] == 1 and tiers.stats()["host"]["promotions"] == 1
+    tiers.close()
+
+
+def test_lower_tier_flags(tmp_path):
+    import argparse
+
+    from cachesvc.lower_tiers import add_arguments, from_args
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    rows = torch.zeros((4, LAYOUT.block_bytes), dtype=torch.uint8)
+    assert from_args(ap.parse_args([]), rows, LAYOUT) is None
+    args = ap.parse_args(
+        ["--host-cache-gib", "0.001", "--disk-path", str(tmp_path / "d"), "--disk-gib", "0.01"]
+    )
+    tiers = from_args(args, rows, LAYOUT)
+    assert tiers.host.num_slots == 2**30 // 1000 // LAYOUT.block_bytes and tiers.disk.budget_bytes == int(
+        0.01 * 2**30
+    )
+    assert tiers.host.on_evict == tiers.disk.offer
+    tiers.close()
+    with pytest.raises(ValueError, match="--host-cache-gib = -1.0 must be >= 0"):
+        from_args(ap.parse_args(["--host-cache-gib", "-1"]), rows, LAYOUT)

@@ -1,0 +1,165 @@
+"""The tiers under the device pool as the prefix cache uses them: the host cache, then the disk.
+
+One object for the service to call (issue 22): ``keep`` takes published blocks the device pool
+evicts (their KV still in the pool), ``lookup_chain`` says how many of a prompt's next keys a
+lower tier holds, ``promote`` copies them into freshly allocated pool blocks. The write policy
+says when a block reaches the disk: ``evict`` (when the host cache evicts it, or at once when
+there is no host cache) or ``through`` (as soon as the host cache takes it). Keys are
+prefix-index keys (``kvtier.block_hash``: ``parent-or-extra || token bytes``), so the parent
+recorded with a block is its key's first 32 bytes.
+
+``add_arguments`` and ``from_args`` are the flags and the construction, for the service's config.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+import torch
+
+from cachesvc.disk_records import KEY_PREFIX_BYTES, RecordLayout
+from cachesvc.disk_tier import DiskTier
+from cachesvc.host_cache import HostBlockCache
+
+WRITE_POLICIES = ("evict", "through")
+
+
+class LowerTiers:
+    """The host cache and/or the disk tier below the pool whose block rows are ``pool_rows``.
+
+    ``pool_rows`` is the pool as ``[num_blocks, block_bytes]`` uint8 (``PoolViews.rows``): a
+    block is one row, a quantized block's scales included.
+    """
+
+    def __init__(
+        self,
+        pool_rows: torch.Tensor,
+        host: HostBlockCache | None,
+        disk: DiskTier | None,
+        write_policy: str = "evict",
+    ) -> None:
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"--disk-write-policy {write_policy!r} is not one of {WRITE_POLICIES}")
+        self.pool_rows = pool_rows
+        self.host = host
+        self.disk = disk
+        self.write_policy = write_policy
+        if host is not None and disk is not None and write_policy == "evict":
+            host.on_evict = disk.offer
+
+    def keep(self, block_ids: Sequence[int], keys: Sequence[bytes]) -> int:
+        """Take published pool blocks about to be reused (same order as ``keys``); return how many
+        a lower tier holds or has queued. Returns once the pool rows may be overwritten."""
+        rows = self.pool_rows
+        if self.host is not None:
+            held = self.host.offer_many(
+                [(k, k[:KEY_PREFIX_BYTES], rows[i]) for i, k in zip(block_ids, keys, strict=True)]
+            )
+            if self.disk is not None and self.write_policy == "through":
+                for key in keys:
+                    entry = self.host.entry(key)
+                    if entry is not None and not self.disk.contains(key):
+                        self.disk.offer(key, key[:KEY_PREFIX_BYTES], self.host.slots[entry.slot])
+            return held
+        if self.disk is None:
+            return 0
+        # No host cache: the disk takes device rows directly (a CPU pool; on CUDA a host cache
+        # is required, since offer copies from host memory).
+        return sum(
+            self.disk.offer(k, k[:KEY_PREFIX_BYTES], rows[i]) for i, k in zip(block_ids, keys, strict=True)
+        )
+
+    def lookup_chain(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` the host cache or the disk holds (each key on either)."""
+        n = 0
+        for key in keys:
+            if (self.host is None or key not in self.host) and (
+                self.disk is None or not self.disk.contains(key)
+            ):
+                break
+            n += 1
+        return n
+
+    def promote(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> int:
+        """Copy the blocks of the leading held ``keys`` into pool blocks ``block_ids``; return how many.
+
+        Stops at the first key neither tier can give (a disk record that fails its checks is a
+        miss): blocks past it are useless without it. A block promoted from disk is not put back
+        in the host cache (it is on the device again). Complete when this returns.
+        """
+        rows = self.pool_rows
+        n = 0
+        for key, block_id in zip(keys, block_ids, strict=False):
+            if (
+                self.host is not None
+                and self.host.load(key, rows[block_id])
+                or self.disk is not None
+                and self.disk.load_into(key, rows[block_id])
+            ):
+                n += 1
+            else:
+                break
+        return n
+
+    def stats(self) -> dict:
+        """Per tier: ``{"host": HostBlockCache.stats(), "disk": DiskTier.stats()}``, present tiers only."""
+        out = {}
+        if self.host is not None:
+            out["host"] = self.host.stats()
+        if self.disk is not None:
+            out["disk"] = self.disk.stats()
+        return out
+
+    def close(self) -> None:
+        """Write what the disk's queue holds and stop its writer."""
+        if self.disk is not None:
+            self.disk.close()
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The lower tiers' flags (off unless ``--host-cache-gib`` or ``--disk-path`` is given)."""
+    ap.add_argument(
+        "--host-cache-gib", type=float, default=0.0,
+        help="host memory (GiB) for published blocks evicted from the pool, LRU; 0 = no host cache",
+    )  # fmt: skip
+    ap.add_argument(
+        "--disk-path", default="",
+        help="directory (created 0700; refused if others can write it) for evicted blocks; off when empty",
+    )  # fmt: skip
+    ap.add_argument("--disk-gib", type=float, default=16.0, help="budget of --disk-path's records (GiB), LRU")
+    ap.add_argument(
+        "--disk-write-policy", choices=WRITE_POLICIES, default="evict",
+        help="evict: a block reaches the disk when the host cache evicts it; through: when the host cache takes it",
+    )  # fmt: skip
+    ap.add_argument(
+        "--disk-write-queue",
+        type=int,
+        default=256,
+        help="blocks waiting for the disk writer; more are skipped",
+    )
+
+
+def from_args(args: argparse.Namespace, pool_rows: torch.Tensor, layout: RecordLayout) -> LowerTiers | None:
+    """The lower tiers the flags ask for, or None; ValueError / DiskPathError / UntrustedPath naming a bad one."""
+    for flag in ("host_cache_gib", "disk_gib"):
+        if getattr(args, flag) < 0:
+            raise ValueError(f"--{flag.replace('_', '-')} = {getattr(args, flag)} must be >= 0")
+    if not args.host_cache_gib and not args.disk_path:
+        return None
+    block_bytes = pool_rows.shape[1]
+    host = None
+    if args.host_cache_gib:
+        host = HostBlockCache.from_budget(
+            int(args.host_cache_gib * 2**30), block_bytes, device=pool_rows.device
+        )
+    elif pool_rows.is_cuda:
+        raise ValueError(
+            "--disk-path on a cuda pool needs --host-cache-gib > 0 (disk writes copy from host memory)"
+        )
+    disk = None
+    if args.disk_path:
+        disk = DiskTier(
+            args.disk_path, int(args.disk_gib * 2**30), layout, queue_blocks=args.disk_write_queue
+        )
+    return LowerTiers(pool_rows, host, disk, args.disk_write_policy)
