@@ -44,7 +44,13 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Adds `(default: X)` only where the help does not say the default itself."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        if action.default in (None, False, argparse.SUPPRESS) or "default" in (action.help or ""):
+        # A flag without a value (store_true/store_false) says what it does: "(default: True)" on
+        # --no-uvloop read as if the flag were on by default.
+        if (
+            action.default in (None, False, argparse.SUPPRESS)
+            or action.nargs == 0
+            or "default" in (action.help or "")
+        ):
             return action.help or ""
         return super()._get_help_string(action)
 

@@ -5,7 +5,7 @@
     kvtier serve --port 8000          # the OpenAI-compatible gateway alone, in front of a running stack
     kvtier demo                       # a workload with shared system prompts against the stack
     kvtier generate "Once upon a time" --max-tokens 32
-    kvtier stats                      # the cache service's block usage and hit rate
+    kvtier stats                      # the cache services' block usage and hit rate (each node, totals)
     kvtier down                       # stop the stack `kvtier up` runs, from another shell
     kvtier cache --help / kvtier compute --help
 
@@ -25,12 +25,16 @@ import time
 from pathlib import Path
 
 from kvtier import __version__, auth
+from kvtier_cli.stats import cmd_stats
 
 PASSTHROUGH = {"cache": "cachesvc", "compute": "computesvc", "serve": "gateway"}
 
 
-def _passthrough(module: str, argv: list[str]) -> int:
-    os.execv(sys.executable, [sys.executable, "-m", module, *argv])
+def _passthrough(command: str, argv: list[str]) -> int:
+    """Become `python -m MODULE argv` with its usage and errors naming `kvtier COMMAND`, the
+    command the user typed (the module is imported by the new process, never here)."""
+    run = f"import sys; from {PASSTHROUGH[command]}.__main__ import main; sys.exit(main(sys.argv[1:], {f'kvtier {command}'!r}))"
+    os.execv(sys.executable, [sys.executable, "-c", run, *argv])
     return 0  # pragma: no cover
 
 
@@ -50,8 +54,9 @@ def _service_args(args) -> tuple[list[str], list[str], list[str]]:
     cache service learns how many replicas share its device (--compute-replicas: on cuda its
     pool leaves room for their weights and activations)."""
     cache_args = ["--num-blocks", str(args.num_blocks), "--swap-space", str(args.swap_space)]
-    cache_args += ["--compute-replicas", str(args.replicas)]
-    compute_args = ["--max-num-seqs", str(args.max_num_seqs)]
+    cache_args += ["--compute-replicas", str(args.replicas), "--block-size", str(args.block_size)]
+    compute_args = ["--max-num-seqs", str(args.max_num_seqs), "--threads", str(args.threads)]
+    compute_args += getattr(args, "compute_flag", None) or []
     # Every process serves Prometheus metrics on a free port; the stack file records the URLs.
     cache_args += ["--metrics-port", "0"]
     compute_args += ["--metrics-port", "0"]
@@ -59,6 +64,8 @@ def _service_args(args) -> tuple[list[str], list[str], list[str]]:
         cache_args += ["--model", args.model]
         compute_args += ["--model", args.model]
     gateway_args = ["--model", args.model] if args.model else []
+    if routing := getattr(args, "routing", None):
+        gateway_args += ["--routing", routing, "--routing-load-weight", str(args.routing_load_weight)]
     if keys := getattr(args, "api_keys", None):
         keys = _checked_api_keys(keys)
         cache_args += ["--tenant-quotas", keys]
@@ -70,7 +77,7 @@ def _service_args(args) -> tuple[list[str], list[str], list[str]]:
 def _stack(args) -> tuple[object, dict]:
     """A running stack in the run dir, or a new one (returned so the caller stops it)."""
     from kvtier_cli.stack import LocalStack, MultiNodeStack
-    from kvtier_cli.stack_file import running_stack
+    from kvtier_cli.stack_file import recorded_stack, running_stack
 
     run_dir = auth.run_dir()
     info = running_stack(run_dir)
@@ -110,6 +117,7 @@ def _stack(args) -> tuple[object, dict]:
         info["nodes"] = [(n.cache_address, n.compute_addresses) for n in stack.nodes]
     if stack.gateway is not None:
         info["gateway"] = stack.gateway.address
+    info["metrics"] = recorded_stack(stack.run_dir).get("metrics", {})  # every process's URL
     return stack, info
 
 
@@ -260,37 +268,39 @@ def cmd_demo(args) -> int:
     return 0 if summary["requests"] == args.requests else 1
 
 
-def cmd_stats(args) -> int:
-    import grpc
-    from google.protobuf.json_format import MessageToJson
-
-    from kvtier.cache_client import CacheClient
-
-    try:
-        client = CacheClient.connect(args.cache, timeout_s=5.0)
-    except (RuntimeError, ValueError) as e:  # no token, or a blank one
-        print(f"kvtier stats: {e}", file=sys.stderr)
-        return 1
-    try:
-        print(MessageToJson(client.get_stats(), preserving_proto_field_name=True))
-    except grpc.RpcError as e:
-        print(
-            f"kvtier stats: the cache service at {args.cache} answered {e.code().name}: {e.details()} "
-            "(is a stack running? `kvtier up`)",
-            file=sys.stderr,
-        )
-        return 1
-    finally:
-        client.close()
-    return 0
-
-
 def _stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=int, default=2, help="compute replicas to start (per node)")
     p.add_argument("--model", help="local Hugging Face model directory (default: built-in tiny model)")
-    p.add_argument("--num-blocks", type=int, default=2048, help="KV blocks in the cache service's pool")
-    p.add_argument("--swap-space", type=float, default=0.25, help="GiB of host swap for preempted sequences")
+    p.add_argument(
+        "--swap-space",
+        type=float,
+        default=0.25,
+        help="GiB of host swap for preempted sequences (default: 0.25; a hand-started `kvtier cache` "
+        "defaults to 4)",
+    )
+    p.add_argument(
+        "--num-blocks",
+        type=int,
+        default=2048,
+        help="KV blocks in each cache service's pool (default: 2048; a hand-started `kvtier cache` "
+        "sizes its pool from memory)",
+    )
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=16,
+        choices=(8, 16, 32, 64),
+        help="tokens per KV block (default: 16)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together per replica")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads per replica (default: 1)")
+    p.add_argument(
+        "--compute-flag",
+        action="append",
+        metavar="--FLAG=VALUE",
+        help="one more flag for every compute replica, as `kvtier compute --help` lists them "
+        "(repeat), e.g. --compute-flag=--max-num-batched-tokens=512",
+    )
     p.add_argument("--fresh", action="store_true", help="always start a new stack in a temporary directory")
 
 
@@ -341,6 +351,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--replicas replicas; with more than one, the gateway routes across them (KV-aware)",
     )
     up.add_argument(
+        "--routing",
+        choices=("kv-aware", "round-robin", "random"),
+        default="kv-aware",
+        help="with --nodes > 1: how the gateway picks a request's node (`kvtier serve --help`)",
+    )
+    up.add_argument(
+        "--routing-load-weight",
+        type=float,
+        default=1.0,
+        help="kv-aware: weight of the work queued on a node against the prefill its cached prefix saves",
+    )
+    up.add_argument(
         "--api-keys",
         metavar="FILE",
         help="client API keys per tenant (JSON; kvtier/api_keys.py): the replicas and the gateway take "
@@ -371,8 +393,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--cache-salt", default="", help="tenant salt: isolates this request's cached blocks")
     gen.set_defaults(func=cmd_generate)
 
-    stats = sub.add_parser("stats", help="print the cache service's statistics as JSON")
-    stats.add_argument("--cache", default=auth.default_cache_address(), help="cache service address")
+    stats = sub.add_parser(
+        "stats", help="print the cache services' statistics as JSON (each node's and totals)"
+    )
+    stats.add_argument(
+        "--cache",
+        help="cache service address (default: every node of the stack `kvtier up` runs in the run "
+        f"directory, with their totals; else {auth.default_cache_address()})",
+    )
     stats.set_defaults(func=cmd_stats)
     return parser
 
@@ -380,7 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in PASSTHROUGH:
-        return _passthrough(PASSTHROUGH[argv[0]], argv[1:])
+        return _passthrough(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

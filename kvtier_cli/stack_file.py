@@ -112,16 +112,25 @@ def _wait_gone(pid: int, timeout_s: float) -> None:
         time.sleep(0.05)  # polling another process's exit with a deadline
 
 
+def recorded_stack(run_dir: Path) -> dict | None:
+    """What run_dir's stack file says (None without one), whether or not it still serves.
+
+    auth.UntrustedPath if run_dir is not private to us."""
+    path = run_dir / STACK_FILE
+    if not path.is_file():
+        return None
+    check_private_dir(run_dir)
+    return json.loads(path.read_text())
+
+
 def running_stack(run_dir: Path) -> dict | None:
     """The addresses of a stack `kvtier up` started in run_dir, if it is serving.
 
     auth.UntrustedPath if run_dir is not private to us: a stack file there could send our token
     to another user's sockets."""
-    path = run_dir / STACK_FILE
-    if not path.is_file():
+    info = recorded_stack(run_dir)
+    if info is None:
         return None
-    check_private_dir(run_dir)
-    info = json.loads(path.read_text())
     try:
         if all(check(a, timeout_s=1.0) == "SERVING" for a in [info["cache"], *info["compute"]]):
             return info

@@ -80,6 +80,21 @@ def test_serve_help_explains_every_flag():
     ):
         assert flag in out, flag
     assert "OpenAI-compatible" in out and "KVTIER_API_KEY" in out and "(default: 8000)" in out
+    # Usage names the command the user typed; a flag without a value shows no "(default: True)".
+    assert out.startswith("usage: kvtier serve ") and "python -m gateway" not in out
+    assert "(default: True)" not in out and "(default: False)" not in out
+    for command in ("cache", "compute"):
+        bad = subprocess.run([KVTIER, command, "--no-such-flag"], capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and f"kvtier {command}: error: unrecognized arguments" in bad.stderr
+
+
+def test_up_help_states_the_defaults_that_differ_from_a_hand_started_service():
+    out = subprocess.run([KVTIER, "up", "--help"], capture_output=True, text=True, check=True).stdout
+    flat = " ".join(out.split())
+    assert "a hand-started `kvtier cache` defaults to 4" in flat  # --swap-space 0.25 here
+    assert "a hand-started `kvtier cache` sizes its pool from memory" in flat  # --num-blocks 2048 here
+    for flag in ("--routing", "--routing-load-weight", "--block-size", "--threads", "--compute-flag"):
+        assert flag in out, flag
 
 
 def _read_until(proc: subprocess.Popen, pattern: str, timeout_s: float) -> tuple[re.Match, str]:

@@ -48,6 +48,7 @@ def start_up(
     for line in proc.stdout:  # each line is progress; the deadline bounds the whole start
         seen.append(line)
         if "Ctrl-C or `kvtier down` stops" in line:
+            proc.printed = "".join(seen)  # what it said while starting
             return proc, json.loads((run_dir / STACK_FILE).read_text())
         assert time.monotonic() < deadline, "".join(seen)
     raise AssertionError(f"kvtier up exited with {proc.wait()}:\n{''.join(seen)}")
@@ -138,14 +139,30 @@ def test_every_entry_point_has_a_version():
 def test_kvtier_up_with_two_nodes_routes_across_them_and_stops_them_all(tmp_path):
     """`kvtier up --nodes 2`: two cache services (a pool each) with their replicas and one gateway
     routing across them; the stack file names the nodes; a clear error for --nodes 0."""
+    import httpx
     import openai
 
     bad = subprocess.run([KVTIER, "up", "--nodes", "0"], env=_env(tmp_path), capture_output=True, text=True)
     assert bad.returncode != 0 and "--nodes must be >= 1" in bad.stderr
-    proc, info = start_up(tmp_path, extra=("--nodes", "2", "--gateway-port", "0"))
+    extra = ("--nodes", "2", "--gateway-port", "0", "--routing", "round-robin", "--block-size", "32")
+    proc, info = start_up(
+        tmp_path, extra=(*extra, "--threads", "1", "--compute-flag=--max-num-batched-tokens=512")
+    )
     try:
         assert [n["name"] for n in info["nodes"]] == ["node-0", "node-1"]
         assert info["nodes"][0]["cache"] != info["nodes"][1]["cache"]
+        # It prints the gateway and every metrics URL; `kvtier stats` shows each node and totals.
+        assert f"OpenAI API:       {info['gateway']}/v1" in proc.printed
+        for url in info["metrics"].values():
+            assert f"metrics:          {url}" in proc.printed
+        stats = subprocess.run(
+            [KVTIER, "stats"], env=_env(tmp_path), capture_output=True, text=True, timeout=60
+        )
+        assert stats.returncode == 0, stats.stderr
+        stats = json.loads(stats.stdout)
+        assert sorted(stats["nodes"]) == ["node-0", "node-1"]
+        assert {n["block_size"] for n in stats["nodes"].values()} == {32}  # --block-size reached the caches
+        assert stats["totals"]["num_blocks_total"] == 2 * 64
         client = openai.OpenAI(base_url=f"{info['gateway']}/v1", api_key="unused", max_retries=0, timeout=120)
         for k in range(4):
             reply = client.completions.create(
@@ -154,6 +171,12 @@ def test_kvtier_up_with_two_nodes_routes_across_them_and_stops_them_all(tmp_path
             assert reply.usage.completion_tokens == 2
         services = list(info["pids"].values())
         assert len(services) == 2 * 2 + 1
+        assert (
+            'kvtier_router_decisions_total{reason="round_robin"} 4.0'
+            in httpx.get(f"{info['gateway']}/metrics", timeout=30).text
+        )  # --routing reached the gateway
+        compute_log = (tmp_path / "node-0" / "compute-0.log").read_text()
+        assert "max_num_batched_tokens=512" in compute_log, compute_log[-2000:]  # --compute-flag too
         # Every process serves metrics; the stack file names each endpoint (issue 12).
         import urllib.request
 
