@@ -11,6 +11,8 @@ own cache_salt, so every pass starts from a cold prefix cache and shares it the 
 
     python bench/http_api.py            # 64 requests x 2 rounds each way
     python bench/http_api.py --quick    # 16 smaller requests, 1 round each way
+    python bench/http_api.py --structured  # json_schema and plain requests in one batch vs plain alone
+                                           # (bench/http_structured.py; its headline instead)
 
 (Not `bench/http.py`: a script's own folder comes first on sys.path, so a bench/http.py would
 shadow the standard library's `http` package for every benchmark here, which import it through
@@ -351,6 +353,9 @@ def main() -> int:
     ap.add_argument("--probes", type=int, default=20, help="sequential probe requests each way")
     ap.add_argument("--json", help="also write the figures to this file")
     ap.add_argument(
+        "--structured", action="store_true", help="the structured-output run (bench/http_structured.py)"
+    )
+    ap.add_argument(
         "--serve-floor", type=int, metavar="EVENTS", help=argparse.SUPPRESS
     )  # FloorServer's child
     args = ap.parse_args()
@@ -405,6 +410,10 @@ def main() -> int:
         f"questions, {work.max_tokens} new tokens each, all at once, streamed; {rounds} round(s) each way",
         flush=True,
     )
+    if args.structured:
+        import http_structured
+
+        return http_structured.run(stack, work.prompts(), work.max_tokens, rounds, args.json)
     with stack, FloorServer(work.max_tokens) as floor:
         pids = {"http": stack.gateway.proc.pid, "floor": floor.proc.pid}
         raw = asyncio.run(
