@@ -24,7 +24,7 @@ unpublished goes to the queue head instead: it is reused before any cached block
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from cachesvc.errors import InvalidArgument, ResourceExhausted
 from cachesvc.events import REMOVED, STORED, BlockEvent, EventRecord, decode_events
@@ -68,6 +68,9 @@ class BlockManager:
         # take_event_records() after every call.
         self.record_events = record_events
         self._events: list[EventRecord] = []
+        # on_evict(block_ids, hashes): set through cachesvc.tiers.DeviceTier.on_evict (issue 22's
+        # hook: published blocks evicted by allocate, their KV still in the pool). None = off.
+        self.on_evict: Callable[[list[int], list[BlockHash]], None] | None = None
 
     # ------------------------------------------------------------------ counters
 
@@ -178,6 +181,8 @@ class BlockManager:
         self.num_evictions += len(cached)
         if self.record_events and hashes:
             self._events.append((REMOVED, tuple(hashes), tuple(evicted)))
+        if self.on_evict is not None and evicted:
+            self.on_evict(evicted, hashes)
         return ids
 
     def _drop_copy_or_promote(self, block: Block, key: bytes) -> None:

@@ -9,9 +9,10 @@ slots, and the call returns once the side stream's event has completed (a replic
 process reads or reuses those device blocks next). On CPU the slots are plain memory and the
 copies are plain ``index_select`` / ``index_copy_``.
 
-A disk tier would offer the same calls (``swap_out`` / ``swap_in`` / ``release`` and the slot
-counters) over a file of block-sized records, and ``SequenceTable`` would pick the tier a
-sequence lives on; nothing outside this class knows where slot bytes are kept.
+It is a ``cachesvc.tiers.LowerTier``: ``allocate`` / ``release`` slots, ``store`` / ``load``
+copies to and from the pool, the slot counters and ``stats``. A disk tier would offer the same
+over a file of block-sized records; nothing outside this class knows where slot bytes are kept.
+``swap_out`` / ``swap_in`` are allocate + store and load + release in one call.
 """
 
 from __future__ import annotations
@@ -19,16 +20,20 @@ from __future__ import annotations
 import torch
 
 from cachesvc.errors import InvalidArgument, ResourceExhausted
+from cachesvc.tiers import LowerTier, TierStats
 
 
-class HostTier:
+class HostTier(LowerTier):
     """``num_blocks`` host slots for device blocks of ``pool`` (block-major ``[num_device_blocks, ...]``)."""
+
+    name = "host"
 
     def __init__(self, pool: torch.Tensor, num_blocks: int) -> None:
         if num_blocks < 0:
             raise InvalidArgument(f"host tier num_blocks = {num_blocks} must be >= 0")
         self.pool = pool
-        self.num_blocks = num_blocks
+        self._num_blocks = num_blocks
+        self.stats = TierStats()
         self.block_bytes = pool[0].numel() * pool.element_size()
         pin = pool.is_cuda
         self.slots = torch.empty((num_blocks, *pool.shape[1:]), dtype=pool.dtype, pin_memory=pin)
@@ -44,41 +49,49 @@ class HostTier:
         return cls(pool, max(0, swap_space_bytes) // block_bytes)
 
     @property
-    def num_free_blocks(self) -> int:
-        return len(self._free_slots)
+    def num_blocks(self) -> int:
+        return self._num_blocks
 
     @property
-    def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free_slots)
+    def num_free_blocks(self) -> int:
+        return len(self._free_slots)
 
     def used_slots(self) -> list[int]:
         """Slot ids in use, ascending. O(num_blocks): for invariant checks."""
         return [i for i, used in enumerate(self._in_use) if used]
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        """The lowest free slot ids first; ResourceExhausted, taking none, if fewer are free."""
+        if num_blocks > len(self._free_slots):
+            raise ResourceExhausted(
+                f"host tier: need {num_blocks} blocks but only {len(self._free_slots)} of {self.num_blocks} "
+                f"are free (raise --swap-space)"
+            )
+        slots = [self._free_slots.pop() for _ in range(num_blocks)]
+        for s in slots:
+            self._in_use[s] = 1
+        return slots
 
     def swap_out(self, device_block_ids: list[int]) -> list[int]:
         """Copy ``pool[device_block_ids]`` into free host slots; return the slot ids, same order.
 
         Raises ResourceExhausted, copying nothing, if fewer slots are free than blocks asked.
         """
-        n = len(device_block_ids)
-        if n > len(self._free_slots):
-            raise ResourceExhausted(
-                f"host tier: need {n} blocks but only {len(self._free_slots)} of {self.num_blocks} are free "
-                f"(raise --swap-space)"
-            )
-        if n == 0:
-            return []
-        slots = [self._free_slots.pop() for _ in range(n)]
-        for s in slots:
-            self._in_use[s] = 1
+        slots = self.allocate(len(device_block_ids))
+        self.store(device_block_ids, slots)
+        return slots
+
+    def store(self, device_ids: list[int], ids: list[int]) -> None:
+        """Copy ``pool[device_ids]`` into the allocated slots ``ids``."""
+        if not ids:
+            return
         if self.stream is not None:
-            self._cuda_swap_out(device_block_ids, slots)
-            return slots
-        src = torch.tensor(device_block_ids, dtype=torch.long, device=self.pool.device)
+            self._cuda_swap_out(device_ids, ids)
+            return
+        src = torch.tensor(device_ids, dtype=torch.long, device=self.pool.device)
         # index_select gathers into one contiguous buffer: one device -> host copy for the batch.
         data = self.pool.index_select(0, src).to("cpu")
-        self.slots.index_copy_(0, torch.tensor(slots, dtype=torch.long), data)
-        return slots
+        self.slots.index_copy_(0, torch.tensor(ids, dtype=torch.long), data)
 
     def _cuda_swap_out(self, device_block_ids: list[int], slots: list[int]) -> None:
         """Gather on the side stream, then one async device -> pinned copy per run of consecutive slots."""
@@ -95,22 +108,24 @@ class HostTier:
         done.synchronize()
 
     def swap_in(self, host_slots: list[int], device_block_ids: list[int]) -> None:
-        """Copy host slots back into ``pool[device_block_ids]`` and release the slots.
-
-        The copy is complete when this returns (a compute process reads the pool next).
-        """
-        if len(host_slots) != len(device_block_ids):
-            raise InvalidArgument(
-                f"len(host_slots) = {len(host_slots)} != len(device_block_ids) = {len(device_block_ids)}"
-            )
-        self._check_in_use(host_slots)
-        if host_slots and self.stream is not None:
-            self._cuda_swap_in(host_slots, device_block_ids)
-        elif host_slots:
-            data = self.slots.index_select(0, torch.tensor(host_slots, dtype=torch.long))
-            dst = torch.tensor(device_block_ids, dtype=torch.long, device=self.pool.device)
-            self.pool.index_copy_(0, dst, data)
+        """Copy host slots back into ``pool[device_block_ids]`` and release the slots."""
+        self.load(host_slots, device_block_ids)
         self._release(host_slots)
+
+    def load(self, ids: list[int], device_ids: list[int]) -> None:
+        """Copy the in-use slots ``ids`` into ``pool[device_ids]``; complete when this returns
+        (a compute process reads the pool next)."""
+        if len(ids) != len(device_ids):
+            raise InvalidArgument(
+                f"len(host_slots) = {len(ids)} != len(device_block_ids) = {len(device_ids)}"
+            )
+        self._check_in_use(ids)
+        if ids and self.stream is not None:
+            self._cuda_swap_in(ids, device_ids)
+        elif ids:
+            data = self.slots.index_select(0, torch.tensor(ids, dtype=torch.long))
+            dst = torch.tensor(device_ids, dtype=torch.long, device=self.pool.device)
+            self.pool.index_copy_(0, dst, data)
 
     def _cuda_swap_in(self, host_slots: list[int], device_block_ids: list[int]) -> None:
         """Async pinned -> device copies per run of consecutive slots into a staging buffer, then
@@ -131,7 +146,8 @@ class HostTier:
         done.synchronize()
 
     def release(self, host_slots: list[int]) -> None:
-        """Drop slots without copying (their sequence was freed while swapped out)."""
+        """Drop slots without copying (their blocks went back to the device, or their sequence
+        was freed while swapped out)."""
         self._check_in_use(host_slots)
         self._release(host_slots)
 

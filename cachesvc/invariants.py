@@ -1,29 +1,50 @@
-"""Consistency checks of the sequence table over its block manager and host tier.
+"""Consistency checks of the sequence table over its block manager, limits, fencing and tiers.
 
 For tests and debugging (``SequenceTable.check_invariants``): every check reads, none writes, and
-a broken invariant raises AssertionError naming the sequence and the figures that disagree.
+a broken invariant raises AssertionError naming the sequence and the figures that disagree. It
+reads the table through its public readers (``sequences()``, ``lease_index()``, ``limits``,
+``fencing``, ``tiers``).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from cachesvc.records import DEVICE, HOST
+from cachesvc.block_manager import BlockManager
+from cachesvc.fencing import Fencing
+from cachesvc.limits import TenantLimits
+from cachesvc.records import DEVICE, Sequence
+from cachesvc.tiers import Tier
 from kvtier.block_hash import pack_token_ids
 
-if TYPE_CHECKING:
-    from cachesvc.sequences import SequenceTable
+
+class TableView(Protocol):
+    """What the checks read of a ``cachesvc.sequences.SequenceTable``."""
+
+    block_size: int
+    block_manager: BlockManager
+    limits: TenantLimits
+    fencing: Fencing
+    tiers: dict[str, Tier]
+
+    def get(self, sequence_id: int) -> Sequence: ...
+    def sequences(self) -> list[Sequence]: ...
+    def lease_index(self) -> dict[str, dict[int, Sequence]]: ...
+    def room(self, block_table: list[int]) -> int: ...
 
 
-def check_table(table: SequenceTable) -> None:
+def check_table(table: TableView) -> None:
     """Block-manager invariants over all device tables and fenced blocks, plus per-sequence,
     per-lease, per-tenant and host-tier accounting."""
     bs = table.block_size
+    by_lease_index = table.lease_index()
+    live = table.sequences()
     device_tables = []
-    host_slots: list[int] = []
-    for sid, seq in table._sequences.items():
-        assert seq.sequence_id == sid, f"sequence {sid} is filed under id {seq.sequence_id}"
-        assert table._by_lease.get(seq.lease_id, {}).get(sid) is seq, (
+    tier_slots: dict[str, list[int]] = {name: [] for name in table.tiers if name != DEVICE}
+    for seq in live:
+        sid = seq.sequence_id
+        assert table.get(sid) is seq, f"sequence {sid} is not filed under its id"
+        assert by_lease_index.get(seq.lease_id, {}).get(sid) is seq, (
             f"sequence {sid} missing from its lease index"
         )
         assert seq.prompt_bytes == pack_token_ids(seq.token_ids[: len(seq.prompt_bytes) // 4]), (
@@ -34,52 +55,62 @@ def check_table(table: SequenceTable) -> None:
             f"<= tokens {len(seq.token_ids)} does not hold"
         )
         if seq.location == DEVICE:
-            assert not seq.host_slots, f"device sequence {sid} holds host slots {seq.host_slots}"
+            assert not seq.tier_slots, f"device sequence {sid} holds tier slots {seq.tier_slots}"
             assert len(seq.token_ids) <= len(seq.block_table) * bs, (
                 f"sequence {sid}: {len(seq.token_ids)} tokens exceed {len(seq.block_table)} blocks"
             )
             assert seq.num_published_blocks <= min(len(seq.block_hashes), len(seq.block_table)), (
                 f"sequence {sid}: {seq.num_published_blocks} published blocks but {len(seq.block_hashes)} hashes"
             )
-            assert seq.room == table._room(seq.block_table), (
+            assert seq.room == table.room(seq.block_table), (
                 f"sequence {sid}: room {seq.room} does not match {len(seq.block_table)} blocks"
             )
             device_tables.append(seq.block_table)
         else:
-            assert seq.location == HOST, f"sequence {sid} has location {seq.location!r}"
-            assert not seq.block_table, f"host sequence {sid} holds device blocks {seq.block_table}"
-            assert len(seq.token_ids) <= len(seq.host_slots) * bs, (
-                f"sequence {sid}: {len(seq.token_ids)} tokens exceed {len(seq.host_slots)} host slots"
+            assert seq.location in tier_slots, f"sequence {sid} has location {seq.location!r}"
+            assert not seq.block_table, f"{seq.location} sequence {sid} holds device blocks {seq.block_table}"
+            assert len(seq.token_ids) <= len(seq.tier_slots) * bs, (
+                f"sequence {sid}: {len(seq.token_ids)} tokens exceed {len(seq.tier_slots)} {seq.location} slots"
             )
-            assert seq.room == 0, f"host sequence {sid} has room {seq.room}"
-            host_slots += seq.host_slots
-    n_lease_seqs = sum(len(v) for v in table._by_lease.values())
-    assert n_lease_seqs == len(table._sequences), (
-        f"lease index holds {n_lease_seqs} sequences, table holds {len(table._sequences)}"
-    )
-    assert all(table._by_lease.values()), "lease index keeps an empty lease"
+            assert seq.room == 0, f"{seq.location} sequence {sid} has room {seq.room}"
+            tier_slots[seq.location] += seq.tier_slots
+    n_lease_seqs = sum(len(v) for v in by_lease_index.values())
+    assert n_lease_seqs == len(live), f"lease index holds {n_lease_seqs} sequences, table holds {len(live)}"
+    assert all(by_lease_index.values()), "lease index keeps an empty lease"
+    _check_counts(table, live)
+    table.block_manager.check_invariants(device_tables + table.fencing.block_lists())
+    for name, slots in tier_slots.items():
+        _check_tier(table.tiers[name], slots)
+
+
+def _check_counts(table: TableView, live: list[Sequence]) -> None:
+    """The limits' per-tenant and per-lease counts against the blocks the records hold."""
+    limits = table.limits
     by_tenant: dict[str, int] = {}
     by_lease: dict[str, int] = {}
-    for seq in table._sequences.values():
+    for seq in live:
         if seq.num_blocks:
             by_tenant[seq.tenant] = by_tenant.get(seq.tenant, 0) + seq.num_blocks
             by_lease[seq.lease_id] = by_lease.get(seq.lease_id, 0) + seq.num_blocks
-    assert by_tenant == table.tenant_blocks, f"tenant block counts {table.tenant_blocks} != held {by_tenant}"
-    assert by_lease == table.lease_blocks, f"lease block counts {table.lease_blocks} != held {by_lease}"
+    assert by_tenant == limits.tenant_blocks, (
+        f"tenant block counts {limits.tenant_blocks} != held {by_tenant}"
+    )
+    assert by_lease == limits.lease_blocks, f"lease block counts {limits.lease_blocks} != held {by_lease}"
     seqs_by_tenant: dict[str, int] = {}
-    for seq in table._sequences.values():
+    for seq in live:
         seqs_by_tenant[seq.tenant] = seqs_by_tenant.get(seq.tenant, 0) + 1
-    assert seqs_by_tenant == table.tenant_sequences, (
-        f"tenant sequence counts {table.tenant_sequences} != live {seqs_by_tenant}"
+    assert seqs_by_tenant == limits.tenant_sequences, (
+        f"tenant sequence counts {limits.tenant_sequences} != live {seqs_by_tenant}"
     )
-    table.block_manager.check_invariants(device_tables + [ids for _, ids, _ in table.fenced])
-    host = table.host_tier
-    if host is None:
-        assert not host_slots, "sequences hold host slots but there is no host tier"
-        return
-    assert sorted(host_slots) == host.used_slots(), (
-        f"host slots held by sequences {sorted(host_slots)} != slots in use {host.used_slots()}"
+
+
+def _check_tier(tier: Tier, held: list[int]) -> None:
+    """A lower tier's used slots are exactly those its sequences hold."""
+    assert tier.num_used_blocks == len(held), (
+        f"{tier.name} tier counts {tier.num_used_blocks} used slots, sequences hold {len(held)}"
     )
-    assert host.num_used_blocks == len(host_slots), (
-        f"host tier counts {host.num_used_blocks} used slots, sequences hold {len(host_slots)}"
-    )
+    used_slots = getattr(tier, "used_slots", None)  # O(capacity): a tier may not list them
+    if used_slots is not None:
+        assert sorted(held) == used_slots(), (
+            f"{tier.name} slots held by sequences {sorted(held)} != slots in use {used_slots()}"
+        )

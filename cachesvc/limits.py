@@ -1,9 +1,10 @@
 """Per-tenant and per-lease limits of the sequence table: quotas and the fair share.
 
-``TenantLimits`` is the part of ``SequenceTable`` (which inherits it) that decides whether a
-call may take more blocks for a tenant or a lease; the table calls it from Allocate, Extend and
-SwapIn before it changes anything. Kept apart from the table's lifecycle because it is policy
-over the table's state, not bookkeeping of sequences.
+``TenantLimits`` decides whether a call may take more blocks for a tenant or a lease; the
+``SequenceTable`` it serves asks it from Allocate, Extend and SwapIn before changing anything,
+and tells it of every sequence added or released and every block charged. It reads the table's
+sequences (the dict it is given) and the block manager's counts; it writes only its own counts.
+Kept apart from the table's lifecycle because it is policy, not bookkeeping of sequences.
 
 Quotas (0 = none): ``max_blocks_per_tenant`` (a tenant's default), ``tenant_quotas`` (per
 tenant, over the default) and ``max_blocks_per_lease``. A tenant's or lease's blocks are the
@@ -22,7 +23,7 @@ preempts; a tenant under its share is never refused for this (one call may take 
 share).
 
 Cost: block counts per tenant and per lease are kept as they change only while a quota needs
-them (``_limited``); otherwise ``tenant_blocks`` / ``lease_blocks`` count them when asked
+them (``limited``); otherwise ``tenant_blocks`` / ``lease_blocks`` count them when asked
 (GetStats, checks). What every call keeps is the live sequences per tenant, which is all it
 takes to know whether two tenants compete.
 """
@@ -71,25 +72,28 @@ def count(counts: dict[str, int], key: str, n: int) -> None:
 
 
 class TenantLimits:
-    """Quotas and the fair share of ``SequenceTable``, over the table's own state."""
+    """Quotas and the fair share over ``sequences`` (sequence id -> record, the table's live
+    sequences, read only) and ``block_manager`` (the device pool's counts). Units: blocks."""
 
-    # Provided by SequenceTable.
-    block_manager: BlockManager
-    _sequences: dict[int, Sequence]
-
-    def _init_limits(
+    def __init__(
         self,
-        max_blocks_per_tenant: int,
-        tenant_quotas: dict[str, int] | None,
-        max_blocks_per_lease: int,
-        fair_share: bool,
-        fair_share_reserve: int,
+        block_manager: BlockManager,
+        sequences: dict[int, Sequence],
+        *,
+        max_blocks_per_tenant: int = 0,
+        tenant_quotas: dict[str, int] | None = None,
+        max_blocks_per_lease: int = 0,
+        fair_share: bool = True,
+        fair_share_reserve: int = 0,
     ) -> None:
+        self.block_manager = block_manager
+        self._sequences = sequences
         self.max_blocks_per_tenant = max_blocks_per_tenant
         self.tenant_quotas = dict(tenant_quotas or {})
         self.max_blocks_per_lease = max_blocks_per_lease
-        self._limited = bool(max_blocks_per_tenant or self.tenant_quotas or max_blocks_per_lease)
-        # Blocks held (either tier) per tenant and per lease, kept only while _limited.
+        # Whether any quota is set: only then are blocks counted as they change (see `charge`).
+        self.limited = bool(max_blocks_per_tenant or self.tenant_quotas or max_blocks_per_lease)
+        # Blocks held (either tier) per tenant and per lease, kept only while limited.
         self._tenant_blocks: dict[str, int] = {}
         self._lease_blocks: dict[str, int] = {}
         # Live sequences per tenant, always kept.
@@ -104,12 +108,12 @@ class TenantLimits:
     @property
     def tenant_blocks(self) -> dict[str, int]:
         """Tenant -> blocks its live sequences hold on either tier (tenants holding none left out)."""
-        return self._tenant_blocks if self._limited else self._count_blocks("tenant")
+        return self._tenant_blocks if self.limited else self._count_blocks("tenant")
 
     @property
     def lease_blocks(self) -> dict[str, int]:
         """Lease id -> blocks its live sequences hold on either tier."""
-        return self._lease_blocks if self._limited else self._count_blocks("lease_id")
+        return self._lease_blocks if self.limited else self._count_blocks("lease_id")
 
     def _count_blocks(self, key: str) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -119,12 +123,31 @@ class TenantLimits:
                 counts[holder] = counts.get(holder, 0) + n
         return counts
 
-    def _charge(self, tenant: str, lease_id: str, blocks: int) -> None:
+    def charge(self, tenant: str, lease_id: str, blocks: int) -> None:
         """Count ``blocks`` (negative: released) against a tenant and a lease; callers call it
-        only while ``_limited``."""
+        only while ``limited``."""
         if blocks:
             count(self._tenant_blocks, tenant, blocks)
             count(self._lease_blocks, lease_id, blocks)
+
+    def added(self, tenant: str, lease_id: str, blocks: int) -> None:
+        """A sequence of ``tenant`` holding ``blocks`` blocks joined the table."""
+        seqs = self.tenant_sequences
+        seqs[tenant] = seqs.get(tenant, 0) + 1
+        if self.limited:
+            self.charge(tenant, lease_id, blocks)
+
+    def released(self, tenant: str, lease_id: str, blocks: int) -> None:
+        """A sequence of ``tenant`` holding ``blocks`` blocks left the table."""
+        if self.limited:
+            self.charge(tenant, lease_id, -blocks)
+        count(self.tenant_sequences, tenant, -1)
+
+    def admitted(self, tenants: list[str]) -> None:
+        """These tenants got blocks from an Allocate: they wait no more."""
+        waiting = self.waiting_tenants
+        for tenant in tenants:
+            waiting.pop(tenant, None)
 
     def tenant_quota(self, tenant: str) -> int:
         """Most blocks ``tenant`` may hold; 0 = no limit."""
@@ -139,11 +162,11 @@ class TenantLimits:
 
     # ------------------------------------------------------------------ checks
 
-    def _contested(self) -> bool:
+    def contested(self) -> bool:
         """Whether the fair share has two tenants to weigh (cheap: no tenants, no work)."""
         return self.fair_share and (len(self.tenant_sequences) > 1 or bool(self.waiting_tenants))
 
-    def _check_fits(self, where: str, tenant: str, blocks: int) -> None:
+    def check_fits(self, where: str, tenant: str, blocks: int) -> None:
         """ExceedsLimit if one sequence of ``blocks`` blocks can never be held."""
         limits = (
             (self.block_manager.num_blocks, "the whole pool holds"),
@@ -157,12 +180,12 @@ class TenantLimits:
                     "shorten the prompt or max_tokens"
                 )
 
-    def _check_limits(self, lease_id: str, more_by_tenant: dict[str, int], more: int) -> None:
+    def check(self, lease_id: str, more_by_tenant: dict[str, int], more: int) -> None:
         """Quotas, then the fair share, for ``more`` new blocks of a call."""
-        if self._limited:
+        if self.limited:
             self._check_quotas(lease_id, more_by_tenant, more)
         if self.fair_share:
-            self._check_fair_share(more_by_tenant, more)
+            self.check_fair_share(more_by_tenant, more)
 
     def _check_quotas(self, lease_id: str, more_by_tenant: dict[str, int], more: int) -> None:
         """ResourceExhausted if ``more`` new blocks of a call would take its lease or a tenant
@@ -183,7 +206,7 @@ class TenantLimits:
                     f"tenant {tenant!r} holds {held} of its {quota}-block quota; this call needs {want} more"
                 )
 
-    def _note_waiting(self, tenants: set[str]) -> None:
+    def note_waiting(self, tenants: set[str]) -> None:
         """Tenants refused for lack of free blocks while another tenant holds blocks wait."""
         holders = self.tenant_sequences
         if self.fair_share and holders:
@@ -192,7 +215,7 @@ class TenantLimits:
                 if len(holders) > 1 or tenant not in holders:
                     self.waiting_tenants[tenant] = now
 
-    def _check_fair_share(self, more_by_tenant: dict[str, int], more: int) -> None:
+    def check_fair_share(self, more_by_tenant: dict[str, int], more: int) -> None:
         """ResourceExhausted if, under pressure, a tenant of the call that holds its fair share
         of device blocks or more would take more (see the module docstring)."""
         waiting = self.waiting_tenants

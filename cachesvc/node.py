@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from cachesvc.errors import FailedPrecondition, InvalidArgument
 from cachesvc.events import EventLog
 from cachesvc.leases import Lease, LeaseTable
-from cachesvc.records import DEVICE, HOST
+from cachesvc.records import DEVICE
 from cachesvc.sequences import SequenceTable
 from kvtier.sequence_types import AllocateItem, CommitItem, ExtendItem, PrefixQuery, SequenceBlocks
 
@@ -143,7 +143,7 @@ class CacheNode:
         released = 0
         if self.leases.pop(lease_id) is not None:
             released = seqs.free_lease(lease_id)
-        freed = seqs.release_fenced_of(lease_id)
+        freed = seqs.fencing.release_fenced_of(lease_id)
         if released or freed:
             log.info(
                 "lease %s… given up by its holder: %d blocks released, %d fenced blocks freed",
@@ -170,7 +170,7 @@ class CacheNode:
         expired = self.leases.pop_expired()
         now = self.leases.clock()
         for lease in expired:
-            fenced_before = seqs.num_fenced_blocks
+            fenced_before = seqs.fencing.num_fenced_blocks
             released = seqs.free_lease(lease.lease_id, fence_until=now + self.fence_hold_s)
             log.warning(
                 "lease %s… of %s expired: released its sequences (%d blocks back to the free queue, "
@@ -178,10 +178,10 @@ class CacheNode:
                 lease.lease_id[:8],
                 lease.client_name,
                 released,
-                seqs.num_fenced_blocks - fenced_before,
+                seqs.fencing.num_fenced_blocks - fenced_before,
                 self.fence_hold_s,
             )
-        unfenced = seqs.release_fenced(now)
+        unfenced = seqs.fencing.release_fenced(now)
         if unfenced:
             log.info("%d fenced blocks of expired leases are free again", unfenced)
         return self._logged(len(expired))
@@ -246,7 +246,7 @@ class CacheNode:
         """The numbers GetStats reports and the metrics export. O(sequences + leases)."""
         seqs = self.sequences
         bm = seqs.block_manager
-        host = seqs.host_tier
+        host = seqs.swap_tier
         stats = seqs.stats
         leases: list[LeaseSnapshot] = []
         num_tokens = num_token_slots = 0
@@ -263,7 +263,7 @@ class CacheNode:
                     client_name=lease.client_name,
                     num_sequences=len(own),
                     num_blocks=lease_blocks,
-                    num_host_blocks=sum(len(s.host_slots) for s in own if s.location == HOST),
+                    num_host_blocks=sum(len(s.tier_slots) for s in own),
                     expires_in_s=self.leases.expires_in(lease),
                     num_tokens=lease_tokens,
                 )
@@ -271,7 +271,7 @@ class CacheNode:
         return CacheSnapshot(
             num_blocks_total=bm.num_blocks,
             num_blocks_free=bm.num_free_blocks,
-            num_blocks_used=bm.num_used_blocks - seqs.num_fenced_blocks,
+            num_blocks_used=bm.num_used_blocks - seqs.fencing.num_fenced_blocks,
             num_blocks_cached=bm.num_cached_blocks,
             usage_percent=100.0 * bm.num_used_blocks / bm.num_blocks,
             prefix_query_tokens=stats.prefix_query_tokens,
@@ -290,7 +290,7 @@ class CacheNode:
             num_expired_leases=self.leases.num_expired,
             num_tokens=num_tokens,
             num_token_slots=num_token_slots,
-            tenants=[TenantSnapshot(t, *usage) for t, usage in sorted(seqs.tenant_usage().items())],
-            max_blocks_per_lease=seqs.max_blocks_per_lease,
-            num_blocks_fenced=seqs.num_fenced_blocks,
+            tenants=[TenantSnapshot(t, *usage) for t, usage in sorted(seqs.limits.tenant_usage().items())],
+            max_blocks_per_lease=seqs.limits.max_blocks_per_lease,
+            num_blocks_fenced=seqs.fencing.num_fenced_blocks,
         )

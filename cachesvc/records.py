@@ -7,13 +7,12 @@ The values its sequence calls take and return (``AllocateItem``, ``SequenceBlock
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
-
 from kvtier.block_hash import BlockHash
 from kvtier.sequence_types import SequenceBlocks
 
-DEVICE: Literal["device"] = "device"
-HOST: Literal["host"] = "host"
+# The device tier's name (cachesvc.tiers.DeviceTier.name): a Sequence's location while its
+# blocks are in the pool. Any other location names a lower tier.
+DEVICE = "device"
 
 
 @dataclass(slots=True)
@@ -23,13 +22,13 @@ class Sequence:
     sequence_id: int
     lease_id: str
     token_ids: list[int]
-    # Device block ids in token order while on the device; empty while on the host.
+    # Device block ids in token order while on the device; empty while on a lower tier.
     block_table: list[int]
     num_computed_tokens: int  # leading tokens whose KV is written (committed)
     num_cached_tokens: int  # leading tokens that were a prefix hit at Allocate
-    location: Literal["device", "host"]
-    # Host slots in token order while on the host; empty while on the device.
-    host_slots: list[int]
+    location: str  # the name of the tier its blocks are on (cachesvc.tiers): DEVICE, "host", ...
+    # Slot ids on the lower tier named by location, in token order; empty while on the device.
+    tier_slots: list[int]
     extra: bytes  # extra_key(model, tenant_salt, adapter_id) of this sequence
     # The prompt as pack_token_ids bytes, kept from Allocate so publishing its blocks (Commit,
     # SwapIn) does not convert the same token ids again. 4 bytes per prompt token.
@@ -40,7 +39,7 @@ class Sequence:
     request_id: str = ""
     tenant: str = ""  # whose quota its blocks count against (SequenceTable's per-tenant limits)
     # Tokens the block table can hold without new blocks: min(len(block_table) * block_size,
-    # max_model_len), 0 while on the host. Kept with the table so the per-step Extend check is
+    # max_model_len), 0 while on a lower tier. Kept with the table so the per-step Extend check is
     # one comparison.
     room: int = 0
     # Leading blocks of block_table already offered to the prefix index (published, a hit, or
@@ -53,7 +52,7 @@ class Sequence:
     @property
     def num_blocks(self) -> int:
         """Blocks held, on whichever tier the sequence lives."""
-        return len(self.block_table) if self.location == DEVICE else len(self.host_slots)
+        return len(self.block_table) if self.location == DEVICE else len(self.tier_slots)
 
 
 @dataclass

@@ -1,8 +1,10 @@
-"""SwapOut / SwapIn: whole sequences between the device pool and the host tier.
+"""Swapping: whole sequences moved between the device tier and a lower tier, one use of the tiers.
 
-``Swapping`` is the part of ``SequenceTable`` these two RPCs run on (the table inherits it):
-kept in its own module because it is the only sequence logic that moves KV bytes, and the
-place a disk tier would plug in. Both calls are all or nothing, as every table call.
+``SequenceTable.swap_out`` / ``swap_in`` validate a call, check the limits and apply its commits;
+``Swapping`` then checks the tiers' room and moves the blocks: it copies them with
+``cachesvc.tiers.copy_blocks``, releases the slots they left, and updates each moved record's
+location, tables and the swap counters. It reads and writes only the records it is handed, the
+tiers and the counters it was built with.
 """
 
 from __future__ import annotations
@@ -10,104 +12,92 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from cachesvc.errors import ResourceExhausted
-from cachesvc.records import DEVICE, HOST, CacheStats, Sequence
-from cachesvc.validation import check_batch, check_unique, owned
-from kvtier.sequence_types import CommitItem, SequenceBlocks
+from cachesvc.tiers import DeviceTier, LowerTier, Tier, copy_blocks
 
 if TYPE_CHECKING:
-    from cachesvc.block_manager import BlockManager
-    from cachesvc.host_tier import HostTier
+    from cachesvc.records import CacheStats, Sequence
 
 
 class Swapping:
-    """``swap_out`` / ``swap_in`` of ``SequenceTable``, over the table's own state."""
+    """Moves sequences' blocks between ``device`` and ``swap_tier`` (None: no swap space); counts
+    them in ``stats``. Swapping in reads each record's tier from its ``location``."""
 
-    # Provided by SequenceTable, as are the _room, _blocks_of, _publish, _check_commit,
-    # _apply_commit methods used here, and _contested and _check_fair_share (cachesvc.limits).
-    block_manager: BlockManager
-    host_tier: HostTier | None
-    block_size: int
-    max_batch: int
-    stats: CacheStats
-    _sequences: dict[int, Sequence]
+    def __init__(self, device: DeviceTier, swap_tier: LowerTier | None, stats: CacheStats) -> None:
+        self.device = device
+        self.swap_tier = swap_tier
+        self.stats = stats
+        self.tiers: dict[str, Tier] = {device.name: device}
+        if swap_tier is not None:
+            self.tiers[swap_tier.name] = swap_tier
 
-    def swap_out(
-        self, lease_id: str, sequence_ids: list[int], commits: list[CommitItem] = ()
-    ) -> tuple[int, int]:
-        """Move whole sequences to the host tier; their device blocks are freed (reverse order,
-        committed ones stay cached). Returns ``(blocks, bytes)`` copied. ``commits`` are applied
-        first (what the sequences computed since the last call), all or nothing.
-        """
-        checked = self._check_commit(lease_id, commits) if commits else []
-        check_batch(len(sequence_ids), self.max_batch)
-        seqs = [owned(self._sequences, lease_id, k, sid) for k, sid in enumerate(sequence_ids)]
-        check_unique(sequence_ids)
-        total = sum(len(seq.block_table) for seq in seqs)
-        host = self.host_tier
-        if host is None:
+    def check_out(self, num_blocks: int) -> LowerTier:
+        """The tier ``num_blocks`` device blocks would go to; ResourceExhausted if none has room."""
+        tier = self.swap_tier
+        if tier is None:
             raise ResourceExhausted("no host tier is configured (swap space 0): cannot swap out")
-        if total > host.num_free_blocks:
+        if num_blocks > tier.num_free_blocks:
             raise ResourceExhausted(
-                f"swap out needs {total} host blocks but only {host.num_free_blocks} of "
-                f"{host.num_blocks} are free"
+                f"swap out needs {num_blocks} {tier.name} blocks but only {tier.num_free_blocks} of "
+                f"{tier.num_blocks} are free"
             )
-        if commits:
-            self._apply_commit(checked, commits)
+        return tier
 
+    def check_in(self, num_blocks: int) -> None:
+        """ResourceExhausted if the device tier has fewer than ``num_blocks`` free blocks."""
+        device = self.device
+        if num_blocks > device.num_free_blocks:
+            raise ResourceExhausted(
+                f"swap in needs {num_blocks} device blocks but only {device.num_free_blocks} of "
+                f"{device.num_blocks} are free"
+            )
+
+    def move_out(self, seqs: list[Sequence]) -> tuple[int, int]:
+        """Copy the device sequences ``seqs`` to the swap tier and release their device blocks
+        (reverse table order: committed ones stay cached). Returns ``(blocks, bytes)`` copied.
+        The caller checked the room (``check_out``)."""
         device_ids = [i for seq in seqs for i in seq.block_table]
-        slots = host.swap_out(device_ids)
-        bm = self.block_manager
+        tier = self.check_out(len(device_ids))
+        slots = tier.allocate(len(device_ids))
+        num_bytes = copy_blocks(self.device, device_ids, tier, slots)
         pos = 0
         for seq in seqs:
             n = len(seq.block_table)
-            seq.host_slots = slots[pos : pos + n]
+            seq.tier_slots = slots[pos : pos + n]
             pos += n
-            bm.free(seq.block_table[::-1])
+            self.device.release(seq.block_table[::-1])
             seq.block_table = []
             seq.room = 0
             seq.cached_blocks = None
-            seq.location = HOST
-        num_bytes = total * host.block_bytes
-        self.stats.num_swap_out_blocks += total
+            seq.location = tier.name
+        self.stats.num_swap_out_blocks += len(device_ids)
         self.stats.num_swap_out_bytes += num_bytes
-        return total, num_bytes
+        return len(device_ids), num_bytes
 
-    def swap_in(self, lease_id: str, sequence_ids: list[int]) -> tuple[list[SequenceBlocks], int, int]:
-        """Move swapped sequences back to fresh device blocks. Returns ``(blocks, num_blocks,
-        num_bytes)``; ``blocks`` carry the new block tables. Committed full blocks are published again.
-        """
-        check_batch(len(sequence_ids), self.max_batch)
-        seqs = [owned(self._sequences, lease_id, k, sid, location=HOST) for k, sid in enumerate(sequence_ids)]
-        check_unique(sequence_ids)
-        total = sum(len(seq.host_slots) for seq in seqs)
-        bm = self.block_manager
-        if self._contested():  # fair share (SequenceTable): swapping in takes device blocks too
-            by_tenant: dict[str, int] = {}
-            for seq in seqs:
-                by_tenant[seq.tenant] = by_tenant.get(seq.tenant, 0) + len(seq.host_slots)
-            self._check_fair_share(by_tenant, total)
-        if total > bm.num_free_blocks:
-            raise ResourceExhausted(
-                f"swap in needs {total} device blocks but only {bm.num_free_blocks} of {bm.num_blocks} are free"
-            )
-
-        new_ids = bm.allocate(total)
-        host = self.host_tier
-        host.swap_in([s for seq in seqs for s in seq.host_slots], new_ids)
+    def move_in(self, seqs: list[Sequence]) -> tuple[int, int]:
+        """Copy the swapped-out sequences ``seqs`` to fresh device blocks (their new block
+        tables) and release the slots they held. Returns ``(blocks, bytes)`` copied. The caller
+        checked the room (``check_in``) and sets what depends on the new tables."""
+        total = sum(len(seq.tier_slots) for seq in seqs)
+        new_ids = self.device.allocate(total)
+        moves: dict[str, tuple[list[int], list[int]]] = {}  # tier name -> (its slots, device ids)
+        tables = []
         pos = 0
         for seq in seqs:
-            n = len(seq.host_slots)
-            seq.block_table = new_ids[pos : pos + n]
-            seq.room = self._room(seq.block_table)
-            seq.cached_blocks = None
+            n = len(seq.tier_slots)
+            tables.append(new_ids[pos : pos + n])
+            slots, device_ids = moves.setdefault(seq.location, ([], []))
+            slots += seq.tier_slots
+            device_ids += tables[-1]
             pos += n
-            seq.host_slots = []
-            seq.location = DEVICE
-            # The copied blocks hold committed KV: offer them to the index again (a duplicate of a
-            # still-cached original is skipped by publish).
-            seq.num_published_blocks = 0
-            self._publish(seq, seq.num_computed_tokens // self.block_size)
-        num_bytes = total * host.block_bytes
+        num_bytes = 0
+        for name, (slots, device_ids) in moves.items():
+            tier = self.tiers[name]
+            num_bytes += copy_blocks(tier, slots, self.device, device_ids)
+            tier.release(slots)
+        for seq, table in zip(seqs, tables, strict=True):
+            seq.block_table = table
+            seq.tier_slots = []
+            seq.location = self.device.name
         self.stats.num_swap_in_blocks += total
         self.stats.num_swap_in_bytes += num_bytes
-        return [self._blocks_of(seq) for seq in seqs], total, num_bytes
+        return total, num_bytes

@@ -2,12 +2,12 @@
 
 Every function here reads state and raises a CacheError naming the offending item
 (``items[3].token_ids[17] = 70000 is out of range [0, 50257)``); none changes anything, so a
-call that fails here leaves the cache as it was (see ``cachesvc.sequences``).
+call that fails here leaves the cache as it was (see ``cachesvc.sequences``). Each condition is
+written once, next to its message: a check is the error it raises. What a check reads is in its
+arguments (the table's sequences dict and bounds), never a table object.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -15,9 +15,6 @@ from cachesvc.errors import FailedPrecondition, InvalidArgument, NotFound, Permi
 from cachesvc.records import DEVICE, Sequence
 from kvtier.block_hash import InvalidHashInput, extra_key, pack_token_ids
 from kvtier.sequence_types import CommitItem, ExtendItem
-
-if TYPE_CHECKING:
-    from cachesvc.sequences import SequenceTable
 
 # Cached extra keys per (tenant_salt, adapter_id); cleared when it grows past this many entries
 # (one salt per request would otherwise grow it without bound).
@@ -49,10 +46,7 @@ def check_item_sizes(
 ) -> None:
     """Bounds of item ``k`` of a call carrying token lists, checked on the wire message before
     any list is built from it: ``num_tokens`` (len of its token ids) and its strings."""
-    if num_tokens > max_model_len:
-        raise InvalidArgument(
-            f"items[{k}]: len(token_ids) = {num_tokens} exceeds max_model_len {max_model_len}"
-        )
+    check_length(k, num_tokens, max_model_len)
     if len(tenant_salt) > MAX_SALT_BYTES // 4:
         check_text(f"items[{k}].tenant_salt", tenant_salt, MAX_SALT_BYTES)
     if len(adapter_id) > MAX_NAME_BYTES // 4:
@@ -61,19 +55,44 @@ def check_item_sizes(
         check_text(f"items[{k}].request_id", request_id, MAX_NAME_BYTES)
 
 
+def check_length(k: int, num_tokens: int, max_model_len: int) -> None:
+    """InvalidArgument if item ``k``'s ``num_tokens`` token ids exceed ``max_model_len``."""
+    if num_tokens > max_model_len:
+        raise InvalidArgument(
+            f"items[{k}]: len(token_ids) = {num_tokens} exceeds max_model_len {max_model_len}"
+        )
+
+
+def check_allocate_item(k: int, num_tokens: int, lookahead: int, max_model_len: int) -> None:
+    """Allocate item ``k``: ``num_tokens`` prompt tokens plus ``lookahead`` slots must be a
+    non-empty sequence that fits ``max_model_len``."""
+    if not 1 <= num_tokens <= max_model_len:
+        raise InvalidArgument(
+            f"items[{k}]: len(token_ids) = {num_tokens} is not in [1, max_model_len {max_model_len}]"
+        )
+    if lookahead < 0:
+        raise InvalidArgument(f"items[{k}].num_lookahead_tokens = {lookahead} must be >= 0")
+    if num_tokens + lookahead > max_model_len:
+        raise InvalidArgument(
+            f"items[{k}]: len(token_ids) + num_lookahead_tokens = {num_tokens + lookahead} exceeds "
+            f"max_model_len {max_model_len}"
+        )
+
+
 def owned(
-    sequences: dict[int, Sequence], lease_id: str, k: int, sequence_id: int, *, location: str | None = DEVICE
+    sequences: dict[int, Sequence], lease_id: str, k: int, sequence_id: int, *, on_device: bool | None = True
 ) -> Sequence:
-    """The sequence of item ``k``, checked for existence, ownership and (optionally) location."""
+    """The sequence of item ``k``, checked for existence, ownership and (unless ``on_device`` is
+    None) whether its blocks are on the device tier (True) or on a lower tier (False)."""
     seq = sequences.get(sequence_id)
     if seq is None:
         raise NotFound(f"items[{k}].sequence_id = {sequence_id} is not a live sequence")
     if seq.lease_id != lease_id:
         raise PermissionDenied(f"items[{k}].sequence_id = {sequence_id} belongs to another lease")
-    if location is not None and seq.location != location:
-        if location == DEVICE:
+    if on_device is not None and (seq.location == DEVICE) != on_device:
+        if on_device:
             raise FailedPrecondition(
-                f"items[{k}].sequence_id = {sequence_id} is swapped out to the host tier; SwapIn it first"
+                f"items[{k}].sequence_id = {sequence_id} is swapped out to the {seq.location} tier; SwapIn it first"
             )
         raise FailedPrecondition(f"items[{k}].sequence_id = {sequence_id} is already on the device")
     return seq
@@ -133,62 +152,74 @@ class ExtraKeys:
         return extra
 
 
-# ---------------------------------------------------------------- naming the first bad item
-# Allocate, Extend and Commit validate each item with one combined test (Extend and Commit run
-# every decode step); when it fails, these name the error (of the first bad item of the batch).
+# ---------------------------------------------------------------- Extend and Commit
+# These run every decode step; each returns the items' sequences so the caller walks them once.
 
 
-def raise_allocate_error(k: int, num_tokens: int, lookahead: int, max_model_len: int) -> None:
-    """Raise the error of Allocate item ``k`` (``num_tokens`` prompt tokens)."""
-    if not 1 <= num_tokens <= max_model_len:
-        raise InvalidArgument(
-            f"items[{k}]: len(token_ids) = {num_tokens} is not in [1, max_model_len {max_model_len}]"
-        )
-    if lookahead < 0:
-        raise InvalidArgument(f"items[{k}].num_lookahead_tokens = {lookahead} must be >= 0")
-    raise InvalidArgument(
-        f"items[{k}]: len(token_ids) + num_lookahead_tokens = {num_tokens + lookahead} exceeds "
-        f"max_model_len {max_model_len}"
-    )
-
-
-def raise_extend_error(
-    table: SequenceTable, lease_id: str, items: list[ExtendItem], pending: dict[int, int] | None = None
-) -> None:
-    """Raise the error of the first bad Extend item (``pending``: tokens the call's commits
-    append, per sequence id)."""
+def extend_sequences(
+    sequences: dict[int, Sequence],
+    lease_id: str,
+    items: list[ExtendItem],
+    max_model_len: int,
+    pending: dict[int, int] | None = None,
+) -> list[Sequence]:
+    """The sequences of Extend ``items``, in order, after checking each (``pending``: tokens
+    the call's commits append, per sequence id)."""
+    seqs = []
     for k, (sid, num_tokens) in enumerate(items):
-        seq = owned(table._sequences, lease_id, k, sid)
+        seq = owned(sequences, lease_id, k, sid)
         if num_tokens < 0:
             raise InvalidArgument(f"items[{k}].num_tokens = {num_tokens} must be >= 0")
         have = len(seq.token_ids) + (pending.get(sid, 0) if pending else 0)
-        need = have + num_tokens
-        if need > table.max_model_len:
+        if have + num_tokens > max_model_len:
             after = " (after the call's commits)" if pending else ""
             raise InvalidArgument(
-                f"items[{k}]: {have} tokens{after} + num_tokens {num_tokens} = {need} exceeds "
-                f"max_model_len {table.max_model_len}"
+                f"items[{k}]: {have} tokens{after} + num_tokens {num_tokens} = {have + num_tokens} exceeds "
+                f"max_model_len {max_model_len}"
             )
-    raise AssertionError("extend validation disagrees with its error path")
+        seqs.append(seq)
+    if len(items) > 1:
+        check_unique([sid for sid, _ in items])
+    return seqs
 
 
-def raise_commit_error(table: SequenceTable, lease_id: str, items: list[CommitItem]) -> None:
-    """Raise the error of the first bad Commit item."""
-    bs = table.block_size
+def commit_sequences(
+    sequences: dict[int, Sequence],
+    lease_id: str,
+    items: list[CommitItem],
+    block_size: int,
+    max_model_len: int,
+    vocab_size: int,
+) -> list[Sequence]:
+    """The sequences of Commit ``items``, in order, after checking each: the tokens after
+    appending fit the block table and ``max_model_len``, ``num_computed_tokens`` never decreases
+    nor exceeds them, and every new token id is in [0, vocab_size)."""
+    seqs = []
     for k, (sid, new_tokens, num_computed) in enumerate(items):
-        seq = owned(table._sequences, lease_id, k, sid)
+        seq = owned(sequences, lease_id, k, sid)
         n = len(seq.token_ids) + len(new_tokens)
-        slots = len(seq.block_table) * bs
+        slots = len(seq.block_table) * block_size
         if n > slots:
             raise InvalidArgument(
                 f"items[{k}]: {len(seq.token_ids)} tokens + {len(new_tokens)} new = {n} exceed the "
                 f"sequence's {slots} slots; Extend it first"
             )
-        if n > table.max_model_len:
-            raise InvalidArgument(f"items[{k}]: {n} tokens exceed max_model_len {table.max_model_len}")
+        if n > max_model_len:
+            raise InvalidArgument(f"items[{k}]: {n} tokens exceed max_model_len {max_model_len}")
         if not seq.num_computed_tokens <= num_computed <= n:
             raise InvalidArgument(
                 f"items[{k}].num_computed_tokens = {num_computed} is not in "
                 f"[{seq.num_computed_tokens} (already computed), {n} (tokens)]"
             )
-    raise AssertionError("commit validation disagrees with its error path")
+        # A decode step commits a token or a few: a Python loop beats packing for those.
+        if len(new_tokens) > 32:
+            pack_checked(f"items[{k}]", new_tokens, vocab_size)
+        else:
+            for t in new_tokens:
+                if type(t) is not int or not 0 <= t < vocab_size:
+                    pack_checked(f"items[{k}]", new_tokens, vocab_size)
+                    break
+        seqs.append(seq)
+    if len(items) > 1:
+        check_unique([item[0] for item in items])
+    return seqs

@@ -78,7 +78,7 @@ class SequenceTableMachine(RuleBasedStateMachine):
 
     def snapshot(self) -> tuple:
         bm = self.table.block_manager
-        host = self.table.host_tier
+        host = self.table.swap_tier
         return (
             bm.free_block_ids(),
             [(b.ref_cnt, b.block_hash) for b in bm.blocks],
@@ -200,7 +200,7 @@ class SequenceTableMachine(RuleBasedStateMachine):
     def swap_in(self, data: st.DataObject) -> None:
         sid = data.draw(st.sampled_from(self.live(location="host")))
         seq = self.table.get(sid)
-        written = [int(v) for s in seq.host_slots for v in self.table.host_tier.slots[s]]
+        written = [int(v) for s in seq.tier_slots for v in self.table.swap_tier.slots[s]]
         lease = seq.lease_id
         out: list = []
         if self.expect_failure(lambda: out.append(self.table.swap_in(lease, [sid])), CacheError):

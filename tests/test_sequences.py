@@ -55,7 +55,7 @@ def alloc_commit_free(table: SequenceTable, tokens: list[int], **kw) -> None:
 def snapshot(table: SequenceTable) -> tuple:
     """Everything a failed call must leave alone, LRU order and counters included."""
     bm = table.block_manager
-    host = table.host_tier
+    host = table.swap_tier
     return (
         bm.free_block_ids(),
         [(b.ref_cnt, b.block_hash) for b in bm.blocks],
@@ -314,9 +314,9 @@ def test_free_lease_releases_device_and_host_sequences() -> None:
     b = alloc(table, [1, 2])
     c = alloc(table, [3], lease=OTHER)
     table.swap_out(LEASE, [b])
-    assert table.host_tier.num_used_blocks == 1
+    assert table.swap_tier.num_used_blocks == 1
     assert table.free_lease(LEASE) == 3
-    assert table.host_tier.num_used_blocks == 0
+    assert table.swap_tier.num_used_blocks == 0
     assert [s.sequence_id for s in table.sequences()] == [c]
     assert table.sequences_of(LEASE) == []
     assert table.free_lease("no-such-lease") == 0
@@ -336,16 +336,16 @@ def test_an_expired_lease_s_blocks_with_uncommitted_slots_are_fenced_until_their
     other = alloc(table, [7], lease=OTHER)
     free_before = table.block_manager.num_free_blocks
     assert table.free_lease(LEASE, fence_until=100.0) == 2  # the two committed blocks
-    assert table.num_fenced_blocks == 2
+    assert table.fencing.num_fenced_blocks == 2
     assert table.block_manager.num_free_blocks == free_before + 2
     table.check_invariants()
     # Nothing can take a fenced block: allocating every free block leaves them out.
-    fenced = {i for _, ids, _ in table.fenced for i in ids}
+    fenced = {i for _, ids, _ in table.fencing.fenced for i in ids}
     taken = alloc(table, [9] * (BS * table.block_manager.num_free_blocks), lease=OTHER)
     assert not fenced & set(table.get(taken).block_table)
     table.free(OTHER, [taken, other])
-    assert table.release_fenced(now=99.0) == 0 and table.num_fenced_blocks == 2
-    assert table.release_fenced(now=100.0) == 2 and table.num_fenced_blocks == 0
+    assert table.fencing.release_fenced(now=99.0) == 0 and table.fencing.num_fenced_blocks == 2
+    assert table.fencing.release_fenced(now=100.0) == 2 and table.fencing.num_fenced_blocks == 0
     assert table.block_manager.num_free_blocks == 8
     table.check_invariants()
 
@@ -469,13 +469,13 @@ def fill_pattern(pool: torch.Tensor, block_ids: list[int], seed: int) -> list[to
 
 def test_swap_round_trip_preserves_bytes() -> None:
     table = make_table(num_blocks=12, host_blocks=8)
-    pool = table.host_tier.pool
+    pool = table.swap_tier.pool
     a = alloc(table, list(range(10)))  # 3 blocks
     b = alloc(table, list(range(20, 26)))  # 2 blocks
     table.commit(LEASE, [(a, [], 10), (b, [], 6)])
     data_a = fill_pattern(pool, table.get(a).block_table, seed=1)
     data_b = fill_pattern(pool, table.get(b).block_table, seed=2)
-    assert table.swap_out(LEASE, [a, b]) == (5, 5 * table.host_tier.block_bytes)
+    assert table.swap_out(LEASE, [a, b]) == (5, 5 * table.swap_tier.block_bytes)
     assert table.get(a).location == "host" and table.get(a).block_table == []
     table.check_invariants()
     # Reuse the freed device blocks so a stale table would read garbage.
@@ -483,13 +483,13 @@ def test_swap_round_trip_preserves_bytes() -> None:
     pool[table.get(filler).block_table] = -1.0
     table.free(LEASE, [filler])
     views, num_blocks, num_bytes = table.swap_in(LEASE, [b, a])
-    assert (num_blocks, num_bytes) == (5, 5 * table.host_tier.block_bytes)
+    assert (num_blocks, num_bytes) == (5, 5 * table.swap_tier.block_bytes)
     assert [v.sequence_id for v in views] == [b, a]
     assert [len(v.block_table) for v in views] == [2, 3]
     for view, data in ((views[0], data_b), (views[1], data_a)):
         for block_id, expected in zip(view.block_table, data, strict=True):
             assert torch.equal(pool[block_id], expected)
-    assert table.host_tier.num_used_blocks == 0
+    assert table.swap_tier.num_used_blocks == 0
     stats = table.stats
     assert (stats.num_swap_out_blocks, stats.num_swap_in_blocks) == (5, 5)
     assert stats.num_swap_in_bytes == stats.num_swap_out_bytes == 5 * pool[0].numel() * 4

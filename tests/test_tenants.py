@@ -315,10 +315,10 @@ def test_quota_counts_follow_allocate_extend_swap_and_free():
     (b,) = table.allocate("L", [TableItem([5] * 16, tenant="b")])  # 4 blocks: the lease holds 10
     with pytest.raises(ResourceExhausted, match="--max-blocks-per-lease"):
         table.allocate("L", [TableItem([6] * 4, tenant="b")])
-    assert table.tenant_blocks == {"a": 6, "b": 4} and table.lease_blocks == {"L": 10}
+    assert table.limits.tenant_blocks == {"a": 6, "b": 4} and table.limits.lease_blocks == {"L": 10}
     table.check_invariants()
     table.free("L", [s1.sequence_id, s2.sequence_id, b.sequence_id])
-    assert table.tenant_blocks == {} and table.lease_blocks == {}
+    assert table.limits.tenant_blocks == {} and table.limits.lease_blocks == {}
     table.check_invariants()
 
 
@@ -424,7 +424,7 @@ def test_fair_share_refuses_only_over_share_tenants_and_only_under_pressure():
     table.swap_out("A", [a[0], a[1]])  # a 18 on the device; 8 free
     with pytest.raises(ResourceExhausted, match="tenant 'a' holds 18 device blocks"):
         table.swap_in("A", [a[0], a[1]])
-    assert table.tenant_blocks == {"a": 26, "b": 6}  # both tiers, as quotas count them
+    assert table.limits.tenant_blocks == {"a": 26, "b": 6}  # both tiers, as quotas count them
     table.free("B", [b, b2])
     table.swap_in("A", [a[0], a[1]])  # b is gone: one tenant, no fair share
     table.check_invariants()
@@ -436,5 +436,5 @@ def test_fair_share_off_and_one_tenant_keep_the_old_behaviour():
         held = [grab(table, "A", first, 4, k) for k in range(6)]
         grab(table, "B", second, 2, 50)
         held.append(grab(table, "A", first, 4, 60))  # leaves 2 free: no fair share refuses it
-        assert table.block_manager.num_free_blocks == 2 and not table.waiting_tenants
+        assert table.block_manager.num_free_blocks == 2 and not table.limits.waiting_tenants
         table.check_invariants()
