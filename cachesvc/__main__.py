@@ -63,6 +63,9 @@ class PoolPlan:
 def plan_pool(cfg: CacheConfig, shape: ModelShape) -> PoolPlan:
     backend = default_backend() if cfg.backend == "auto" else cfg.backend
     dtype = kv_dtypes.pool_dtype(cfg.dtype, backend, shape.dtype)
+    reason = kv_dtypes.unsupported_reason(dtype, f"cuda:{cfg.device}" if backend == "cuda" else "cpu")
+    if reason:
+        raise ValueError(f"--kv-cache-dtype {cfg.dtype}: {reason}")
     block_bytes = shape.block_bytes(cfg.block_size, dtype)
     if cfg.num_blocks is not None:
         num_blocks = cfg.num_blocks
@@ -153,7 +156,9 @@ async def _serve_pool(cfg: CacheConfig, shape: ModelShape, plan: PoolPlan, pool,
     # error need not wait for; by now create_pool has imported torch anyway.
     from cachesvc.host_tier import HostTier
 
-    host_tier = HostTier.from_bytes(pool.tensor, int(cfg.swap_space * GIB)) if cfg.swap_space > 0 else None
+    # Whole blocks as bytes ([num_blocks, block_bytes] uint8): a quantized block's scales travel
+    # with its codes, and every dtype swaps as one memcpy per block.
+    host_tier = HostTier.from_bytes(pool.rows, int(cfg.swap_space * GIB)) if cfg.swap_space > 0 else None
     num_host = host_tier.num_blocks if host_tier else 0
     log.info(
         "KV pool: %s %s, %d blocks x %d tokens = %d tokens of capacity, %s (%d bytes per block); "

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 
 from kvtier import __version__
 from kvtier.auth import default_cache_address
+from kvtier.kv_dtypes import KV_CACHE_DTYPE_CHOICES
 
 GIB = 1 << 30
 
@@ -110,10 +111,15 @@ def build_parser(prog: str = "python -m cachesvc") -> argparse.ArgumentParser:
     )
     pool.add_argument("--device", type=int, default=0, help="CUDA device index for the cuda backend")
     pool.add_argument(
+        "--kv-cache-dtype",
         "--dtype",
-        choices=["auto", "float32", "float16", "bfloat16"],
+        dest="dtype",
+        choices=KV_CACHE_DTYPE_CHOICES,
         default="auto",
-        help="KV element type; auto = the model's dtype on cuda, float32 on cpu-shm",
+        help="KV element type (vLLM's names); auto = the model's dtype on cuda, float32 on cpu-shm; "
+        "fp8 (= fp8_e4m3), fp8_e5m2 and int8 store one byte per element plus a float32 scale per "
+        "token and KV head inside each block (about half of bf16's bytes); compute runs the weights "
+        "in the model's dtype then",
     )
     pool.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64], help="tokens per block")
     pool.add_argument("--num-blocks", type=int, help="blocks in the pool (overrides the memory-based sizing)")

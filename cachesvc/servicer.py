@@ -266,7 +266,9 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
 
     @rpc
     async def GetStats(self, request, context):
-        return stats_to_proto(self.node.snapshot())
+        reply = stats_to_proto(self.node.snapshot())
+        reply.kv_cache_dtype, reply.block_bytes = self.pool_spec.dtype, self.pool_spec.block_bytes
+        return reply
 
     async def WatchEvents(self, request, context):
         """Events after ``since_event_id``, read from the shared log one chunk at a time.

@@ -30,15 +30,13 @@ from transformers import (
 )
 
 from computesvc.paged_attention import ATTN_IMPLEMENTATION, PagedBatch, use_paged_attention
+from kvtier import kv_dtypes
 from kvtier.generation_config import GENERATION_CONFIG, describe, read_generation_defaults
 from kvtier.memory_plan import check_replica_fits, model_needs
 from kvtier.model_spec import TINY_LLAMA_CONFIG, ModelShape
 from kvtier.tokenizer import load_tokenizer
 
 log = logging.getLogger("kvtier.compute")
-
-_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
 
 # --- the built-in tiny model -------------------------------------------------------------------
 
@@ -51,7 +49,16 @@ def build_tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> Llama
     unit embeddings) spreads the logits enough that greedy decoding has clear winners.
     """
     config = LlamaConfig(**TINY_LLAMA_CONFIG, attn_implementation="eager")
-    model = LlamaForCausalLM(config)
+    model = seed_weights(LlamaForCausalLM(config), seed)
+    model.generation_config.bos_token_id = config.bos_token_id
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.generation_config.pad_token_id = config.eos_token_id
+    return model.to(dtype).eval()
+
+
+def seed_weights(model: PreTrainedModel, seed: int) -> PreTrainedModel:
+    """Draw every parameter of `model` from a generator seeded with `seed`, in name order: norms
+    1 + N(0, 0.1), embeddings N(0, 1), the rest N(0, 1 / fan_in) (biases included). Returns it."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
@@ -62,10 +69,7 @@ def build_tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> Llama
             else:
                 values = torch.randn(param.shape, generator=generator) / param.shape[-1] ** 0.5
             param.copy_(values)
-    model.generation_config.bos_token_id = config.bos_token_id
-    model.generation_config.eos_token_id = config.eos_token_id
-    model.generation_config.pad_token_id = config.eos_token_id
-    return model.to(dtype).eval()
+    return model
 
 
 # --- loading -----------------------------------------------------------------------------------
@@ -104,21 +108,21 @@ def load_model(
     free device memory is checked first (`check_device_memory`): MemoryPlanError (a ValueError)
     with the numbers when the weights and the activation reserve do not fit.
     """
-    if dtype != "auto" and dtype not in _TORCH_DTYPES:
-        raise ValueError(f"dtype must be 'auto' or one of {sorted(_TORCH_DTYPES)}, got {dtype!r}")
+    if dtype != "auto" and dtype not in kv_dtypes.MODEL_DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(kv_dtypes.MODEL_DTYPES)}, got {dtype!r}")
     if torch.device(device).type == "cuda":
         run_dtype = dtype
         if dtype == "auto":
             run_dtype = ModelShape.from_model_dir(model_dir).dtype if model_dir else "float32"
         check_device_memory(model_dir, run_dtype, device, activation_reserve_bytes)
     if model_dir is None:
-        model = build_tiny_model(seed, _TORCH_DTYPES["float32" if dtype == "auto" else dtype])
+        model = build_tiny_model(seed, kv_dtypes.torch_dtype("float32" if dtype == "auto" else dtype))
         shape = ModelShape.tiny(seed)
     else:
         # Reads config.json first: an unsupported model fails here, before any weight is read.
         shape = ModelShape.from_model_dir(model_dir)
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-        torch_dtype = _TORCH_DTYPES[shape.dtype if dtype == "auto" else dtype]
+        torch_dtype = kv_dtypes.torch_dtype(shape.dtype if dtype == "auto" else dtype)
         model = AutoModelForCausalLM.from_pretrained(
             model_dir, config=config, dtype=torch_dtype, local_files_only=True
         )
@@ -165,6 +169,30 @@ def _eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -
 # --- the runner --------------------------------------------------------------------------------
 
 
+def check_pool_readable(pool: torch.Tensor, kv_scales: torch.Tensor | None, model: PreTrainedModel) -> None:
+    """Raise ValueError, naming the pool's dtype and the model's, unless this model's attention
+    can read `pool`: a model dtype pool must be the model's own dtype on its device; a quantized
+    one needs its scales and kernels that decode it on this device (kv_dtypes.unsupported_reason)."""
+    entry = kv_dtypes.of_torch(pool.dtype)
+    model_dtype = kv_dtypes.of_torch(model.dtype).name
+    if pool.device != model.device:
+        raise ValueError(f"pool is on {pool.device}, the model runs on {model.device}")
+    if not entry.needs_scales:
+        if pool.dtype != model.dtype:
+            raise ValueError(
+                f"pool dtype {entry.name} cannot be read by a model running {model_dtype}: a "
+                f"{entry.name} pool is read as it is; run the model in {entry.name}"
+            )
+        return
+    if kv_scales is None or kv_scales.shape != pool.shape[:5] or kv_scales.dtype != torch.float32:
+        raise ValueError(f"a {entry.name} pool needs its float32 scales {list(pool.shape[:5])}")
+    reason = kv_dtypes.unsupported_reason(entry.name, pool.device)
+    if reason:
+        raise ValueError(
+            f"pool dtype {entry.name} cannot be read by this replica (model {model_dtype}): {reason}"
+        )
+
+
 @dataclass
 class PrefillInput:
     """One sequence's share of a prefill forward.
@@ -183,11 +211,19 @@ class ModelRunner:
     """Runs prefill and decode forwards of one model over a block-major KV pool.
 
     pool: [num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim], on the model's
-    device and in its dtype. Layer l reads and writes the views pool[:, l, 0] and pool[:, l, 1]
-    (no copies), so what the runner writes is what the cache service sees.
+    device and in its dtype, or in a quantized dtype (kvtier.kv_dtypes) with `kv_scales`
+    [num_blocks, num_layers, 2, block_size, num_kv_heads] float32 (kvtier.pool: the scales live
+    in each block). Layer l reads and writes the views pool[:, l, 0] and pool[:, l, 1] (no
+    copies), so what the runner writes is what the cache service sees.
     """
 
-    def __init__(self, model: PreTrainedModel, pool: torch.Tensor, block_size: int):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        pool: torch.Tensor,
+        block_size: int,
+        kv_scales: torch.Tensor | None = None,
+    ):
         config = model.config
         if config._attn_implementation != ATTN_IMPLEMENTATION:
             raise ValueError(
@@ -208,10 +244,7 @@ class ModelRunner:
                 f"pool shape {tuple(pool.shape)} does not match the model: expected "
                 f"[num_blocks, {', '.join(map(str, expected))}] (layers, K/V, block_size, kv heads, head_dim)"
             )
-        if pool.dtype != model.dtype or pool.device != model.device:
-            raise ValueError(
-                f"pool is {pool.dtype} on {pool.device}, the model runs {model.dtype} on {model.device}"
-            )
+        check_pool_readable(pool, kv_scales, model)
         self.model = model
         self.pool = pool
         self.block_size = block_size
@@ -220,15 +253,19 @@ class ModelRunner:
         self.device = pool.device
         self.k_caches = [pool[:, layer, 0] for layer in range(config.num_hidden_layers)]
         self.v_caches = [pool[:, layer, 1] for layer in range(config.num_hidden_layers)]
+        layers = range(config.num_hidden_layers)
+        self.k_scales = None if kv_scales is None else [kv_scales[:, layer, 0] for layer in layers]
+        self.v_scales = None if kv_scales is None else [kv_scales[:, layer, 1] for layer in layers]
         # Returns the monotonic time until which the blocks are surely ours (the replica's lease).
         self.write_deadline: Callable[[], float] = lambda: float("inf")
 
-    def prefill(self, seqs: list[PrefillInput]) -> torch.Tensor:
+    def prefill(self, seqs: list[PrefillInput], all_logits: bool = False) -> torch.Tensor:
         """One packed forward over the new tokens of all `seqs`; writes their K/V into the pool.
 
         A sequence may start mid-way (start_pos > 0: a prefix hit or a later chunk); its
         attention covers the cached prefix plus its new tokens, causally. Returns fp32 logits
-        of each sequence's last new token, [num_seqs, vocab_size].
+        of each sequence's last new token, [num_seqs, vocab_size], or with `all_logits` of every
+        new token, [num_new_tokens, vocab_size] (perplexity).
         """
         if not seqs:
             raise ValueError("prefill needs at least one sequence")
@@ -253,7 +290,7 @@ class ModelRunner:
         max_query_len = max(len(seq.token_ids) for seq in seqs)
         batch = self._batch(slots, tables, seq_lens, cu_query_lens, max_query_len)
         last = torch.tensor(cu_query_lens[1:], device=self.device) - 1
-        return self._forward(token_ids, positions, batch, logits_to_keep=last)
+        return self._forward(token_ids, positions, batch, logits_to_keep=0 if all_logits else last)
 
     def decode(
         self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]
@@ -316,6 +353,8 @@ class ModelRunner:
             cu_query_lens=None if cu_query_lens is None else int32(cu_query_lens),
             k_caches=self.k_caches,
             v_caches=self.v_caches,
+            k_scales=self.k_scales,
+            v_scales=self.v_scales,
             max_seq_len=max(seq_lens),
             max_query_len=max_query_len,
             write_deadline=self.write_deadline(),

@@ -30,8 +30,9 @@ class PagedBatch:
     block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32, tokens in the pool
     after this forward. cu_query_lens: [num_seqs + 1] int32 for prefill, None for decode (one
     token per sequence). k_caches / v_caches: per-layer views [num_blocks, block_size,
-    num_kv_heads, head_dim] of the pool. max_seq_len / max_query_len: host-side bounds the
-    Triton kernels take to spare a device sync.
+    num_kv_heads, head_dim] of the pool. k_scales / v_scales: per-layer views [num_blocks,
+    block_size, num_kv_heads] float32 of a quantized pool's scales, else None. max_seq_len /
+    max_query_len: host-side bounds the Triton kernels take to spare a device sync.
     """
 
     slot_mapping: torch.Tensor
@@ -42,6 +43,8 @@ class PagedBatch:
     v_caches: list[torch.Tensor]
     max_seq_len: int
     max_query_len: int
+    k_scales: list[torch.Tensor] | None = None
+    v_scales: list[torch.Tensor] | None = None
     # Monotonic time after which this process may no longer hold its blocks (lease fencing).
     write_deadline: float = float("inf")
 
@@ -82,11 +85,21 @@ def paged_attention_forward(
     # SIGSTOPped) past its lease never writes into blocks the cache may have reassigned.
     if time.monotonic() > batch.write_deadline:
         raise LeaseExpired(f"lease deadline passed before layer {layer}'s KV write; the step is abandoned")
-    write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+    scales = {}
+    if batch.k_scales is not None and batch.v_scales is not None:
+        scales = {"k_scale": batch.k_scales[layer], "v_scale": batch.v_scales[layer]}
+    write_kv(k, v, k_cache, v_cache, batch.slot_mapping, **scales)
     scale = module.scaling if scaling is None else scaling
     if batch.cu_query_lens is None:
         out = paged_decode_attention(
-            q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale, max_seq_len=batch.max_seq_len
+            q,
+            k_cache,
+            v_cache,
+            batch.block_tables,
+            batch.seq_lens,
+            scale,
+            max_seq_len=batch.max_seq_len,
+            **scales,
         )
     else:
         out = paged_prefill_attention(
@@ -98,6 +111,7 @@ def paged_attention_forward(
             batch.seq_lens,
             scale,
             max_query_len=batch.max_query_len,
+            **scales,
         )
     return out.unsqueeze(0), None
 

@@ -25,6 +25,7 @@ from computesvc.request import Request
 from computesvc.scheduler import Scheduler, SchedulerConfig
 from kvtier.api_keys import ApiKeys
 from kvtier.cache_client import CacheClient
+from kvtier.kv_dtypes import weights_dtype
 from kvtier.model_spec import ModelShape
 from kvtier.pool import PoolSpec, attach_pool
 
@@ -118,7 +119,7 @@ class Replica:
                 None,
                 lambda: load_model(
                     self.cfg.model,
-                    dtype=client.pool.dtype,
+                    dtype=weights_dtype(client.pool.dtype, client.pool.backend, self.shape.dtype),
                     device=device,
                     seed=self.cfg.seed,
                     activation_reserve_bytes=self.cfg.activation_reserve_bytes(),
@@ -147,7 +148,7 @@ class Replica:
         self.client = client
         self._renewed(self._attach_sent_at)
         old, self.pool = self.pool, attach_pool(client.pool)
-        runner = ModelRunner(self.loaded.model, self.pool.tensor, client.pool.block_size)
+        runner = ModelRunner(self.loaded.model, self.pool.tensor, client.pool.block_size, self.pool.scales)
         runner.write_deadline = self._lease_deadline
         cache = RemoteCache(client, on_renewed=self._renewed)
         if self.scheduler is None:

@@ -12,7 +12,10 @@ Where the work runs (`backend(device)` says which):
 
 The pool is read through per-layer views `[num_blocks, block_size, num_kv_heads, head_dim]` with
 any block stride (`pool[:, layer, 0]` / `pool[:, layer, 1]` of the block-major pool); the last
-dimension must be contiguous.
+dimension must be contiguous. A quantized cache (fp8_e4m3, fp8_e5m2, int8; kvtier.kv_dtypes)
+comes with `k_scale` / `v_scale`, float32 views `[num_blocks, block_size, num_kv_heads]` (any
+block stride, the rest dense) holding one scale per token-head: writes quantize, reads dequantize
+(reference.quantize_ref), and the queries may be any model dtype.
 
 NOTE: transformers probes for a hub package whose import name is also `kernels`. It finds this
 one, maps it to the `kvtier` distribution and rejects its version, so it never imports from us.
@@ -33,6 +36,7 @@ from kvtier import kv_dtypes
 __all__ = ["backend", "paged_decode_attention", "paged_prefill_attention", "write_kv"]
 
 _DTYPES = tuple(kv_dtypes.torch_dtype(name) for name in kv_dtypes.MODEL_DTYPES)
+_QUANTIZED = tuple(kv_dtypes.torch_dtype(name) for name in kv_dtypes.QUANTIZED_DTYPES)
 
 
 def backend(device: torch.device | str | None = None) -> str:
@@ -55,11 +59,14 @@ def paged_decode_attention(
     *,
     num_splits: int | None = None,
     max_seq_len: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged context (MHA, GQA, MQA).
 
     q: [num_seqs, num_heads, head_dim]. k_cache, v_cache: [num_blocks, block_size,
-    num_kv_heads, head_dim], same dtype as q (fp32, fp16 or bf16). block_tables:
+    num_kv_heads, head_dim], same dtype as q (fp32, fp16 or bf16), or quantized with k_scale /
+    v_scale (module doc). block_tables:
     [num_seqs, max_blocks] int32, the block ids of each sequence in order (entries past its
     length are never read). seq_lens: [num_seqs] int32, context length in tokens including the
     new token, whose K/V must already be written; 0 marks a padding row (output zeros).
@@ -72,6 +79,7 @@ def paged_decode_attention(
     Returns [num_seqs, num_heads, head_dim] in q's dtype.
     """
     _check_cache(q, k_cache, v_cache, num_query_heads=q.shape[1] if q.dim() == 3 else 0)
+    _check_scales(k_cache, k_scale, v_scale)
     _check_index("block_tables", block_tables, 2, q.device)
     _check_index("seq_lens", seq_lens, 1, q.device)
     if block_tables.shape[0] != q.shape[0] or seq_lens.shape[0] != q.shape[0]:
@@ -81,7 +89,9 @@ def paged_decode_attention(
         )
     kind = backend(q.device)
     if kind == "torch":
-        return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
+        return paged_decode_attention_ref(
+            q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale
+        )
     from kernels import decode_attention
 
     return decode_attention.paged_decode_attention(
@@ -93,6 +103,8 @@ def paged_decode_attention(
         scale,
         num_splits=num_splits,
         max_seq_len=max_seq_len,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 
@@ -106,6 +118,8 @@ def paged_prefill_attention(
     scale: float,
     *,
     max_query_len: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of new tokens over their sequence's cached prefix plus themselves.
 
@@ -116,9 +130,10 @@ def paged_prefill_attention(
     [num_seqs, max_blocks] int32. Query j of sequence i sits at position
     seq_lens[i] - query_len_i + j and attends to positions <= its own.
     Triton only: max_query_len, an upper bound of the query lengths, spares a device sync.
-    Returns [num_query_tokens, num_heads, head_dim] in q's dtype.
+    k_scale, v_scale: a quantized cache's scales (module doc). Returns [num_query_tokens, num_heads, head_dim] in q's dtype.
     """
     _check_cache(q, k_cache, v_cache, num_query_heads=q.shape[1] if q.dim() == 3 else 0)
+    _check_scales(k_cache, k_scale, v_scale)
     _check_index("block_tables", block_tables, 2, q.device)
     _check_index("cu_query_lens", cu_query_lens, 1, q.device)
     _check_index("seq_lens", seq_lens, 1, q.device)
@@ -130,7 +145,9 @@ def paged_prefill_attention(
         )
     kind = backend(q.device)
     if kind == "torch":
-        return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_query_lens, seq_lens, scale)
+        return paged_prefill_attention_ref(
+            q, k_cache, v_cache, block_tables, cu_query_lens, seq_lens, scale, k_scale, v_scale
+        )
     from kernels import prefill_attention
 
     return prefill_attention.paged_prefill_attention(
@@ -142,6 +159,8 @@ def paged_prefill_attention(
         seq_lens.contiguous(),
         scale,
         max_query_len=max_query_len,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 
@@ -151,10 +170,14 @@ def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Scatter new tokens' K/V into their pool slots, in place.
 
-    k, v: [num_tokens, num_kv_heads, head_dim] (cast to the cache dtype). k_cache, v_cache:
+    k, v: [num_tokens, num_kv_heads, head_dim] (cast to the cache dtype, or quantized per
+    token-head into a quantized cache, whose scales k_scale / v_scale receive). k_cache, v_cache:
     [num_blocks, block_size, num_kv_heads, head_dim]. slot_mapping: [num_tokens] int32 or int64,
     slot = block_id * block_size + offset in the block; a negative slot skips the token (padding).
     Slots must be < num_blocks * block_size: the Triton path does not check (that would cost a
@@ -165,15 +188,24 @@ def write_kv(
             f"k {tuple(k.shape)} and v {tuple(v.shape)} must both be [num_tokens, num_kv_heads, head_dim]"
         )
     _check_cache(k, k_cache, v_cache, num_query_heads=None)
+    _check_scales(k_cache, k_scale, v_scale)
     _check_index("slot_mapping", slot_mapping, 1, k.device, dtypes=(torch.int32, torch.int64))
     if slot_mapping.shape[0] != k.shape[0]:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {k.shape[0]} tokens")
     if backend(k.device) == "torch":
-        write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+        write_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return
     from kernels import kv_write
 
-    kv_write.write_kv(_contiguous_last(k), _contiguous_last(v), k_cache, v_cache, slot_mapping.contiguous())
+    kv_write.write_kv(
+        _contiguous_last(k),
+        _contiguous_last(v),
+        k_cache,
+        v_cache,
+        slot_mapping.contiguous(),
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
 
 
 def _check_cache(
@@ -197,14 +229,39 @@ def _check_cache(
             raise ValueError(f"{x.shape[1]} KV heads given, the cache holds {num_kv_heads}")
     elif num_query_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_query_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if num_query_heads is not None and x.dtype != k_cache.dtype:
+    quantized = k_cache.dtype in _QUANTIZED
+    if num_query_heads is not None and x.dtype != k_cache.dtype and not quantized:
         raise ValueError(f"q dtype {x.dtype} differs from the cache dtype {k_cache.dtype}")
-    if k_cache.dtype not in _DTYPES or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"cache dtypes {k_cache.dtype}/{v_cache.dtype}; supported: {_DTYPES}")
+    if x.dtype not in _DTYPES:
+        raise ValueError(
+            f"{'q' if num_query_heads is not None else 'k'} dtype {x.dtype}; supported: {_DTYPES}"
+        )
+    if k_cache.dtype not in _DTYPES + _QUANTIZED or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"cache dtypes {k_cache.dtype}/{v_cache.dtype}; supported: {_DTYPES + _QUANTIZED}")
     if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("the caches' head_dim axis must be contiguous (stride 1)")
     if not (x.device == k_cache.device == v_cache.device):
         raise ValueError(f"tensors on different devices: {x.device}, {k_cache.device}, {v_cache.device}")
+
+
+def _check_scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
+    """A quantized cache needs both scale views, shaped [num_blocks, block_size, num_kv_heads]
+    float32 on its device with dense token and head axes; any other cache takes none."""
+    if k_cache.dtype not in _QUANTIZED:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"a {k_cache.dtype} cache takes no scales (only {_QUANTIZED} do)")
+        return
+    for name, scales in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scales is None:
+            raise ValueError(f"a {k_cache.dtype} cache needs {name} (one float32 scale per token-head)")
+        dense = scales.dim() == 3 and scales.stride(2) == 1 and scales.stride(1) == scales.shape[2]
+        if scales.shape != k_cache.shape[:3] or scales.dtype != torch.float32 or not dense:
+            raise ValueError(
+                f"{name} must be float32 {tuple(k_cache.shape[:3])} (blocks, block_size, kv heads) with "
+                f"dense token and head axes, got {scales.dtype} {tuple(scales.shape)} strides {scales.stride()}"
+            )
+        if scales.device != k_cache.device:
+            raise ValueError(f"{name} is on {scales.device}, the cache on {k_cache.device}")
 
 
 def _check_index(

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.online_softmax import attend_tile
+from kernels.online_softmax import attend_tile, scale_operands
 
 # NOTE: a split shorter than this reads too little KV to pay for its partial write + reduce.
 MIN_SPLIT_TOKENS = 256
@@ -38,6 +38,8 @@ def _decode_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     out_ptr,
@@ -54,6 +56,8 @@ def _decode_kernel(
     stride_v_block,
     stride_v_tok,
     stride_v_head,
+    stride_s_block,
+    stride_s_tok,
     stride_bt_seq,
     stride_o_seq,
     stride_o_head,
@@ -68,6 +72,7 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
+    QUANTIZED: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -124,7 +129,12 @@ def _decode_kernel(
             stride_k_tok,
             stride_v_block,
             stride_v_tok,
+            k_scale_ptr + kv_head,
+            v_scale_ptr + kv_head,
+            stride_s_block,
+            stride_s_tok,
             DOT_IN_FP32,
+            QUANTIZED,
         )
 
     # An empty range (seq_len 0, or a split past the end) has row_sum 0: its output is zeros.
@@ -249,6 +259,8 @@ def paged_decode_attention(
     num_splits: int | None = None,
     max_seq_len: int | None = None,
     config: tuple[int, int, int] | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton paged decode attention; same contract as `kernels.paged_decode_attention`.
 
@@ -256,9 +268,11 @@ def paged_decode_attention(
     upper bound of seq_lens that sizes the splits (default: the block table's capacity,
     max_blocks * block_size; pass the true maximum when tables are padded far beyond it).
     config: (TILE_N, num_warps, num_stages) instead of `launch_config`'s (for tuning).
+    k_scale, v_scale: a quantized cache's scales (kernels/__init__.py).
     Returns [num_seqs, num_heads, head_dim] in q's dtype.
     """
     num_seqs, num_heads, head_dim = q.shape
+    scales = scale_operands(k_scale, v_scale, q.device)
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
@@ -294,6 +308,8 @@ def paged_decode_attention(
         q,
         k_cache,
         v_cache,
+        scales[0],
+        scales[1],
         block_tables,
         seq_lens,
         out,
@@ -310,6 +326,8 @@ def paged_decode_attention(
         v_cache.stride(0),
         v_cache.stride(1),
         v_cache.stride(2),
+        scales[0].stride(0),
+        scales[0].stride(1),
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
@@ -324,6 +342,7 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         TILE_N=tile_n,
         DOT_IN_FP32=interpret and q.dtype == torch.bfloat16,
+        QUANTIZED=k_scale is not None,
         WRITE_PARTIAL=write_partial,
         num_warps=num_warps,
         num_stages=num_stages,

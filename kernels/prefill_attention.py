@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.online_softmax import attend_tile
+from kernels.online_softmax import attend_tile, scale_operands
 
 _LOG2E = 1.4426950408889634
 
@@ -25,6 +25,8 @@ def _prefill_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_tables_ptr,
     cu_query_lens_ptr,
     seq_lens_ptr,
@@ -39,6 +41,8 @@ def _prefill_kernel(
     stride_v_block,
     stride_v_tok,
     stride_v_head,
+    stride_s_block,
+    stride_s_tok,
     stride_bt_seq,
     stride_o_tok,
     stride_o_head,
@@ -48,6 +52,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     TILE_N: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
+    QUANTIZED: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -109,7 +114,12 @@ def _prefill_kernel(
             stride_k_tok,
             stride_v_block,
             stride_v_tok,
+            k_scale_ptr + kv_head,
+            v_scale_ptr + kv_head,
+            stride_s_block,
+            stride_s_tok,
             DOT_IN_FP32,
+            QUANTIZED,
         )
 
     result = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
@@ -130,6 +140,8 @@ def paged_prefill_attention(
     scale: float,
     *,
     max_query_len: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton paged prefill attention; same contract as `kernels.paged_prefill_attention`.
 
@@ -138,6 +150,7 @@ def paged_prefill_attention(
     """
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
+    scales = scale_operands(k_scale, v_scale, q.device)
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
     if num_tokens == 0 or num_seqs == 0:
@@ -158,6 +171,8 @@ def paged_prefill_attention(
         q,
         k_cache,
         v_cache,
+        scales[0],
+        scales[1],
         block_tables,
         cu_query_lens,
         seq_lens,
@@ -172,6 +187,8 @@ def paged_prefill_attention(
         v_cache.stride(0),
         v_cache.stride(1),
         v_cache.stride(2),
+        scales[0].stride(0),
+        scales[0].stride(1),
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
@@ -181,6 +198,7 @@ def paged_prefill_attention(
         BLOCK_M=block_m,
         TILE_N=tile_n,
         DOT_IN_FP32=interpret and q.dtype == torch.bfloat16,
+        QUANTIZED=k_scale is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -6,6 +6,11 @@ All three read and write the pool through per-layer views shaped
 gives `pool[:, layer, 0]` / `pool[:, layer, 1]`). Attention math is done in fp32 and the result
 is cast back to the query's dtype.
 
+A quantized cache (fp8_e4m3, fp8_e5m2, int8: kvtier.kv_dtypes) comes with its scales, views
+`[num_blocks, block_size, num_kv_heads]` float32 (`pool.scales[:, layer, 0]`): `write_kv_ref`
+quantizes each token-head with the scale absmax / qmax (`quantize_ref`), and the attention
+functions read `stored.float() * scale`.
+
 `paged_decode_attention_ref` runs every decode step of the compute service on CPU, so it is
 vectorized over sequences (no loop per sequence) and streams the context in chunks of blocks:
 each chunk's blocks are gathered whole (`index_select` of block rows, a plain memcpy per block)
@@ -20,6 +25,8 @@ import math
 import threading
 
 import torch
+
+from kvtier import kv_dtypes
 
 # NOTE: a chunk gathers about this many bytes of K (and as many of V): small enough to stay in
 # cache between the gather and the matmuls that read it, large enough to keep per-op overhead low.
@@ -49,6 +56,23 @@ class _Workspace(threading.local):
 _workspace = _Workspace()
 
 
+def quantize_ref(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize `x` [..., head_dim] per row to the quantized torch `dtype` (int8, float8_*).
+
+    Returns (stored [..., head_dim] in `dtype`, scale [...] float32) with scale = absmax / qmax, so
+    the row's largest magnitude maps to qmax; an all-zero row gets scale 0 (it reads back as 0).
+    int8 rounds half up (floor(x + 0.5), as the Triton kernel does); fp8 rounds to nearest even in
+    the cast.
+    """
+    entry = kv_dtypes.of_torch(dtype)
+    xf = x.float()
+    scales = xf.abs().amax(-1) / entry.qmax
+    scaled = xf / torch.where(scales > 0, scales, 1.0)[..., None]
+    if not dtype.is_floating_point:
+        scaled = torch.floor(scaled + 0.5)
+    return scaled.clamp(-entry.qmax, entry.qmax).to(dtype), scales
+
+
 def paged_decode_attention_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -56,6 +80,8 @@ def paged_decode_attention_ref(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged context.
 
@@ -63,7 +89,8 @@ def paged_decode_attention_ref(
     head_dim]. block_tables: [num_seqs, max_blocks] int32 block ids (entries past a sequence's
     length are ignored). seq_lens: [num_seqs] int32 context length in tokens, the new token
     included; 0 marks a padding row whose output is zeros. Query head h reads KV head
-    h // (num_heads // num_kv_heads). Returns [num_seqs, num_heads, head_dim] in q's dtype.
+    h // (num_heads // num_kv_heads). k_scale, v_scale: [num_blocks, block_size, num_kv_heads]
+    float32 for a quantized cache, else None. Returns [num_seqs, num_heads, head_dim] in q's dtype.
     """
     num_seqs, num_heads, head_dim = q.shape
     num_blocks_total, block_size, num_kv_heads, _ = k_cache.shape
@@ -91,7 +118,7 @@ def paged_decode_attention_ref(
         ids = tables[:, first : first + chunk_blocks].reshape(-1)
         start = first * block_size
         tokens = ids.numel() // num_seqs * block_size
-        k = _gather_head_major(k_cache, ids, num_seqs)  # [Hkv, S, T, D]
+        k = _gather_head_major(k_cache, ids, num_seqs, k_scale)  # [Hkv, S, T, D]
         scores = _workspace.get("scores", (num_kv_heads, num_seqs, group, tokens), torch.float32, device)
         torch.matmul(qf, k.transpose(-1, -2), out=scores)  # [Hkv, S, G, T]
         if start + tokens > min_len:  # some position of the chunk lies past some sequence's end
@@ -103,7 +130,7 @@ def paged_decode_attention_ref(
         p = scores.sub_(shift).exp_()
         alpha = torch.exp(row_max - shift)
         row_sum.mul_(alpha).add_(p.sum(-1, keepdim=True))
-        v = _gather_head_major(v_cache, ids, num_seqs)
+        v = _gather_head_major(v_cache, ids, num_seqs, v_scale)
         acc.mul_(alpha).add_(torch.matmul(p, v))
         row_max = new_max
     result = torch.where(row_sum > 0, acc / row_sum.clamp_min(1e-30), 0.0)  # [Hkv, S, G, D]
@@ -119,6 +146,8 @@ def paged_prefill_attention_ref(
     cu_query_lens: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a varlen batch of new tokens over each sequence's cached prefix plus
     themselves.
@@ -127,10 +156,10 @@ def paged_prefill_attention_ref(
     cu_query_lens: [num_seqs + 1] int32 cumulative query lengths (starts at 0). seq_lens:
     [num_seqs] int32 total tokens of each sequence (cached prefix + new). The new tokens' K/V
     must already be in the cache (`write_kv`). Query j of sequence i sits at position
-    seq_lens[i] - query_len_i + j and attends to positions <= its own.
-    Returns [num_query_tokens, num_heads, head_dim] in q's dtype.
+    seq_lens[i] - query_len_i + j and attends to positions <= its own. k_scale, v_scale: as
+    `paged_decode_attention_ref`'s. Returns [num_query_tokens, num_heads, head_dim] in q's dtype.
     """
-    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_heads = q.shape[1]
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     out = torch.zeros_like(q)
@@ -142,8 +171,8 @@ def paged_prefill_attention_ref(
         if query_len == 0:
             continue
         blocks = block_tables[i, : -(-seq_len // block_size)].to(device=q.device, dtype=torch.long)
-        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()  # [L, Hkv, D]
-        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+        k = _read_tokens(k_cache, k_scale, blocks, seq_len)  # [L, Hkv, D] fp32
+        v = _read_tokens(v_cache, v_scale, blocks, seq_len)
         qi = q[q_start:q_end].float().transpose(0, 1)  # [H, Q, D]
         q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
         causal = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [Q, L]
@@ -162,25 +191,45 @@ def write_kv_ref(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Scatter new tokens' K/V into their pool slots, in place.
 
     k, v: [num_tokens, num_kv_heads, head_dim]. slot_mapping: [num_tokens] int, slot =
     block_id * block_size + offset in the block; a negative slot skips that token (padding).
+    A quantized cache (k_scale, v_scale given) stores `quantize_ref` of each token-head.
     """
     block_size = k_cache.shape[1]
     slots = slot_mapping.to(device=k.device, dtype=torch.long)
     keep = slots >= 0
     slots = slots[keep]
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
-    v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
+    for new, cache, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        if scales is None:
+            cache[blocks, offsets] = new[keep].to(cache.dtype)
+        else:
+            cache[blocks, offsets], scales[blocks, offsets] = quantize_ref(new[keep], cache.dtype)
 
 
-def _gather_head_major(cache: torch.Tensor, ids: torch.Tensor, num_seqs: int) -> torch.Tensor:
+def _read_tokens(
+    cache: torch.Tensor, scales: torch.Tensor | None, blocks: torch.Tensor, num_tokens: int
+) -> torch.Tensor:
+    """The first `num_tokens` tokens of the cache's `blocks`, [num_tokens, num_kv_heads, head_dim]
+    fp32, dequantized when `scales` are given."""
+    _, _, num_kv_heads, head_dim = cache.shape
+    out = cache[blocks].reshape(-1, num_kv_heads, head_dim)[:num_tokens].float()
+    if scales is not None:
+        out.mul_(scales[blocks].reshape(-1, num_kv_heads)[:num_tokens, :, None])
+    return out
+
+
+def _gather_head_major(
+    cache: torch.Tensor, ids: torch.Tensor, num_seqs: int, scales: torch.Tensor | None = None
+) -> torch.Tensor:
     """The blocks `ids` ([num_seqs * n] block ids, sequence-major) of a cache, as fp32
     `[num_kv_heads, num_seqs, n * block_size, head_dim]` in a workspace buffer that the next call
-    overwrites.
+    overwrites; dequantized when `scales` ([num_blocks, block_size, num_kv_heads]) are given.
 
     A block whose `[block_size, num_kv_heads, head_dim]` is dense is one row of a
     `[num_blocks, block_elements]` view of the cache, so the gather is one memcpy per block."""
@@ -199,4 +248,7 @@ def _gather_head_major(cache: torch.Tensor, ids: torch.Tensor, num_seqs: int) ->
         "head_major", (num_kv_heads, num_seqs, tokens, head_dim), torch.float32, cache.device
     )
     dest.copy_(natural.permute(2, 0, 1, 3))
+    if scales is not None:
+        per_token = scales[ids].view(num_seqs, tokens, num_kv_heads)
+        dest.mul_(per_token.permute(2, 0, 1)[..., None])
     return dest

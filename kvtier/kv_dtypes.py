@@ -82,6 +82,15 @@ def model_dtype(name: str, what: str = "model dtype") -> KVDtype:
     return entry
 
 
+def of_torch(dtype: torch.dtype) -> KVDtype:
+    """The entry whose torch dtype is `dtype`; ValueError naming it and the table's."""
+    name = str(dtype).removeprefix("torch.")
+    for entry in TABLE.values():
+        if entry.torch_name == name:
+            return entry
+    raise ValueError(f"torch dtype {name} is not one of {[d.torch_name for d in TABLE.values()]}")
+
+
 def itemsize(name: str) -> int:
     """Bytes per element of the dtype `name`."""
     return lookup(name).itemsize
@@ -99,6 +108,38 @@ def token_head_bytes(name: str, head_dim: int) -> int:
     return head_dim * entry.itemsize + (SCALE_BYTES if entry.needs_scales else 0)
 
 
+# Triton converts fp8 codes (fp8e4nv, fp8e5) on devices of compute capability 8.9 and later.
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+def unsupported_reason(name: str, device: str | torch.device = "cpu") -> str | None:
+    """Why the kernels cannot store and read KV of dtype `name` on `device`, or None if they can.
+
+    CPU (the torch path): torch must have the dtype and convert to and from it. CUDA (Triton):
+    fp8 needs compute capability 8.9+ (Ada, Hopper and later)."""
+    import torch
+
+    entry = lookup(name)
+    if not hasattr(torch, entry.torch_name):
+        return f"this torch ({torch.__version__}) has no torch.{entry.torch_name}"
+    device = torch.device(device)
+    if not entry.needs_scales:
+        return None  # the dtypes models run in: every path reads them as they are
+    if device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if entry.torch_name.startswith("float8") and capability < FP8_MIN_CAPABILITY:
+            return (
+                f"{name} needs compute capability {'.'.join(map(str, FP8_MIN_CAPABILITY))}+ for Triton's "
+                f"fp8 conversions; {torch.cuda.get_device_name(device)} has {'.'.join(map(str, capability))}"
+            )
+        return None
+    try:
+        torch.ones(2, device=device).to(entry.torch_dtype()).float()
+    except (RuntimeError, TypeError) as e:
+        return f"torch cannot convert to {entry.torch_name} on {device}: {e}"
+    return None
+
+
 def pool_dtype(kv_cache_dtype: str, backend: str, checkpoint_dtype: str) -> str:
     """The pool's dtype for --kv-cache-dtype `kv_cache_dtype` (aliases resolved): auto = the
     checkpoint's dtype on cuda, float32 on cpu-shm (the CPU kernels compute in fp32 anyway)."""
@@ -111,6 +152,6 @@ def weights_dtype(pool: str, backend: str, checkpoint_dtype: str) -> str:
     """The dtype a compute replica runs the weights in next to a pool of dtype `pool`: the pool's
     own for a model dtype (attention reads the cache as it is), else what `auto` would give the
     pool (queries and dequantized keys meet in that dtype's attention)."""
-    if not lookup(pool).needs_scales:
+    if not lookup(pool, "pool dtype").needs_scales:
         return pool
     return pool_dtype("auto", backend, checkpoint_dtype)

@@ -1,7 +1,10 @@
 """The KV block pool: one allocation, block-major, shared between processes.
 
 Layout (docs/architecture.md, "The pool"): ``pool[num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]``.
-A block id names the same slot in every layer, and one block is one contiguous region.
+A block id names the same slot in every layer, and one block is one contiguous region. A block
+of a quantized dtype (kvtier.kv_dtypes: fp8_e4m3, fp8_e5m2, int8) holds its one-byte elements
+followed by their float32 scales ``[num_layers, 2, block_size, num_kv_heads]``, so it still
+swaps and copies as one region and a shared prefix block carries its own scales.
 
 Two backends, one class each. The cache service calls ``create()``; a compute process calls
 ``attach(spec)`` with the :class:`PoolSpec` it got from ``Attach``. The spec's format (how a
@@ -55,6 +58,23 @@ def contiguous_strides(shape: list[int]) -> list[int]:
     return list(reversed(strides))
 
 
+def block_layout(shape: list[int], dtype: str) -> tuple[int, int]:
+    """(bytes of one block, bytes of its elements) of a pool of `shape` in `dtype`; a quantized
+    dtype's scales fill the rest of the block, one float32 per (layer, K/V, token, KV head)."""
+    entry = kv_dtypes.lookup(dtype, "pool dtype")
+    elements = math.prod(shape[1:]) * entry.itemsize
+    scales = math.prod(shape[1:5]) * kv_dtypes.SCALE_BYTES if entry.needs_scales else 0
+    return elements + scales, elements
+
+
+def pool_strides(shape: list[int], dtype: str) -> list[int]:
+    """Strides in elements of the pool's element view: row-major within a block, blocks
+    `block_layout(...)[0]` bytes apart (a quantized block's scales follow its elements)."""
+    strides = contiguous_strides(list(shape))
+    strides[0] = block_layout(shape, dtype)[0] // kv_dtypes.itemsize(dtype)
+    return strides
+
+
 @dataclass
 class PoolSpec:
     """Everything a client needs to map the pool. Mirrors ``kvtier.v1.PoolSpec``."""
@@ -82,16 +102,79 @@ class PoolSpec:
 
 
 def torch_dtype(dtype: str) -> torch.dtype:
-    """The torch dtype of a pool of `dtype` (kvtier.kv_dtypes.MODEL_DTYPES)."""
-    return kv_dtypes.model_dtype(dtype, "pool dtype").torch_dtype()
+    """The torch dtype of a pool of `dtype` (any name of kvtier.kv_dtypes)."""
+    return kv_dtypes.lookup(dtype, "pool dtype").torch_dtype()
 
 
 @dataclass
-class ShmPool:
+class PoolViews:
+    """The tensor views of one pool allocation, for a backend's dataclass to hold.
+
+    tensor: the elements, ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` in
+    the pool's torch dtype. scales: ``[num_blocks, num_layers, 2, block_size, num_kv_heads]``
+    float32 for a quantized dtype, else None. rows: ``[num_blocks, block_bytes]`` uint8, each
+    block whole (what the host tier copies).
+    """
+
+    tensor: torch.Tensor
+    scales: torch.Tensor | None
+    rows: torch.Tensor
+
+
+def pool_views(flat: torch.Tensor, spec: PoolSpec) -> PoolViews:
+    """Views of `flat` (the allocation as uint8, at least spec.size_bytes) laid out as `spec`."""
+    import torch
+
+    block_bytes, element_bytes = block_layout(spec.shape, spec.dtype)
+    n = spec.num_blocks
+    rows = flat[: n * block_bytes].view(n, block_bytes)
+    tensor = torch.as_strided(flat.view(torch_dtype(spec.dtype)), spec.shape, spec.strides)
+    scales = None
+    if block_bytes > element_bytes:
+        shape = spec.shape[:5]
+        per_block = block_bytes // kv_dtypes.SCALE_BYTES
+        strides = [per_block, *contiguous_strides(shape[1:])]
+        scales = torch.as_strided(
+            flat[: n * block_bytes].view(torch.float32), shape, strides, element_bytes // 4
+        )
+    return PoolViews(tensor, scales, rows)
+
+
+def private_pool(shape: list[int], dtype: str, device: str = "cpu") -> PoolViews:
+    """The views of a zeroed pool of `shape` and `dtype` in this process's own memory, laid out as
+    a shared one (benchmarks and tests that need no second process)."""
+    import torch
+
+    strides = pool_strides(list(shape), dtype)
+    size = shape[0] * block_layout(shape, dtype)[0]
+    spec = PoolSpec("private", dtype, list(shape), strides, size, shape[3])
+    return pool_views(torch.zeros(size, dtype=torch.uint8, device=device), spec)
+
+
+class _Views:
+    """What both backends show of their allocation (PoolViews); all None once closed."""
+
+    views: PoolViews | None
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        return None if self.views is None else self.views.tensor
+
+    @property
+    def scales(self) -> torch.Tensor | None:
+        return None if self.views is None else self.views.scales
+
+    @property
+    def rows(self) -> torch.Tensor:
+        return None if self.views is None else self.views.rows
+
+
+@dataclass
+class ShmPool(_Views):
     """Pool in POSIX shared memory (the default without a GPU)."""
 
     spec: PoolSpec
-    tensor: torch.Tensor
+    views: PoolViews | None = field(repr=False)
     _shm: shared_memory.SharedMemory = field(repr=False)
     _owner: bool = False
     _mapping: weakref.ref = field(init=False, repr=False)
@@ -110,7 +193,7 @@ class ShmPool:
     @classmethod
     def create(cls, shape: list[int], dtype: str, **spec_fields) -> ShmPool:
         """Create a new segment (mode 0600) sized for `shape`; the caller owns and unlinks it."""
-        size = math.prod(shape) * torch_dtype(dtype).itemsize
+        size = shape[0] * block_layout(shape, dtype)[0]
         remove_stale_segments()
         name = f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
         # NOTE: SharedMemory creates the segment with mode 0600, so only our uid can map it.
@@ -122,14 +205,14 @@ class ShmPool:
             backend=cls.backend,
             dtype=dtype,
             shape=list(shape),
-            strides=contiguous_strides(list(shape)),
+            strides=pool_strides(list(shape), dtype),
             size_bytes=size,
             block_size=shape[3],
             shm_name=shm.name,
             **spec_fields,
         )
-        pool = cls(spec=spec, tensor=_view(shm, spec), _shm=shm, _owner=True)
-        pool.tensor.zero_()
+        pool = cls(spec=spec, views=_view(shm, spec), _shm=shm, _owner=True)
+        pool.rows.zero_()
         return pool
 
     @classmethod
@@ -153,7 +236,7 @@ class ShmPool:
             raise PoolUnavailable(
                 f"segment {spec.shm_name} has {shm.size} bytes, the spec says {spec.size_bytes}"
             )
-        return cls(spec=spec, tensor=_view(shm, spec), _shm=shm, _owner=False)
+        return cls(spec=spec, views=_view(shm, spec), _shm=shm, _owner=False)
 
     def close(self) -> None:
         """Drop our mapping (and unlink the segment if we created it).
@@ -162,7 +245,7 @@ class ShmPool:
         access, so the mapping is only closed once no view can reach it; otherwise it is unmapped
         when the last view is gone (`mapped()` tells).
         """
-        self.tensor = None  # type: ignore[assignment]
+        self.views = None
         if self._owner:
             with contextlib.suppress(FileNotFoundError):
                 self._shm.unlink()
@@ -181,7 +264,7 @@ class ShmPool:
             )
 
 
-def _view(shm: shared_memory.SharedMemory, spec: PoolSpec) -> torch.Tensor:
+def _view(shm: shared_memory.SharedMemory, spec: PoolSpec) -> PoolViews:
     import numpy as np
     import torch
 
@@ -189,7 +272,7 @@ def _view(shm: shared_memory.SharedMemory, spec: PoolSpec) -> torch.Tensor:
     # (explicit or at garbage collection) raises BufferError instead of unmapping memory a tensor
     # still points into; torch.frombuffer holds no export and would leave a dangling view.
     flat = torch.from_numpy(np.frombuffer(shm.buf, dtype=np.uint8, count=spec.size_bytes))
-    return flat.view(torch_dtype(spec.dtype)).view(spec.shape)
+    return pool_views(flat, spec)
 
 
 def remove_stale_segments(shm_dir: str = "/dev/shm") -> list[str]:
@@ -260,11 +343,11 @@ def device_uuid(device: int) -> str:
 
 
 @dataclass
-class CudaPool:
+class CudaPool(_Views):
     """Pool in one raw CUDA allocation, shared through a CUDA IPC handle."""
 
     spec: PoolSpec
-    tensor: torch.Tensor
+    views: PoolViews | None = field(repr=False)
     # cupy Memory (owner), or a weak reference to the _IpcMapping that the views hold (client)
     _memory: object = field(repr=False)
     _owner: bool = False
@@ -280,7 +363,7 @@ class CudaPool:
     @classmethod
     def create(cls, shape: list[int], dtype: str, device: int = 0, **spec_fields) -> CudaPool:
         cupy = require_cuda()
-        size = math.prod(shape) * torch_dtype(dtype).itemsize
+        size = shape[0] * block_layout(shape, dtype)[0]
         with cupy.cuda.Device(device):
             # NOTE: cupy.cuda.Memory is a plain cudaMalloc, not a pool slice: the IPC handle must
             # name the whole allocation, which the caching allocators of torch/CuPy do not promise.
@@ -292,14 +375,14 @@ class CudaPool:
             backend=cls.backend,
             dtype=dtype,
             shape=list(shape),
-            strides=contiguous_strides(list(shape)),
+            strides=pool_strides(list(shape), dtype),
             size_bytes=size,
             block_size=shape[3],
             cuda_ipc_handle=handle,
             device_uuid=device_uuid(device),
             **spec_fields,
         )
-        return cls(spec=spec, tensor=_torch_view(raw, spec), _memory=memory, _owner=True)
+        return cls(spec=spec, views=_torch_view(raw, spec), _memory=memory, _owner=True)
 
     @classmethod
     def attach(cls, spec: PoolSpec) -> CudaPool:
@@ -324,12 +407,12 @@ class CudaPool:
             raw = cupy.ndarray(
                 (spec.size_bytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0)
             )
-        return cls(spec=spec, tensor=_torch_view(raw, spec), _memory=weakref.ref(mapping), _owner=False)
+        return cls(spec=spec, views=_torch_view(raw, spec), _memory=weakref.ref(mapping), _owner=False)
 
     def close(self) -> None:
         """Let go of the allocation: a client's IPC handle is closed at once if no tensor view of
         it is left, else when the last one is gone (as the shm backend's mapping)."""
-        self.tensor = None  # type: ignore[assignment]
+        self.views = None
         if self._owner:
             self._memory = None
 
@@ -350,12 +433,11 @@ def _close_ipc_handle(ptr: int, device: int) -> None:
             cupy.cuda.runtime.ipcCloseMemHandle(ptr)
 
 
-def _torch_view(raw, spec: PoolSpec) -> torch.Tensor:
+def _torch_view(raw, spec: PoolSpec) -> PoolViews:
     # CuPy has no bfloat16: share the bytes as uint8 and reinterpret them in torch.
     import torch
 
-    flat = torch.as_tensor(raw, device=f"cuda:{raw.device.id}")
-    return flat.view(torch_dtype(spec.dtype)).view(spec.shape)
+    return pool_views(torch.as_tensor(raw, device=f"cuda:{raw.device.id}"), spec)
 
 
 BACKENDS = {ShmPool.backend: ShmPool, CudaPool.backend: CudaPool}

@@ -376,7 +376,7 @@ def test_triton_kernels_compile_for_hopper_without_spills(monkeypatch):
     ]:
         tile_n, warps, stages = decode_attention.launch_config(128, torch_dtype, interpret=False)
         constexprs = {"GROUP_PAD": 16, "HEAD_DIM": head_dim, "HEAD_DIM_PAD": 128, "BLOCK_SIZE": 16}
-        constexprs |= {"TILE_N": tile_n, "WRITE_PARTIAL": partial, "DOT_IN_FP32": False}
+        constexprs |= {"TILE_N": tile_n, "WRITE_PARTIAL": partial, "DOT_IN_FP32": False, "QUANTIZED": False}
         fn = decode_attention._decode_kernel
         cases.append(
             (
@@ -396,8 +396,27 @@ def test_triton_kernels_compile_for_hopper_without_spills(monkeypatch):
         "BLOCK_M": 64,
         "TILE_N": 64,
         "DOT_IN_FP32": False,
+        "QUANTIZED": False,
     }
     cases.append(("prefill-bf16", fn, attention_types("bf16", fn.arg_names), constexprs, 8, 3))
+    # Quantized caches: one-byte K/V codes, float32 scales, bf16 / fp16 queries and outputs.
+    quantized = {"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
+    cases.append(
+        (
+            "prefill-fp8",
+            fn,
+            attention_types("bf16", fn.arg_names) | quantized,
+            constexprs | {"QUANTIZED": True},
+            8,
+            3,
+        )
+    )
+    fn = decode_attention._decode_kernel
+    tile_n, warps, stages = decode_attention.launch_config(128, torch.float16, interpret=False)
+    constexprs = {"GROUP_PAD": 16, "HEAD_DIM": 128, "HEAD_DIM_PAD": 128, "BLOCK_SIZE": 16, "TILE_N": tile_n}
+    constexprs |= {"WRITE_PARTIAL": True, "DOT_IN_FP32": False, "QUANTIZED": True}
+    types = attention_types("fp16", fn.arg_names) | quantized | {"k_ptr": "*i8", "v_ptr": "*i8"}
+    cases.append(("decode-int8", fn, types, constexprs, warps, stages))
     fn = decode_attention._reduce_splits_kernel
     constexprs = {"HEAD_DIM": 80, "HEAD_DIM_PAD": 128, "SPLITS_PAD": 8}
     cases.append(
@@ -412,8 +431,18 @@ def test_triton_kernels_compile_for_hopper_without_spills(monkeypatch):
     )
     fn = kv_write._write_kv_kernel
     constexprs = {"NUM_KV_HEADS": 6, "HEADS_PAD": 8, "HEAD_DIM": 80, "HEAD_DIM_PAD": 128, "BLOCK_SIZE": 16}
+    constexprs |= {"QUANTIZED": False, "QMAX": 1.0, "INTEGER": False}
     types = {n: "*fp16" for n in fn.arg_names if n.endswith("_ptr")} | {"slot_mapping_ptr": "*i64"}
     cases.append(("write_kv", fn, types, constexprs, 4, 1))
+    for code, qmax, integer in (("fp8e4nv", 448.0, False), ("fp8e5", 57344.0, False), ("i8", 127.0, True)):
+        quantized = {
+            "k_cache_ptr": f"*{code}",
+            "v_cache_ptr": f"*{code}",
+            "k_scale_ptr": "*fp32",
+            "v_scale_ptr": "*fp32",
+        }
+        quantizing = constexprs | {"QUANTIZED": True, "QMAX": qmax, "INTEGER": integer}
+        cases.append((f"write_kv-{code}", fn, types | quantized, quantizing, 4, 1))
 
     for name, fn, types, constexprs, warps, stages in cases:
         compiled = compile_for_hopper(fn, types, constexprs, warps, stages)

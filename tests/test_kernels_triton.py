@@ -193,3 +193,73 @@ def test_dispatcher_routes_to_triton_and_keeps_its_names():
     assert "kernels.kv_write" in sys.modules and "kernels.decode_attention" in sys.modules
     assert kernels.write_kv.__module__ == "kernels"
     assert kernels.paged_decode_attention.__module__ == "kernels"
+
+
+# --- quantized KV (fp8_e4m3, fp8_e5m2, int8 with per-token-head scales) --------------------------
+
+QUANT_CASES = [
+    (torch.float8_e4m3fn, torch.bfloat16, (6, 2), 80),
+    (torch.float8_e5m2, torch.float16, (4, 1), 64),
+    (torch.int8, torch.float32 if INTERPRET else torch.float16, (4, 4), 64),
+]
+
+
+def quant_id(case) -> str:
+    dtype, query_dtype, heads, head_dim = case
+    return (
+        f"{str(dtype).removeprefix('torch.')}-q{str(query_dtype).removeprefix('torch.')}-{heads}-d{head_dim}"
+    )
+
+
+@pytest.mark.parametrize("case", QUANT_CASES, ids=quant_id)
+def test_triton_kernels_on_a_quantized_cache_match_the_torch_path(case):
+    from test_kv_quant import quantize_batch
+
+    dtype, query_dtype, (num_heads, num_kv_heads), head_dim = case
+    block_size = 16
+    shapes = prefill_shapes(block_size)
+    lens = [p + n for p, n in shapes]
+    batch = make_paged_batch(lens, num_kv_heads, head_dim, block_size, torch.float32, DEVICE)
+    quant = quantize_batch(batch, dtype)
+    caches = quant.caches()
+    scales = {"k_scale": caches["k_scale"], "v_scale": caches["v_scale"]}
+    scale = head_dim**-0.5
+    tol = triton_tolerance(query_dtype)
+
+    q = torch.randn(len(lens), num_heads, head_dim, device=DEVICE).to(query_dtype)
+    args = (q, caches["k_cache"], caches["v_cache"], batch.block_tables, batch.seq_lens, scale)
+    expected = paged_decode_attention_ref(*args, **scales).float()
+    for num_splits in (None, 2):
+        out = kernels.paged_decode_attention(*args, num_splits=num_splits, **scales)
+        assert out.dtype == query_dtype
+        torch.testing.assert_close(out.float(), expected, **tol)
+
+    cu = torch.tensor(
+        [0] + list(itertools.accumulate(n for _, n in shapes)), dtype=torch.int32, device=DEVICE
+    )
+    q = torch.randn(int(cu[-1]), num_heads, head_dim, device=DEVICE).to(query_dtype)
+    args = (q, caches["k_cache"], caches["v_cache"], batch.block_tables, cu, batch.seq_lens, scale)
+    out = kernels.paged_prefill_attention(*args, **scales)
+    torch.testing.assert_close(out.float(), paged_prefill_attention_ref(*args, **scales).float(), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.int8], ids=str)
+def test_triton_write_kv_quantizes_as_the_reference_does(dtype):
+    from test_kv_quant import quantize_batch
+
+    batch = make_paged_batch([40, 9], 3, 80, 16, torch.float32, DEVICE)
+    got, expected = quantize_batch(batch, dtype), quantize_batch(batch, dtype)
+    k = (torch.randn(6, 3, 80, device=DEVICE) * 3).to(torch.bfloat16)
+    v = torch.randn(6, 3, 80, device=DEVICE).to(torch.bfloat16)
+    k[3, 2] = 0  # an all-zero row: scale 0
+    slots = torch.tensor([0, -1, 17, 33, -5, 47], dtype=torch.int32, device=DEVICE)
+    slots = torch.where(slots >= 0, batch.block_tables[0, slots.clamp(min=0) // 16] * 16 + slots % 16, slots)
+
+    g, e = got.caches(), expected.caches()
+    kernels.write_kv(k, v, g["k_cache"], g["v_cache"], slots, k_scale=g["k_scale"], v_scale=g["v_scale"])
+    write_kv_ref(k, v, e["k_cache"], e["v_cache"], slots, e["k_scale"], e["v_scale"])
+
+    torch.testing.assert_close(got.scales, expected.scales, atol=0, rtol=1e-6)
+    # Codes agree exactly but where x / scale lands within rounding of a tie (division order).
+    mismatch = (got.codes.float() - expected.codes.float()).abs() > 0
+    assert mismatch.float().mean() < 1e-3, f"{int(mismatch.sum())} codes differ"

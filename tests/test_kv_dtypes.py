@@ -47,3 +47,26 @@ def test_block_bytes_count_the_scales():
     assert shape.block_bytes(16, "int8") == shape.block_bytes(16, "fp8_e5m2")
     with pytest.raises(ValueError, match="pool dtype 'float64'"):
         shape.block_bytes(16, "float64")
+
+
+def test_the_cache_service_refuses_a_dtype_the_device_cannot_do_naming_the_flag(monkeypatch, caplog):
+    from cachesvc.__main__ import main
+
+    # An Ampere GPU: Triton's fp8 conversions need compute capability 8.9.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake A100")
+    argv = ["--backend", "cuda", "--kv-cache-dtype", "fp8", "--listen", "unix:///nonexistent/x.sock"]
+    with caplog.at_level("ERROR", logger="kvtier.cache"):
+        assert main(argv) == 2
+    assert "cannot start: --kv-cache-dtype fp8: fp8_e4m3 needs compute capability 8.9+" in caplog.text
+    assert "Fake A100 has 8.0" in caplog.text
+
+    # A CPU torch without float8 types.
+    caplog.clear()
+    monkeypatch.delattr(torch, "float8_e5m2")
+    argv = ["--backend", "cpu-shm", "--kv-cache-dtype", "fp8_e5m2", "--listen", "unix:///nonexistent/x.sock"]
+    with caplog.at_level("ERROR", logger="kvtier.cache"):
+        assert main(argv) == 2
+    assert "cannot start: --kv-cache-dtype fp8_e5m2: this torch" in caplog.text
+    assert "has no torch.float8_e5m2" in caplog.text

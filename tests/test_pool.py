@@ -81,6 +81,32 @@ def test_bfloat16_pool_views_share_bytes():
         pool.close()
 
 
+@pytest.mark.parametrize("dtype", ["fp8_e4m3", "fp8_e5m2", "int8"])
+def test_a_quantized_pool_keeps_each_blocks_scales_inside_the_block(dtype):
+    layers, block_size, heads, head_dim = 2, 16, 2, 8
+    pool = ShmPool.create(pool_shape(3, layers, block_size, heads, head_dim), dtype)
+    try:
+        elements = layers * 2 * block_size * heads * head_dim  # one byte each
+        block_bytes = elements + layers * 2 * block_size * heads * 4
+        assert pool.spec.block_bytes == block_bytes and pool.spec.size_bytes == 3 * block_bytes
+        assert pool.spec.strides[0] == block_bytes and pool.tensor.element_size() == 1
+        assert pool.scales.shape == (3, layers, 2, block_size, heads) and pool.scales.dtype == torch.float32
+        assert pool.rows.shape == (3, block_bytes)
+        other = attach_pool(pool.spec)
+        pool.tensor[1, 1, 0, 5, 1] = torch.full((head_dim,), 3.0).to(pool.tensor.dtype)
+        pool.scales[1, 1, 0, 5, 1] = 0.25
+        assert torch.all(other.tensor[1, 1, 0, 5, 1].float() == 3.0)
+        assert other.scales[1, 1, 0, 5, 1] == 0.25
+        # Block 1 changed only inside its own row: elements first, then the float32 scales.
+        touched = (other.rows != 0).nonzero()[:, 0].unique().tolist()
+        assert touched == [1]
+        scale_at = elements + ((1 * 2 + 0) * block_size + 5) * heads * 4 + 4
+        assert other.rows[1, scale_at : scale_at + 4].view(torch.float32).item() == 0.25
+        other.close()
+    finally:
+        pool.close()
+
+
 def test_attach_to_a_missing_segment_says_why():
     spec = PoolSpec("cpu-shm", "float32", [1, 1, 2, 16, 1, 8], [1] * 6, 1024, 16, shm_name="kvtier-0-missing")
     with pytest.raises(PoolUnavailable, match="does not exist"):
