@@ -15,9 +15,11 @@ from typing import Any
 from kvtier.model_spec import TINY_LLAMA_CONFIG
 
 # For tokenizers without a chat template (the built-in byte tokenizer, random benchmark models):
-# each message on its own line after a role tag, then the assistant's tag to answer after.
+# the tools as JSON when given, each message on its own line after a role tag, then the
+# assistant's tag to answer after.
 SIMPLE_CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}<|tools|>\n{{ tools | tojson }}\n{% endif %}"
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )

@@ -375,3 +375,26 @@ def _assemble(chunks):
         if choice.finish_reason:
             reasons.append(choice.finish_reason)
     return names, args, reasons
+
+
+@pytest.mark.slow
+def test_the_chat_template_gets_the_tools_and_a_tool_conversation_renders(client):
+    plain = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1)
+    with_tools = client.chat.completions.create(
+        model=MODEL, messages=CHAT, tools=[WEATHER], tool_choice="none", max_tokens=1
+    )
+    # The fallback template writes the tools as JSON on a line of their own (one byte, one token).
+    added = len("<|tools|>\n" + json.dumps([WEATHER]) + "\n")
+    assert with_tools.usage.prompt_tokens - plain.usage.prompt_tokens == added
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 1}'},
+    }
+    turn = [
+        *CHAT,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    reply = client.chat.completions.create(model=MODEL, messages=turn, tools=[WEATHER], max_tokens=4)
+    assert reply.usage.prompt_tokens > with_tools.usage.prompt_tokens
