@@ -49,6 +49,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False  # vLLM's: the text ends after the stop string, not before
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     presence_penalty: float = _DEFAULT["presence_penalty"]
     frequency_penalty: float = _DEFAULT["frequency_penalty"]
     repetition_penalty: float = _DEFAULT["repetition_penalty"]
@@ -74,6 +75,8 @@ class SamplingParams:
             if value is not None and (message := spec.error(value, limits)):
                 raise ValueError(message)
         if message := sampling_schema.stop_error(self.stop, self.stop_token_ids, vocab_size):
+            raise ValueError(message)
+        if message := sampling_schema.logit_bias_error(self.logit_bias, vocab_size):
             raise ValueError(message)
 
     def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
@@ -133,6 +136,20 @@ class TokenLogprob:
     top_logprobs: list[float]
 
 
+def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """`logits` [num_seqs, vocab] fp32 plus each row's logit_bias: a new tensor when some row
+    has one (the input stays the raw logits, for logprobs), the same tensor when none does."""
+    rows = [i for i, p in enumerate(params) if p.logit_bias]
+    if not rows:
+        return logits
+    out = logits.clone()
+    for i in rows:
+        bias = params[i].logit_bias
+        ids = torch.tensor(list(bias), dtype=torch.long, device=out.device)
+        out[i, ids] += out.new_tensor(list(bias.values()))
+    return out
+
+
 def apply_penalties(
     logits: torch.Tensor, params: list[SamplingParams], states: list[PenaltyState | None]
 ) -> torch.Tensor:
@@ -176,7 +193,7 @@ class Sampler:
 
         logits: [num_seqs, vocab_size], any float dtype (computed in fp32; never modified).
         penalties: each row's PenaltyState (None for rows without penalties; the list may be None
-        when no row has any). Penalties first; then greedy rows take the argmax, the others apply
+        when no row has any). Logit biases first, then penalties; then greedy rows take the argmax, the others apply
         temperature, min_p, top-k, top-p, then draw with their own generator (seeded ->
         reproducible regardless of the batch they are in).
         """
@@ -185,7 +202,7 @@ class Sampler:
                 f"logits {tuple(logits.shape)} must be [num_seqs, vocab] with num_seqs == "
                 f"len(params) ({len(params)}) == len(generators) ({len(generators)})"
             )
-        logits = logits.float()
+        logits = apply_logit_bias(logits.float(), params)
         if penalties is not None:
             logits = apply_penalties(logits, params, penalties)
         greedy_ids = logits.argmax(dim=-1)

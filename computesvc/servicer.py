@@ -51,6 +51,7 @@ class ComputeServicer(compute_pb2_grpc.ComputeServiceServicer):
             stop_token_ids=list(msg.stop_token_ids),
             ignore_eos=msg.ignore_eos,
             include_stop_str_in_output=msg.include_stop_str_in_output,
+            logit_bias=dict(msg.logit_bias),
         )
 
     @property

@@ -210,6 +210,10 @@ def create_app(
         check_request(req)
         prompts = await off_loop(completion_prompts, req.prompt, model)
 
+        def echo(index: int) -> str:  # choice `index` is of prompt index // n
+            p = index // req.n
+            return req.echo_text(p, prompts[p], model.tokenizer.decode) if req.echo else ""
+
         def respond(rid, created, choices, usage, ids) -> CompletionResponse:
             return CompletionResponse(
                 id=rid,
@@ -218,7 +222,7 @@ def create_app(
                 choices=[
                     CompletionChoice(
                         index=c.index,
-                        text=c.text,
+                        text=echo(c.index) + c.text,
                         finish_reason=c.finish_reason,
                         logprobs=engine.logprobs.completion(c.token_ids, c.logprobs)[0]
                         if req.logprobs is not None

@@ -315,6 +315,7 @@ class Engine:
             stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos,
             include_stop_str_in_output=req.include_stop_str_in_output,
+            logit_bias=req.logit_bias_ids(),
             request_id=request_id,
             cache_salt=req.cache_salt or "",
             structured_output=None if constraint is None else structured_output.to_proto(constraint),

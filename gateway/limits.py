@@ -99,6 +99,12 @@ def _check_strings(req: _SamplingRequest, model: ServedModel) -> None:
     stop_ids = req.stop_token_ids or []
     if message := sampling_schema.stop_error(req.stop_list(), stop_ids, model.vocab_size):
         raise bad_request(message, param="stop_token_ids" if message.startswith("stop_token_ids") else "stop")
+    try:
+        bias = req.logit_bias_ids()
+    except ValueError as e:
+        raise bad_request(str(e), param="logit_bias") from None
+    if message := sampling_schema.logit_bias_error(bias, model.vocab_size):
+        raise bad_request(message, param="logit_bias")
     salt = req.cache_salt or ""
     if "\0" in salt:
         raise bad_request("cache_salt contains a NUL character, which is not allowed", param="cache_salt")

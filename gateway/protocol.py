@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
@@ -62,12 +63,21 @@ class _SamplingRequest(_SamplingFields):
     return_token_ids: bool = Field(
         default=False, description="vLLM extension: token ids of the prompt and of each choice"
     )
-    # Accepted by the schema, not supported yet: a non-default value answers 400.
+    # OpenAI's: token id (a JSON object's keys are strings) -> bias in [-100, 100].
     logit_bias: dict[str, float] | None = None
 
     def unsupported_fields(self) -> dict[str, Any]:
         """{field: value} of the fields set to something kvtier cannot do yet."""
-        return {"logit_bias": self.logit_bias} if self.logit_bias else {}
+        return {}
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        """logit_bias with int keys; ValueError naming a key that is not a token id."""
+        out = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.lstrip("-").isdigit() or len(key) > 12:
+                raise ValueError(f"logit_bias keys must be token ids, got {key[:20]!r}")
+            out[int(key)] = value
+        return out
 
     def num_logprobs(self) -> int | None:
         """Top alternatives per token to return (SamplingParams.logprobs); None = no logprobs."""
@@ -103,10 +113,20 @@ class CompletionRequest(_SamplingRequest):
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
+    def echo_text(self, index: int, ids: list[int], decode: Callable[..., str]) -> str:
+        """What `echo` puts before the completion of prompt `index` (token ids `ids`): the prompt
+        as sent when it is text, else its ids decoded (without special tokens)."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return prompt
+        if isinstance(prompt[index], str):
+            return prompt[index]
+        return decode(ids, skip_special_tokens=True)
+
     def unsupported_fields(self) -> dict[str, Any]:
         out = super().unsupported_fields()
-        if self.echo:
-            out["echo"] = self.echo
+        if self.echo and self.logprobs is not None:  # the prompt's logprobs are not computed
+            out["echo"] = "true with logprobs"
         if self.suffix:
             out["suffix"] = self.suffix
         if self.best_of not in (None, 1, self.n):

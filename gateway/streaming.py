@@ -110,6 +110,22 @@ class Events:
 
 
 class CompletionEvents(Events):
+    def first_chunks(self) -> list[bytes]:
+        """With `echo`, each choice's prompt text first, as vLLM streams it."""
+        if not self.req.echo:
+            return []
+        decode = self.engine.model.tokenizer.decode
+        values = {"token_ids": []} if self.req.return_token_ids else {}
+        return [
+            self.template.render(
+                index=job.index,
+                text=self.req.echo_text(job.prompt_index, job.prompt_ids, decode),
+                finish_reason=None,
+                **values,
+            )
+            for job in self.streams.jobs
+        ]
+
     def build_chunk(self, text, finish_reason, index, token_ids=None, logprobs=None, **head) -> BaseModel:
         choice = CompletionChoice.model_construct(
             index=index, text=text, finish_reason=finish_reason, logprobs=logprobs, token_ids=token_ids

@@ -143,6 +143,7 @@ class ComputeClient:
         stop_token_ids: list[int] | None = None,
         ignore_eos: bool = False,
         include_stop_str_in_output: bool = False,
+        logit_bias: dict[int, float] | None = None,
         request_id: str = "",
         cache_salt: str = "",
         structured_output: compute_pb2.StructuredOutput | None = None,
@@ -159,6 +160,7 @@ class ComputeClient:
             stop_token_ids=stop_token_ids or [],
             ignore_eos=ignore_eos,
             include_stop_str_in_output=include_stop_str_in_output,
+            logit_bias=logit_bias or {},
         )
         for name, value in sampling.items():
             if value is not None:

@@ -26,6 +26,8 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_CACHE_SALT_BYTES = 256
 PROMPT_BYTES_PER_TOKEN = 16  # a text prompt may have this many bytes per token of context
 INT32_MAX = (1 << 31) - 1
+MAX_LOGIT_BIAS_ENTRIES = 1024
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's
 
 
 def _num(x: float) -> str:
@@ -139,6 +141,20 @@ FIELDS: tuple[SamplingField, ...] = (
 )  # fmt: skip
 BY_NAME = {f.name: f for f in FIELDS}
 NAMES = tuple(BY_NAME)
+
+
+def logit_bias_error(bias: dict[int, float], vocab_size: int) -> str | None:
+    """The message naming what is wrong with a logit_bias map (its size, an id outside the
+    vocabulary, a value out of LOGIT_BIAS_RANGE or not finite), else None."""
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        return f"logit_bias has {len(bias)} entries, at most {MAX_LOGIT_BIAS_ENTRIES} allowed"
+    lo, hi = LOGIT_BIAS_RANGE
+    for token_id, value in bias.items():
+        if not 0 <= token_id < vocab_size:
+            return f"logit_bias token {token_id} is outside the vocabulary [0, {vocab_size})"
+        if not (math.isfinite(value) and lo <= value <= hi):
+            return f"logit_bias values must be in [{lo:g}, {hi:g}], got {value} for token {token_id}"
+    return None
 
 
 def stop_error(stop: list[str], stop_token_ids: list[int], vocab_size: int | None = None) -> str | None:

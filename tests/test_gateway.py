@@ -364,7 +364,15 @@ def test_openai_client_raises_the_documented_errors(client, url):
             "top_logprobs",
             "needs logprobs: true",
         ),
-        ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias", "not supported yet"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias", "in [-100, 100]"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias", "token ids"),
+        (
+            "/v1/completions",
+            {"prompt": "x", "logit_bias": {"99999": 1}},
+            "logit_bias",
+            "outside the vocabulary",
+        ),
+        ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, "echo", "not supported yet"),
     ],
 )
 def test_bad_requests_answer_400_in_openai_format(url, path, body, param, says):

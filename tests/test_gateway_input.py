@@ -160,3 +160,33 @@ def test_tokenize_and_detokenize_errors(url):
     assert_error(post(url, "/detokenize", {"tokens": [1, 99999]}), 400, "tokens", "outside the vocabulary")
     assert_error(post(url, "/tokenize", {"prompt": "x" * ((16 << 10) + 1)}), 413, "prompt", "takes at most")
     assert httpx.post(f"{url}/tokenize", json={"prompt": "x"}, timeout=30).status_code == 401
+
+
+# --- logit_bias and echo ------------------------------------------------------------------------
+
+
+def test_logit_bias_bans_and_forces_tokens(client):
+    base = dict(model=MODEL, prompt="Hello", max_tokens=6, temperature=0)
+    greedy = client.completions.create(**base, extra_body={"return_token_ids": True, "ignore_eos": True})
+    tokens = greedy.choices[0].model_extra["token_ids"]
+    banned = client.completions.create(
+        **base, logit_bias={str(tokens[0]): -100}, extra_body={"return_token_ids": True, "ignore_eos": True}
+    )
+    assert banned.choices[0].model_extra["token_ids"][0] != tokens[0]
+    forced = client.completions.create(
+        **base, logit_bias={"65": 100}, extra_body={"return_token_ids": True, "ignore_eos": True}
+    )
+    assert forced.choices[0].model_extra["token_ids"] == [65] * 6 and forced.choices[0].text == "A" * 6
+
+
+def test_echo_puts_the_prompt_before_the_completion_streamed_or_not(client):
+    base = dict(model=MODEL, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    plain = client.completions.create(prompt="Once", **base).choices[0].text
+    echoed = client.completions.create(prompt="Once", echo=True, **base)
+    assert echoed.choices[0].text == "Once" + plain
+    chunks = client.completions.create(prompt=["Once", "Twice"], echo=True, stream=True, **base)
+    texts = {0: "", 1: ""}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts[0] == "Once" + plain and texts[1].startswith("Twice") and len(texts[1]) > len("Twice")

@@ -100,7 +100,8 @@ def test_unsupported_fields_are_named_only_off_their_defaults():
     bad = CompletionRequest(
         prompt="x", presence_penalty=0.5, logprobs=0, echo=True, best_of=3, logit_bias={"1": 2.0}
     )
-    assert bad.unsupported_fields() == {"echo": True, "best_of": 3, "logit_bias": {"1": 2.0}}
+    assert bad.unsupported_fields() == {"echo": "true with logprobs", "best_of": 3}  # logit_bias is served
+    assert bad.logit_bias_ids() == {1: 2.0}
     assert bad.num_logprobs() == 0
     chat_req = ChatCompletionRequest(
         messages=[{"role": "user", "content": "x"}],

@@ -77,6 +77,16 @@ def test_top_p_keeps_the_smallest_prefix_reaching_the_mass():
     assert draws == {4, 9}
 
 
+def test_logit_bias_moves_only_its_rows_tokens_and_leaves_the_raw_logits():
+    logits = random_logits(3, seed=5)
+    raw = logits.clone()
+    params = [SamplingParams(temperature=0, logit_bias={7: 100.0}), SamplingParams(temperature=0),
+              SamplingParams(temperature=0, logit_bias={int(logits[2].argmax()): -100.0})]  # fmt: skip
+    got = Sampler().sample(logits, params, [None] * 3)
+    assert got[0] == 7 and got[1] == int(logits[1].argmax()) and got[2] != int(logits[2].argmax())
+    assert torch.equal(logits, raw)  # logprobs still read the model's own
+
+
 def test_mixed_batch_keeps_greedy_rows_greedy():
     logits = random_logits(4, seed=4)
     params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=3)] * 2
@@ -108,6 +118,8 @@ def test_mixed_batch_keeps_greedy_rows_greedy():
         ("min_p", -0.1, r"min_p must be in \[0, 1\], got -0.1"),
         ("logprobs", 21, r"logprobs must be in \[0, 20\], got 21"),
         ("logprobs", -1, r"logprobs must be in \[0, 20\], got -1"),
+        ("logit_bias", {3: 100.5}, r"logit_bias values must be in \[-100, 100\], got 100.5 for token 3"),
+        ("logit_bias", {50: 1.0}, r"logit_bias token 50 is outside the vocabulary \[0, 50\)"),
     ],
 )
 def test_validate_rejects_each_bad_field_naming_it(field, value, message):

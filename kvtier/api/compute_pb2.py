@@ -25,27 +25,31 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvtier/v1/compute.proto\x12\tkvtier.v1\"\xb4\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x1d\n\x10presence_penalty\x18\t \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x12\n\x05min_p\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\x05H\t\x88\x01\x01\x12\x36\n\x11structured_output\x18\x0e \x01(\x0b\x32\x1b.kvtier.v1.StructuredOutput\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_pB\x0b\n\t_logprobs\"\xa1\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x05 \x01(\x0b\x32\x12.kvtier.v1.ChoicesH\x00\x12\r\n\x05param\x18\x06 \x01(\tB\x06\n\x04kind\"\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\t\"\xaa\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x03\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.kvtier.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x18\n\x10resume_token_ids\x18\x06 \x03(\x03\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"[\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xca\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.kvtier.v1.Usage\x12\x1d\n\x15time_to_first_token_s\x18\x06 \x01(\x01\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.kvtier.v1.TokenLogprobs2W\n\x0e\x43omputeService\x12\x45\n\x08Generate\x12\x1a.kvtier.v1.GenerateRequest\x1a\x1b.kvtier.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvtier/v1/compute.proto\x12\tkvtier.v1\"\xa4\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x1d\n\x10presence_penalty\x18\t \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x12\n\x05min_p\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\x05H\t\x88\x01\x01\x12\x36\n\x11structured_output\x18\x0e \x01(\x0b\x32\x1b.kvtier.v1.StructuredOutput\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12<\n\nlogit_bias\x18\x10 \x03(\x0b\x32(.kvtier.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_pB\x0b\n\t_logprobs\"\xa1\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x05 \x01(\x0b\x32\x12.kvtier.v1.ChoicesH\x00\x12\r\n\x05param\x18\x06 \x01(\tB\x06\n\x04kind\"\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\t\"\xaa\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x03\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.kvtier.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x18\n\x10resume_token_ids\x18\x06 \x03(\x03\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"[\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xca\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.kvtier.v1.Usage\x12\x1d\n\x15time_to_first_token_s\x18\x06 \x01(\x01\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.kvtier.v1.TokenLogprobs2W\n\x0e\x43omputeService\x12\x45\n\x08Generate\x12\x1a.kvtier.v1.GenerateRequest\x1a\x1b.kvtier.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvtier.v1.compute_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=39
-  _globals['_SAMPLINGPARAMS']._serialized_end=603
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=606
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=767
-  _globals['_CHOICES']._serialized_start=769
-  _globals['_CHOICES']._serialized_end=794
-  _globals['_GENERATEREQUEST']._serialized_start=797
-  _globals['_GENERATEREQUEST']._serialized_end=967
-  _globals['_USAGE']._serialized_start=969
-  _globals['_USAGE']._serialized_end=1056
-  _globals['_TOKENLOGPROBS']._serialized_start=1058
-  _globals['_TOKENLOGPROBS']._serialized_end=1149
-  _globals['_GENERATERESPONSE']._serialized_start=1152
-  _globals['_GENERATERESPONSE']._serialized_end=1354
-  _globals['_COMPUTESERVICE']._serialized_start=1356
-  _globals['_COMPUTESERVICE']._serialized_end=1443
+  _globals['_SAMPLINGPARAMS']._serialized_end=715
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=518
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=566
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=718
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=879
+  _globals['_CHOICES']._serialized_start=881
+  _globals['_CHOICES']._serialized_end=906
+  _globals['_GENERATEREQUEST']._serialized_start=909
+  _globals['_GENERATEREQUEST']._serialized_end=1079
+  _globals['_USAGE']._serialized_start=1081
+  _globals['_USAGE']._serialized_end=1168
+  _globals['_TOKENLOGPROBS']._serialized_start=1170
+  _globals['_TOKENLOGPROBS']._serialized_end=1261
+  _globals['_GENERATERESPONSE']._serialized_start=1264
+  _globals['_GENERATERESPONSE']._serialized_end=1466
+  _globals['_COMPUTESERVICE']._serialized_start=1468
+  _globals['_COMPUTESERVICE']._serialized_end=1555
 # @@protoc_insertion_point(module_scope)
