@@ -54,8 +54,8 @@ class Admission:
     ) -> None:
         """Allocate blocks for the head of `waiting` (FCFS), one batched call, with `running` the
         sequences running now (read only: `start` adds to it), passing over the requests of the
-        tenants `held_back` (their own limit preempted one of theirs: they wait until one of their
-        running sequences finishes). Admitted and failed requests leave `waiting`."""
+        tenants `held_back` (their own limit preempted one of theirs: they wait a while, or until
+        one of their running sequences finishes). Admitted and failed requests leave `waiting`."""
         room = self.config.max_num_seqs - len(running)
         budget = self.config.max_num_batched_tokens
         batch: list[Request] = []

@@ -23,8 +23,14 @@ The victim is the candidate of least cost, in the mode (swap or recompute) cheap
 Two guards keep it from thrashing: a sequence swapped in fewer than `min_resident_steps` steps
 ago, and one preempted `max_preemptions` times already, are passed over; when every candidate
 is guarded the scheduler waits for the others if any can still run (None), else the guards
-give way (reason "forced"). When a tenant's own limit refused the room (`refused_tenant`), that
-tenant's sequences are the candidates: one tenant's quota never preempts another tenant.
+give way (reason "forced", and the victim is freed, never swapped: a swap would come straight
+back). When a tenant's own limit refused the room (`refused_tenant`), that tenant's sequences
+are the candidates: one tenant's quota never preempts another tenant.
+
+The scheduler adds two rules of its own over the `Ledger` (computesvc/preemptor.py): swapped
+sequences come back only once the cache has refused no room for `min_resident_steps` steps
+(`Ledger.settled`), and a victim freed to recompute holds its tenant's admissions back for
+`backoff_s` (doubling with its preemptions) or until one of the tenant's sequences finishes.
 
 `policy="newest"` is the scheduler's old rule (vLLM's): the newest candidate, swapped out,
 with no guards, for comparison (bench/preemption.py).
@@ -51,6 +57,16 @@ PRIOR_SWAP_BYTES_PER_S = 1e9
 PRIOR_DECODE_STEP_S = 0.02
 PRIOR_CALL_S = 0.001
 SMOOTHING = 0.2  # weight of each new measurement in the running average
+# How long a tenant whose own limit preempted one of its sequences is not admitted (unless one of
+# its sequences finishes first): doubling with the victim's preemptions, capped.
+BACKOFF_S = 0.05
+MAX_BACKOFF_S = 2.0
+
+
+def backoff_s(preemptions: int) -> float:
+    """Seconds a tenant waits for admission after its own limit preempted a sequence for the
+    `preemptions`-th time (1, 2, ...): 0.05 s, 0.1 s, 0.2 s, ... up to 2 s."""
+    return min(MAX_BACKOFF_S, BACKOFF_S * 2 ** max(0, preemptions - 1))
 
 
 @dataclass
@@ -98,8 +114,13 @@ class Ledger:
         self.rates = Rates()
         self.step = 0
         self.host_has_room = True  # until a SwapOut is refused; a SwapIn frees host slots again
+        self.refused_at = -(1 << 30)  # the step the cache last refused room for running sequences
         self._preemptions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._resumed_at: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def settled(self, steps: int) -> bool:
+        """Whether the cache has refused no room for `steps` steps: sequences may come back."""
+        return self.step - self.refused_at >= steps
 
     def preemptions(self, key) -> int:
         return self._preemptions.get(key, 0)
@@ -239,7 +260,7 @@ def choose_victim(
     if not free:
         if pressure.can_wait:
             return None
-        free, reason = pool, FORCED
+        free, reason, can_swap = pool, FORCED, False
     weights = fairness(candidates)
     priced = [_priced(c, rates, can_swap, pressure.block_bytes, weights[c.tenant]) for c in free]
     best = min(priced, key=lambda d: (d.cost_s, -d.victim.arrival))

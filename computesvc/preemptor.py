@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from computesvc.cache_port import BlockCache, CommitItem, ExtendItem, NoFreeBlocks
 from computesvc.observer import SchedulerObserver
-from computesvc.preemption import SWAP, Candidate, Ledger, Pressure, choose_victim
+from computesvc.preemption import SWAP, Candidate, Ledger, Pressure, backoff_s, choose_victim
 from computesvc.request import Request, Status
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ class Preemptor:
     running: list[Request]
     waiting: deque[Request]
     swapped: deque[Request]
-    held_back: set[str]
+    held_back: dict[str, float]
     config: SchedulerConfig
 
     async def _call(self, coro, reqs: list[Request] = ()): ...  # Scheduler._call
@@ -58,6 +58,7 @@ class Preemptor:
                 await self._extend(low)
                 return
             except NoFreeBlocks:
+                self.ledger.refused_at = self.ledger.step
                 low, tenant = await self._extend_apart(low)
             if not low:
                 return
@@ -157,8 +158,12 @@ class Preemptor:
                 victim.block_table = []
                 self.waiting.appendleft(victim)
             self.ledger.preempted(victim)
-            if victim.tenant == refused_tenant:
-                self.held_back.add(victim.tenant)
+            if moved is None and self.config.preemption_policy == "cost":
+                # Freed to make room: readmitting it at once would take that room straight back.
+                wait_s = backoff_s(self.ledger.preemptions(victim))
+                self.held_back[victim.tenant] = max(
+                    self.held_back.get(victim.tenant, 0.0), time.monotonic() + wait_s
+                )
             self.observer.on_preempted(span, victim, moved, decision)
         return victim
 

@@ -108,10 +108,11 @@ class Scheduler(Preemptor):
         self.swapped: deque[Request] = deque()
         # What the cost model remembers: measured rates, preemptions, swap-ins, host-tier room.
         self.ledger = Ledger()
-        # Tenants whose own limit preempted one of their sequences: their waiting requests are
-        # not admitted until one of their running sequences finishes (else the preempted one
-        # comes straight back and the tenant's sequences take turns without finishing).
-        self.held_back: set[str] = set()
+        # Tenants whose own limit preempted one of their sequences -> until when (monotonic s)
+        # their waiting requests are not admitted, unless one of their running sequences
+        # finishes first (else the preempted one comes straight back and the tenant's sequences
+        # take turns without finishing; its quota may be held by other replicas).
+        self.held_back: dict[str, float] = {}
         pool = runner.pool
         self.block_bytes = pool[0].numel() * pool.element_size()  # one block, every layer, K and V
         self._wakeup = asyncio.Event()
@@ -248,6 +249,12 @@ class Scheduler(Preemptor):
             self.swapped = deque(r for r in self.swapped if id(r) not in freed)
 
     async def _resume_swapped(self) -> None:
+        if (
+            self.running
+            and self.config.preemption_policy == "cost"
+            and not self.ledger.settled(self.config.min_resident_steps)
+        ):
+            return  # room was refused lately: a sequence swapped in now would be swapped out again
         while self.swapped and len(self.running) < self.config.max_num_seqs:
             req = self.swapped[0]
             started = time.perf_counter()
@@ -269,9 +276,9 @@ class Scheduler(Preemptor):
         """Allocate blocks for waiting requests (computesvc.admission), one batched call."""
         if self.swapped or not self.waiting:
             return  # swapped sequences go first: they already hold a place in the queue
-        # A tenant held back has no sequence running here any more: nothing left to wait for.
-        self.held_back &= {r.tenant for r in self.running}
-        await self.admission.admit(self.waiting, self.running, self.held_back)
+        now = time.monotonic()
+        held = {tenant for tenant, until in self.held_back.items() if until > now}
+        await self.admission.admit(self.waiting, self.running, held)
 
     def _start(self, req: Request, seq: SequenceBlocks) -> None:
         """`req` got its blocks: it runs from the next prefill on."""
@@ -407,6 +414,7 @@ class Scheduler(Preemptor):
         # conversation so far is a prefix hit for the next turn, and free, in one call.
         await self._call(self.cache.free([r.sequence_id for r in done], self._commit_items(done)), done)
         self._committed(done)
-        self.held_back -= {r.tenant for r in done}
+        for tenant in {r.tenant for r in done}:
+            self.held_back.pop(tenant, None)
         # NOTE: dropped from `running` only once freed: if a call fails, _abandon_all frees them.
         self.running = [r for r in self.running if r.status is not Status.FINISHED]

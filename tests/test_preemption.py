@@ -18,6 +18,7 @@ from computesvc.preemption import (
     Ledger,
     Pressure,
     Rates,
+    backoff_s,
     choose_victim,
 )
 
@@ -106,6 +107,7 @@ def test_guards_pass_over_a_sequence_just_swapped_in_or_preempted_too_often():
     assert choose_victim([just_in, worn], RATES, Pressure(block_bytes=8192, can_wait=True)) is None
     forced = choose_victim([just_in, worn], RATES, PRESSURE)
     assert forced.reason == FORCED and forced.victim.key == "just_in"
+    assert forced.mode == RECOMPUTE  # a forced swap would come straight back: freed instead
 
 
 def test_rates_start_from_priors_and_follow_measurements():
@@ -138,6 +140,15 @@ def test_the_ledger_counts_preemptions_and_steps_since_a_swap_in():
     assert ledger.preemptions(req) == 1 and ledger.resident_steps(req) == 2 and ledger.host_has_room
     del req
     assert len(ledger._preemptions) == 0  # a finished request leaves no trace
+    # Swapped sequences come back only once the cache has refused no room for a few steps.
+    assert ledger.settled(4)
+    ledger.refused_at = 8
+    assert not ledger.settled(4) and ledger.settled(1)
+
+
+def test_a_freed_victims_tenant_backs_off_doubling_up_to_a_cap():
+    assert [backoff_s(n) for n in (1, 2, 3)] == [0.05, 0.1, 0.2]
+    assert backoff_s(20) == 2.0
 
 
 def test_an_unknown_policy_is_refused_naming_the_choices():
