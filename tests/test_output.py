@@ -186,3 +186,21 @@ class WordTokenizer:
 @pytest.fixture
 def word_tokenizer() -> WordTokenizer:
     return WordTokenizer()
+
+
+@pytest.mark.parametrize("cut", range(1, 9))
+def test_a_resumed_request_streams_what_the_uninterrupted_one_would_held_text_included(cut):
+    output = byte_tokens("xaby abz abc")
+    stops = ["abc", "y b"]
+    whole, reason, consumed = stream(OutputProcessor(TOKENIZER, [EOS]), output, stop=stops)
+    # The first attempt delivered `cut` tokens (what it streamed of them), then failed over.
+    first = stream(OutputProcessor(TOKENIZER, [EOS]), output[:cut], stop=stops, max_tokens=len(output))[0]
+    processor = OutputProcessor(TOKENIZER, [EOS])
+    req = Request("r", [BOS], SamplingParams(max_tokens=len(output), ignore_eos=True, stop=stops))
+    req.output_token_ids = list(output[:cut])
+    processor.resume(req)
+    rest = []
+    for token in output[cut:consumed]:
+        req.output_token_ids.append(token)
+        rest.append(processor.process(req, token, MAX_MODEL_LEN)[1])
+    assert "".join(first) + "".join(rest) == "".join(whole) == "xaby abz "
