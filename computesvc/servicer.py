@@ -17,7 +17,7 @@ from computesvc.sampling import SamplingParams
 from computesvc.scheduler import StepFailed
 from computesvc.structured_output import Grammars, GrammarState
 from computesvc.token_emitter import RequestFailed
-from kvtier import sampling_schema, structured_output
+from kvtier import sampling_schema, status, structured_output
 from kvtier.api import compute_pb2, compute_pb2_grpc
 from kvtier.api_keys import tenant_salt
 from kvtier.call_guard import caller
@@ -172,7 +172,7 @@ class ComputeServicer(compute_pb2_grpc.ComputeServiceServicer):
         try:
             self.replica.submit(req)
         except CacheUnavailable as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            await _abort_cache_unavailable(context, str(e))
         finished = False
 
         def on_done(_context=None) -> None:
@@ -199,6 +199,10 @@ class ComputeServicer(compute_pb2_grpc.ComputeServiceServicer):
                         code, advice = grpc.StatusCode.INVALID_ARGUMENT, ""
                     elif isinstance(out.error, (StepFailed, RequestFailed)):
                         code, advice = grpc.StatusCode.INTERNAL, " (see the replica's log)"
+                    elif isinstance(out.error, CacheUnavailable):  # the stream was cut: say why
+                        await _abort_cache_unavailable(
+                            context, f"request {req.request_id}: {out.error}{advice}"
+                        )
                     await context.abort(code, f"request {req.request_id}: {out.error}{advice}")
                 finished = bool(out.finish_reason)
                 yield self._reply(req, out)
@@ -232,3 +236,12 @@ class ComputeServicer(compute_pb2_grpc.ComputeServiceServicer):
                 )
             )
         return reply
+
+
+async def _abort_cache_unavailable(context, message: str) -> None:
+    """End the call UNAVAILABLE with reason CACHE_UNAVAILABLE (kvtier.status): the node's cache
+    service went away, so a gateway can name that cause and retry elsewhere."""
+    code = grpc.StatusCode.UNAVAILABLE
+    await context.abort(
+        code, message, trailing_metadata=status.details_trailer(code, message, status.CACHE_UNAVAILABLE)
+    )

@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException
 
 from gateway.protocol import ErrorInfo, ErrorResponse
 from kvtier.sampling_schema import FIELDS
+from kvtier.status import CACHE_UNAVAILABLE, reason_of
 
 log = logging.getLogger("kvtier.gateway")
 
@@ -106,6 +107,11 @@ def from_grpc(error: grpc.aio.AioRpcError) -> APIError:
         # The request itself is too large for the replica (its guard's limit, or grpc's message
         # size on either side): the client's to fix, not a retry.
         return APIError(413, f"the request is too large for the compute replicas: {details}", INVALID_REQUEST)
+    if reason_of(error) == CACHE_UNAVAILABLE:
+        # Not "no replica": the replica is up, the cache service of its node went away.
+        return APIError(
+            503, f"the compute replica's cache service went away ({details}); retry the request", UNAVAILABLE
+        )
     if status == 503:
         return no_replica(f"{error.code().name}: {error.details()}")
     if status == 500:

@@ -23,6 +23,11 @@ EXCEEDS_LIMIT = "EXCEEDS_LIMIT"
 (its tenant's, the per-lease limit) or the whole pool holds."""
 
 
+CACHE_UNAVAILABLE = "CACHE_UNAVAILABLE"
+"""UNAVAILABLE from a compute replica whose node's cache service went away (it is re-attaching):
+the request can be retried, on another node at once."""
+
+
 def details_trailer(code, message: str, reason: str) -> tuple[tuple[str, bytes], ...]:
     """Trailing metadata carrying ``ErrorInfo(reason)`` for a status ``code`` (a grpc.StatusCode)."""
     info = error_details_pb2.ErrorInfo(reason=reason, domain=DOMAIN)

@@ -202,6 +202,35 @@ def test_a_killed_cache_service_sends_requests_to_the_other_node_until_it_is_bac
     wait_until(lambda: (ask(99), node0_requests(nodes[0]) > before)[1], 90.0, "node 0 serving again")
 
 
+def test_a_stream_cut_by_its_nodes_cache_service_says_so(nodes, gateways) -> None:
+    """SIGKILL the cache service of the node a stream is on: the stream ends with an error event
+    that names the cause (that node's cache service went away) and says to retry; a new request
+    goes to the other node at once."""
+    url = gateways["round-robin"].address
+    body = {"prompt": [BOS, 9, 8, 7], "max_tokens": 900, "temperature": 0, "ignore_eos": True, "stream": True}
+    events: list[str] = []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as reply:
+        lines = reply.iter_lines()
+        events.append(next(line for line in lines if line.startswith("data: ")))
+        in_flight = scrape(url)
+        (k,) = [
+            i for i in range(2) if in_flight[("kvtier_gateway_node_requests_in_flight", f"node-{i}")] == 1
+        ]
+        nodes[k].cache.stop(signal.SIGKILL)
+        try:
+            events += [line for line in lines if line.startswith("data: ")]
+            assert events[-1] == "data: [DONE]", events[-3:]
+            error = json.loads(events[-2][6:])["error"]
+            assert "cache service went away" in error["message"] and "retry" in error["message"], error
+            assert error["type"] == "service_unavailable_error", error
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+            for q in range(2):  # round-robin: one of them is routed to the dead node first
+                assert client.completions.create(model="kvtier-tiny", prompt=[BOS, q], max_tokens=2).usage
+        finally:
+            nodes[k].start_cache()
+            wait_until(lambda: cache_stats(nodes[k]).leases, 90.0, f"node {k}'s replica re-attached")
+
+
 def node0_requests(stack: LocalStack) -> int:
     """Prompt tokens node 0's (new) cache service has looked up: grows when it serves a request."""
     return cache_stats(stack).prefix_query_tokens
