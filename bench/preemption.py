@@ -11,7 +11,7 @@ to first token (finished requests, as the client saw it), preemptions per reques
 log lines), and requests failed by tenant (the client fails over and resumes as it does by
 default: a request fails when every attempt did, or when it is not done in --timeout-s).
 
-    python bench/preemption.py             # ~2-4 min on 2 CPU cores
+    python bench/preemption.py             # ~1-2 min on 2 CPU cores
     python bench/preemption.py --quick
 
 Target (issue 23): cost >= 1.2x the goodput and <= 0.7x the p99 TTFT of newest, and no acme
@@ -147,7 +147,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--bulk", type=int, default=10, help="bulk's long requests, sent at once")
     ap.add_argument("--acme", type=int, default=16, help="acme's requests, a steady stream")
     ap.add_argument("--acme-rate", type=float, default=2.0, help="acme's requests per second")
-    ap.add_argument("--long-prompt", type=int, default=160, help="tokens of a long prompt")
+    ap.add_argument("--long-prompt", type=int, default=96, help="tokens of a long prompt")
     ap.add_argument("--long-tokens", type=int, default=96, help="tokens a long request generates")
     ap.add_argument("--timeout-s", type=float, default=180.0, help="a request not done by then failed")
     ap.add_argument("--seed", type=int, default=0)
@@ -156,7 +156,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args(argv)
     if args.quick:
-        args.bulk, args.acme, args.long_prompt, args.long_tokens = 6, 8, 96, 48
+        args.bulk, args.acme, args.long_tokens = 6, 8, 48
     return args
 
 
