@@ -1,9 +1,9 @@
-"""Allocate's plan: each new sequence checked, keyed, matched against the prefix index and
-weighed against the limits, before the sequence table takes a block.
+"""The plans of the calls that take device blocks, before the sequence table takes any.
 
-``plan_allocate`` is phases 1 and 2 of ``SequenceTable.allocate`` up to the pool's room: it
-reads the block manager (prefix index, capacity) and the limits and changes nothing, so a
-refused call leaves the cache as it was.
+``plan_allocate`` (each new sequence checked, keyed, matched against the prefix index and
+weighed against the limits) and ``plan_extend`` (each sequence checked and the blocks it needs
+counted) are phase 1 of ``SequenceTable.allocate`` / ``extend``: they read and change nothing,
+so a refused call leaves the cache as it was. Each check is written once, next to its message.
 """
 
 from __future__ import annotations
@@ -11,10 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cachesvc.block_manager import BlockManager
+from cachesvc.errors import InvalidArgument
 from cachesvc.limits import TenantLimits
-from cachesvc.validation import ExtraKeys, check_allocate_item, pack_checked
+from cachesvc.records import Sequence
+from cachesvc.validation import ExtraKeys, check_batch, check_unique, owned, pack_checked
 from kvtier.block_hash import BlockHash
-from kvtier.sequence_types import AllocateItem
+from kvtier.sequence_types import AllocateItem, ExtendItem
 
 
 @dataclass(slots=True)
@@ -54,12 +56,23 @@ def plan_allocate(
     for k, item in enumerate(items):
         tokens = item.token_ids
         n = len(tokens)
-        check_allocate_item(k, n, item.num_lookahead_tokens, max_model_len)
+        lookahead = item.num_lookahead_tokens
+        if not 1 <= n <= max_model_len:
+            raise InvalidArgument(
+                f"items[{k}]: len(token_ids) = {n} is not in [1, max_model_len {max_model_len}]"
+            )
+        if lookahead < 0:
+            raise InvalidArgument(f"items[{k}].num_lookahead_tokens = {lookahead} must be >= 0")
+        if n + lookahead > max_model_len:
+            raise InvalidArgument(
+                f"items[{k}]: len(token_ids) + num_lookahead_tokens = {n + lookahead} exceeds "
+                f"max_model_len {max_model_len}"
+            )
         where = f"items[{k}]"
         extra = extra_keys.get(where, item.tenant_salt, item.adapter_id)
         data = pack_checked(where, tokens, vocab_size)
         hit, hashes = bm.match_prefix(data, extra, (n - 1) // bs)
-        num_new = -(-(n + item.num_lookahead_tokens) // bs) - len(hit)
+        num_new = -(-(n + lookahead) // bs) - len(hit)
         if track or num_new + len(hit) > bm.num_blocks:
             limits.check_fits(where, item.tenant, num_new + len(hit))
             held_by_tenant[item.tenant] = held_by_tenant.get(item.tenant, 0) + num_new + len(hit)
@@ -69,3 +82,42 @@ def plan_allocate(
     if track:
         limits.check(lease_id, held_by_tenant, sum(held_by_tenant.values()))
     return plans, touched, total_new
+
+
+def plan_extend(
+    sequences: dict[int, Sequence],
+    block_size: int,
+    max_model_len: int,
+    max_batch: int,
+    lease_id: str,
+    items: list[ExtendItem],
+    pending: dict[int, int] | None = None,
+) -> tuple[list[Sequence], list[tuple[Sequence, int]], int]:
+    """The sequences of Extend ``items`` in order, those crossing a block boundary with the new
+    blocks each needs, and the total; after checking each item (``pending``: tokens the call's
+    commits append, per sequence id). Changes nothing. The table's bounds come first so it can
+    bind them once (functools.partial)."""
+    if len(items) > max_batch:
+        check_batch(len(items), max_batch)
+    seqs = []
+    grow: list[tuple[Sequence, int]] = []
+    total_new = 0
+    for k, (sid, num_tokens) in enumerate(items):
+        seq = owned(sequences, lease_id, k, sid)
+        if num_tokens < 0:
+            raise InvalidArgument(f"items[{k}].num_tokens = {num_tokens} must be >= 0")
+        have = len(seq.token_ids) + (pending.get(sid, 0) if pending else 0)
+        if have + num_tokens > max_model_len:
+            after = " (after the call's commits)" if pending else ""
+            raise InvalidArgument(
+                f"items[{k}]: {have} tokens{after} + num_tokens {num_tokens} = {have + num_tokens} exceeds "
+                f"max_model_len {max_model_len}"
+            )
+        more = (have + num_tokens + block_size - 1) // block_size - len(seq.block_table)
+        if more > 0:
+            total_new += more
+            grow.append((seq, more))
+        seqs.append(seq)
+    if len(items) > 1:
+        check_unique([sid for sid, _ in items])
+    return seqs, grow, total_new

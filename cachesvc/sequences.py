@@ -14,7 +14,9 @@ CacheError leaves the table, the block manager and the tiers exactly as they wer
 
 from __future__ import annotations
 
-from cachesvc.allocation import plan_allocate
+from functools import partial
+
+from cachesvc.allocation import plan_allocate, plan_extend
 from cachesvc.block_manager import BlockManager
 from cachesvc.errors import NotFound, ResourceExhausted
 from cachesvc.fencing import Fencing
@@ -29,7 +31,6 @@ from cachesvc.validation import (
     check_length,
     check_unique,
     commit_sequences,
-    extend_sequences,
     owned,
     pack_checked,
 )
@@ -86,6 +87,12 @@ class SequenceTable:
         self.swap_tier = swap_tier
         self.swapping = Swapping(self.device, swap_tier, self.stats)
         self.tiers = self.swapping.tiers  # tier name -> tier: what a record's location names
+        # Phase 1 of Commit and of Extend, over this table's records and bounds: (lease_id, items)
+        # -> the items' sequences (Extend: and the blocks they need). Bound once: they run every
+        # decode step.
+        bounds = (self._sequences, self.block_size, max_model_len)
+        self._check_commit = partial(commit_sequences, *bounds, vocab_size, max_batch)
+        self._plan_extend = partial(plan_extend, *bounds, max_batch)
 
     # ------------------------------------------------------------------ reading
 
@@ -226,18 +233,7 @@ class SequenceTable:
     ) -> list[SequenceBlocks]:
         """``extend``'s work. With ``pending`` (tokens a commit will append, per sequence id):
         check and count room as if they were appended, change nothing, return []."""
-        if len(items) > self.max_batch:
-            check_batch(len(items), self.max_batch)
-        seqs = extend_sequences(self._sequences, lease_id, items, self.max_model_len, pending)
-        bs = self.block_size
-        grow: list[tuple[Sequence, int]] = []  # (sequence, new blocks) of those crossing a boundary
-        total_new = 0
-        for seq, (sid, num_tokens) in zip(seqs, items, strict=True):
-            n = len(seq.token_ids) + (pending.get(sid, 0) if pending else 0)
-            more = (n + num_tokens + bs - 1) // bs - len(seq.block_table)
-            if more > 0:
-                total_new += more
-                grow.append((seq, more))
+        seqs, grow, total_new = self._plan_extend(lease_id, items, pending)
         limits = self.limits
         if total_new and (limits.limited or limits.contested()):
             more_by_tenant: dict[str, int] = {}
@@ -262,7 +258,9 @@ class SequenceTable:
                 table = seq.block_table
                 table += new_ids[pos : pos + more]
                 pos += more
-                seq.room = min(len(table) * bs, self.max_model_len)  # room(), inline: every growing Extend
+                seq.room = min(
+                    len(table) * self.block_size, self.max_model_len
+                )  # room(), inline: each growth
                 seq.cached_blocks = None
         if len(seqs) == 1:
             return [self._blocks_of(seqs[0])]
@@ -278,14 +276,6 @@ class SequenceTable:
         prefix index. Returns the number of blocks published by the call.
         """
         return self._apply_commit(self._check_commit(lease_id, items), items)
-
-    def _check_commit(self, lease_id: str, items: list[CommitItem]) -> list[Sequence]:
-        """``commit``'s phase 1 (it reads, never writes): the items' sequences, in order."""
-        if len(items) > self.max_batch:
-            check_batch(len(items), self.max_batch)
-        return commit_sequences(
-            self._sequences, lease_id, items, self.block_size, self.max_model_len, self.vocab_size
-        )
 
     def _apply_commit(self, seqs: list[Sequence], items: list[CommitItem]) -> int:
         """``commit``'s changes, after ``_check_commit`` passed; returns blocks published."""
@@ -335,7 +325,8 @@ class SequenceTable:
 
     def _release(self, seq: Sequence) -> int:
         """Drop one record and release its blocks on its tier; returns device blocks released."""
-        self.limits.released(seq.tenant, seq.lease_id, seq.num_blocks)
+        limits = self.limits
+        limits.released(seq.tenant, seq.lease_id, seq.num_blocks if limits.limited else 0)
         if seq.location == DEVICE:
             released = self.block_manager.free(seq.block_table[::-1])
         else:

@@ -14,7 +14,7 @@ import numpy as np
 from cachesvc.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from cachesvc.records import DEVICE, Sequence
 from kvtier.block_hash import InvalidHashInput, extra_key, pack_token_ids
-from kvtier.sequence_types import CommitItem, ExtendItem
+from kvtier.sequence_types import CommitItem
 
 # Cached extra keys per (tenant_salt, adapter_id); cleared when it grows past this many entries
 # (one salt per request would otherwise grow it without bound).
@@ -60,22 +60,6 @@ def check_length(k: int, num_tokens: int, max_model_len: int) -> None:
     if num_tokens > max_model_len:
         raise InvalidArgument(
             f"items[{k}]: len(token_ids) = {num_tokens} exceeds max_model_len {max_model_len}"
-        )
-
-
-def check_allocate_item(k: int, num_tokens: int, lookahead: int, max_model_len: int) -> None:
-    """Allocate item ``k``: ``num_tokens`` prompt tokens plus ``lookahead`` slots must be a
-    non-empty sequence that fits ``max_model_len``."""
-    if not 1 <= num_tokens <= max_model_len:
-        raise InvalidArgument(
-            f"items[{k}]: len(token_ids) = {num_tokens} is not in [1, max_model_len {max_model_len}]"
-        )
-    if lookahead < 0:
-        raise InvalidArgument(f"items[{k}].num_lookahead_tokens = {lookahead} must be >= 0")
-    if num_tokens + lookahead > max_model_len:
-        raise InvalidArgument(
-            f"items[{k}]: len(token_ids) + num_lookahead_tokens = {num_tokens + lookahead} exceeds "
-            f"max_model_len {max_model_len}"
         )
 
 
@@ -152,48 +136,26 @@ class ExtraKeys:
         return extra
 
 
-# ---------------------------------------------------------------- Extend and Commit
-# These run every decode step; each returns the items' sequences so the caller walks them once.
-
-
-def extend_sequences(
-    sequences: dict[int, Sequence],
-    lease_id: str,
-    items: list[ExtendItem],
-    max_model_len: int,
-    pending: dict[int, int] | None = None,
-) -> list[Sequence]:
-    """The sequences of Extend ``items``, in order, after checking each (``pending``: tokens
-    the call's commits append, per sequence id)."""
-    seqs = []
-    for k, (sid, num_tokens) in enumerate(items):
-        seq = owned(sequences, lease_id, k, sid)
-        if num_tokens < 0:
-            raise InvalidArgument(f"items[{k}].num_tokens = {num_tokens} must be >= 0")
-        have = len(seq.token_ids) + (pending.get(sid, 0) if pending else 0)
-        if have + num_tokens > max_model_len:
-            after = " (after the call's commits)" if pending else ""
-            raise InvalidArgument(
-                f"items[{k}]: {have} tokens{after} + num_tokens {num_tokens} = {have + num_tokens} exceeds "
-                f"max_model_len {max_model_len}"
-            )
-        seqs.append(seq)
-    if len(items) > 1:
-        check_unique([sid for sid, _ in items])
-    return seqs
+# ---------------------------------------------------------------- Commit
+# It runs every decode step (carried by Extend, Free, SwapOut): it returns the items' sequences so
+# the caller walks them once. Extend's checks are cachesvc.allocation.plan_extend.
 
 
 def commit_sequences(
     sequences: dict[int, Sequence],
-    lease_id: str,
-    items: list[CommitItem],
     block_size: int,
     max_model_len: int,
     vocab_size: int,
+    max_batch: int,
+    lease_id: str,
+    items: list[CommitItem],
 ) -> list[Sequence]:
     """The sequences of Commit ``items``, in order, after checking each: the tokens after
     appending fit the block table and ``max_model_len``, ``num_computed_tokens`` never decreases
-    nor exceeds them, and every new token id is in [0, vocab_size)."""
+    nor exceeds them, and every new token id is in [0, vocab_size). The table's bounds come
+    first so it can bind them once (functools.partial)."""
+    if len(items) > max_batch:
+        check_batch(len(items), max_batch)
     seqs = []
     for k, (sid, new_tokens, num_computed) in enumerate(items):
         seq = owned(sequences, lease_id, k, sid)
