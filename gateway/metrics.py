@@ -63,7 +63,10 @@ class GatewayMetrics:
             f"{p}_cached_prompt_tokens", "Prompt tokens served from the prefix cache.", registry=r
         )
         self.generation_tokens = Counter(f"{p}_generation_tokens", "Completion tokens generated.", registry=r)
-        # The router (gateway/router.py), when the gateway routes across nodes; node_*: per node.
+        self._add_router_series(r)
+
+    def _add_router_series(self, r: CollectorRegistry) -> None:
+        """The router's (gateway/router.py), when the gateway routes across nodes; node_*: per node."""
         self.route_decisions = Counter(
             "kvtier_router_decisions",
             "Routing decisions by reason: prefix (the node holding the longest prefix), load_spill "

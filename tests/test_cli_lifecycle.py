@@ -218,6 +218,36 @@ def test_kvtier_up_with_two_nodes_routes_across_them_and_stops_them_all(tmp_path
     assert wait_all_gone(services) == [], "kvtier up --nodes 2 left services running"
 
 
+def test_kvtier_up_restarts_a_killed_replica_each_time_and_gives_up_when_it_keeps_dying(tmp_path):
+    """SIGKILL the replica as soon as it is (re)started: `kvtier up` restarts it each time, with
+    backoff, then stops the stack saying which service and why (5 fast failures in a row)."""
+    proc, info = start_up(tmp_path)
+    services = list(info["pids"].values())
+    killed = set()
+    try:
+        while proc.poll() is None and len(killed) < 6:
+            pids = (
+                json.loads((tmp_path / STACK_FILE).read_text())["pids"]
+                if (tmp_path / STACK_FILE).exists()
+                else {}
+            )
+            pid = pids.get("compute-0")
+            if pid and pid not in killed and alive(pid):
+                os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
+                services.append(pid)
+            time.sleep(0.05)  # polling the stack file for the restarted replica's pid
+        out = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, out
+    assert out.count("compute-0 restarted") == 4, out
+    assert "compute-0 exited 5 times in a row within 15s of starting (last: killed by SIGKILL)" in out, out
+    assert "stopping the stack" in out
+    assert wait_all_gone(services) == [], "kvtier up left services running after giving up"
+
+
 def node_requests(gateway: str, node: str) -> float:
     """The gateway's kvtier_gateway_node_requests_total for `node`."""
     import httpx
