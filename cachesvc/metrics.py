@@ -90,6 +90,19 @@ class CacheMetrics(RpcLatency):
         self.swapped_sequences = Gauge(
             f"{p}_swapped_sequences", "Sequences living in the host tier.", registry=r
         )
+        self._flow_metrics(r, p)
+        self._lease_metrics(r, p)
+        # Label values known up front: the series exist at 0 before the first swap or call.
+        for direction in ("out", "in"):
+            self.swapped_blocks.labels(direction)
+            self.swapped_bytes.labels(direction)
+        for method in CACHE_RPCS:
+            self.rpc_duration.labels(method, "OK")
+        # (counter attribute, label values) -> last cumulative value seen in a snapshot
+        self._last_cumulative: dict[tuple[str, tuple[str, ...]], float] = {}
+
+    def _flow_metrics(self, r: CollectorRegistry, p: str) -> None:
+        """Prefix-cache and swap counters (cumulative since start)."""
         self.prefix_query_tokens = Counter(f"{p}_prefix_query_tokens", "Prompt tokens looked up.", registry=r)
         self.prefix_hit_tokens = Counter(f"{p}_prefix_hit_tokens", "Prompt tokens found cached.", registry=r)
         self.prefix_hit_ratio = Gauge(
@@ -108,6 +121,9 @@ class CacheMetrics(RpcLatency):
             ["direction"],
             registry=r,
         )
+
+    def _lease_metrics(self, r: CollectorRegistry, p: str) -> None:
+        """Leases, resident tokens, slot waste and per-tenant blocks."""
         self.active_leases = Gauge(f"{p}_active_leases", "Compute leases alive.", registry=r)
         self.resident_tokens = Gauge(
             f"{p}_resident_tokens", "Tokens of the sequences held on the device.", registry=r
@@ -134,14 +150,6 @@ class CacheMetrics(RpcLatency):
             ["tenant"],
             registry=r,
         )
-        # Label values known up front: the series exist at 0 before the first swap or call.
-        for direction in ("out", "in"):
-            self.swapped_blocks.labels(direction)
-            self.swapped_bytes.labels(direction)
-        for method in CACHE_RPCS:
-            self.rpc_duration.labels(method, "OK")
-        # (counter attribute, label values) -> last cumulative value seen in a snapshot
-        self._last_cumulative: dict[tuple[str, tuple[str, ...]], float] = {}
 
     def update(self, snapshot: CacheSnapshot) -> None:
         """Set gauges and advance counters from a snapshot of the cache.
