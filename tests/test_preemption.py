@@ -154,3 +154,30 @@ def test_a_freed_victims_tenant_backs_off_doubling_up_to_a_cap():
 def test_an_unknown_policy_is_refused_naming_the_choices():
     with pytest.raises(ValueError, match=r"'oldest' is not one of \('cost', 'newest'\)"):
         choose_victim([seq("a", 16)], RATES, PRESSURE, policy="oldest")
+
+
+def test_metrics_count_preemptions_by_reason_and_mode_from_zero():
+    from opentelemetry import trace
+
+    from computesvc.metrics import ComputeMetrics
+    from computesvc.observer import MetricsObserver
+    from computesvc.request import Request
+    from computesvc.sampling import SamplingParams
+
+    metrics = ComputeMetrics()
+
+    def count(**labels) -> float:
+        return metrics.registry.get_sample_value("kvtier_compute_preemptions_by_reason_total", labels)
+
+    assert count(reason="tenant", mode="recompute") == 0 and count(reason="forced", mode="swap") == 0
+    victim = Request("v", [1, 2, 3], SamplingParams(max_tokens=4), tenant="evil")
+    decision = choose_victim(
+        [seq("v", 3, tenant="evil")], RATES, Pressure(block_bytes=8192, refused_tenant="evil")
+    )
+    observer = MetricsObserver(metrics)
+    with observer.preempt_span(victim, decision) as span:
+        observer.on_preempted(span, victim, None, decision)
+    assert count(reason="tenant", mode="recompute") == 1
+    assert metrics.registry.get_sample_value("kvtier_compute_preemptions_total", {"kind": "recompute"}) == 1
+    assert observer.stats.preemptions_by_reason == {("tenant", "recompute"): 1}
+    assert isinstance(span, trace.Span)

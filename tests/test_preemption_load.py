@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import pytest
 from servers import TOKEN, ModuleLoop, cache_service
@@ -105,10 +106,15 @@ def prompt(k: int, n: int = 24) -> list[int]:
     return [1 + (k * 31 + j * 7) % 250 for j in range(n)]
 
 
-def test_preemptions_per_request_are_bounded_and_swapped_in_sequences_stay_a_while(service, loaded):
+def test_preemptions_per_request_are_bounded_and_swapped_in_sequences_stay_a_while(service, loaded, caplog):
     # 10 sequences of 24 + 150 tokens (11 blocks each) on a 48-block pool: at most 4 at once.
     load = [(f"r{k}", "", prompt(k), 150) for k in range(10)]
-    outputs, cost = run_load(service, loaded, "cost", load)
+    with caplog.at_level(logging.DEBUG, logger="kvtier.compute"):
+        outputs, cost = run_load(service, loaded, "cost", load)
+    # Each decision and its inputs are in a debug line (and the `preempt` span's attributes).
+    decided = [r.getMessage() for r in caplog.records if r.getMessage().startswith("preempting request")]
+    assert len(decided) == len(cost.preempted), decided
+    assert all("policy=cost" in line and "recompute_s=" in line and "swap_s=" in line for line in decided)
     reference, newest = run_load(service, loaded, "newest", load)
     per_request = {rid: sum(1 for p in cost.preempted if p[0] == rid) for rid, *_ in load}
     print("preemptions per request, cost:", per_request)
