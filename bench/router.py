@@ -1,19 +1,24 @@
-"""KV-aware routing across two nodes: prefix hit rate, TTFT and throughput against round-robin
-and random routing, in the same run.
+"""Routing across two nodes: TTFT, prefix hit rate and per-node share for kv-aware (prefix only),
+load-aware kv-aware, round-robin and random routing, in the same run.
 
 Two nodes run as real processes (a cache service with its own pool, standing for one GPU, and a
 compute replica each), with a random Llama (hidden 512, 8 layers, byte vocabulary) big enough
-that prefill costs something on a CPU. Each pool holds about half of the workload's system
-prompts. The workload: --systems system prompts of --system-tokens tokens, each asked
---questions questions (--question-tokens tokens, --max-tokens new tokens), in rounds that visit
-every system in a shuffled order; --concurrency requests in flight. One gateway per policy
-(`python -m gateway --node ... --routing P`), each with its own cache_salt so no policy reuses
-another's blocks. Hit rate comes from usage.cached_tokens, TTFT from the first streamed event.
+that prefill costs something on a CPU. The workload (issue 25): --conversations chats, each
+opened on one of --systems system prompts of --system-tokens tokens picked with Zipf popularity
+(exponent --zipf), then --turns turns that re-send the whole history (system prompt, earlier
+questions and answers) plus a new question of --question-tokens tokens. --concurrency chats run
+at once; a chat's turns run one after another. Each pool holds about --pool-share of the system
+prompts. One gateway per policy (`python -m gateway --node ... --routing P`), each with its own
+cache_salt so no policy reuses another's blocks; the pools are shared, in policy order.
 
-    python bench/router.py            # 8 systems x 4 questions per policy
-    python bench/router.py --quick    # 6 systems x 3 questions
+Hit rate comes from usage.cached_tokens, TTFT from the first streamed event, the per-node share
+from the gateway's kvtier_gateway_node_requests_total.
 
-Target (issue 11): TTFT p50 of round-robin / kv-aware >= 2. The last line is the headline.
+    python bench/router.py            # 48 chats of 1-3 turns over 24 system prompts, 4 at once
+    python bench/router.py --quick    # 24 chats over 12 system prompts
+
+Target (issue 25): load-aware TTFT p50 and p90 both <= 0.6x round-robin's, hit rate >= 1.3x
+round-robin's. The last line is the headline.
 """
 
 from __future__ import annotations
@@ -33,91 +38,213 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 BS = 16
-POLICIES = ("kv-aware", "round-robin", "random")
+# (name in the table, --routing, --routing-load-weight)
+POLICIES = (
+    ("kv-aware", "kv-aware", 0.0),
+    ("load-aware", "kv-aware", 1.0),
+    ("round-robin", "round-robin", 1.0),
+    ("random", "random", 1.0),
+)
 
 
 @dataclass
 class Result:
     ttft_s: float
-    tokens: int
     cached: int
     prompt: int
     error: str = ""
 
 
-def workload(args: argparse.Namespace) -> list[list[int]]:
+def zipf_choice(rng: random.Random, n: int, exponent: float) -> int:
+    """One of range(n), k drawn with weight 1 / (k + 1) ** exponent."""
+    weights = [1 / (k + 1) ** exponent for k in range(n)]
+    return rng.choices(range(n), weights)[0]
+
+
+def workload(args: argparse.Namespace) -> list[list[list[int]]]:
+    """The chats: each a list of turns, each turn the whole prompt it sends (token ids)."""
     rng = random.Random(args.seed)
     systems = [[1 + rng.randrange(250) for _ in range(args.system_tokens)] for _ in range(args.systems)]
-    prompts = []
-    for q in range(args.questions):
-        order = list(range(args.systems))
-        rng.shuffle(order)
-        prompts += [
-            systems[s] + [1 + (s * 13 + q * 7 + k) % 250 for k in range(args.question_tokens)] for s in order
-        ]
-    return prompts
+    chats = []
+    for c in range(args.conversations):
+        history = list(systems[zipf_choice(rng, args.systems, args.zipf)])
+        turns = []
+        for t in range(rng.randint(1, args.turns)):
+            history += [1 + (c * 13 + t * 7 + k) % 250 for k in range(args.question_tokens)]
+            turns.append(list(history))
+            # The answer, as the next turn re-sends it (a stand-in for the generated text).
+            history += [1 + (c * 5 + t * 11 + k) % 250 for k in range(args.max_tokens)]
+        chats.append(turns)
+    return chats
 
 
 async def one(http, url: str, prompt: list[int], max_tokens: int, salt: str) -> Result:
-    from bench.http_api import completion_body
+    from bench.http_api import JSON_HEADERS, completion_body
 
-    body = completion_body(prompt, max_tokens, salt)
+    body = json.dumps(completion_body(prompt, max_tokens, salt)).encode()
     t0 = time.perf_counter()
     ttft = 0.0
-    async with http.post(f"{url}/v1/completions", json=body) as reply:
+    async with http.post(f"{url}/v1/completions", data=body, headers=JSON_HEADERS) as reply:
         if reply.status != 200:
-            return Result(0.0, 0, 0, len(prompt), f"HTTP {reply.status}: {(await reply.read())[:200]!r}")
+            return Result(0.0, 0, len(prompt), f"HTTP {reply.status}: {(await reply.read())[:200]!r}")
         async for line in reply.content:
             if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                 continue
             if not ttft:
                 ttft = time.perf_counter() - t0
+            if b'"error"' in line:
+                return Result(ttft, 0, len(prompt), json.loads(line[6:])["error"]["message"])
             if b'"usage":{' in line:
                 usage = json.loads(line[6:])["usage"]
-                details = usage.get("prompt_tokens_details") or {}
-                return Result(
-                    ttft, usage["completion_tokens"], details.get("cached_tokens", 0), usage["prompt_tokens"]
-                )
-    return Result(ttft, 0, 0, len(prompt), "the stream ended without usage")
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                return Result(ttft, cached, usage["prompt_tokens"])
+    return Result(ttft, 0, len(prompt), "the stream ended without usage")
 
 
 async def run_policy(
-    url: str, prompts: list[list[int]], args: argparse.Namespace, salt: str
-) -> tuple[list[Result], float]:
+    url: str, chats: list[list[list[int]]], args: argparse.Namespace, salt: str
+) -> list[Result]:
+    """Every chat, --concurrency at a time, each chat's turns in order."""
     import aiohttp
 
-    http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600))
-    gate = asyncio.Semaphore(args.concurrency)
+    queue: asyncio.Queue = asyncio.Queue()
+    for chat in chats:
+        queue.put_nowait(chat)
+    results: list[Result] = []
 
-    async def limited(p: list[int]) -> Result:
-        async with gate:
-            return await one(http, url, p, args.max_tokens, salt)
+    async def worker(http) -> None:
+        while not queue.empty():
+            for prompt in queue.get_nowait():
+                results.append(await one(http, url, prompt, args.max_tokens, salt))
 
-    try:
-        t0 = time.perf_counter()
-        results = await asyncio.gather(*(limited(p) for p in prompts))
-        return list(results), time.perf_counter() - t0
-    finally:
-        await http.close()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
+        await asyncio.gather(*(worker(http) for _ in range(args.concurrency)))
+    return results
+
+
+def node_shares(url: str) -> dict[str, float]:
+    """Each node's share of the requests the gateway at `url` sent (its per-node counter)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
+    counts = {
+        s.labels["node"]: s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "kvtier_gateway_node_requests_total"
+    }
+    total = sum(counts.values()) or 1
+    return {node: n / total for node, n in sorted(counts.items())}
+
+
+def percentile_ms(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return 1000 * ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--systems", type=int, default=24, help="system prompts")
+    ap.add_argument("--system-tokens", type=int, default=256)
+    ap.add_argument("--zipf", type=float, default=1.1, help="popularity exponent over the system prompts")
+    ap.add_argument("--conversations", type=int, default=48)
+    ap.add_argument("--turns", type=int, default=3, help="turns per chat: 1 to this many")
+    ap.add_argument("--question-tokens", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--concurrency", type=int, default=4, help="chats at once")
+    ap.add_argument("--pool-share", type=float, default=0.6, help="of the system prompts each pool holds")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", help="local HF model dir (default: a random 8-layer Llama)")
+    ap.add_argument("--quick", action="store_true", help="24 chats over 12 system prompts")
+    args = ap.parse_args()
+    if args.quick:
+        args.systems, args.conversations = 12, 24
+    return args
+
+
+def start_nodes(args: argparse.Namespace, work: Path, model: str, env: dict) -> tuple[list, int]:
+    """Two nodes (a cache service and one replica each), serving; and their pools' size in blocks."""
+    from kvtier_cli.stack import LocalStack, up_side_by_side
+
+    system_blocks = args.system_tokens // BS
+    longest = args.system_tokens + args.turns * (args.question_tokens + args.max_tokens)
+    num_blocks = round(args.pool_share * args.systems * system_blocks) + args.concurrency * (
+        longest // BS + 2
+    )
+    cache_args = [
+        "--model",
+        model,
+        "--num-blocks",
+        str(num_blocks),
+        "--swap-space",
+        "0",
+        "--log-level",
+        "WARNING",
+    ]
+    compute_args = ["--model", model, "--threads", "1", "--log-level", "WARNING"]
+    stacks = [
+        LocalStack(work / f"node-{i}", cache_args, compute_args, num_replicas=1, env=env) for i in range(2)
+    ]
+    up_side_by_side(stacks)
+    return stacks, num_blocks
+
+
+def measure(args: argparse.Namespace, stacks: list, model: str, env: dict, work: Path) -> dict[str, dict]:
+    """Every policy's figures, one gateway after another over the same nodes."""
+    from kvtier_cli.stack import start, wait_gateway
+
+    chats = workload(args)
+    nodes = []
+    for i, stack in enumerate(stacks):
+        nodes += ["--node", f"node-{i}@{stack.cache_address}={','.join(stack.compute_addresses)}"]
+    rows = {}
+    for k, (name, routing, weight) in enumerate(POLICIES):
+        argv = ["--host", "127.0.0.1", "--port", "0", "--model", model, *nodes, "--routing", routing]
+        argv += ["--routing-load-weight", str(weight), "--log-level", "WARNING"]
+        gateway = wait_gateway(start(f"gateway-{name}", "gateway", argv, "", work, env))
+        try:
+            results = asyncio.run(run_policy(gateway.address, chats, args, f"bench-{k}"))
+            shares = node_shares(gateway.address)
+        finally:
+            gateway.stop()
+        errors = [r.error for r in results if r.error]
+        if errors:
+            raise RuntimeError(f"{name}: {len(errors)} errors, first: {errors[0]}")
+        ttfts = [r.ttft_s for r in results]
+        rows[name] = {
+            "hit": sum(r.cached for r in results) / sum(r.prompt for r in results),
+            "p50": 1000 * statistics.median(ttfts),
+            "p90": percentile_ms(ttfts, 0.9),
+            "shares": shares,
+            "requests": len(results),
+        }
+    return rows
+
+
+def report(args: argparse.Namespace, rows: dict[str, dict], num_blocks: int) -> None:
+    requests = next(iter(rows.values()))["requests"]
+    print(
+        f"two nodes of {num_blocks} blocks each (~{100 * args.pool_share:.0f}% of {args.systems} system prompts "
+        f"of {args.system_tokens} tokens, Zipf {args.zipf}); {args.conversations} chats of 1-{args.turns} turns "
+        f"= {requests} requests, {args.concurrency} chats at once, {args.max_tokens} new tokens each"
+    )
+    print(f"{'routing':>12} {'hit %':>6} {'TTFT p50 ms':>12} {'p90 ms':>8}  share per node")
+    for name, r in rows.items():
+        shares = " ".join(f"{node} {100 * s:.0f}%" for node, s in r["shares"].items())
+        print(f"{name:>12} {100 * r['hit']:6.1f} {r['p50']:12.1f} {r['p90']:8.1f}  {shares}")
+    la, kv, rr = rows["load-aware"], rows["kv-aware"], rows["round-robin"]
+    print(
+        f"headline: load-aware kv routing: TTFT p50 {la['p50'] / rr['p50']:.2f}x and p90 "
+        f"{la['p90'] / rr['p90']:.2f}x round-robin's (target <= 0.6x), hit rate {la['hit'] / rr['hit']:.2f}x "
+        f"round-robin's (target >= 1.3x) and {la['hit'] / kv['hit']:.2f}x prefix-only kv-aware's"
+    )
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--systems", type=int, default=8)
-    ap.add_argument("--system-tokens", type=int, default=512)
-    ap.add_argument("--questions", type=int, default=4)
-    ap.add_argument("--question-tokens", type=int, default=32)
-    ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--concurrency", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--model", help="local HF model dir (default: a random 8-layer Llama)")
-    ap.add_argument("--quick", action="store_true", help="6 systems x 3 questions")
-    args = ap.parse_args()
-    if args.quick:
-        args.systems, args.questions = 6, 3
-
+    args = parse_args()
     from bench.models import random_llama_dir
-    from kvtier_cli.stack import LocalStack, start, wait_gateway
 
     work = Path(tempfile.mkdtemp(prefix="kvtier-bench-router-"))
     model = args.model or str(
@@ -127,71 +254,17 @@ def main() -> int:
     )
     os.environ["KVTIER_TOKEN"] = "bench-token"
     env = dict(os.environ)
-    system_blocks = args.system_tokens // BS
-    request_blocks = (args.system_tokens + args.question_tokens + args.max_tokens) // BS + 2
-    num_blocks = (args.systems + 1) // 2 * system_blocks + args.concurrency * request_blocks + 4
-    stacks = [
-        LocalStack(
-            work / f"node-{i}",
-            [
-                "--model",
-                model,
-                "--num-blocks",
-                str(num_blocks),
-                "--swap-space",
-                "0",
-                "--log-level",
-                "WARNING",
-            ],
-            ["--model", model, "--threads", "1", "--log-level", "WARNING"],
-            num_replicas=1,
-            env=env,
-        )
-        for i in range(2)
-    ]
-    prompts = workload(args)
-    rows = {}
+    stacks = []
     try:
-        for stack in stacks:
-            stack.up()
-        nodes = []
-        for i, stack in enumerate(stacks):
-            nodes += ["--node", f"node-{i}@{stack.cache_address}={','.join(stack.compute_addresses)}"]
-        for k, policy in enumerate(POLICIES):
-            argv = ["--host", "127.0.0.1", "--port", "0", "--model", model, *nodes, "--routing", policy]
-            argv += ["--log-level", "WARNING"]
-            gateway = wait_gateway(start(f"gateway-{policy}", "gateway", argv, "", work, env))
-            try:
-                results, wall = asyncio.run(run_policy(gateway.address, prompts, args, f"bench-{k}"))
-            finally:
-                gateway.stop()
-            errors = [r.error for r in results if r.error]
-            if errors:
-                print(f"{policy}: {len(errors)} errors, first: {errors[0]}", file=sys.stderr)
-                return 1
-            ttfts = sorted(r.ttft_s for r in results)
-            rows[policy] = {
-                "hit": sum(r.cached for r in results) / sum(r.prompt for r in results),
-                "p50": 1000 * statistics.median(ttfts),
-                "p99": 1000 * ttfts[min(len(ttfts) - 1, round(0.99 * (len(ttfts) - 1)))],
-                "tok_s": sum(r.tokens for r in results) / wall,
-            }
+        stacks, num_blocks = start_nodes(args, work, model, env)
+        rows = measure(args, stacks, model, env, work)
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
+        return 1
     finally:
         for stack in stacks:
             stack.down()
-    print(
-        f"two nodes of {num_blocks} blocks each (one holds ~half of {args.systems} system prompts of "
-        f"{args.system_tokens} tokens); {len(prompts)} requests, {args.concurrency} in flight, "
-        f"{args.max_tokens} new tokens each"
-    )
-    print(f"{'routing':>12} {'hit %':>6} {'TTFT p50 ms':>12} {'p99 ms':>8} {'tok/s':>7}")
-    for policy, r in rows.items():
-        print(f"{policy:>12} {100 * r['hit']:6.1f} {r['p50']:12.1f} {r['p99']:8.1f} {r['tok_s']:7.1f}")
-    kv, rr = rows["kv-aware"], rows["round-robin"]
-    print(
-        f"headline: kv-aware routing hits {100 * kv['hit']:.0f}% of prompt tokens vs {100 * rr['hit']:.0f}% round-robin; "
-        f"TTFT p50 {kv['p50']:.0f} ms vs {rr['p50']:.0f} ms = {rr['p50'] / kv['p50']:.1f}x lower (target >= 2x)"
-    )
+    report(args, rows, num_blocks)
     return 0
 
 

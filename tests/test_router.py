@@ -200,8 +200,11 @@ def test_a_node_that_stops_answering_is_routed_around_and_resynced_when_back(tmp
                 for _ in range(4):
                     assert (await router.route(prompt(1, 0))).nodes[0].name == "n1"
                 stacks[0].start_cache()
+                answering = time.monotonic()
                 # Back: its stream is reopened from 0 (a new, empty cache) and it gets traffic again.
                 await wait_until_async(lambda: n0.up(time.monotonic()) and n0.synced, 40.0, "node 0 back")
+                # A timing, not asserted (issue 25's target: within 2 s; reconnect backoff <= 1 s).
+                print(f"node 0 back in routing {time.monotonic() - answering:.2f}s after its cache answered")
                 firsts = {(await router.route(prompt(1, 0))).nodes[0].name for _ in range(4)}
                 assert firsts == {"n0", "n1"}
                 writer = lease(stacks[0].cache_address)
