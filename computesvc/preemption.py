@@ -28,7 +28,7 @@ back). When a tenant's own limit refused the room (`refused_tenant`), that tenan
 are the candidates: one tenant's quota never preempts another tenant.
 
 The scheduler adds two rules of its own over the `Ledger` (computesvc/preemptor.py): swapped
-sequences come back only once the cache has refused no room for `min_resident_steps` steps
+sequences come back only once the pool has refused no room for `min_resident_steps` steps
 (`Ledger.settled`), and a victim freed to recompute holds its tenant's admissions back for
 `backoff_s` (doubling with its preemptions) or until one of the tenant's sequences finishes.
 
@@ -114,7 +114,8 @@ class Ledger:
         self.rates = Rates()
         self.step = 0
         self.host_has_room = True  # until a SwapOut is refused; a SwapIn frees host slots again
-        self.refused_at = -(1 << 30)  # the step the cache last refused room for running sequences
+        # The step the pool last refused room for running sequences (a tenant's own limit aside).
+        self.refused_at = -(1 << 30)
         self._preemptions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._resumed_at: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 

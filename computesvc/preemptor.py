@@ -58,8 +58,9 @@ class Preemptor:
                 await self._extend(low)
                 return
             except NoFreeBlocks:
-                self.ledger.refused_at = self.ledger.step
                 low, tenant = await self._extend_apart(low)
+                if tenant is None:  # the pool is short (a tenant's own limit holds back no one else)
+                    self.ledger.refused_at = self.ledger.step
             if not low:
                 return
             # Waiting is an option while any other running sequence can still make progress.
@@ -139,6 +140,8 @@ class Preemptor:
             cfg.max_preemptions,
         )
         candidates = [self._candidate(r) for r in self.running]
+        if not candidates:
+            return None
         decision = choose_victim(candidates, self.ledger.rates, pressure, cfg.preemption_policy)
         if decision is None:
             self.observer.on_preemption_deferred(len(candidates))
