@@ -299,7 +299,7 @@ def test_a_batched_allocate_refused_for_one_item_fails_only_that_request(tmp_pat
                 f"r{k}",
                 neighbour_prompt(k),
                 SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True),
-                cache_salt="bad\0salt" if k == 2 else salt_of(k),
+                tenant_salt="bad\0salt" if k == 2 else salt_of(k),
             )
             for k in range(4)
         ]
