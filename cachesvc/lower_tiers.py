@@ -38,19 +38,40 @@ class LowerTiers:
         host: HostBlockCache | None,
         disk: DiskTier | None,
         write_policy: str = "evict",
+        min_hits: int = 0,
     ) -> None:
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"--disk-write-policy {write_policy!r} is not one of {WRITE_POLICIES}")
+        if min_hits < 0:
+            raise ValueError(f"--offload-min-hits = {min_hits} must be >= 0")
         self.pool_rows = pool_rows
         self.host = host
         self.disk = disk
         self.write_policy = write_policy
+        self.min_hits = min_hits
+        # Device hits per published key, kept only while min_hits is set; a key leaves at its
+        # eviction (keep), so this holds at most the pool's published blocks.
+        self._hits: dict[bytes, int] = {}
+        self.num_not_kept = 0  # evicted blocks below min_hits
         if host is not None and disk is not None and write_policy == "evict":
             host.on_evict = disk.offer
 
+    def note_hits(self, keys: Sequence[bytes]) -> None:
+        """Count a device prefix hit on each of ``keys`` (for ``--offload-min-hits``; no-op without it)."""
+        if self.min_hits:
+            hits = self._hits
+            for key in keys:
+                hits[key] = hits.get(key, 0) + 1
+
     def keep(self, block_ids: Sequence[int], keys: Sequence[bytes]) -> int:
         """Take published pool blocks about to be reused (same order as ``keys``); return how many
-        a lower tier holds or has queued. Returns once the pool rows may be overwritten."""
+        a lower tier holds or has queued. Returns once the pool rows may be overwritten. With
+        ``min_hits``, a block hit fewer times than that on the device is not kept."""
+        if self.min_hits:
+            hits, floor = self._hits, self.min_hits
+            pairs = [(i, k) for i, k in zip(block_ids, keys, strict=True) if hits.pop(k, 0) >= floor]
+            self.num_not_kept += len(keys) - len(pairs)
+            block_ids, keys = [i for i, _ in pairs], [k for _, k in pairs]
         rows = self.pool_rows
         if self.host is not None:
             held = self.host.offer_many(
@@ -104,7 +125,7 @@ class LowerTiers:
 
     def stats(self) -> dict:
         """Per tier: ``{"host": HostBlockCache.stats(), "disk": DiskTier.stats()}``, present tiers only."""
-        out = {}
+        out: dict = {"not_kept_below_min_hits": self.num_not_kept} if self.min_hits else {}
         if self.host is not None:
             out["host"] = self.host.stats()
         if self.disk is not None:
@@ -138,6 +159,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         default=256,
         help="blocks waiting for the disk writer; more are skipped",
     )
+    ap.add_argument(
+        "--offload-min-hits", type=int, default=0,
+        help="keep an evicted block in the lower tiers only if it was hit at least this often on the device",
+    )  # fmt: skip
 
 
 def from_args(args: argparse.Namespace, pool_rows: torch.Tensor, layout: RecordLayout) -> LowerTiers | None:
@@ -162,4 +187,4 @@ def from_args(args: argparse.Namespace, pool_rows: torch.Tensor, layout: RecordL
         disk = DiskTier(
             args.disk_path, int(args.disk_gib * 2**30), layout, queue_blocks=args.disk_write_queue
         )
-    return LowerTiers(pool_rows, host, disk, args.disk_write_policy)
+    return LowerTiers(pool_rows, host, disk, args.disk_write_policy, args.offload_min_hits)

@@ -323,12 +323,25 @@ def test_reads_racing_the_writer_see_whole_blocks_or_nothing(tmp_path):
     tier.close()
 
 
-def lower_tiers(tmp_path: Path, host_slots: int, policy: str = "evict"):
+def lower_tiers(tmp_path: Path, host_slots: int, policy: str = "evict", min_hits: int = 0):
     from cachesvc.lower_tiers import LowerTiers
 
     pool = torch.stack([torch.frombuffer(bytearray(payload_of(i)), dtype=torch.uint8) for i in range(8)])
     host = HostBlockCache(host_slots, LAYOUT.block_bytes) if host_slots else None
-    return pool, LowerTiers(pool, host, open_tier(tmp_path), policy)
+    return pool, LowerTiers(pool, host, open_tier(tmp_path), policy, min_hits)
+
+
+def test_offload_min_hits_keeps_only_blocks_hit_often_enough(tmp_path):
+    _, tiers = lower_tiers(tmp_path, 4, min_hits=2)
+    keys = [key_of(i) for i in range(3)]
+    tiers.note_hits([keys[0], keys[1]])
+    tiers.note_hits([keys[0]])
+    assert tiers.keep([0, 1, 2], keys) == 1
+    assert [k in tiers.host for k in keys] == [True, False, False]
+    assert tiers.stats()["not_kept_below_min_hits"] == 2
+    tiers.note_hits([keys[1]])  # an evicted block starts counting again when it is back
+    assert tiers.keep([1], [keys[1]]) == 0
+    tiers.close()
 
 
 @pytest.mark.parametrize("host_slots", [2, 0], ids=["host-then-disk", "disk-only"])
@@ -376,8 +389,16 @@ def test_lower_tier_flags(tmp_path):
     assert tiers.host.num_slots == 2**30 // 1000 // LAYOUT.block_bytes and tiers.disk.budget_bytes == int(
         0.01 * 2**30
     )
-    assert tiers.host.on_evict == tiers.disk.offer
+    assert tiers.host.on_evict == tiers.disk.offer and tiers.min_hits == 0
     tiers.close()
+    assert (
+        from_args(
+            ap.parse_args(["--host-cache-gib", "0.001", "--offload-min-hits", "3"]), rows, LAYOUT
+        ).min_hits
+        == 3
+    )
+    with pytest.raises(ValueError, match="--offload-min-hits = -1 must be >= 0"):
+        from_args(ap.parse_args(["--host-cache-gib", "0.001", "--offload-min-hits", "-1"]), rows, LAYOUT)
     with pytest.raises(ValueError, match="--host-cache-gib = -1.0 must be >= 0"):
         from_args(ap.parse_args(["--host-cache-gib", "-1"]), rows, LAYOUT)
 
