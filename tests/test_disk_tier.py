@@ -4,6 +4,7 @@ write queue, refused directories and a tier that fails after it started."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -418,3 +419,44 @@ def test_blocks_evicted_under_pressure_come_back_from_host_and_disk_byte_exact(t
     assert rates["device"] < rates["host"] < rates["disk"] <= rates["ideal"], rates
     assert rates["disk"] >= 0.9 * rates["ideal"] and rates["restart"] >= 0.9 * rates["disk"], rates
     assert rates["disk_stats"]["skipped_writes"] == 0
+
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A 256 KiB tmpfs at ``tmp_path / "fs"`` (needs root and mount rights; skipped otherwise)."""
+    mount_point = tmp_path / "fs"
+    mount_point.mkdir(mode=0o700)
+    out = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", str(mount_point)],
+        capture_output=True,
+        text=True,
+    )
+    if out.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root and mount rights): {out.stderr.strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=True)
+
+
+def test_a_full_filesystem_is_a_startup_error_and_filling_up_later_disables_the_tier(
+    small_filesystem, caplog
+):
+    filler = small_filesystem / "filler"
+    with open(filler, "wb") as f, contextlib.suppress(OSError):  # ENOSPC: the filesystem is full
+        f.write(b"\0" * 512 * 1024)
+    with pytest.raises(DiskPathError, match=f"--disk-path {small_filesystem} is full: .* bytes free"):
+        open_tier(small_filesystem)
+    filler.unlink()
+
+    tier = open_tier(small_filesystem, blocks=1000)  # a budget the filesystem cannot hold
+    assert "writes will fail" in caplog.text
+    with caplog.at_level(logging.WARNING, logger="kvtier.cache"):
+        for i in range(100):
+            if not tier.offer(key_of(i), None, payload_of(i)):
+                break
+            assert tier.flush(FLUSH_S)
+    assert not tier.enabled and "disabled: writing" in caplog.text and "No space left" in caplog.text
+    assert tier.lookup_chain([key_of(0)]) == 0 and tier.load(key_of(0)) is None
+    assert not [p for p in os.listdir(small_filesystem) if p.endswith(".tmp")]  # the torn write was removed
+    tier.close()
