@@ -113,26 +113,58 @@ def record_bytes(layout: RecordLayout, key_len: int) -> int:
 def decode(
     layout: RecordLayout, data: bytes | bytearray, name: str, key: bytes | None = None
 ) -> tuple[bytes, memoryview]:
-    """``(key, payload)`` of the record ``data`` read from file ``name``, or BadRecord.
+    """``(key, payload)`` of the whole record ``data`` read from file ``name``, or BadRecord.
 
     ``key``, if given, is the key the caller looks up; the record must carry exactly it.
-    The payload is a view into ``data``.
+    The checksum is checked before the header is trusted. The payload is a view into ``data``.
     """
-    if len(data) < HEAD.size + CHECKSUM_BYTES:
-        raise BadRecord(f"{len(data)} bytes, shorter than an empty record (torn write?)")
+    meta_len, payload_len, total = _lengths(data, len(data))
+    body = memoryview(data)[: total - CHECKSUM_BYTES]
+    if hashlib.blake2b(body, digest_size=CHECKSUM_BYTES).digest() != data[total - CHECKSUM_BYTES :]:
+        raise BadRecord("checksum mismatch (the bytes changed after they were written)")
+    record_key = _meta_key(layout, data, meta_len, payload_len, name, key)
+    return record_key, body[HEAD.size + meta_len :]
+
+
+def decode_head(layout: RecordLayout, head: bytes, size: int, name: str) -> bytes:
+    """The key of the record whose first bytes are ``head`` and whose file has ``size`` bytes,
+    after every check but the checksum (a fast scan; ``decode`` checks it when the record is
+    read); BadRecord otherwise. ``head`` holds at least ``head_bytes_needed(head)`` bytes."""
+    meta_len, payload_len, _ = _lengths(head, size)
+    return _meta_key(layout, head, meta_len, payload_len, name, None)
+
+
+def head_bytes_needed(head: bytes) -> int:
+    """How many leading bytes of a record ``decode_head`` reads (from its first ``HEAD.size``)."""
+    return HEAD.size + (HEAD.unpack_from(head)[1] if len(head) >= HEAD.size else 0)
+
+
+def _lengths(data: bytes | bytearray, size: int) -> tuple[int, int, int]:
+    """``(meta_len, payload_len, total)`` from the record's head, checked against its ``size``."""
+    if size < HEAD.size + CHECKSUM_BYTES:
+        raise BadRecord(f"{size} bytes, shorter than an empty record (torn write?)")
     magic, meta_len, payload_len = HEAD.unpack_from(data)
     if magic != MAGIC:
         raise BadRecord(f"magic {magic!r} is not {MAGIC!r}")
     if meta_len > MAX_META_BYTES:
         raise BadRecord(f"meta length {meta_len} > {MAX_META_BYTES}")
     total = HEAD.size + meta_len + payload_len + CHECKSUM_BYTES
-    if len(data) != total:
-        raise BadRecord(f"{len(data)} bytes but its head says {total} (torn or truncated write)")
-    body = memoryview(data)[: total - CHECKSUM_BYTES]
-    if hashlib.blake2b(body, digest_size=CHECKSUM_BYTES).digest() != data[total - CHECKSUM_BYTES :]:
-        raise BadRecord("checksum mismatch (the bytes changed after they were written)")
+    if size != total:
+        raise BadRecord(f"{size} bytes but its head says {total} (torn or truncated write)")
+    return meta_len, payload_len, total
+
+
+def _meta_key(
+    layout: RecordLayout,
+    data: bytes | bytearray,
+    meta_len: int,
+    payload_len: int,
+    name: str,
+    key: bytes | None,
+) -> bytes:
+    """The record's key, after checking its meta is this layout's and its key the file's name."""
     try:
-        meta = msgpack.unpackb(body[HEAD.size : HEAD.size + meta_len], raw=False)
+        meta = msgpack.unpackb(bytes(data[HEAD.size : HEAD.size + meta_len]), raw=False)
         record_key, parent = bytes(meta["key"]), bytes(meta["parent"])
         theirs = RecordLayout(
             meta["model"], meta["block_size"], meta["dtype"], tuple(meta["shape"]), meta["block_bytes"]
@@ -151,7 +183,7 @@ def decode(
         raise BadRecord("carries another block's key")
     if file_name(record_key) != name:
         raise BadRecord(f"its key hashes to {file_name(record_key)}, not its file name")
-    return record_key, body[HEAD.size + meta_len :]
+    return record_key
 
 
 def _differs(theirs: RecordLayout, ours: RecordLayout) -> str:

@@ -9,12 +9,13 @@ record rather than append-only segments because the tier evicts single blocks in
 eviction is one unlink, with no segment compaction, and a crash can leave at most a temporary
 file per writer, recognised by its name and deleted at the next start.
 
-Opening a directory rebuilds the index from the records themselves: every record file is read
-and checked in full (length, checksum, this pool's model fingerprint, block size, dtype and
-shape, the key matching the file name); what fails is deleted with a log line naming the file
-and the reason, so a torn write, a flipped byte or another model's block is never indexed.
-Progress is logged every ``SCAN_LOG_S`` seconds; recency order at restart is the files' mtime
-(a hit sets it). Reads check the record again before returning its bytes. A directory that
+Opening a directory rebuilds the index from the records themselves (``cachesvc.disk_scan``:
+length, header, this pool's layout and the key matching the file name for every record, the
+checksum too for those read in the first ``verify_s`` seconds, so the open takes bounded time);
+what fails is deleted with a log line naming the file and the reason, so a torn write, a flipped
+byte or another model's block is never indexed. Recency order at restart is the files' mtime (a
+hit sets it). Every read checks the record in full, checksum included, before returning its
+bytes. A directory that
 cannot be used at startup is an error naming it (``DiskPathError``, or ``UntrustedPath`` for one
 another user owns or others can write, the run directory's rule); an I/O error later disables
 the tier with a warning: it then holds nothing, serves nothing and accepts nothing.
@@ -30,31 +31,18 @@ import contextlib
 import fcntl
 import logging
 import os
-import re
 import shutil
 import threading
-import time
 from collections import OrderedDict, deque
 from pathlib import Path
 
-from cachesvc.disk_records import (
-    SUFFIX,
-    BadRecord,
-    RecordLayout,
-    check_key,
-    decode,
-    encode,
-    file_name,
-    record_bytes,
-)
+from cachesvc.disk_records import BadRecord, RecordLayout, check_key, decode, encode, file_name, record_bytes
+from cachesvc.disk_scan import read_file, scan
 from kvtier.auth import UntrustedPath, check_private_dir
 
 log = logging.getLogger("kvtier.cache")
 
 LOCK_FILE = ".kvtier-disk.lock"
-SCAN_LOG_S = 2.0
-MAX_DROP_LOG_LINES = 50  # per scan: a directory of another model's records logs a summary after these
-_TEMP = re.compile(r"^\.[0-9a-f]{64}\.kvb\.\d+\.tmp$")
 
 
 class DiskPathError(ValueError):
@@ -67,12 +55,19 @@ class DiskTier:
     """Block records under ``path``, at most ``budget_bytes`` of record files, LRU.
 
     ``layout`` is what every record must match to be served (this pool's model fingerprint,
-    block size, dtype and block shape); ``queue_blocks`` bounds the write-behind queue (blocks).
+    block size, dtype and block shape); ``queue_blocks`` bounds the write-behind queue (blocks);
+    ``verify_s`` is how long the startup scan checksums records before it checks heads only.
     Keys are prefix-index keys (``kvtier.block_hash``: ``parent-or-extra || token bytes``).
     """
 
     def __init__(
-        self, path: str | Path, budget_bytes: int, layout: RecordLayout, *, queue_blocks: int = 256
+        self,
+        path: str | Path,
+        budget_bytes: int,
+        layout: RecordLayout,
+        *,
+        queue_blocks: int = 256,
+        verify_s: float = 30.0,
     ) -> None:
         self.path = Path(path)
         self.layout = layout
@@ -108,7 +103,7 @@ class DiskTier:
         self._closed = False
         self._lock_fd = _open_dir(self.path)
         try:
-            self._scan()
+            self._scan(verify_s)
             self._evict_to(self.budget_bytes)
             self._check_writable()
         except BaseException:
@@ -121,51 +116,16 @@ class DiskTier:
 
     # ------------------------------------------------------------------ startup
 
-    def _scan(self) -> None:
-        """Index every whole, verified record; delete temp files and bad records, a log line each."""
-        started = last_log = time.monotonic()
-        names = sorted(os.listdir(self.path))
-        found: list[tuple[float, bytes, int]] = []
-        logged = 0
-        for i, name in enumerate(names):
-            if time.monotonic() - last_log >= SCAN_LOG_S:
-                last_log = time.monotonic()
-                log.info("disk tier %s: scanned %d of %d files", self.path, i, len(names))
-            reason = None
-            if _TEMP.match(name):
-                reason = "a temporary file left by an interrupted write"
-            elif name.endswith(SUFFIX):
-                try:
-                    data, mtime = _read(self.path / name)
-                    key, _ = decode(self.layout, data, name)
-                    found.append((mtime, key, len(data)))
-                except BadRecord as e:
-                    reason = str(e)
-                except FileNotFoundError:
-                    continue
-                except OSError as e:  # a symlink (never followed), an unreadable file
-                    reason = f"unreadable: {e.strerror or e}"
-            if reason is None:
-                continue
-            self._counts["dropped_at_startup"] += 1
-            with contextlib.suppress(OSError):  # an unwritable directory is reported just after
-                os.unlink(self.path / name)
-            if logged < MAX_DROP_LOG_LINES:
-                log.warning("disk tier %s: dropped %s: %s", self.path, name, reason)
-            logged += 1
-        if logged > MAX_DROP_LOG_LINES:
-            log.warning(
-                "disk tier %s: dropped %d more files (not logged one by one)",
-                self.path,
-                logged - MAX_DROP_LOG_LINES,
-            )
-        for _, key, size in sorted(found, key=lambda f: f[0]):
-            self._index[key] = size
-            self._bytes += size
+    def _scan(self, verify_s: float) -> None:
+        """Index the directory's good records (``cachesvc.disk_scan``), least recently used first."""
+        result = scan(self.path, self.layout, verify_s)
+        self._index.update(result.records)
+        self._bytes = sum(size for _, size in result.records)
+        self._counts["dropped_at_startup"] = result.dropped
         log.info(
-            "disk tier %s: %d records (%.1f MiB) indexed in %.2f s, %d dropped; budget %.1f MiB",
-            self.path, len(self._index), self._bytes / 2**20, time.monotonic() - started,
-            self._counts["dropped_at_startup"], self.budget_bytes / 2**20,
+            "disk tier %s: %d records (%.1f MiB; %d checksummed, the rest when first read) indexed in "
+            "%.2f s, %d dropped; budget %.1f MiB", self.path, len(self._index), self._bytes / 2**20,
+            result.verified, result.seconds, result.dropped, self.budget_bytes / 2**20,
         )  # fmt: skip
 
     def _check_writable(self) -> None:
@@ -244,7 +204,7 @@ class DiskTier:
             self._index.move_to_end(key)
         name = file_name(key)
         try:
-            data, _ = _read(self.path / name)
+            data, _ = read_file(self.path / name)
             _, payload = decode(self.layout, data, name, key)
         except FileNotFoundError:  # evicted by the writer since the index said yes
             self._forget(key, unlink=False)
@@ -413,21 +373,6 @@ def _open_dir(path: Path) -> int:
             f"--disk-path {path} is in use by another cache service (its {LOCK_FILE} is locked)"
         ) from None
     return fd
-
-
-def _read(path: Path) -> tuple[bytearray, float]:
-    """A file's bytes (writable: a tensor can be made over them without a copy) and its mtime;
-    a symlink is not followed."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    try:
-        st = os.fstat(fd)
-        data = bytearray(st.st_size)
-        with open(fd, "rb", closefd=False) as f:
-            got = f.readinto(data)
-        del data[got:]
-        return data, st.st_mtime
-    finally:
-        os.close(fd)
 
 
 def _fsync_dir(path: Path) -> None:

@@ -85,15 +85,22 @@ def test_lru_within_the_budget_deletes_the_least_recently_used_records(tmp_path)
     tier.close()
 
 
-def test_a_restart_drops_corrupt_truncated_and_temporary_files_with_a_log_line_each(tmp_path, caplog):
-    tier = open_tier(tmp_path)
-    write(tier, range(4))
+def written_then_damaged(path: Path, num_records: int, cut: int) -> tuple[Path, Path]:
+    """Write records 0..num_records-1 and close; flip a payload bit of record 1 and cut ``cut``
+    bytes off record 2. Returns their paths."""
+    tier = open_tier(path)
+    write(tier, range(num_records))
     tier.close()
-    corrupt, truncated = tmp_path / file_name(key_of(1)), tmp_path / file_name(key_of(2))
+    corrupt, truncated = path / file_name(key_of(1)), path / file_name(key_of(2))
     data = bytearray(corrupt.read_bytes())
     data[len(data) // 2] ^= 0x01
     corrupt.write_bytes(data)
-    truncated.write_bytes(truncated.read_bytes()[:-100])
+    truncated.write_bytes(truncated.read_bytes()[:-cut])
+    return corrupt, truncated
+
+
+def test_a_restart_drops_corrupt_truncated_and_temporary_files_with_a_log_line_each(tmp_path, caplog):
+    corrupt, truncated = written_then_damaged(tmp_path, 4, cut=100)
     temp = tmp_path / f".{file_name(key_of(9))}.1234.tmp"
     temp.write_bytes(b"half a record")
 
@@ -109,6 +116,18 @@ def test_a_restart_drops_corrupt_truncated_and_temporary_files_with_a_log_line_e
     assert f"dropped {truncated.name}:" in logged and "truncated" in logged
     assert f"dropped {temp.name}: a temporary file" in logged
     assert not corrupt.exists() and not truncated.exists() and not temp.exists()
+    again.close()
+
+
+def test_a_scan_past_its_verify_time_checks_heads_and_leaves_checksums_to_the_first_read(tmp_path, caplog):
+    corrupt, _ = written_then_damaged(tmp_path, 3, cut=1)
+    with caplog.at_level(logging.WARNING, logger="kvtier.cache"):
+        again = open_tier(tmp_path, verify_s=0)  # heads only, from the first file
+        assert again.stats()["dropped_at_startup"] == 1 and "truncated" in caplog.text
+        assert again.contains(key_of(1))  # its head is whole: indexed, not yet checksummed
+        assert again.load(key_of(1)) is None
+    assert f"dropped {corrupt.name} on read: checksum mismatch" in caplog.text
+    assert bytes(again.load(key_of(0))) == payload_of(0) and not again.contains(key_of(1))
     again.close()
 
 
