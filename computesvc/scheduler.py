@@ -249,6 +249,11 @@ class Scheduler(Preemptor):
             self.swapped = deque(r for r in self.swapped if id(r) not in freed)
 
     async def _resume_swapped(self) -> None:
+        if not self.swapped:
+            # None of ours holds host slots: a refused SwapOut is worth trying again (others may
+            # have freed theirs).
+            self.ledger.host_has_room = True
+            return
         if (
             self.running
             and self.config.preemption_policy == "cost"
