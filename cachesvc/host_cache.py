@@ -302,10 +302,13 @@ def copy_block(dst: torch.Tensor, src) -> None:
 
     On CPU this is one numpy memcpy: torch's ``copy_`` splits a 128 KiB copy over its intra-op
     threads, which cost 5 ms instead of 0.1 ms a block on a machine whose cores are busy
-    (bench/tiers.py). A CUDA ``dst`` is a host -> device copy on the current stream.
+    (bench/tiers.py). A CUDA ``dst`` is a host -> device copy on the current stream, complete
+    when this returns (from pageable memory, ``copy_`` may return before the DMA has landed, and
+    another process reads the block next).
     """
     if dst.device.type != "cpu":
         dst.copy_(src if isinstance(src, torch.Tensor) else torch.frombuffer(src, dtype=torch.uint8))
+        torch.cuda.current_stream(dst.device).synchronize()
         return
     src_array = src.numpy() if isinstance(src, torch.Tensor) else np.frombuffer(src, dtype=np.uint8)
     np.copyto(dst.numpy(), src_array)

@@ -1,0 +1,149 @@
+"""The lower tiers together (cachesvc/lower_tiers.py): blocks evicted from a pool of rows go to
+the host cache and on to the disk, come back byte-exact, under both write policies, the reuse
+gate and the flags; and bench/tiers.py's replay through the real block manager, small."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_disk_tier import FLUSH_S, LAYOUT, key_of, open_tier, payload_of
+
+from cachesvc.disk_records import file_name
+from cachesvc.host_cache import HostBlockCache
+
+
+def test_host_cache_evictions_reach_the_disk_byte_exact(tmp_path):
+    disk = open_tier(tmp_path)
+    host = HostBlockCache(2, LAYOUT.block_bytes, on_evict=disk.offer)
+    blocks = [
+        torch.frombuffer(bytearray(payload_of(i)), dtype=torch.float32).view(LAYOUT.shape) for i in range(4)
+    ]
+    assert host.offer_many([(key_of(i), None, blocks[i]) for i in range(4)]) == 4  # 0 and 1 go down
+    assert disk.flush(FLUSH_S)
+    assert [disk.contains(key_of(i)) for i in range(4)] == [True, True, False, False]
+    assert bytes(disk.load(key_of(0))) == payload_of(0)
+    back = torch.zeros(LAYOUT.shape)  # a pool block to promote into
+    assert disk.load_into(key_of(1), back) and back.numpy().tobytes() == payload_of(1)
+    assert not disk.load_into(key_of(2), back)  # on the host, not on disk
+    disk.close()
+
+
+def lower_tiers(tmp_path: Path, host_slots: int, policy: str = "evict", min_hits: int = 0):
+    from cachesvc.lower_tiers import LowerTiers
+
+    pool = torch.stack([torch.frombuffer(bytearray(payload_of(i)), dtype=torch.uint8) for i in range(8)])
+    host = HostBlockCache(host_slots, LAYOUT.block_bytes) if host_slots else None
+    return pool, LowerTiers(pool, host, open_tier(tmp_path), policy, min_hits)
+
+
+def test_offload_min_hits_keeps_only_blocks_hit_often_enough(tmp_path):
+    _, tiers = lower_tiers(tmp_path, 4, min_hits=2)
+    keys = [key_of(i) for i in range(3)]
+    tiers.note_hits([keys[0], keys[1]])
+    tiers.note_hits([keys[0]])
+    assert tiers.keep([0, 1, 2], keys) == 1
+    assert [k in tiers.host for k in keys] == [True, False, False]
+    assert tiers.stats()["not_kept_below_min_hits"] == 2
+    tiers.note_hits([keys[1]])  # an evicted block starts counting again when it is back
+    assert tiers.keep([1], [keys[1]]) == 0
+    tiers.close()
+
+
+@pytest.mark.parametrize("host_slots", [2, 0], ids=["host-then-disk", "disk-only"])
+def test_evicted_blocks_go_down_the_tiers_and_come_back_byte_exact(tmp_path, host_slots):
+    pool, tiers = lower_tiers(tmp_path, host_slots)
+    keys = [key_of(i) for i in range(4)]
+    assert tiers.keep([0, 1, 2, 3], keys) == 4  # with a host: 2 held, 2 evicted on to the disk
+    assert tiers.disk.flush(FLUSH_S)
+    assert tiers.disk.stats()["blocks"] == (2 if host_slots else 4)
+    assert tiers.lookup_chain([*keys, key_of(99)]) == 4
+    pool[4:].zero_()
+    assert tiers.promote([*keys[:2], key_of(99), keys[2]], [4, 5, 6, 7]) == 2  # stops at the miss
+    assert tiers.promote(keys[2:], [6, 7]) == 2
+    assert [pool[b].numpy().tobytes() for b in (4, 5, 6, 7)] == [payload_of(i) for i in range(4)]
+    tiers.close()
+
+
+def test_write_through_puts_every_kept_block_on_disk_and_a_bad_record_stops_a_promotion(tmp_path):
+    pool, tiers = lower_tiers(tmp_path, 4, "through")
+    keys = [key_of(i) for i in range(3)]
+    assert tiers.keep([0, 1, 2], keys) == 3
+    assert tiers.disk.flush(FLUSH_S) and tiers.disk.stats()["blocks"] == 3
+    tiers.host.discard(keys[1])  # now only on disk, and that record is damaged
+    path = tmp_path / file_name(keys[1])
+    path.write_bytes(path.read_bytes()[:-1] + b"\0")
+    pool[3:].zero_()
+    assert tiers.promote(keys, [3, 4, 5]) == 1 and torch.all(pool[4] == 0)
+    assert tiers.stats()["disk"]["dropped_on_read"] == 1 and tiers.stats()["host"]["promotions"] == 1
+    tiers.close()
+
+
+def test_lower_tier_flags(tmp_path):
+    import argparse
+
+    from cachesvc.lower_tiers import add_arguments, from_args
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    rows = torch.zeros((4, LAYOUT.block_bytes), dtype=torch.uint8)
+    assert from_args(ap.parse_args([]), rows, LAYOUT) is None
+    args = ap.parse_args(
+        ["--host-cache-gib", "0.001", "--disk-path", str(tmp_path / "d"), "--disk-gib", "0.01"]
+    )
+    tiers = from_args(args, rows, LAYOUT)
+    assert tiers.host.num_slots == 2**30 // 1000 // LAYOUT.block_bytes and tiers.disk.budget_bytes == int(
+        0.01 * 2**30
+    )
+    assert tiers.host.on_evict == tiers.disk.offer and tiers.min_hits == 0
+    tiers.close()
+    assert (
+        from_args(
+            ap.parse_args(["--host-cache-gib", "0.001", "--offload-min-hits", "3"]), rows, LAYOUT
+        ).min_hits
+        == 3
+    )
+    with pytest.raises(ValueError, match="--offload-min-hits = -1 must be >= 0"):
+        from_args(ap.parse_args(["--host-cache-gib", "0.001", "--offload-min-hits", "-1"]), rows, LAYOUT)
+    with pytest.raises(ValueError, match="--host-cache-gib = -1.0 must be >= 0"):
+        from_args(ap.parse_args(["--host-cache-gib", "-1"]), rows, LAYOUT)
+
+
+def test_blocks_evicted_under_pressure_come_back_from_host_and_disk_byte_exact(tmp_path):
+    """bench/tiers.py's hit-rate replay, small: the real block manager over a 32-block pool, a
+    working set 4x the pool; every promoted block's bytes are checked against what was written."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_tiers", Path(__file__).parents[1] / "bench" / "tiers.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rates = bench.hit_rates(bench.workload(120, 32), 32, 4096, tmp_path / "disk")
+    assert [v for k, v in rates.items() if k.endswith("_wrong")] == [0] * 5
+    assert rates["device"] < rates["host"] < rates["disk"] <= rates["ideal"], rates
+    assert rates["disk"] >= 0.9 * rates["ideal"] and rates["restart"] >= 0.9 * rates["disk"], rates
+    assert rates["disk_stats"]["skipped_writes"] == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="no CUDA device: the tiers under a device pool are tested on the GPU machine",
+)
+def test_a_cuda_pool_keeps_and_promotes_through_pinned_host_memory_and_disk(tmp_path):
+    from cachesvc.lower_tiers import LowerTiers
+
+    rows = torch.stack(
+        [torch.frombuffer(bytearray(payload_of(i)), dtype=torch.uint8) for i in range(8)]
+    ).cuda()
+    expected = rows.clone()
+    host = HostBlockCache(2, LAYOUT.block_bytes, device="cuda")
+    tiers = LowerTiers(rows, host, open_tier(tmp_path))
+    keys = [key_of(i) for i in range(4)]
+    assert tiers.keep([0, 1, 2, 3], keys) == 4 and tiers.disk.flush(FLUSH_S)  # 2 pinned, 2 on disk
+    rows[:4].mul_(0)  # queued on the default stream: the promotions must land after it
+    assert tiers.promote(keys, [0, 1, 2, 3]) == 4
+    assert torch.equal(rows, expected)
+    tiers.close()
