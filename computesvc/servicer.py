@@ -203,7 +203,11 @@ class ComputeServicer(compute_pb2_grpc.ComputeServiceServicer):
                         await _abort_cache_unavailable(
                             context, f"request {req.request_id}: {out.error}{advice}"
                         )
-                    await context.abort(code, f"request {req.request_id}: {out.error}{advice}")
+                    message = f"request {req.request_id}: {out.error}{advice}"
+                    # It can never fit: the reason tells a gateway it is the client's to fix (a 4xx).
+                    never = isinstance(out.error, ExceedsLimit)
+                    trailer = status.details_trailer(code, message, status.EXCEEDS_LIMIT) if never else ()
+                    await context.abort(code, message, trailing_metadata=trailer)
                 finished = bool(out.finish_reason)
                 yield self._reply(req, out)
             span.set_attribute("kvtier.cached_tokens", max(0, req.num_cached_prompt_tokens))

@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException
 
 from gateway.protocol import ErrorInfo, ErrorResponse
 from kvtier.sampling_schema import FIELDS
-from kvtier.status import CACHE_UNAVAILABLE, reason_of
+from kvtier.status import CACHE_UNAVAILABLE, EXCEEDS_LIMIT, reason_of
 
 log = logging.getLogger("kvtier.gateway")
 
@@ -107,6 +107,10 @@ def from_grpc(error: grpc.aio.AioRpcError) -> APIError:
         # The request itself is too large for the replica (its guard's limit, or grpc's message
         # size on either side): the client's to fix, not a retry.
         return APIError(413, f"the request is too large for the compute replicas: {details}", INVALID_REQUEST)
+    if reason_of(error) == EXCEEDS_LIMIT:
+        # The request alone needs more KV blocks than its tenant's quota or the pool holds: no
+        # retry or other replica helps; the message names the limit.
+        return APIError(400, details, INVALID_REQUEST, code="exceeds_limit")
     if reason_of(error) == CACHE_UNAVAILABLE:
         # Not "no replica": the replica is up, the cache service of its node went away.
         return APIError(

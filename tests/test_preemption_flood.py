@@ -20,6 +20,8 @@ import grpc
 import pytest
 from servers import ModuleLoop, cache_stats, child_env, greedy_request, local_stack, wait_until
 
+from gateway.errors import from_grpc
+from kvtier import status
 from kvtier.compute_client import ComputeClient
 
 pytestmark = [pytest.mark.timeout(600)]
@@ -90,6 +92,9 @@ def test_a_flooding_tenant_never_preempts_stalls_or_slows_another(stack):
     done, refusal, refused_after = LOOP.run(flood(), 400)
     assert refusal.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refusal
     assert "quota" in refusal.details() and "can never fit" in refusal.details(), refusal.details()
+    assert status.reason_of(refusal) == status.EXCEEDS_LIMIT  # so the gateway answers a 4xx naming it
+    http = from_grpc(refusal)
+    assert http.status == 400 and "quota" in http.info.message, (http.status, http.info)
     assert refused_after < 1.0, f"refused after {refused_after:.2f}s"
     for k, (calm, busy) in enumerate(zip(quiet, done, strict=True)):
         assert busy.finish_reason == "length" and busy.token_ids == calm.token_ids, f"acme-{k}"
