@@ -7,9 +7,13 @@ first one won.
 The score of a node is what the request's time to first token would be there, negated:
 
     score = saved_s - queue_s - prompt_s
-    saved_s = predicted cached tokens / tokens_per_s     (prefill the node's cache saves)
-    queue_s = load_weight * outstanding tokens / tokens_per_s   (work queued ahead of it)
-    prompt_s = prompt tokens / tokens_per_s              (the whole prefill; equal on equal nodes)
+    saved_s = predicted cached tokens / prefill_tokens_per_s   (prefill the node's cache saves)
+    queue_s = load_weight * outstanding tokens / the node's tokens_per_s   (work queued ahead)
+    prompt_s = prompt tokens / prefill_tokens_per_s             (the whole prefill)
+
+The prefill terms use one rate for every node (the candidates' mean throughput): a throughput
+measured from a few requests is noisy (a replica's first request is slow), and a noisy rate
+must not outweigh a cached prefix on an idle node. A node's own rate prices only its queue.
 
 So a node holding the prompt's prefix wins until the work queued on it costs more than the
 prefill it saves: then the request *spills* to the best other node, which caches the prefix too.
@@ -41,10 +45,10 @@ class Ranking:
     reason: str  # one of REASONS (see rank)
 
 
-def score(node: NodeFigures, prompt_len: int, load_weight: float) -> float:
+def score(node: NodeFigures, prompt_len: int, load_weight: float, prefill_tokens_per_s: float) -> float:
     """Minus the expected seconds to the first token on ``node`` (module docstring)."""
-    uncached = prompt_len - node.predicted_tokens
-    return -(load_weight * node.outstanding_tokens + uncached) / node.tokens_per_s
+    queue_s = load_weight * node.outstanding_tokens / node.tokens_per_s
+    return -(queue_s + (prompt_len - node.predicted_tokens) / prefill_tokens_per_s)
 
 
 def rank(nodes: Sequence[NodeFigures], prompt_len: int, load_weight: float, tie: int) -> Ranking:
@@ -57,7 +61,8 @@ def rank(nodes: Sequence[NodeFigures], prompt_len: int, load_weight: float, tie:
     ``prefix`` when the first node holds the longest predicted prefix, ``load_spill`` when a
     node holding more lost on load, ``tie`` when no node holds any of the prompt.
     """
-    scores = [score(n, prompt_len, load_weight) for n in nodes]
+    prefill_tokens_per_s = sum(n.tokens_per_s for n in nodes) / len(nodes)
+    scores = [score(n, prompt_len, load_weight, prefill_tokens_per_s) for n in nodes]
     by_score = sorted(range(len(nodes)), key=lambda k: scores[k], reverse=True)
     best = scores[by_score[0]]
     # Measured throughputs differ by noise: scores this close to the best are equal, so requests

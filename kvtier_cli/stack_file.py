@@ -55,7 +55,10 @@ def write_stack_file(
         info["model"] = stack.model
     if stack.gateway:
         info["gateway"] = stack.gateway.address
-    (stack.run_dir / STACK_FILE).write_text(json.dumps(info))
+    # Atomic: `kvtier down`, `kvtier stats` and tests read it while a restart rewrites it.
+    tmp = stack.run_dir / f".{STACK_FILE}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(info))
+    os.replace(tmp, stack.run_dir / STACK_FILE)
 
 
 def stop_stack(run_dir: Path, timeout_s: float = 30.0) -> list[str]:

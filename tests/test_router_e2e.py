@@ -195,6 +195,8 @@ def test_a_killed_cache_service_sends_requests_to_the_other_node_until_it_is_bac
             "routing around it" in gateways["round-robin"].log()
             or "trying the next node" in gateways["round-robin"].log()
         )
+        # Counted whichever way it was found out (a failed request or a failed GetStats).
+        assert scrape(url)[("kvtier_router_decisions_total", "node_down")] > 0
     finally:
         nodes[0].start_cache()
     # Back: node 0's replica re-attaches, the router sees it answer and gives it traffic again.

@@ -14,9 +14,10 @@ FAST = 1000.0  # tokens of work per second
 
 def test_the_score_is_minus_the_expected_time_to_first_token() -> None:
     # 600 cached of 1000, 2000 tokens queued at 1000/s: 2 s of queue + 0.4 s of prefill.
-    assert score(NodeFigures(600, 2000, FAST), PROMPT, 1.0) == pytest.approx(-2.4)
-    assert score(NodeFigures(600, 2000, FAST), PROMPT, 0.5) == pytest.approx(-1.4)
-    assert score(NodeFigures(0, 0, 2 * FAST), PROMPT, 1.0) == pytest.approx(-0.5)
+    assert score(NodeFigures(600, 2000, FAST), PROMPT, 1.0, FAST) == pytest.approx(-2.4)
+    assert score(NodeFigures(600, 2000, FAST), PROMPT, 0.5, FAST) == pytest.approx(-1.4)
+    # The queue at the node's own rate, the prefill at the shared one.
+    assert score(NodeFigures(0, 1000, 2 * FAST), PROMPT, 1.0, FAST) == pytest.approx(-1.5)
 
 
 def test_the_held_prefix_wins_until_the_queue_on_its_node_costs_more_than_it_saves() -> None:
@@ -32,10 +33,14 @@ def test_the_held_prefix_wins_until_the_queue_on_its_node_costs_more_than_it_sav
     assert rank([NodeFigures(800, 10**6, FAST), idle], PROMPT, 0.0, tie=0).reason == "prefix"
 
 
-def test_a_slower_node_needs_more_of_the_prompt_cached_to_win() -> None:
-    slow_with_hit, fast_without = NodeFigures(400, 0, FAST), NodeFigures(0, 0, 4 * FAST)
-    # 0.6 s on the slow node against 0.25 s on the fast one.
-    assert rank([slow_with_hit, fast_without], PROMPT, 1.0, tie=0).order[0] == 1
+def test_queued_work_costs_more_on_a_slower_node_but_a_noisy_rate_never_outweighs_a_hit() -> None:
+    idle = NodeFigures(0, 0, 4 * FAST)
+    # 300 tokens queued at 250/s (1.2 s) on the holder: the idle node is faster to a first token.
+    assert rank([NodeFigures(800, 300, FAST / 4), idle], PROMPT, 1.0, tie=0).order[0] == 1
+    # The same queue at 4000/s (0.08 s): the holder.
+    assert rank([NodeFigures(800, 300, 4 * FAST), idle], PROMPT, 1.0, tie=0).order[0] == 0
+    # Nothing queued: the hit wins however differently the two rates were measured.
+    assert rank([NodeFigures(100, 0, FAST / 20), idle], PROMPT, 1.0, tie=0).order[0] == 0
 
 
 def test_no_hit_anywhere_is_a_tie_broken_by_requests_in_flight_then_round_robin() -> None:
