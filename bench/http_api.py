@@ -52,6 +52,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 TOKEN = "bench-http-token"
+VOCAB = 4096  # the benchmark model's vocabulary (logits width)
 
 
 @dataclass
@@ -99,7 +100,7 @@ def make_model_dir(path: Path) -> tuple[Path, int]:
         num_kv_heads=2,
         max_positions=2048,
         intermediate_size=1408,
-        vocab_size=4096,
+        vocab_size=VOCAB,
     )
     from safetensors import safe_open
 
@@ -413,7 +414,7 @@ def main() -> int:
     if args.structured:
         import http_structured
 
-        return http_structured.run(stack, work.prompts(), work.max_tokens, rounds, args.json)
+        return http_structured.run(stack, work.prompts(), work.max_tokens, rounds, args.json, VOCAB)
     with stack, FloorServer(work.max_tokens) as floor:
         pids = {"http": stack.gateway.proc.pid, "floor": floor.proc.pid}
         raw = asyncio.run(

@@ -19,12 +19,15 @@ import statistics
 import time
 from dataclasses import dataclass
 
-ITEM = {"type": "string", "enum": ["alpha", "beta", "gamma"]}
+# Five-letter words: every item is 7 bytes quoted, so an output's length is fixed by K.
+ITEM = {"type": "string", "enum": ["alpha", "bravo", "delta"]}
 
 
 def schema_for(max_tokens: int) -> dict:
-    """A schema whose outputs are about `max_tokens` byte tokens long: {"log": [K enum strings]}."""
-    k = max(1, (max_tokens - 12) // 9)  # '{"log": [' + K x ~9 bytes ('"gamma", ') + ']}'
+    """A schema whose outputs plus EOS are at most `max_tokens` byte tokens, as close as fits:
+    {"log": [K items]} is 9 + 9K bytes ('{"log": [' + K x '"alpha"' + (K-1) x ', ' + ']}'), so
+    constrained requests do about the work of plain ones (max_tokens each)."""
+    k = max(1, (max_tokens - 10) // 9)
     return {
         "type": "object",
         "properties": {"log": {"type": "array", "items": ITEM, "minItems": k, "maxItems": k}},
@@ -178,14 +181,52 @@ def report(raw: dict) -> tuple[str, dict, int]:
     return headline, s, len(errors)
 
 
-def run(stack, prompts: list[list[int]], max_tokens: int, rounds: int, json_path: str | None) -> int:
-    """Measure on `stack` (a LocalStack with its gateway, not started yet), print the headline last."""
+def mask_cost(vocab: int, max_tokens: int, batch: int, steps: int = 50) -> dict[int, float]:
+    """In this process, no model: seconds per step (the least of `steps`) that the replica's mask
+    and matcher updates take for a batch of `batch` rows of which 0, 1, half or all are
+    constrained by the run's schema ({constrained rows: seconds})."""
+    import torch
+
+    from computesvc.structured_output import Grammars, advance, mask_logits
+    from kvtier.structured_output import Constraint
+    from kvtier.tokenizer import build_byte_tokenizer
+
+    grammars = Grammars(build_byte_tokenizer(), vocab, [build_byte_tokenizer().eos_token_id])
+    constraint = Constraint.json_schema(schema_for(max_tokens), "response_format")
+    gen, out = torch.Generator().manual_seed(0), {}
+    for n in sorted({0, 1, batch // 2, batch}):
+        states = [grammars.start(constraint, []) if i < n else None for i in range(batch)]
+        best = float("inf")
+        for _ in range(steps):
+            logits = torch.randn(batch, vocab, generator=gen)
+            t0 = time.perf_counter()
+            masked = mask_logits(logits, states)
+            elapsed = time.perf_counter() - t0
+            tokens = masked.argmax(-1).tolist()  # stands in for sampling (not timed)
+            t0 = time.perf_counter()
+            advance(states, tokens, {})
+            best = min(best, elapsed + time.perf_counter() - t0)
+        out[n] = best
+    return out
+
+
+def run(
+    stack, prompts: list[list[int]], max_tokens: int, rounds: int, json_path: str | None, vocab: int
+) -> int:
+    """Measure on `stack` (a LocalStack with its gateway, not started yet), print the headline
+    last. `vocab`: the model's vocabulary (the logits' width), for the in-process mask cost."""
     import asyncio
     from pathlib import Path
 
+    cost = mask_cost(vocab, max_tokens, len(prompts))
+    print(
+        "mask + matcher update per step, in process, no model (least of 50): "
+        + ", ".join(f"{n} of {len(prompts)} rows constrained {1e3 * s:.3f} ms" for n, s in cost.items())
+    )
     with stack:
         raw = asyncio.run(measure(stack.gateway.address, prompts, max_tokens, rounds))
     headline, s, errors = report(raw)
+    s["mask_cost_s_per_step"] = cost
     if json_path:
         Path(json_path).write_text(json.dumps(s, indent=2))
     print(headline)
