@@ -166,6 +166,7 @@ class SequenceTable:
         out: list[SequenceBlocks] = []
         stats = self.stats
         added = self.limits.added
+        lease_seqs = self._by_lease.get(lease_id)  # created with its first sequence
         bs = self.block_size
         pos = 0
         for item, plan in zip(items, plans, strict=True):
@@ -193,7 +194,9 @@ class SequenceTable:
                 num_published_blocks=len(hit),
             )
             self._sequences[sid] = seq
-            self._by_lease.setdefault(lease_id, {})[sid] = seq
+            if lease_seqs is None:
+                lease_seqs = self._by_lease[lease_id] = {}
+            lease_seqs[sid] = seq
             added(item.tenant, lease_id, len(table))
             stats.prefix_query_tokens += len(seq.token_ids)
             stats.prefix_hit_tokens += num_cached
