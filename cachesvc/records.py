@@ -7,6 +7,7 @@ The values its sequence calls take and return (``AllocateItem``, ``SequenceBlock
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
 from kvtier.block_hash import BlockHash
 from kvtier.sequence_types import SequenceBlocks
 
