@@ -160,6 +160,7 @@ async def _serve_pool(cfg: CacheConfig, shape: ModelShape, plan: PoolPlan, pool,
     # with its codes, and every dtype swaps as one memcpy per block.
     host_tier = HostTier.from_bytes(pool.rows, int(cfg.swap_space * GIB)) if cfg.swap_space > 0 else None
     num_host = host_tier.num_blocks if host_tier else 0
+    lower = build_lower_tiers(cfg, pool)
     log.info(
         "KV pool: %s %s, %d blocks x %d tokens = %d tokens of capacity, %s (%d bytes per block); "
         "host swap tier: %d blocks (%s); model %s… (%d layers, %d KV heads, head dim %d)",
@@ -189,6 +190,7 @@ async def _serve_pool(cfg: CacheConfig, shape: ModelShape, plan: PoolPlan, pool,
         max_blocks_per_lease=cfg.max_blocks_per_lease,
         fair_share=cfg.fair_share,
         fair_share_reserve=math.ceil(cfg.fair_share_reserve * plan.num_blocks),
+        lower_tiers=lower,
     )
     metrics = None
     if cfg.metrics_port is not None:
@@ -206,6 +208,8 @@ async def _serve_pool(cfg: CacheConfig, shape: ModelShape, plan: PoolPlan, pool,
     finally:
         if kv_events is not None:
             kv_events.close()
+        if lower is not None:
+            lower.close()  # what the disk's write queue holds reaches the disk
 
 
 async def _run_server(cfg: CacheConfig, node: CacheNode, pool, token: str, metrics) -> None:
@@ -239,6 +243,23 @@ async def _run_server(cfg: CacheConfig, node: CacheNode, pool, token: str, metri
         reaper.cancel()
         if metrics is not None:
             refresher.cancel()
+
+
+def build_lower_tiers(cfg: CacheConfig, pool):
+    """The prefix cache's host cache and disk tier from the flags (cachesvc/lower_tiers.py), or
+    None; a disk record must match this pool's model, block size, dtype and block shape to be
+    served. ValueError (a bad flag, an unusable --disk-path) stops the service."""
+    from cachesvc import lower_tiers
+    from cachesvc.disk_records import RecordLayout
+
+    spec = pool.spec
+    layout = RecordLayout(
+        spec.model_fingerprint, spec.block_size, spec.dtype, tuple(spec.shape[1:]), spec.block_bytes
+    )
+    tiers = lower_tiers.from_args(cfg, pool.rows, layout)
+    if tiers is not None:
+        log.info("lower tiers: %s", tiers.stats())
+    return tiers
 
 
 def tenant_quotas(cfg: CacheConfig, token: str) -> dict[str, int]:

@@ -9,6 +9,7 @@ so a refused call leaves the cache as it was. Each check is written once, next t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from cachesvc.block_manager import BlockManager
 from cachesvc.errors import InvalidArgument
@@ -17,6 +18,9 @@ from cachesvc.records import Sequence
 from cachesvc.validation import ExtraKeys, check_batch, check_unique, owned, pack_checked
 from kvtier.block_hash import BlockHash
 from kvtier.sequence_types import AllocateItem, ExtendItem
+
+if TYPE_CHECKING:
+    from cachesvc.lower_tiers import LowerTiers
 
 
 @dataclass(slots=True)
@@ -82,6 +86,32 @@ def plan_allocate(
     if track:
         limits.check(lease_id, held_by_tenant, sum(held_by_tenant.values()))
     return plans, touched, total_new
+
+
+def promote_lower_hits(
+    lower: LowerTiers, bm: BlockManager, plan: AllocatePlan, table: list[int], token_ids: list[int]
+) -> int:
+    """Phase 3 of Allocate with lower tiers, for one new sequence holding ``table``: follow its
+    prompt's chain past the device hit through the host cache, then the disk, copy the held
+    blocks into the table's fresh blocks after the hit and publish them. Returns the blocks
+    promoted (they count as cached: compute sees ordinary cached blocks). Capped, as the device
+    hit is, so the last prompt token is always computed. A block a tier fails to give (a
+    record that fails its checks) ends the run: what follows stays a fresh block to compute.
+    """
+    if lower.min_hits and plan.hit:
+        lower.note_hits([bm.blocks[i].index_key for i in plan.hit])
+    start = len(plan.hit)
+    parent = plan.block_hashes[-1] if start else plan.extra
+    end = (len(token_ids) - 1) // bm.block_size
+    keys = lower.held_keys(plan.prompt_bytes, parent, bm.block_size, start, end, plan.block_hashes)
+    if not keys:
+        return 0
+    got = lower.promote(keys, table[start : start + len(keys)])
+    if got:
+        bm.publish_blocks(
+            table, plan.block_hashes, start, start + got, token_ids, plan.extra, plan.prompt_bytes
+        )
+    return got
 
 
 def plan_extend(

@@ -68,9 +68,9 @@ class BlockManager:
         # take_event_records() after every call.
         self.record_events = record_events
         self._events: list[EventRecord] = []
-        # on_evict(block_ids, hashes): set through cachesvc.tiers.DeviceTier.on_evict (issue 22's
-        # hook: published blocks evicted by allocate, their KV still in the pool). None = off.
-        self.on_evict: Callable[[list[int], list[BlockHash]], None] | None = None
+        # on_evict(block_ids, index_keys): set through cachesvc.tiers.DeviceTier.on_evict (issue
+        # 22's hook: published blocks evicted by allocate, their KV still in the pool). None = off.
+        self.on_evict: Callable[[list[int], list[bytes]], None] | None = None
 
     # ------------------------------------------------------------------ counters
 
@@ -167,6 +167,7 @@ class BlockManager:
         index, copies = self.prefix_index, self.copies
         hashes: list[BlockHash] = []
         evicted: list[int] = []
+        keys: list[bytes] = []  # their index keys, for on_evict (cleared below)
         # NOTE: one pass, inline (this runs for almost every allocation of a full pool); copies
         # are rare.
         for block in cached:
@@ -177,12 +178,13 @@ class BlockManager:
                 del index[key]
                 hashes.append(block.block_hash)
                 evicted.append(block.block_id)
+                keys.append(key)
             block.block_hash = block.index_key = None
         self.num_evictions += len(cached)
         if self.record_events and hashes:
             self._events.append((REMOVED, tuple(hashes), tuple(evicted)))
         if self.on_evict is not None and evicted:
-            self.on_evict(evicted, hashes)
+            self.on_evict(evicted, keys)
         return ids
 
     def _drop_copy_or_promote(self, block: Block, key: bytes) -> None:

@@ -6,6 +6,7 @@ import argparse
 import os
 from dataclasses import asdict, dataclass
 
+from cachesvc import lower_tiers
 from kvtier import __version__
 from kvtier.auth import default_cache_address
 from kvtier.kv_dtypes import KV_CACHE_DTYPE_CHOICES
@@ -54,6 +55,12 @@ class CacheConfig:
     kv_events_topic: str
     max_request_bytes: int | None
     max_watch_streams: int
+    host_cache_gib: float
+    disk_path: str
+    disk_gib: float
+    disk_write_policy: str
+    disk_write_queue: int
+    offload_min_hits: int
 
     def describe(self) -> str:
         return " ".join(f"{k}={v}" for k, v in asdict(self).items())
@@ -156,6 +163,11 @@ def build_parser(prog: str = "python -m cachesvc") -> argparse.ArgumentParser:
         help="GiB of host memory for swapped-out blocks (0 = no swap)",
     )
 
+    lower_tiers.add_arguments(
+        p.add_argument_group(
+            "lower tiers", "the prefix cache below the pool: host memory, then disk (issue 22)"
+        )
+    )
     svc = p.add_argument_group("service")
     svc.add_argument(
         "--lease-ttl",

@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-
-import torch
+from typing import TYPE_CHECKING
 
 from cachesvc.disk_records import KEY_PREFIX_BYTES, RecordLayout
 from cachesvc.disk_tier import DiskTier
-from cachesvc.host_cache import HostBlockCache
+from kvtier.block_hash import hash_preimage
+
+if TYPE_CHECKING:  # torch loads only with a pool (the flags are parsed without it: fast --help)
+    import torch
+
+    from cachesvc.host_cache import HostBlockCache
 
 WRITE_POLICIES = ("evict", "through")
 
@@ -53,8 +57,12 @@ class LowerTiers:
         # eviction (keep), so this holds at most the pool's published blocks.
         self._hits: dict[bytes, int] = {}
         self.num_not_kept = 0  # evicted blocks below min_hits
-        if host is not None and disk is not None and write_policy == "evict":
-            host.on_evict = disk.offer
+        if host is not None and disk is not None:
+            # through: a block the host evicts within the keep that took it has no disk copy yet
+            host.on_evict = disk.offer if write_policy == "evict" else self._write_unless_on_disk
+
+    def _write_unless_on_disk(self, key: bytes, parent_hash: bytes | None, payload) -> bool:
+        return self.disk.contains(key) or self.disk.offer(key, parent_hash, payload)
 
     def note_hits(self, keys: Sequence[bytes]) -> None:
         """Count a device prefix hit on each of ``keys`` (for ``--offload-min-hits``; no-op without it)."""
@@ -91,16 +99,41 @@ class LowerTiers:
             self.disk.offer(k, k[:KEY_PREFIX_BYTES], rows[i]) for i, k in zip(block_ids, keys, strict=True)
         )
 
+    def holds(self, key: bytes) -> bool:
+        """Whether the host cache or the disk holds ``key`` (read-only: no LRU change)."""
+        return (self.host is not None and key in self.host) or (
+            self.disk is not None and self.disk.contains(key)
+        )
+
     def lookup_chain(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` the host cache or the disk holds (each key on either)."""
         n = 0
         for key in keys:
-            if (self.host is None or key not in self.host) and (
-                self.disk is None or not self.disk.contains(key)
-            ):
+            if not self.holds(key):
                 break
             n += 1
         return n
+
+    def held_keys(
+        self, data: bytes, parent: bytes, block_size: int, first: int, end: int, hashes: list[bytes]
+    ) -> list[bytes]:
+        """The keys of a prompt's blocks ``first..end-1`` that a lower tier holds, leading run only.
+
+        ``data`` is the prompt as ``pack_token_ids`` bytes from token 0, ``parent`` the hash of
+        block ``first - 1`` (the extra key at block 0). The hash of each held block is appended
+        to ``hashes`` (the sequence's chain, ``first`` long), so publishing it later computes
+        nothing again. Read-only; one SHA-256 per held block, none on a miss.
+        """
+        step = 4 * block_size
+        keys: list[bytes] = []
+        for b in range(first, min(end, len(data) // step)):
+            key = parent + data[b * step : (b + 1) * step]
+            if not self.holds(key):
+                break
+            keys.append(key)
+            parent = hash_preimage(key)
+            hashes.append(parent)
+        return keys
 
     def promote(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> int:
         """Copy the blocks of the leading held ``keys`` into pool blocks ``block_ids``; return how many.
@@ -175,6 +208,8 @@ def from_args(args: argparse.Namespace, pool_rows: torch.Tensor, layout: RecordL
     block_bytes = pool_rows.shape[1]
     host = None
     if args.host_cache_gib:
+        from cachesvc.host_cache import HostBlockCache
+
         host = HostBlockCache.from_budget(
             int(args.host_cache_gib * 2**30), block_bytes, device=pool_rows.device
         )

@@ -15,8 +15,9 @@ CacheError leaves the table, the block manager and the tiers exactly as they wer
 from __future__ import annotations
 
 from functools import partial
+from typing import TYPE_CHECKING
 
-from cachesvc.allocation import plan_allocate, plan_extend
+from cachesvc.allocation import plan_allocate, plan_extend, promote_lower_hits
 from cachesvc.block_manager import BlockManager
 from cachesvc.errors import NotFound, ResourceExhausted
 from cachesvc.fencing import Fencing
@@ -35,6 +36,9 @@ from cachesvc.validation import (
     pack_checked,
 )
 from kvtier.sequence_types import AllocateItem, CommitItem, ExtendItem, PrefixQuery, SequenceBlocks
+
+if TYPE_CHECKING:
+    from cachesvc.lower_tiers import LowerTiers
 
 
 class SequenceTable:
@@ -61,6 +65,7 @@ class SequenceTable:
         max_blocks_per_lease: int = 0,
         fair_share: bool = True,
         fair_share_reserve: int = 0,
+        lower_tiers: LowerTiers | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
@@ -86,6 +91,11 @@ class SequenceTable:
         self.device = DeviceTier(block_manager, swap_tier.block_bytes if swap_tier is not None else 0)
         self.swap_tier = swap_tier
         self.swapping = Swapping(self.device, swap_tier, self.stats)
+        # The prefix cache's host and disk tiers (issue 22): evicted published blocks go down
+        # through the device tier's hook; Allocate promotes hits past the device's.
+        self.lower_tiers = lower_tiers
+        if lower_tiers is not None:
+            self.device.on_evict(lower_tiers.keep)
         self.tiers = self.swapping.tiers  # tier name -> tier: what a record's location names
         # Phase 1 of Commit and of Extend, over this table's records and bounds: (lease_id, items)
         # -> the items' sequences (Extend: and the blocks they need). Bound once: they run every
@@ -168,12 +178,15 @@ class SequenceTable:
         added = self.limits.added
         lease_seqs = self._by_lease.get(lease_id)  # created with its first sequence
         bs = self.block_size
+        lower = self.lower_tiers
         pos = 0
         for item, plan in zip(items, plans, strict=True):
             hit = plan.hit
             table = hit + new_ids[pos : pos + plan.num_new_blocks]
             pos += plan.num_new_blocks
             num_cached = len(hit) * bs
+            if lower is not None:
+                num_cached += promote_lower_hits(lower, bm, plan, table, item.token_ids) * bs
             sid = self._next_sequence_id
             self._next_sequence_id = sid + 1
             seq = Sequence(
@@ -191,7 +204,7 @@ class SequenceTable:
                 request_id=item.request_id,
                 tenant=item.tenant,
                 room=min(len(table) * bs, self.max_model_len),  # room(), inline: once per sequence
-                num_published_blocks=len(hit),
+                num_published_blocks=num_cached // bs,
             )
             self._sequences[sid] = seq
             if lease_seqs is None:

@@ -30,7 +30,6 @@ from cachesvc.errors import InvalidArgument
 
 if TYPE_CHECKING:
     from cachesvc.block_manager import BlockManager
-    from kvtier.block_hash import BlockHash
 
 
 @dataclass(slots=True)
@@ -115,10 +114,11 @@ class DeviceTier(Tier):
     def release(self, ids: list[int]) -> None:
         self.block_manager.free(ids)
 
-    def on_evict(self, hook: Callable[[list[int], list[BlockHash]], None] | None) -> None:
-        """HOOK for a tiered prefix cache (issue 22): ``hook(block_ids, hashes)`` runs when
+    def on_evict(self, hook: Callable[[list[int], list[bytes]], None] | None) -> None:
+        """The tiered prefix cache's hook (issue 22): ``hook(block_ids, index_keys)`` runs when
         ``allocate`` evicts published blocks, before their slots are reused (their KV is still
-        in the pool), so a lower tier could keep them by hash. None: nothing runs."""
+        in the pool), so a lower tier keeps them under their prefix-index keys (``LowerTiers.keep``;
+        a key's hash is ``hash_preimage(key)``). None: nothing runs."""
         self.block_manager.on_evict = hook
 
 

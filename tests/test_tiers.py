@@ -14,7 +14,7 @@ from cachesvc.limits import TenantLimits
 from cachesvc.records import DEVICE, CacheStats, Sequence
 from cachesvc.swap import Swapping
 from cachesvc.tiers import DeviceTier, copy_blocks
-from kvtier.block_hash import extra_key, hash_full_blocks, pack_token_ids
+from kvtier.block_hash import extra_key, hash_full_blocks, hash_preimage, pack_token_ids
 
 BS = 4
 
@@ -112,7 +112,7 @@ def test_the_evict_hook_hears_of_published_blocks_before_their_slots_are_reused(
     bm = BlockManager(2, BS)
     device = DeviceTier(bm)
     heard = []
-    device.on_evict(lambda ids, hashes: heard.append((list(ids), list(hashes))))
+    device.on_evict(lambda ids, keys: heard.append((list(ids), [hash_preimage(k) for k in keys], list(keys))))
     tokens, extra = list(range(BS)), extra_key("fp")
     (block,) = device.allocate(1)
     bm.publish_blocks([block], [], 0, 1, tokens, extra, pack_token_ids(tokens))
@@ -120,7 +120,9 @@ def test_the_evict_hook_hears_of_published_blocks_before_their_slots_are_reused(
     device.allocate(1)  # the empty block first: nothing evicted
     assert heard == []
     device.allocate(1)  # now the published one
-    assert heard == [([block], hash_full_blocks(pack_token_ids(tokens), BS, extra))]
+    assert heard == [
+        ([block], hash_full_blocks(pack_token_ids(tokens), BS, extra), [extra + pack_token_ids(tokens)])
+    ]
     device.on_evict(None)
 
 

@@ -1,0 +1,164 @@
+"""The tiered prefix cache wired into the cache service (issue 22), as a real subprocess with a
+real disk directory: published blocks evicted from the pool go to the host cache and the disk,
+a later Allocate promotes them byte-exact, a SIGKILL mid-load and a restart serve only whole,
+verified records, and another tenant salt or pool layout never hits them."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import signal
+from pathlib import Path
+
+import torch
+from servers import TOKEN, cache_service, wait_until
+
+from cachesvc.disk_records import file_name
+from kvtier.block_hash import extra_key, hash_preimage, pack_token_ids
+from kvtier.cache_client import AllocateItem, CacheClient
+from kvtier.model_spec import ModelShape
+from kvtier.pool import attach_pool
+from kvtier_cli.stack import wait_serving
+
+BS = 16
+SHAPE = ModelShape.tiny()
+BLOCK_BYTES = SHAPE.block_bytes(BS, "float32")
+NUM_BLOCKS = 6  # the pool: a prompt of 3 full blocks + 1 token takes 4
+HOST_GIB = 2 * BLOCK_BYTES / 2**30  # the host cache holds two blocks
+FLUSH_S = 60.0  # deadline for the disk writer to land a record
+
+
+def prompt(seed: int) -> list[int]:
+    """3 full blocks + 1 token of seeded token ids (the hit is capped at the 3 full blocks)."""
+    rng = random.Random(seed)
+    return [rng.randrange(SHAPE.vocab_size) for _ in range(3 * BS + 1)]
+
+
+def record_paths(disk: Path, tokens: list[int], fingerprint: str = SHAPE.fingerprint) -> list[Path]:
+    """The record file each full block of ``tokens`` would have (its index key's hash, hex)."""
+    parent, data, step = extra_key(fingerprint), pack_token_ids(tokens), 4 * BS
+    paths = []
+    for b in range(len(tokens) // BS):
+        key = parent + data[b * step : (b + 1) * step]
+        paths.append(disk / file_name(key))
+        parent = hash_preimage(key)
+    return paths
+
+
+class Client:
+    """A leased client of the service and its mapping of the pool."""
+
+    def __init__(self, svc) -> None:
+        self.c = CacheClient.connect(svc.address, TOKEN, timeout_s=30.0)
+        self.c.attach("tiers")
+        self.pool = attach_pool(self.c.pool)
+        assert self.c.pool.size_bytes // NUM_BLOCKS == BLOCK_BYTES
+
+    def publish(self, tokens: list[int], seed: int) -> list[float]:
+        """Allocate ``tokens``, write a distinct value into each full block, commit and free them;
+        the values written, per full block."""
+        (seq,) = self.c.allocate([tokens]).sequences
+        fills = [seed + 0.25 * b for b in range(3)]
+        for block_id, fill in zip(seq.block_table, fills, strict=False):
+            self.pool.tensor[block_id] = fill
+        self.c.commit([(seq.sequence_id, [], 3 * BS)])
+        self.c.free([seq.sequence_id])
+        return fills
+
+    def hit(self, tokens: list[int], fills: list[float] | None = None, salt: str = "") -> int:
+        """Allocate ``tokens`` (tenant ``salt``), check the cached blocks hold ``fills``, free;
+        the cached tokens."""
+        (seq,) = self.c.allocate([AllocateItem(tokens, tenant_salt=salt)]).sequences
+        n = seq.num_cached_tokens // BS
+        for b in range(n):
+            assert fills is not None and torch.all(self.pool.tensor[seq.block_table[b]] == fills[b]), (
+                f"block {b} of a promoted prefix does not hold the bytes written"
+            )
+        self.c.free([seq.sequence_id])
+        return seq.num_cached_tokens
+
+    def flush_pool(self) -> None:
+        """Take every pool block once (unpublished), so every published block is evicted."""
+        (seq,) = self.c.allocate([[1] * (NUM_BLOCKS * BS)]).sequences
+        self.c.free([seq.sequence_id])
+
+    def close(self) -> None:
+        self.pool.close()
+        self.c.close()
+
+
+def tier_args(disk: Path, *more: str) -> list[str]:
+    return [
+        "--num-blocks", str(NUM_BLOCKS), "--swap-space", "0", "--host-cache-gib", str(HOST_GIB),
+        "--disk-path", str(disk), "--disk-write-policy", "through", "--lease-ttl", "30", *more,
+    ]  # fmt: skip
+
+
+def test_evicted_prefixes_come_back_from_host_and_disk_and_survive_a_sigkill(tmp_path):
+    disk = tmp_path / "kv-disk"
+    a = prompt(1)
+    with cache_service(tmp_path, *tier_args(disk)) as svc:
+        client = Client(svc)
+        fills_a = client.publish(a, 1)
+        client.flush_pool()  # a's three blocks: two stay on the host, all three reach the disk
+        wait_until(lambda: all(p.exists() for p in record_paths(disk, a)), FLUSH_S, "a's records on disk")
+        assert client.hit(a, fills_a) == 3 * BS  # block 0 from disk, blocks 1-2 from the host
+        assert client.hit(a, fills_a, salt="other-tenant") == 0
+
+        # A write-heavy load: every prompt published evicts the previous one to host and disk.
+        load = {seed: prompt(seed) for seed in range(2, 40)}
+        fills = {}
+        for seed, tokens in load.items():
+            fills[seed] = client.publish(tokens, seed)
+            if seed == 6:  # the two records damaged below are whole before the kill
+                wait_until(
+                    lambda: (
+                        record_paths(disk, load[2])[0].exists() and record_paths(disk, load[3])[0].exists()
+                    ),
+                    FLUSH_S,
+                    "records of prompts 2 and 3",
+                )
+        client.flush_pool()
+        client.close()
+        svc.stop(signal.SIGKILL)
+
+        corrupt, torn = record_paths(disk, load[2])[0], record_paths(disk, load[3])[0]
+        data = bytearray(corrupt.read_bytes())
+        data[-100] ^= 0xFF  # a payload byte: only the checksum can tell
+        corrupt.write_bytes(bytes(data))
+        torn.write_bytes(torn.read_bytes()[: torn.stat().st_size // 2])
+        # What a restart may serve: per prompt, its leading whole records (a torn write never
+        # is one: records are renamed into place).
+        leading = {
+            seed: next((b for b, p in enumerate(record_paths(disk, t)) if not p.exists()), 3)
+            for seed, t in load.items()
+            if seed not in (2, 3)
+        }
+
+        svc.restart()
+        wait_serving(svc)
+        log = svc.log()
+        assert f"dropped {corrupt.name}" in log and f"dropped {torn.name}" in log, log[-3000:]
+        client = Client(svc)
+        assert client.hit(a, fills_a) == 3 * BS  # from disk after the restart
+        assert client.hit(load[2]) == 0 and client.hit(load[3]) == 0
+        hits = {seed: client.hit(load[seed], fills[seed]) // BS for seed in leading}
+        assert hits == leading  # every whole record served, byte-exact, nothing else
+        assert sum(hits.values()) >= 3, f"the repeated workload hit nothing from disk: {hits}"
+        client.close()
+
+    # Another model fingerprint, dtype or block size never hits these records (each on a copy:
+    # a record of another layout is dropped at the scan).
+    for k, other in enumerate(
+        (["--model-fingerprint", "another-model"], ["--kv-cache-dtype", "float16"], ["--block-size", "32"])
+    ):
+        copy = tmp_path / f"copy-{k}"
+        shutil.copytree(disk, copy)
+        run_dir = tmp_path / f"run-{k}"
+        run_dir.mkdir(mode=0o700)
+        with cache_service(run_dir, *tier_args(copy, *other)) as svc:
+            c = CacheClient.connect(svc.address, TOKEN, timeout_s=30.0)
+            c.attach("other-layout")
+            (seq,) = c.allocate([a]).sequences
+            assert seq.num_cached_tokens == 0, other
+            c.close()
