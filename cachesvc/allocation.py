@@ -114,6 +114,22 @@ def promote_lower_hits(
     return got
 
 
+def lookup_tiers(
+    bm: BlockManager, lower: LowerTiers, keyed: list[tuple[bytes, bytes]], below: list[tuple[int, int]]
+) -> list[int]:
+    """LookupPrefix over every tier: per ``(prompt bytes, extra key)`` the device tokens (returned)
+    and, appended to ``below``, ``(host tokens, disk tokens)`` of the chain past the device hit.
+    Whole blocks, uncapped; read-only."""
+    bs = bm.block_size
+    out = []
+    for data, extra in keyed:
+        ids, hashes = bm.match_prefix(data, extra, len(data))
+        host, disk = lower.count_below(data, hashes[-1] if ids else extra, bs, len(ids))
+        out.append(len(ids) * bs)
+        below.append((host * bs, disk * bs))
+    return out
+
+
 def plan_extend(
     sequences: dict[int, Sequence],
     block_size: int,

@@ -135,6 +135,14 @@ class LowerTiers:
             hashes.append(parent)
         return keys
 
+    def count_below(self, data: bytes, parent: bytes, block_size: int, first: int) -> tuple[int, int]:
+        """``(host blocks, disk-only blocks)`` of the leading run of a prompt's blocks from block
+        ``first`` on (past its device hit; ``parent`` is the hash before it) that the lower tiers
+        hold (``held_keys``' arguments). Read-only, for LookupPrefix."""
+        keys = self.held_keys(data, parent, block_size, first, len(data), [])
+        on_host = sum(1 for key in keys if key in self.host) if self.host is not None else 0
+        return on_host, len(keys) - on_host
+
     def promote(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> int:
         """Copy the blocks of the leading held ``keys`` into pool blocks ``block_ids``; return how many.
 

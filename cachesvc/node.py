@@ -220,9 +220,10 @@ class CacheNode:
             lease, self.sequences.free(lease.lease_id, _nonempty("sequence_ids", sequence_ids), commits)
         )
 
-    def lookup_prefix(self, items: list[PrefixQuery]) -> list[int]:
-        """Per prompt: leading tokens cached. Needs no lease."""
-        return self.sequences.lookup_prefix(_nonempty("items", items))
+    def lookup_prefix(self, items: list[PrefixQuery], below: list | None = None) -> list[int]:
+        """Per prompt: leading tokens cached on the device (``below``: see
+        ``SequenceTable.lookup_prefix``). Needs no lease."""
+        return self.sequences.lookup_prefix(_nonempty("items", items), below)
 
     def swap_out(
         self, lease_id: str, sequence_ids: list[int], commits: list[CommitItem] = ()

@@ -17,7 +17,7 @@ from __future__ import annotations
 from functools import partial
 from typing import TYPE_CHECKING
 
-from cachesvc.allocation import plan_allocate, plan_extend, promote_lower_hits
+from cachesvc.allocation import lookup_tiers, plan_allocate, plan_extend, promote_lower_hits
 from cachesvc.block_manager import BlockManager
 from cachesvc.errors import NotFound, ResourceExhausted
 from cachesvc.fencing import Fencing
@@ -382,10 +382,12 @@ class SequenceTable:
             self.fencing.hold(fence_until, fenced, lease_id)
         return released
 
-    def lookup_prefix(self, items: list[PrefixQuery]) -> list[int]:
+    def lookup_prefix(self, items: list[PrefixQuery], below: list | None = None) -> list[int]:
         """Per PrefixQuery ``(token_ids, tenant_salt, adapter_id)``: leading tokens cached on the
         device. Whole blocks only and NOT capped below the last token (a router wants the raw
-        figure). Read-only: no reference taken, no LRU change, no stats.
+        figure). Read-only: no reference taken, no LRU change, no stats. With lower tiers and a
+        ``below`` list, per item ``(host tokens, disk tokens)`` of the chain past the device hit
+        are appended to it (what Allocate would promote, uncapped).
         """
         check_batch(len(items), self.max_batch)
         keyed: list[tuple[bytes, bytes]] = []
@@ -396,6 +398,8 @@ class SequenceTable:
             keyed.append((data, extra))
         bm = self.block_manager
         bs = self.block_size
+        if below is not None and self.lower_tiers is not None:
+            return lookup_tiers(bm, self.lower_tiers, keyed, below)
         return [len(bm.match_prefix(data, extra, len(data))[0]) * bs for data, extra in keyed]
 
     # ------------------------------------------------------------------ swapping

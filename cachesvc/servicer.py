@@ -246,7 +246,13 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         for k, i in enumerate(request.items):
             check_item_sizes(k, len(i.token_ids), self.max_model_len, i.tenant_salt, i.adapter_id)
             items.append(PrefixQuery(list(i.token_ids), i.tenant_salt, i.adapter_id))
-        return cache_pb2.LookupPrefixResponse(num_cached_tokens=self.node.lookup_prefix(items))
+        below: list[tuple[int, int]] = []
+        device = self.node.lookup_prefix(items, below)
+        return cache_pb2.LookupPrefixResponse(
+            num_cached_tokens=device,
+            num_host_tokens=[host for host, _ in below],
+            num_disk_tokens=[disk for _, disk in below],
+        )
 
     @rpc
     async def SwapOut(self, request, context):

@@ -100,9 +100,18 @@ def test_evicted_prefixes_come_back_from_host_and_disk_and_survive_a_sigkill(tmp
     with cache_service(tmp_path, *tier_args(disk)) as svc:
         client = Client(svc)
         fills_a = client.publish(a, 1)
-        client.flush_pool()  # a's three blocks: two stay on the host, all three reach the disk
+        # a's blocks are evicted last to first: the host keeps blocks 0 and 1, all three reach the disk
+        client.flush_pool()
         wait_until(lambda: all(p.exists() for p in record_paths(disk, a)), FLUSH_S, "a's records on disk")
-        assert client.hit(a, fills_a) == 3 * BS  # block 0 from disk, blocks 1-2 from the host
+        reply = client.c.lookup_prefix([a])  # per tier, read-only
+        assert [reply.num_cached_tokens, reply.num_host_tokens, reply.num_disk_tokens] == [
+            [0],
+            [2 * BS],
+            [BS],
+        ]
+        assert client.hit(a, fills_a) == 3 * BS  # blocks 0-1 from the host, block 2 from disk
+        reply = client.c.lookup_prefix([a])
+        assert [reply.num_cached_tokens, reply.num_host_tokens, reply.num_disk_tokens] == [[3 * BS], [0], [0]]
         assert client.hit(a, fills_a, salt="other-tenant") == 0
 
         # A write-heavy load: every prompt published evicts the previous one to host and disk.

@@ -192,10 +192,14 @@ class LookupPrefixRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[LookupPrefixItem, _Mapping]]] = ...) -> None: ...
 
 class LookupPrefixResponse(_message.Message):
-    __slots__ = ("num_cached_tokens",)
+    __slots__ = ("num_cached_tokens", "num_host_tokens", "num_disk_tokens")
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DISK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_cached_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, num_cached_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    num_host_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_disk_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_cached_tokens: _Optional[_Iterable[int]] = ..., num_host_tokens: _Optional[_Iterable[int]] = ..., num_disk_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SwapOutRequest(_message.Message):
     __slots__ = ("lease_id", "sequence_ids", "commits")
