@@ -57,6 +57,7 @@ class LowerTiers:
         # eviction (keep), so this holds at most the pool's published blocks.
         self._hits: dict[bytes, int] = {}
         self.num_not_kept = 0  # evicted blocks below min_hits
+        self.promoted = {"host": 0, "disk": 0}  # blocks promote copied into the pool, per tier
         if host is not None and disk is not None:
             # through: a block the host evicts within the keep that took it has no disk copy yet
             host.on_evict = disk.offer if write_policy == "evict" else self._write_unless_on_disk
@@ -153,16 +154,28 @@ class LowerTiers:
         rows = self.pool_rows
         n = 0
         for key, block_id in zip(keys, block_ids, strict=False):
-            if (
-                self.host is not None
-                and self.host.load(key, rows[block_id])
-                or self.disk is not None
-                and self.disk.load_into(key, rows[block_id])
-            ):
-                n += 1
+            if self.host is not None and self.host.load(key, rows[block_id]):
+                self.promoted["host"] += 1
+            elif self.disk is not None and self.disk.load_into(key, rows[block_id]):
+                self.promoted["disk"] += 1
             else:
                 break
+            n += 1
         return n
+
+    def tier_rows(self) -> list[dict]:
+        """Per present tier (host, then disk): medium, blocks, bytes, blocks promoted from it,
+        evictions, blocks stored and the write queue's depth (node.TierSnapshot's fields)."""
+        rows = []
+        for medium, tier, stored in (("host", self.host, "stored"), ("disk", self.disk, "writes")):
+            if tier is not None:
+                st = tier.stats()
+                rows.append({
+                    "medium": medium, "num_blocks": st["blocks"], "num_bytes": st["bytes"],
+                    "num_promotions": self.promoted[medium], "num_evictions": st["evictions"],
+                    "num_stored_blocks": st[stored], "write_queue_depth": st.get("queue_depth", 0),
+                })  # fmt: skip
+        return rows
 
     def stats(self) -> dict:
         """Per tier: ``{"host": HostBlockCache.stats(), "disk": DiskTier.stats()}``, present tiers only."""

@@ -92,6 +92,7 @@ class CacheMetrics(RpcLatency):
         )
         self._flow_metrics(r, p)
         self._lease_metrics(r, p)
+        self._tier_metrics(r, p)
         # Label values known up front: the series exist at 0 before the first swap or call.
         for direction in ("out", "in"):
             self.swapped_blocks.labels(direction)
@@ -121,6 +122,46 @@ class CacheMetrics(RpcLatency):
             ["direction"],
             registry=r,
         )
+
+    # TierSnapshot attribute -> (metric suffix, help) per tier; gauges first, then counters.
+    _TIER_GAUGES = (
+        ("num_blocks", "tier_blocks", "Published blocks a tier of the prefix cache holds."),
+        ("num_bytes", "tier_bytes", "Bytes of the published blocks a tier holds."),
+        ("write_queue_depth", "tier_write_queue_depth", "Blocks waiting for the disk writer."),
+    )
+    _TIER_COUNTERS = (
+        ("num_hit_blocks", "tier_hit_blocks", "Allocate's prefix-hit blocks served by a tier."),
+        (
+            "num_promotions",
+            "tier_promoted_blocks",
+            "Blocks promoted into (device) or out of (host, disk) a tier.",
+        ),
+        ("num_evictions", "tier_evicted_blocks", "Published blocks a tier evicted."),
+        ("num_stored_blocks", "tier_stored_blocks", "Blocks written into a lower tier."),
+    )
+
+    def _tier_metrics(self, r: CollectorRegistry, p: str) -> None:
+        """The prefix cache per tier, labelled medium = device | host | disk (issue 22)."""
+        for _, name, doc in self._TIER_GAUGES:
+            setattr(self, name, Gauge(f"{p}_{name}", doc, ["medium"], registry=r))
+        for _, name, doc in self._TIER_COUNTERS:
+            setattr(self, name, Counter(f"{p}_{name}", doc, ["medium"], registry=r))
+
+    def _update_tiers(self, snapshot: CacheSnapshot) -> None:
+        for tier in snapshot.tiers:
+            for field, name, _ in self._TIER_GAUGES:
+                getattr(self, name).labels(tier.medium).set(getattr(tier, field))
+            for field, name, _ in self._TIER_COUNTERS:
+                self._advance(name, (tier.medium,), float(getattr(tier, field)))
+
+    def _advance(self, attr: str, labels: tuple[str, ...], value: float) -> None:
+        """Advance counter ``attr`` to a cumulative ``value`` (a lower one: the source restarted)."""
+        last = self._last_cumulative.get((attr, labels), 0.0)
+        delta = value - last if value >= last else value
+        self._last_cumulative[attr, labels] = value
+        counter = getattr(self, attr)
+        if delta:
+            (counter.labels(*labels) if labels else counter).inc(delta)
 
     def _lease_metrics(self, r: CollectorRegistry, p: str) -> None:
         """Leases, resident tokens, slot waste and per-tenant blocks."""
@@ -161,13 +202,8 @@ class CacheMetrics(RpcLatency):
             getattr(self, attr).set(getattr(snapshot, name))
         self.kv_usage_ratio.set(snapshot.usage_percent / 100.0)
         for name, attr, labels in self._COUNTERS:
-            value = float(getattr(snapshot, name))
-            last = self._last_cumulative.get((attr, labels), 0.0)
-            delta = value - last if value >= last else value
-            self._last_cumulative[attr, labels] = value
-            counter = getattr(self, attr)
-            if delta:
-                (counter.labels(*labels) if labels else counter).inc(delta)
+            self._advance(attr, labels, float(getattr(snapshot, name)))
+        self._update_tiers(snapshot)
         self.tenant_blocks.clear()
         self.tenant_quota_blocks.clear()
         for t in snapshot.tenants:

@@ -47,6 +47,41 @@ class TenantSnapshot:
 
 
 @dataclass(slots=True)
+class TierSnapshot:
+    """One tier of the prefix cache (GetStatsResponse.TierStats): blocks and bytes it holds now;
+    hits, promotions, evictions and stored blocks cumulative since start; the disk's write queue."""
+
+    medium: str  # "device", "host" or "disk"
+    num_blocks: int
+    num_bytes: int
+    num_hit_blocks: int = 0
+    num_promotions: int = 0
+    num_evictions: int = 0
+    num_stored_blocks: int = 0
+    write_queue_depth: int = 0
+
+
+def tier_snapshots(seqs: SequenceTable) -> list[TierSnapshot]:
+    """The device tier, then the lower tiers (if any). A lower-tier hit is a promotion, so the
+    device's own hits are Allocate's hit blocks minus the blocks promoted into it."""
+    bm, lower = seqs.block_manager, seqs.lower_tiers
+    block_bytes = lower.pool_rows.shape[1] if lower is not None else seqs.device.block_bytes
+    rows = [TierSnapshot(**row) for row in lower.tier_rows()] if lower is not None else []
+    promoted = sum(row.num_promotions for row in rows)
+    for row in rows:
+        row.num_hit_blocks = row.num_promotions
+    device = TierSnapshot(
+        "device",
+        bm.num_cached_blocks,
+        bm.num_cached_blocks * block_bytes,
+        num_hit_blocks=seqs.stats.prefix_hit_tokens // bm.block_size - promoted,
+        num_promotions=promoted,
+        num_evictions=bm.num_evictions,
+    )
+    return [device, *rows]
+
+
+@dataclass(slots=True)
 class CacheSnapshot:
     """The cache's numbers at one moment (GetStats, metrics). Field names are GetStatsResponse's.
 
@@ -78,6 +113,7 @@ class CacheSnapshot:
     tenants: list[TenantSnapshot] = field(default_factory=list)
     max_blocks_per_lease: int = 0  # 0 = no limit
     num_blocks_fenced: int = 0  # held back from expired leases (fencing), neither free nor used
+    tiers: list[TierSnapshot] = field(default_factory=list)  # the prefix cache per tier
 
     @property
     def num_leases(self) -> int:
@@ -294,4 +330,5 @@ class CacheNode:
             tenants=[TenantSnapshot(t, *usage) for t, usage in sorted(seqs.limits.tenant_usage().items())],
             max_blocks_per_lease=seqs.limits.max_blocks_per_lease,
             num_blocks_fenced=seqs.fencing.num_fenced_blocks,
+            tiers=tier_snapshots(seqs),
         )

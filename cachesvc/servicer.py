@@ -109,9 +109,10 @@ def stats_to_proto(snapshot: CacheSnapshot) -> cache_pb2.GetStatsResponse:
     """GetStatsResponse of a snapshot. NOTE: the snapshot's field names are the message's."""
     leases = [cache_pb2.LeaseStats(**asdict(lease)) for lease in snapshot.leases]
     tenants = [cache_pb2.TenantStats(**asdict(t)) for t in snapshot.tenants]
-    lists = ("leases", "tenants")
+    tiers = [cache_pb2.TierStats(**asdict(t)) for t in snapshot.tiers]
+    lists = ("leases", "tenants", "tiers")
     scalars = {f.name: getattr(snapshot, f.name) for f in fields(snapshot) if f.name not in lists}
-    return cache_pb2.GetStatsResponse(**scalars, leases=leases, tenants=tenants)
+    return cache_pb2.GetStatsResponse(**scalars, leases=leases, tenants=tenants, tiers=tiers)
 
 
 def event_to_proto(event_id: int, event: BlockEvent) -> cache_pb2.CacheEvent:

@@ -12,7 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from cachesvc.metrics import CacheMetrics
-from cachesvc.node import CacheSnapshot, LeaseSnapshot
+from cachesvc.node import CacheSnapshot, LeaseSnapshot, TierSnapshot
 from computesvc.metrics import ComputeMetrics
 from kvtier.auth import bearer
 from kvtier.call_guard import CallGuard
@@ -96,6 +96,25 @@ def test_cache_counter_restarts_from_zero_when_source_resets():
     metrics.update(stats(num_evictions=10))
     metrics.update(stats(num_evictions=3))  # the stats source restarted
     assert metrics.registry.get_sample_value("kvtier_cache_evictions_total") == 13
+
+
+def test_tier_metrics_carry_the_medium_and_advance_by_the_difference():
+    metrics = CacheMetrics()
+    tiers = [
+        TierSnapshot("device", 50, 50 * 4096, 7, 3, 9),
+        TierSnapshot("disk", 12, 12 * 4096, 3, 3, 1, 12, 4),
+    ]
+    metrics.update(stats(tiers=tiers))
+    tiers[1].num_hit_blocks, tiers[1].write_queue_depth = 5, 0
+    metrics.update(stats(tiers=tiers))
+    value = metrics.registry.get_sample_value
+    assert value("kvtier_cache_tier_blocks", {"medium": "device"}) == 50
+    assert value("kvtier_cache_tier_bytes", {"medium": "disk"}) == 12 * 4096
+    assert value("kvtier_cache_tier_hit_blocks_total", {"medium": "disk"}) == 5
+    assert value("kvtier_cache_tier_promoted_blocks_total", {"medium": "device"}) == 3
+    assert value("kvtier_cache_tier_evicted_blocks_total", {"medium": "device"}) == 9
+    assert value("kvtier_cache_tier_stored_blocks_total", {"medium": "disk"}) == 12
+    assert value("kvtier_cache_tier_write_queue_depth", {"medium": "disk"}) == 0
 
 
 def test_two_metric_groups_in_one_process_do_not_clash():

@@ -112,6 +112,12 @@ def test_evicted_prefixes_come_back_from_host_and_disk_and_survive_a_sigkill(tmp
         assert client.hit(a, fills_a) == 3 * BS  # blocks 0-1 from the host, block 2 from disk
         reply = client.c.lookup_prefix([a])
         assert [reply.num_cached_tokens, reply.num_host_tokens, reply.num_disk_tokens] == [[3 * BS], [0], [0]]
+        device, host, on_disk = client.c.get_stats().tiers
+        assert [t.medium for t in (device, host, on_disk)] == ["device", "host", "disk"]
+        assert (device.num_promotions, host.num_hit_blocks, on_disk.num_hit_blocks) == (3, 2, 1)
+        assert device.num_evictions == 3 and device.num_hit_blocks == 0
+        assert (host.num_blocks, host.num_bytes, host.num_stored_blocks) == (2, 2 * BLOCK_BYTES, 3)
+        assert on_disk.num_stored_blocks == on_disk.num_blocks == 3 and on_disk.write_queue_depth == 0
         assert client.hit(a, fills_a, salt="other-tenant") == 0
 
         # A write-heavy load: every prompt published evicts the previous one to host and disk.
