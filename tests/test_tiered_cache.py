@@ -118,6 +118,13 @@ def test_evicted_prefixes_come_back_from_host_and_disk_and_survive_a_sigkill(tmp
         assert device.num_evictions == 3 and device.num_hit_blocks == 0
         assert (host.num_blocks, host.num_bytes, host.num_stored_blocks) == (2, 2 * BLOCK_BYTES, 3)
         assert on_disk.num_stored_blocks == on_disk.num_blocks == 3 and on_disk.write_queue_depth == 0
+        stream = client.c.watch_events(0)  # a's first publication, its eviction, its promotion
+        kinds = [
+            (e.WhichOneof("event"), getattr(e, e.WhichOneof("event")).medium)
+            for _, e in zip(range(6), stream)
+        ]
+        stream.cancel()
+        assert kinds == [("block_stored", "device")] * 3 + [("block_removed", "device")] * 3, kinds
         assert client.hit(a, fills_a, salt="other-tenant") == 0
 
         # A write-heavy load: every prompt published evicts the previous one to host and disk.

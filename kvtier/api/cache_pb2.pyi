@@ -366,21 +366,25 @@ class CacheEvent(_message.Message):
     def __init__(self, event_id: _Optional[int] = ..., block_stored: _Optional[_Union[BlockStored, _Mapping]] = ..., block_removed: _Optional[_Union[BlockRemoved, _Mapping]] = ...) -> None: ...
 
 class BlockStored(_message.Message):
-    __slots__ = ("block_hash", "parent_block_hash", "block_id", "token_ids")
+    __slots__ = ("block_hash", "parent_block_hash", "block_id", "token_ids", "medium")
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
     block_hash: bytes
     parent_block_hash: bytes
     block_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, block_hash: _Optional[bytes] = ..., parent_block_hash: _Optional[bytes] = ..., block_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    medium: str
+    def __init__(self, block_hash: _Optional[bytes] = ..., parent_block_hash: _Optional[bytes] = ..., block_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., medium: _Optional[str] = ...) -> None: ...
 
 class BlockRemoved(_message.Message):
-    __slots__ = ("block_hash", "block_id")
+    __slots__ = ("block_hash", "block_id", "medium")
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
     block_hash: bytes
     block_id: int
-    def __init__(self, block_hash: _Optional[bytes] = ..., block_id: _Optional[int] = ...) -> None: ...
+    medium: str
+    def __init__(self, block_hash: _Optional[bytes] = ..., block_id: _Optional[int] = ..., medium: _Optional[str] = ...) -> None: ...
