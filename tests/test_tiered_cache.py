@@ -121,7 +121,7 @@ def test_evicted_prefixes_come_back_from_host_and_disk_and_survive_a_sigkill(tmp
         stream = client.c.watch_events(0)  # a's first publication, its eviction, its promotion
         kinds = [
             (e.WhichOneof("event"), getattr(e, e.WhichOneof("event")).medium)
-            for _, e in zip(range(6), stream)
+            for _, e in zip(range(6), stream, strict=False)
         ]
         stream.cancel()
         assert kinds == [("block_stored", "device")] * 3 + [("block_removed", "device")] * 3, kinds
