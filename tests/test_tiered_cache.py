@@ -11,11 +11,12 @@ import signal
 from pathlib import Path
 
 import torch
-from servers import TOKEN, cache_service, wait_until
+from servers import TOKEN, ModuleLoop, cache_service, cache_stats, greedy_request, local_stack, wait_until
 
 from cachesvc.disk_records import file_name
 from kvtier.block_hash import extra_key, hash_preimage, pack_token_ids
 from kvtier.cache_client import AllocateItem, CacheClient
+from kvtier.compute_client import ComputeClient
 from kvtier.model_spec import ModelShape
 from kvtier.pool import attach_pool
 from kvtier_cli.stack import wait_serving
@@ -184,3 +185,37 @@ def test_evicted_prefixes_come_back_from_host_and_disk_and_survive_a_sigkill(tmp
             (seq,) = c.allocate([a]).sequences
             assert seq.num_cached_tokens == 0, other
             c.close()
+
+
+LOOP = ModuleLoop()
+
+
+def complete(addresses: list[str], requests) -> list:
+    """Send ``requests`` one after the other through one client."""
+
+    async def complete_all() -> list:
+        client = ComputeClient(addresses, TOKEN)
+        try:
+            return [await client.complete(r) for r in requests]
+        finally:
+            await client.close()
+
+    return LOOP.run(complete_all())
+
+
+def test_greedy_tokens_from_promoted_blocks_equal_a_run_that_computed_them(tmp_path):
+    """Compute reads promoted blocks as ordinary cached ones: the same greedy tokens as the
+    first run, which computed every prompt token (a pool that never evicts would serve the same)."""
+    rng = random.Random(5)
+    long_prompt = [rng.randrange(256) for _ in range(6 * BS + 4)]
+    fillers = [[rng.randrange(256) for _ in range(14 * BS)] for _ in range(3)]
+    cache_args = [*tier_args(tmp_path / "kv-disk"), "--num-blocks", "24"]  # the last --num-blocks wins
+    with local_stack(tmp_path / "run", cache_args=cache_args, replicas=1) as stack:
+        (first,) = complete(stack.compute_addresses, [greedy_request(long_prompt, 8)])
+        assert first.cached_prompt_tokens == 0
+        complete(stack.compute_addresses, [greedy_request(f, 1) for f in fillers])  # evict it
+        (again,) = complete(stack.compute_addresses, [greedy_request(long_prompt, 8)])
+        tiers = {t.medium: t for t in cache_stats(stack).tiers}
+    assert again.cached_prompt_tokens == 6 * BS  # every full block, promoted from host or disk
+    assert tiers["device"].num_promotions >= 6, tiers
+    assert again.token_ids == first.token_ids
