@@ -147,3 +147,38 @@ def test_a_cuda_pool_keeps_and_promotes_through_pinned_host_memory_and_disk(tmp_
     assert tiers.promote(keys, [0, 1, 2, 3]) == 4
     assert torch.equal(rows, expected)
     tiers.close()
+
+
+def test_allocate_promotes_a_chain_from_the_host_and_a_refused_allocate_changes_nothing():
+    """SequenceTable with a host cache: the hook keeps evicted blocks, Allocate promotes a prompt's
+    chain past its device hit (capped below the last token) and counts it cached; an Allocate the
+    pool cannot hold promotes nothing and leaves the host cache as it was."""
+    from cachesvc.block_manager import BlockManager
+    from cachesvc.errors import ResourceExhausted
+    from cachesvc.lower_tiers import LowerTiers
+    from cachesvc.sequences import SequenceTable
+    from kvtier.sequence_types import AllocateItem
+
+    bs, block_bytes = 4, 64
+    pool = torch.zeros((4, block_bytes), dtype=torch.uint8)
+    tiers = LowerTiers(pool, HostBlockCache(4, block_bytes), None)
+    table = SequenceTable(
+        BlockManager(4, bs), None, model_fingerprint="fp", vocab_size=100, max_model_len=64, lower_tiers=tiers
+    )
+    prompt = list(range(10))  # 2 full blocks + 2 tokens: a hit covers at most 2 blocks
+    (seq,) = table.allocate("lease", [AllocateItem(prompt)])
+    for k, block_id in enumerate(seq.block_table):
+        pool[block_id] = k + 1
+    table.commit("lease", [(seq.sequence_id, [], 8)])
+    table.free("lease", [seq.sequence_id])
+    (other,) = table.allocate("lease", [AllocateItem([50 + i for i in range(16)])])  # evicts both
+    assert tiers.host.stats()["blocks"] == 2 and table.block_manager.num_cached_blocks == 0
+    with pytest.raises(ResourceExhausted):
+        table.allocate("lease", [AllocateItem(prompt)])
+    assert tiers.host.stats()["promotions"] == 0 and tiers.host.stats()["blocks"] == 2
+    table.free("lease", [other.sequence_id])
+    (again,) = table.allocate("lease", [AllocateItem(prompt)])
+    assert again.num_cached_tokens == 2 * bs and tiers.promoted == {"host": 2, "disk": 0}
+    assert [int(pool[b][0]) for b in again.block_table[:2]] == [1, 2]
+    assert table.lookup_prefix([(prompt, "", "")]) == [2 * bs]  # published again: a device hit
+    table.check_invariants()
