@@ -36,6 +36,16 @@ class ExceedsLimit(ResourceExhausted):
     ``kvtier.status.EXCEEDS_LIMIT``."""
 
 
+class TenantLimit(ResourceExhausted):
+    """A tenant's own quota or fair share refused more blocks (the pool may have room):
+    RESOURCE_EXHAUSTED with a ``google.rpc.QuotaFailure`` naming the tenant
+    (``kvtier.status.quota_tenant_of``), so its replica preempts that tenant's own sequences."""
+
+    def __init__(self, message: str, tenant: str):
+        super().__init__(message)
+        self.tenant = tenant
+
+
 class PermissionDenied(CacheError):
     """The sequence belongs to another lease (PERMISSION_DENIED)."""
 

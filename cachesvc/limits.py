@@ -10,7 +10,8 @@ Quotas (0 = none): ``max_blocks_per_tenant`` (a tenant's default), ``tenant_quot
 tenant, over the default) and ``max_blocks_per_lease``. A tenant's or lease's blocks are the
 blocks its live sequences hold on either tier (``Sequence.num_blocks``; a prefix block two of
 them share counts for each holder), so swapping never changes them. Allocate and Extend refuse
-growth past a quota with ResourceExhausted (the caller waits or preempts); an Allocate item
+growth past a quota with ResourceExhausted (the caller waits or preempts; TenantLimit, for a
+tenant's quota, names the tenant, whose own sequences its replica preempts); an Allocate item
 that alone exceeds a quota or the pool gets ExceedsLimit (it never fits).
 
 Fair share (``fair_share``, on by default; nothing to do while fewer than two tenants
@@ -18,7 +19,7 @@ compete): the tenants competing are those holding blocks and those waiting (refu
 Allocate for lack of free blocks in the last ``FAIR_SHARE_WAIT_S``). Under pressure (a call
 would leave fewer than ``fair_share_reserve`` blocks free, or another tenant is waiting), a
 tenant that already holds its share of device blocks (``fair_shares`` of the pool, quotas as
-caps) is refused more with ResourceExhausted naming the share, so its replica waits or
+caps) is refused more with TenantLimit naming the share, so its replica waits or
 preempts; a tenant under its share is never refused for this (one call may take it past the
 share).
 
@@ -33,7 +34,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from cachesvc.errors import ExceedsLimit, ResourceExhausted
+from cachesvc.errors import ExceedsLimit, ResourceExhausted, TenantLimit
 
 if TYPE_CHECKING:
     from cachesvc.block_manager import BlockManager
@@ -208,8 +209,9 @@ class TenantLimits:
             quota = self.tenant_quota(tenant)
             held = self._tenant_blocks.get(tenant, 0)
             if quota and want and held + want > quota:
-                raise ResourceExhausted(
-                    f"tenant {tenant!r} holds {held} of its {quota}-block quota; this call needs {want} more"
+                raise TenantLimit(
+                    f"tenant {tenant!r} holds {held} of its {quota}-block quota; this call needs {want} more",
+                    tenant,
                 )
 
     def note_waiting(self, tenants: set[str]) -> None:
@@ -249,8 +251,9 @@ class TenantLimits:
                     if others_waiting
                     else f"{free} of {bm.num_blocks} blocks are free"
                 )
-                raise ResourceExhausted(
+                raise TenantLimit(
                     f"tenant {tenant!r} holds {held[tenant]} device blocks, at or over its fair share "
                     f"of {shares[tenant]} blocks ({bm.num_blocks} among {len(competing)} tenants), "
-                    f"and the pool is under pressure ({why}); this call needs {want} more"
+                    f"and the pool is under pressure ({why}); this call needs {want} more",
+                    tenant,
                 )

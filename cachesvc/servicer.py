@@ -22,6 +22,7 @@ from cachesvc.errors import (
     NotFound,
     PermissionDenied,
     ResourceExhausted,
+    TenantLimit,
 )
 from cachesvc.events import BlockEvent, BlockRemoved, EventGap
 from cachesvc.node import CacheNode, CacheSnapshot
@@ -47,6 +48,7 @@ STATUS = {
     LeaseExpired: grpc.StatusCode.NOT_FOUND,
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ExceedsLimit: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    TenantLimit: grpc.StatusCode.RESOURCE_EXHAUSTED,
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     EventGap: grpc.StatusCode.OUT_OF_RANGE,
@@ -72,9 +74,11 @@ def rpc(method):
             code = STATUS.get(type(e), grpc.StatusCode.INTERNAL)
             details = str(e)
             log.debug("%s -> %s: %s", method.__name__, code.name, details)
-            reason = REASON.get(type(e))
+            reason = REASON.get(type(e), "")
+            quota_tenant = e.tenant if isinstance(e, TenantLimit) else None  # a QuotaFailure names it
         handling = None
-        trailer = status.details_trailer(code, details, reason) if reason else ()
+        limited = reason or quota_tenant is not None
+        trailer = status.details_trailer(code, details, reason, quota_tenant) if limited else ()
         await context.abort(code, details, trailing_metadata=trailer)
 
     return wrapper

@@ -21,6 +21,7 @@ __all__ = [
     "ExtendItem",
     "NoFreeBlocks",
     "SequenceBlocks",
+    "TenantLimited",
 ]
 
 
@@ -31,6 +32,16 @@ class NoFreeBlocks(Exception):
 class ExceedsLimit(NoFreeBlocks):
     """The request can never fit (RESOURCE_EXHAUSTED with reason EXCEEDS_LIMIT): it alone needs
     more blocks than its tenant's quota, the per-lease limit or the whole pool. Fail it at once."""
+
+
+class TenantLimited(NoFreeBlocks):
+    """A tenant's own quota or fair share refused the room, not the pool (RESOURCE_EXHAUSTED with a
+    QuotaFailure naming `tenant`): preempt that tenant's own sequences, freeing them (a quota
+    counts the host tier's blocks too)."""
+
+    def __init__(self, message: str, tenant: str):
+        super().__init__(message)
+        self.tenant = tenant
 
 
 class CacheUnavailable(Exception):

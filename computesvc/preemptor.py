@@ -12,7 +12,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
-from computesvc.cache_port import BlockCache, CommitItem, ExtendItem, NoFreeBlocks
+from computesvc.cache_port import BlockCache, CommitItem, ExtendItem, NoFreeBlocks, TenantLimited
 from computesvc.observer import SchedulerObserver
 from computesvc.preemption import SWAP, Candidate, Ledger, Pressure, backoff_s, choose_victim
 from computesvc.request import Request, Status
@@ -57,8 +57,8 @@ class Preemptor:
             try:
                 await self._extend(low)
                 return
-            except NoFreeBlocks:
-                low, tenant = await self._extend_apart(low)
+            except NoFreeBlocks as refused:
+                low, tenant = await self._extend_apart(low, refused)
                 if tenant is None:  # the pool is short (a tenant's own limit holds back no one else)
                     self.ledger.refused_at = self.ledger.step
             if not low:
@@ -84,24 +84,34 @@ class Preemptor:
         for req, seq in zip(reqs, seqs, strict=True):
             req.block_table = seq.block_table
 
-    async def _extend_apart(self, low: list[Request]) -> tuple[list[Request], str | None]:
-        """After the Extend of `low` was refused (nothing applied), with the cost policy: extend
-        each tenant's sequences in a call of their own, so one tenant's quota or share fails only
-        its own. Returns the sequences still without room and the tenant whose own limit refused
-        them: the one refused tenant when another tenant's call succeeded, or the only tenant of
-        `low` when it holds more than an even share of this replica's blocks; else None (the pool)."""
+    async def _extend_apart(
+        self, low: list[Request], error: NoFreeBlocks
+    ) -> tuple[list[Request], str | None]:
+        """After the Extend of `low` was refused with `error` (nothing applied), with the cost
+        policy: extend each tenant's sequences in a call of their own, so one tenant's quota or
+        share fails only its own. Returns the sequences still without room and the tenant whose
+        own limit refused them: one the cache named (TenantLimited), else the one refused tenant
+        when another tenant's call succeeded, or the only tenant of `low` when it holds more than
+        an even share of this replica's blocks; else None (the pool)."""
         tenants = list(dict.fromkeys(r.tenant for r in low))
         if self.config.preemption_policy != "cost":
             return low, None
         if len(tenants) == 1:
-            return low, tenants[0] if self._over_share(tenants[0]) else None
+            named = isinstance(error, TenantLimited) or self._over_share(tenants[0])
+            return low, tenants[0] if named else None
         refused: list[Request] = []
+        limited: list[str] = []
         for tenant in tenants:
             group = [r for r in low if r.tenant == tenant]
             try:
                 await self._extend(group)
+            except TenantLimited:
+                refused += group
+                limited.append(tenant)
             except NoFreeBlocks:
                 refused += group
+        if limited:
+            return refused, limited[0]
         alone = {r.tenant for r in refused}
         return refused, alone.pop() if len(alone) == 1 and len(refused) < len(low) else None
 

@@ -22,6 +22,7 @@ from computesvc.cache_port import (
     ExtendItem,
     NoFreeBlocks,
     SequenceBlocks,
+    TenantLimited,
 )
 from kvtier import status
 from kvtier.cache_client import CacheClient, sequence_blocks
@@ -49,8 +50,11 @@ class RemoteCache:
         except grpc.aio.AioRpcError as e:
             code = e.code()
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                never = status.reason_of(e) == status.EXCEEDS_LIMIT
-                raise (ExceedsLimit if never else NoFreeBlocks)(e.details()) from None
+                if status.reason_of(e) == status.EXCEEDS_LIMIT:
+                    raise ExceedsLimit(e.details()) from None
+                if (tenant := status.quota_tenant_of(e)) is not None:
+                    raise TenantLimited(e.details(), tenant) from None
+                raise NoFreeBlocks(e.details()) from None
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or (
                 code == grpc.StatusCode.NOT_FOUND and status.reason_of(e) == status.LEASE_EXPIRED
             ):

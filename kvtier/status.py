@@ -28,26 +28,51 @@ CACHE_UNAVAILABLE = "CACHE_UNAVAILABLE"
 the request can be retried, on another node at once."""
 
 
-def details_trailer(code, message: str, reason: str) -> tuple[tuple[str, bytes], ...]:
-    """Trailing metadata carrying ``ErrorInfo(reason)`` for a status ``code`` (a grpc.StatusCode)."""
-    info = error_details_pb2.ErrorInfo(reason=reason, domain=DOMAIN)
+TENANT_SUBJECT = "tenant:"
+"""Prefix of a ``google.rpc.QuotaFailure`` violation's subject naming the tenant whose own quota
+or fair share refused more blocks (the pool may have room): its replica preempts that tenant's
+own sequences, not another tenant's (``quota_tenant_of``)."""
+
+
+def details_trailer(
+    code, message: str, reason: str = "", quota_tenant: str | None = None
+) -> tuple[tuple[str, bytes], ...]:
+    """Trailing metadata for a status ``code`` (a grpc.StatusCode) carrying ``ErrorInfo(reason)``
+    when a reason is given, and a ``QuotaFailure`` naming ``quota_tenant`` when one is."""
     status = status_pb2.Status(code=code.value[0], message=message)
-    status.details.add().Pack(info)
+    if reason:
+        status.details.add().Pack(error_details_pb2.ErrorInfo(reason=reason, domain=DOMAIN))
+    if quota_tenant is not None:
+        violation = error_details_pb2.QuotaFailure.Violation(
+            subject=TENANT_SUBJECT + quota_tenant, description=message
+        )
+        status.details.add().Pack(error_details_pb2.QuotaFailure(violations=[violation]))
     return ((rpc_status.GRPC_DETAILS_METADATA_KEY, status.SerializeToString()),)
+
+
+def _details(error, kind) -> list:
+    """The details of type ``kind`` (a protobuf message class) of a failed call, in order."""
+    try:
+        status = rpc_status.from_call(error)
+    except ValueError:  # details that disagree with the call's code: not ours
+        return []
+    found = []
+    for detail in status.details if status is not None else ():
+        if detail.Is(kind.DESCRIPTOR):
+            found.append(kind())
+            detail.Unpack(found[-1])
+    return found
 
 
 def reason_of(error) -> str:
     """The ``ErrorInfo`` reason of a failed call (a grpc.RpcError / grpc.aio.AioRpcError), or ""."""
-    try:
-        status = rpc_status.from_call(error)
-    except ValueError:  # details that disagree with the call's code: not ours
-        return ""
-    if status is None:
-        return ""
-    for detail in status.details:
-        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
-            info = error_details_pb2.ErrorInfo()
-            detail.Unpack(info)
-            if info.domain == DOMAIN:
-                return info.reason
-    return ""
+    return next((i.reason for i in _details(error, error_details_pb2.ErrorInfo) if i.domain == DOMAIN), "")
+
+
+def quota_tenant_of(error) -> str | None:
+    """The tenant a failed call's ``QuotaFailure`` names (``TENANT_SUBJECT``), or None."""
+    for failure in _details(error, error_details_pb2.QuotaFailure):
+        for violation in failure.violations:
+            if violation.subject.startswith(TENANT_SUBJECT):
+                return violation.subject.removeprefix(TENANT_SUBJECT)
+    return None

@@ -9,9 +9,11 @@ runs them. An observer records every preemption the scheduler makes.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 
+import grpc
 import pytest
 from servers import TOKEN, ModuleLoop, cache_service
 
@@ -21,8 +23,10 @@ from computesvc.remote_cache import RemoteCache
 from computesvc.request import Request
 from computesvc.sampling import SamplingParams
 from computesvc.scheduler import Scheduler, SchedulerConfig
+from kvtier import status
 from kvtier.cache_client import CacheClient
 from kvtier.pool import attach_pool
+from kvtier.sequence_types import AllocateItem
 
 LOOP = ModuleLoop()
 EVIL_QUOTA = 20  # blocks of 16 tokens
@@ -60,10 +64,12 @@ def service(tmp_path_factory):
         yield svc
 
 
-def run_load(service, loaded, policy: str, requests: list[tuple[str, str, list[int], int]], stop=None):
-    """Run `requests` (id, tenant, prompt, max_tokens; added in order) to the end on one
-    scheduler with `policy`, or until `stop(recorder)` (then every sequence is freed): their
-    outputs by id, and the recorder."""
+def run_load(service, loaded, policy: str, requests, stop=None, config=None, later=None):
+    """Run `requests` ((id, tenant, prompt, max_tokens), added in order; those in `later`, id ->
+    step, at that step) to the end on one scheduler with `policy` (and `config`'s other
+    fields), or until `stop(recorder)` (then every sequence is freed): their outputs by id,
+    and the recorder."""
+    later = later or {}
 
     async def scenario():
         client = CacheClient.connect(service.address, TOKEN, aio=True)
@@ -76,7 +82,7 @@ def run_load(service, loaded, policy: str, requests: list[tuple[str, str, list[i
             RemoteCache(client),
             loaded.tokenizer,
             loaded.eos_token_ids,
-            SchedulerConfig(max_num_seqs=16, preemption_policy=policy),
+            dataclasses.replace(config or SchedulerConfig(max_num_seqs=16), preemption_policy=policy),
             observer=recorder,
         )
         reqs = [
@@ -84,9 +90,13 @@ def run_load(service, loaded, policy: str, requests: list[tuple[str, str, list[i
             for rid, tenant, prompt, n in requests
         ]
         for req in reqs:
-            scheduler.add(req)
+            if req.request_id not in later:
+                scheduler.add(req)
         steps = 0
-        while scheduler.has_work:
+        while scheduler.has_work or steps <= max(later.values(), default=0):
+            for req in reqs:
+                if later.get(req.request_id) == steps:
+                    scheduler.add(req)
             if stop is not None and stop(recorder):
                 await scheduler._abandon_all(RuntimeError("stopped by the test"))
                 break
@@ -154,3 +164,33 @@ def test_a_tenants_quota_preempts_only_its_own_sequences(service, loaded):
     )
     print("newest:", newest.preempted)
     assert any(tenant == "acme" for _, tenant, *_ in newest.preempted), newest.preempted
+
+
+def test_a_quota_refusal_names_its_tenant_and_preempts_only_it_though_it_holds_least_here(service, loaded):
+    # Another replica's lease holds 14 of evil's 20 blocks, so evil's one sequence here is refused
+    # at 6 blocks while acme's, holding far more here, prefills (cheap to recompute yet): the
+    # refusal names no pool shortage and evil holds less than its share here, so only the
+    # cache's QuotaFailure tells this replica that the refusal is evil's own.
+    elsewhere = CacheClient.connect(service.address, TOKEN, timeout_s=10.0)
+    try:
+        elsewhere.attach("elsewhere")
+        held = elsewhere.allocate([AllocateItem([7] * (16 * 14), tenant_salt="e", tenant="evil")])
+        with pytest.raises(grpc.RpcError) as refused:
+            elsewhere.allocate([AllocateItem([8] * (16 * 7), tenant_salt="f", tenant="evil")])
+        assert status.quota_tenant_of(refused.value) == "evil", refused.value
+        assert status.reason_of(refused.value) == ""  # it fits once evil's own sequences finish
+        load = [("evil0", "evil", prompt(1, 80), 100), ("acme0", "acme", prompt(60, 400), 20)]
+        _, cost = run_load(
+            service,
+            loaded,
+            "cost",
+            load,
+            stop=lambda rec: bool(rec.preempted),
+            config=SchedulerConfig(max_num_batched_tokens=16),  # acme prefills 16 tokens a step
+            later={"acme0": 12},  # evil is refused at its 96th token, ~step 17
+        )
+        print("cost:", cost.preempted)
+        assert cost.preempted and all(p[1:3] == ("evil", "tenant") for p in cost.preempted), cost.preempted
+        elsewhere.free([s.sequence_id for s in held.sequences])
+    finally:
+        elsewhere.close()
