@@ -158,9 +158,18 @@ async def _serve_pool(cfg: CacheConfig, shape: ModelShape, plan: PoolPlan, pool,
 
     # Whole blocks as bytes ([num_blocks, block_bytes] uint8): a quantized block's scales travel
     # with its codes, and every dtype swaps as one memcpy per block.
-    host_tier = HostTier.from_bytes(pool.rows, int(cfg.swap_space * GIB)) if cfg.swap_space > 0 else None
-    num_host = host_tier.num_blocks if host_tier else 0
     lower = build_lower_tiers(cfg, pool)
+    if lower is not None and lower.host is not None:
+        # Swap and cached blocks share the host cache's area, swap first (--swap-space is not a
+        # second area then): a swap-out evicts cached blocks, LRU first, on to the disk.
+        from cachesvc.host_cache import SwapShare
+
+        host_tier = SwapShare(lower.host, pool.rows)
+    elif cfg.swap_space > 0:
+        host_tier = HostTier.from_bytes(pool.rows, int(cfg.swap_space * GIB))
+    else:
+        host_tier = None
+    num_host = host_tier.num_blocks if host_tier else 0
     log.info(
         "KV pool: %s %s, %d blocks x %d tokens = %d tokens of capacity, %s (%d bytes per block); "
         "host swap tier: %d blocks (%s); model %s… (%d layers, %d KV heads, head dim %d)",

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from cachesvc.errors import InvalidArgument, ResourceExhausted
+from cachesvc.tiers import LowerTier, TierStats
 
 EvictSink = Callable[[bytes, "bytes | None", torch.Tensor], object]
 
@@ -288,6 +289,49 @@ class HostBlockCache:
             done.record(stream)
         # Complete before returning: the device block is reused, or read by another process, next.
         done.synchronize()
+
+
+class SwapShare(LowerTier):
+    """Swap space as the host cache's area, swap first (issue 22): the swap tier a SequenceTable
+    swaps to when ``--host-cache-gib`` is on. Its slots are ``cache``'s: ``allocate`` takes them
+    with ``take_slots`` (evicting cached blocks, LRU first, on to the disk if there is one),
+    ``release`` gives them back; copies move whole rows of ``pool_rows`` (``[num_blocks,
+    block_bytes]`` uint8), complete when they return."""
+
+    name = "host"
+
+    def __init__(self, cache: HostBlockCache, pool_rows: torch.Tensor) -> None:
+        self.cache = cache
+        self.pool_rows = pool_rows
+        self.block_bytes = cache.block_bytes
+        self.stats = TierStats()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.cache.num_slots
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Slots swap can take now: every slot not swap's already (cached ones are evicted)."""
+        return self.cache.num_slots - len(self.cache._swap_slots)
+
+    def used_slots(self) -> list[int]:
+        """Swap's slots, ascending (for the invariants)."""
+        return sorted(self.cache._swap_slots)
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        return self.cache.take_slots(num_blocks)
+
+    def release(self, ids: list[int]) -> None:
+        self.cache.release_slots(ids)
+
+    def store(self, device_ids: list[int], ids: list[int]) -> None:
+        self.cache._copy_in(ids, [self.pool_rows[i] for i in device_ids])
+
+    def load(self, ids: list[int], device_ids: list[int]) -> None:
+        if len(ids) != len(device_ids):
+            raise InvalidArgument(f"len(slots) = {len(ids)} != len(device_ids) = {len(device_ids)}")
+        self.cache._copy_out(ids, [self.pool_rows[i] for i in device_ids])
 
 
 def _flat_bytes(view: torch.Tensor) -> torch.Tensor:

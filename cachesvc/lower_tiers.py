@@ -196,7 +196,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The lower tiers' flags (off unless ``--host-cache-gib`` or ``--disk-path`` is given)."""
     ap.add_argument(
         "--host-cache-gib", type=float, default=0.0,
-        help="host memory (GiB) for published blocks evicted from the pool, LRU; 0 = no host cache",
+        help="host memory (GiB) for published blocks evicted from the pool, LRU, shared with swap (swap "
+        "first: a swap-out evicts cached blocks; --swap-space is then not a second area); 0 = no host cache",
     )  # fmt: skip
     ap.add_argument(
         "--disk-path", default="",

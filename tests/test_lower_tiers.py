@@ -182,3 +182,46 @@ def test_allocate_promotes_a_chain_from_the_host_and_a_refused_allocate_changes_
     assert [int(pool[b][0]) for b in again.block_table[:2]] == [1, 2]
     assert table.lookup_prefix([(prompt, "", "")]) == [2 * bs]  # published again: a device hit
     table.check_invariants()
+
+
+def test_swap_shares_the_host_cache_area_swap_first():
+    """SwapShare: a swap-out takes host slots by evicting cached blocks (on to the disk), a swap-in
+    brings the bytes back and returns the slots to the cache; the invariants hold throughout."""
+    from cachesvc.block_manager import BlockManager
+    from cachesvc.errors import ResourceExhausted
+    from cachesvc.host_cache import SwapShare
+    from cachesvc.lower_tiers import LowerTiers
+    from cachesvc.sequences import SequenceTable
+    from kvtier.sequence_types import AllocateItem
+
+    bs, block_bytes = 4, 64
+    pool = torch.zeros((4, block_bytes), dtype=torch.uint8)
+    host = HostBlockCache(3, block_bytes)
+    tiers = LowerTiers(pool, host, None)
+    table = SequenceTable(
+        BlockManager(4, bs), SwapShare(host, pool), model_fingerprint="fp", vocab_size=100, max_model_len=64,
+        lower_tiers=tiers,
+    )  # fmt: skip
+    (seq,) = table.allocate("lease", [AllocateItem(list(range(12)))])  # 3 blocks, published
+    table.commit("lease", [(seq.sequence_id, [], 12)])
+    table.free("lease", [seq.sequence_id])
+    (other,) = table.allocate("lease", [AllocateItem([50 + i for i in range(13)])])  # evicts all 3
+    assert host.stats()["blocks"] == 3 and table.swap_tier.num_free_blocks == 3
+    for k, block_id in enumerate(other.block_table):
+        pool[block_id] = 10 + k
+    with pytest.raises(ResourceExhausted, match="swap out needs 4 host blocks but only 3 of 3"):
+        table.swap_out("lease", [other.sequence_id])
+    assert host.stats()["blocks"] == 3  # a refused swap-out evicts nothing
+    table.free("lease", [other.sequence_id])
+    (small,) = table.allocate("lease", [AllocateItem([70, 71, 72, 73, 74])])  # 2 blocks
+    for k, block_id in enumerate(small.block_table):
+        pool[block_id] = 20 + k
+    assert table.swap_out("lease", [small.sequence_id])[0] == 2
+    assert host.stats()["blocks"] == 1 and host.stats()["swap_slots"] == 2  # swap first
+    table.check_invariants()
+    host.check_invariants()
+    (back,), _, _ = table.swap_in("lease", [small.sequence_id])
+    assert [int(pool[b][0]) for b in back.block_table] == [20, 21]
+    assert host.stats()["swap_slots"] == 0
+    table.check_invariants()
+    host.check_invariants()
