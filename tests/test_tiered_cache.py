@@ -168,6 +168,22 @@ def test_evicted_prefixes_come_back_from_host_and_disk_and_survive_a_sigkill(tmp
         hits = {seed: client.hit(load[seed], fills[seed]) // BS for seed in leading}
         assert hits == leading  # every whole record served, byte-exact, nothing else
         assert sum(hits.values()) >= 3, f"the repeated workload hit nothing from disk: {hits}"
+
+        # Swap shares the host cache's two slots, swap first: a swap-out evicts cached blocks.
+        (seq,) = client.c.allocate([[7] * (2 * BS)]).sequences
+        for k, block_id in enumerate(seq.block_table):
+            client.pool.tensor[block_id] = 3.5 + k
+        client.c.swap_out([seq.sequence_id])
+        stats = client.c.get_stats()
+        assert (stats.num_host_blocks_total, stats.num_host_blocks_used, stats.tiers[1].num_blocks) == (
+            2,
+            2,
+            0,
+        )
+        (back,) = client.c.swap_in([seq.sequence_id]).sequences
+        assert [float(client.pool.tensor[b].flatten()[0]) for b in back.block_table] == [3.5, 4.5]
+        assert client.c.get_stats().num_host_blocks_used == 0
+        client.c.free([seq.sequence_id])
         client.close()
 
     # Another model fingerprint, dtype or block size never hits these records (each on a copy:
