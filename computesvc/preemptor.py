@@ -1,49 +1,70 @@
-"""Decode slots and preemption: the part of `Scheduler` (which inherits it) that tops up the
-reserved slots of decoding sequences and, when the cache has no room, preempts the sequence
-computesvc.preemption picks (swap out or free to recompute), measuring what the cost model reads.
+"""Decode slots and preemption: the scheduler's collaborator that tops up the reserved slots of
+decoding sequences and, when the cache has no room, preempts the sequence computesvc.preemption
+picks (swap out or free to recompute), measuring what the cost model reads.
 
 Kept apart from the scheduler's step because it is the one place a step acts on another
-request's state for lack of room; the step calls `_reserve_slots` and nothing else here.
+request's state for lack of room; the step calls `reserve_slots` (and `has_slot`) and nothing
+else here. It works on the scheduler's queues, which it is handed at construction (the scheduler
+mutates them in place, never rebinds them).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-from computesvc.cache_port import BlockCache, CommitItem, ExtendItem, NoFreeBlocks, TenantLimited
+import torch
+
+from computesvc.cache_port import BlockCache, ExtendItem, NoFreeBlocks, TenantLimited
 from computesvc.observer import SchedulerObserver
 from computesvc.preemption import SWAP, Candidate, Ledger, Pressure, backoff_s, choose_victim
-from computesvc.request import Request, Status
+from computesvc.request import Request, Status, commit_items, mark_committed
 
 if TYPE_CHECKING:
     from computesvc.scheduler import SchedulerConfig
 
 
 class Preemptor:
-    """Slots and preemption of `Scheduler`, over the scheduler's own state."""
+    """Slots and preemption over the scheduler's queues, with explicit inputs."""
 
-    # Provided by Scheduler.
-    cache: BlockCache
-    observer: SchedulerObserver
-    block_size: int
-    block_bytes: int
-    ledger: Ledger
-    running: list[Request]
-    waiting: deque[Request]
-    swapped: deque[Request]
-    held_back: dict[str, float]
-    config: SchedulerConfig
+    def __init__(
+        self,
+        *,
+        config: SchedulerConfig,
+        observer: SchedulerObserver,
+        ledger: Ledger,
+        call: Callable[..., Awaitable],
+        running: list[Request],
+        waiting: deque[Request],
+        swapped: deque[Request],
+        held_back: dict[str, float],
+    ) -> None:
+        self.config = config
+        self.observer = observer
+        self.ledger = ledger  # what the cost model remembers (shared with the scheduler's step)
+        self._call = call  # Scheduler._call: one counted, traced BlockCache call
+        self.running = running
+        self.waiting = waiting
+        self.swapped = swapped
+        # Tenants held back from admission -> until when (monotonic s); the scheduler reads it.
+        self.held_back = held_back
 
-    async def _call(self, coro, reqs: list[Request] = ()): ...  # Scheduler._call
-    def _commit_items(self, reqs: list[Request]) -> list[CommitItem]: ...  # Scheduler._commit_items
-    def _committed(self, reqs: list[Request]) -> None: ...  # Scheduler._committed
+    def attach(self, pool: torch.Tensor, cache: BlockCache) -> None:
+        """The pool and cache of the replica's current attachment (`Scheduler.attach`)."""
+        self.cache = cache
+        self.block_size = cache.block_size
+        self.block_bytes = pool[0].numel() * pool.element_size()  # one block, every layer, K and V
+
+    def has_slot(self, req: Request) -> bool:
+        """Whether `req`'s block table has room for its next token's KV."""
+        return self._slots(req) > req.num_computed
 
     def _slots(self, req: Request) -> int:
         return len(req.block_table) * self.block_size
 
-    async def _reserve_slots(self, decoding: list[Request]) -> None:
+    async def reserve_slots(self, decoding: list[Request]) -> None:
         """Make sure each decoding sequence has a slot for this step's token.
 
         NOTE: called rarely on purpose. When one sequence runs out, every sequence below one
@@ -72,7 +93,7 @@ class Preemptor:
     async def _extend(self, reqs: list[Request]) -> None:
         """One Extend topping `reqs` up to the lookahead, carrying their commits: the tokens written
         since the last call are committed, then the room is counted from the record as it is."""
-        commits = self._commit_items(reqs)
+        commits = commit_items(reqs)
         lookahead = self.config.lookahead_blocks * self.block_size
         max_len = self.cache.max_model_len
         items = [
@@ -80,7 +101,7 @@ class Preemptor:
             for r in reqs
         ]
         seqs = await self._call(self.cache.extend(items, commits), reqs)
-        self._committed(reqs)
+        mark_committed(reqs)
         for req, seq in zip(reqs, seqs, strict=True):
             req.block_table = seq.block_table
 
@@ -162,10 +183,8 @@ class Preemptor:
             if moved is None:
                 # Drop the blocks; the committed ones stay cached, so recompute of this sequence
                 # is mostly prefix hits.
-                await self._call(
-                    self.cache.free([victim.sequence_id], self._commit_items([victim])), [victim]
-                )
-                self._committed([victim])
+                await self._call(self.cache.free([victim.sequence_id], commit_items([victim])), [victim])
+                mark_committed([victim])
                 self.running.remove(victim)
                 victim.status = Status.WAITING
                 victim.block_table = []
@@ -186,13 +205,13 @@ class Preemptor:
         started = time.perf_counter()
         try:
             moved = await self._call(
-                self.cache.swap_out([victim.sequence_id], self._commit_items([victim])), [victim]
+                self.cache.swap_out([victim.sequence_id], commit_items([victim])), [victim]
             )
         except NoFreeBlocks:
             self.ledger.host_has_room = False
             return None
         self.ledger.rates.observe_swap(moved, time.perf_counter() - started)
-        self._committed([victim])
+        mark_committed([victim])
         # NOTE: it leaves `running` only once the cache took it: if a call fails, _abandon_all
         # still finds (and frees) its sequence.
         self.running.remove(victim)

@@ -169,7 +169,7 @@ class Replica:
             )
             self.scheduler.on_cache_lost = self._cache_lost
         else:
-            self.scheduler.runner, self.scheduler.cache = runner, cache
+            self.scheduler.attach(runner, cache)
         if old is not None:
             self._retire(old)
         self._lost.clear()

@@ -14,6 +14,7 @@ from opentelemetry import trace
 from computesvc.output import TextState
 from computesvc.sampling import PenaltyState, SamplingParams, TokenLogprob
 from computesvc.structured_output import GrammarState
+from kvtier.sequence_types import CommitItem
 
 
 class Status(enum.Enum):
@@ -82,6 +83,23 @@ class Request:
     def prefilling(self) -> bool:
         # Decoding means: every token but the last sampled one is in the pool.
         return self.num_computed < self.num_tokens - 1
+
+
+def commit_items(reqs: list[Request]) -> list[CommitItem]:
+    """What `reqs` computed since their last commit, as commit items (none for those with nothing
+    new): the tokens appended to the cache's record and the new count of written tokens."""
+    return [
+        CommitItem(req.sequence_id, req.token_ids[req.num_recorded : req.num_computed], req.num_computed)
+        for req in reqs
+        if req.num_computed > req.num_committed
+    ]
+
+
+def mark_committed(reqs: list[Request]) -> None:
+    """After a cache call that carried `commit_items(reqs)` succeeded."""
+    for req in reqs:
+        req.num_recorded = max(req.num_recorded, req.num_computed)
+        req.num_committed = req.num_computed
 
 
 def new_request_id(counter=itertools.count(1)) -> str:

@@ -38,7 +38,6 @@ from computesvc.cache_port import (
     AllocateItem,
     BlockCache,
     CacheUnavailable,
-    CommitItem,
     ExceedsLimit,
     NoFreeBlocks,
     SequenceBlocks,
@@ -48,10 +47,19 @@ from computesvc.observer import SchedulerObserver
 from computesvc.paged_attention import LeaseExpired
 from computesvc.preemption import Ledger
 from computesvc.preemptor import Preemptor
-from computesvc.request import Request, Status
+from computesvc.request import Request, Status, commit_items, mark_committed
 from computesvc.token_emitter import TokenEmitter
 
 log = logging.getLogger("kvtier.compute")
+
+
+def keep(queue: list[Request] | deque[Request], wanted: Callable[[Request], bool]) -> None:
+    """Drop from `queue`, in place, the requests `wanted` refuses (the preemptor holds the same
+    list and deques: they are never rebound)."""
+    kept = [r for r in queue if wanted(r)]
+    if len(kept) != len(queue):
+        queue.clear()
+        queue.extend(kept)
 
 
 class StepFailed(Exception):
@@ -84,7 +92,7 @@ class SchedulerConfig:
     tenant_quotas: dict[str, int] = field(default_factory=dict)
 
 
-class Scheduler(Preemptor):
+class Scheduler:
     def __init__(
         self,
         runner: ModelRunner,
@@ -113,14 +121,29 @@ class Scheduler(Preemptor):
         # finishes first (else the preempted one comes straight back and the tenant's sequences
         # take turns without finishing; its quota may be held by other replicas).
         self.held_back: dict[str, float] = {}
-        pool = runner.pool
-        self.block_bytes = pool[0].numel() * pool.element_size()  # one block, every layer, K and V
+        self.preemptor = Preemptor(
+            config=self.config,
+            observer=self.observer,
+            ledger=self.ledger,
+            call=self._call,
+            running=self.running,
+            waiting=self.waiting,
+            swapped=self.swapped,
+            held_back=self.held_back,
+        )
+        self.preemptor.attach(runner.pool, cache)
         self._wakeup = asyncio.Event()
         # Whether a step (and so maybe a forward writing KV) is running; set when one ends.
         self._in_step = False
         self._step_ended = asyncio.Event()
 
     # ------------------------------------------------------------ entry points
+
+    def attach(self, runner: ModelRunner, cache: BlockCache) -> None:
+        """Run on a new attachment's pool and cache (the replica re-attached after losing its
+        cache service or its lease); the requests in flight stay queued."""
+        self.runner, self.cache = runner, cache
+        self.preemptor.attach(runner.pool, cache)
 
     def add(self, request: Request) -> None:
         if request.generator is None:
@@ -237,7 +260,7 @@ class Scheduler(Preemptor):
 
     async def _drop_aborted(self) -> None:
         gone = [r for r in self.running + list(self.swapped) if r.aborted]
-        self.waiting = deque(r for r in self.waiting if not r.aborted)
+        keep(self.waiting, lambda r: not r.aborted)
         if gone:
             await self._call(self.cache.free([r.sequence_id for r in gone]), gone)
             for r in gone:
@@ -245,8 +268,8 @@ class Scheduler(Preemptor):
             # Drop only what was freed: a request aborted while the free was awaited still holds
             # its sequence, so it stays (running or swapped) and the next step frees it.
             freed = {id(r) for r in gone}
-            self.running = [r for r in self.running if id(r) not in freed]
-            self.swapped = deque(r for r in self.swapped if id(r) not in freed)
+            keep(self.running, lambda r: id(r) not in freed)
+            keep(self.swapped, lambda r: id(r) not in freed)
 
     async def _resume_swapped(self) -> None:
         if not self.swapped:
@@ -268,7 +291,7 @@ class Scheduler(Preemptor):
             except NoFreeBlocks:
                 return
             self.ledger.rates.observe_swap(
-                len(seq.block_table) * self.block_bytes, time.perf_counter() - started
+                len(seq.block_table) * self.preemptor.block_bytes, time.perf_counter() - started
             )
             self.ledger.swapped_in(req)
             self.swapped.popleft()
@@ -358,9 +381,9 @@ class Scheduler(Preemptor):
         ]
         if not decoding:
             return False
-        await self._reserve_slots(decoding)
+        await self.preemptor.reserve_slots(decoding)
         # A sequence left without a slot (it waits for room) sits this step out.
-        decoding = [r for r in decoding if r.status is Status.RUNNING and self._slots(r) > r.num_computed]
+        decoding = [r for r in decoding if r.status is Status.RUNNING and self.preemptor.has_slot(r)]
         if not decoding:
             return False
         started = time.perf_counter()
@@ -383,27 +406,11 @@ class Scheduler(Preemptor):
         """Report computed tokens (and append their ids to the cache's records) in a Commit of
         its own: only for prompts just prefilled, whose blocks must be published before their
         first token goes out. Every other commit rides on an Extend, Free or SwapOut."""
-        items = self._commit_items(reqs)
+        items = commit_items(reqs)
         if not items:
             return
         await self._call(self.cache.commit(items), reqs)
-        self._committed(reqs)
-
-    @staticmethod
-    def _commit_items(reqs: list[Request]) -> list[CommitItem]:
-        """What `reqs` computed since their last commit, as commit items (none for those with nothing new)."""
-        return [
-            CommitItem(req.sequence_id, req.token_ids[req.num_recorded : req.num_computed], req.num_computed)
-            for req in reqs
-            if req.num_computed > req.num_committed
-        ]
-
-    @staticmethod
-    def _committed(reqs: list[Request]) -> None:
-        """After a call that carried `_commit_items(reqs)` succeeded."""
-        for req in reqs:
-            req.num_recorded = max(req.num_recorded, req.num_computed)
-            req.num_committed = req.num_computed
+        mark_committed(reqs)
 
     # ------------------------------------------------------------ release
 
@@ -417,9 +424,9 @@ class Scheduler(Preemptor):
             return
         # The last sampled token has no KV: commit what was computed, so the whole
         # conversation so far is a prefix hit for the next turn, and free, in one call.
-        await self._call(self.cache.free([r.sequence_id for r in done], self._commit_items(done)), done)
-        self._committed(done)
+        await self._call(self.cache.free([r.sequence_id for r in done], commit_items(done)), done)
+        mark_committed(done)
         for tenant in {r.tenant for r in done}:
             self.held_back.pop(tenant, None)
         # NOTE: dropped from `running` only once freed: if a call fails, _abandon_all frees them.
-        self.running = [r for r in self.running if r.status is not Status.FINISHED]
+        keep(self.running, lambda r: r.status is not Status.FINISHED)
