@@ -123,7 +123,26 @@ def create_app(
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes(model))  # inside MetricsAndLogs: counted
     app.add_middleware(MetricsAndLogs, metrics=metrics)
 
-    async def check_api_key(request: Request) -> None:
+    api = OpenAIRoutes(engine, model, metrics, ApiKeyCheck(api_key, keys), tool_call_parser)
+    keyed = [Depends(api.check_api_key)]
+    app.include_router(tokenize_routes(model, chat_prompt), dependencies=keyed)
+    app.get("/health")(api.health)
+    app.get("/metrics")(api.prometheus)
+    app.get("/version")(api.version)
+    app.get("/v1/models", dependencies=keyed)(api.models)
+    app.post(COMPLETIONS, dependencies=keyed)(api.completions)
+    app.post(CHAT, dependencies=keyed)(api.chat_completions)
+    return app
+
+
+class ApiKeyCheck:
+    """Who may call /v1: one shared `api_key`, client `keys` per tenant, or anyone (neither)."""
+
+    def __init__(self, api_key: str | None, keys: ApiKeys | None) -> None:
+        self.api_key, self.keys = api_key, keys
+
+    def __call__(self, request: Request) -> None:
+        api_key, keys = self.api_key, self.keys
         if api_key is None and keys is None:
             return
         header = request.headers.get("authorization", "")
@@ -142,46 +161,61 @@ def create_app(
         elif not hmac.compare_digest(key.encode(), api_key.encode()):
             raise APIError(401, "incorrect API key provided", code="invalid_api_key")
 
-    def check_request(req: _SamplingRequest) -> None:
-        check_model(req.model, model)
-        check_fields(req, model)
+
+class OpenAIRoutes:
+    """The handlers of the gateway's routes (`create_app` registers each on its path)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        model: ServedModel,
+        metrics: GatewayMetrics,
+        key_check: ApiKeyCheck,
+        tool_call_parser: str,
+    ) -> None:
+        self.engine, self.model, self.metrics = engine, model, metrics
+        self.key_check = key_check
+        self.tool_call_parser = tool_call_parser
+
+    async def check_api_key(self, request: Request) -> None:
+        self.key_check(request)
+
+    def check_request(self, req: _SamplingRequest) -> None:
+        check_model(req.model, self.model)
+        check_fields(req, self.model)
         if bad := req.unsupported_fields():
             raise unsupported(bad)
         if isinstance(req, ChatCompletionRequest) and req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
 
-    app.include_router(tokenize_routes(model, chat_prompt), dependencies=[Depends(check_api_key)])
-
-    @app.get("/health")
-    async def health() -> Response:
-        serving = await engine.healthy_replicas()
+    async def health(self) -> Response:
+        serving = await self.engine.healthy_replicas()
         body = {
             "status": "ok" if serving else "unavailable",
             "replicas": serving,
-            "of": len(engine.addresses),
+            "of": len(self.engine.addresses),
         }
         return Response(json.dumps(body), status_code=200 if serving else 503, media_type="application/json")
 
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    async def prometheus(self) -> Response:
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/version")
-    async def version() -> dict:
+    async def version(self) -> dict:
         return {"version": kvtier.__version__}
 
-    @app.get("/v1/models", dependencies=[Depends(check_api_key)])
-    async def models() -> Response:
+    async def models(self) -> Response:
+        model = self.model
         card = ModelCard(id=model.name, root=model.root or model.name, max_model_len=model.max_model_len)
         return json_response(ModelList(data=[card]).json_bytes())
 
     async def generate(
-        endpoint: str, req: _SamplingRequest, raw: Request, arrival: float, prompts: list[list[int]], rid: str,
-        max_tokens: int | None, default_max_tokens: int | None, events: type[Events], respond,
+        self, endpoint: str, req: _SamplingRequest, raw: Request, arrival: float, prompts: list[list[int]],
+        rid: str, max_tokens: int | None, default_max_tokens: int | None, events: type[Events], respond,
         constraint=None,
     ) -> Response:  # fmt: skip
         """Run the request's Generate streams; answer with their events (stream) or `respond(...)`.
         `constraint`: what every output must match (kvtier.structured_output.Constraint)."""
+        engine, metrics = self.engine, self.metrics
         jobs = engine.jobs(rid, prompts, req, max_tokens, default_max_tokens, constraint)
         try:
             streams = await engine.open(
@@ -192,7 +226,7 @@ def create_app(
         metrics.time_to_first_token.labels(endpoint).observe(time.monotonic() - arrival)
         created = int(time.time())
         if req.stream:
-            body = events(streams, engine, metrics, req, rid, created, model.name)
+            body = events(streams, engine, metrics, req, rid, created, self.model.name)
             # The replica's own TTFT: a client subtracts it from what it measured to see the path's share.
             headers = {REPLICA_TTFT_HEADER: f"{streams.replica_ttft_s:.6f}"}
             return StreamingResponse(body, media_type="text/event-stream", headers=headers)
@@ -204,10 +238,10 @@ def create_app(
         ids = {"token_ids"} if req.return_token_ids else set()
         return json_response(respond(rid, created, choices, usage, ids).json_bytes())
 
-    @app.post(COMPLETIONS, dependencies=[Depends(check_api_key)])
-    async def completions(req: CompletionRequest, raw: Request) -> Response:
+    async def completions(self, req: CompletionRequest, raw: Request) -> Response:
         arrival = time.monotonic()
-        check_request(req)
+        self.check_request(req)
+        model, engine = self.model, self.engine
         prompts = await off_loop(completion_prompts, req.prompt, model)
 
         def echo(index: int) -> str:  # choice `index` is of prompt index // n
@@ -235,16 +269,16 @@ def create_app(
             )
 
         rid = f"cmpl-{uuid.uuid4().hex}"
-        return await generate(
+        return await self.generate(
             COMPLETIONS, req, raw, arrival, prompts, rid, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS,
             CompletionEvents, respond, constraint_of(req),
         )  # fmt: skip
 
-    @app.post(CHAT, dependencies=[Depends(check_api_key)])
-    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+    async def chat_completions(self, req: ChatCompletionRequest, raw: Request) -> Response:
         arrival = time.monotonic()
-        check_request(req)
-        plan = plan_tools(req.tools, req.tool_choice, tool_call_parser)
+        self.check_request(req)
+        model, engine = self.model, self.engine
+        plan = plan_tools(req.tools, req.tool_choice, self.tool_call_parser)
         constraint = constraint_of(req)
         if plan.constraint is not None and constraint is not None:
             raise bad_request(f"tool_choice {plan.mode} constrains the output already; unset {constraint.param}",
@@ -270,12 +304,10 @@ def create_app(
 
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         events = partial(ToolChatEvents, plan) if plan.active else ChatEvents
-        return await generate(
+        return await self.generate(
             CHAT, req, raw, arrival, [prompt], rid, req.requested_max_tokens, None, events, respond,
             plan.constraint or constraint,
         )  # fmt: skip
-
-    return app
 
 
 def json_response(body: bytes) -> Response:
