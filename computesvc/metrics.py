@@ -62,6 +62,22 @@ class ComputeMetrics(RpcLatency):
             "(swapped in too recently, or preempted too often) and others could still run.",
             registry=r,
         )
+        self._latency_metrics()
+        self._token_metrics()
+        # Label values known up front, so dashboards see zeros instead of missing series.
+        for kind in (SWAP, RECOMPUTE):
+            self.preemptions.labels(kind)
+            for reason in REASONS:
+                self.preemptions_by_reason.labels(reason, kind)
+        for method in CACHE_METHODS:
+            self.cache_calls.labels(method)
+        for reason in FINISH_REASONS:
+            self.finished_requests.labels(reason)
+        self.rpc_duration.labels("Generate", "OK")
+
+    def _latency_metrics(self) -> None:
+        """Per-token and per-request latency histograms."""
+        r, p = self.registry, "kvtier_compute"
         self.time_to_first_token = Histogram(
             f"{p}_time_to_first_token_seconds",
             "Request arrival to first generated token.",
@@ -97,6 +113,10 @@ class ComputeMetrics(RpcLatency):
         self.request_generation_tokens = request_histogram(
             "request_generation_tokens", "Tokens generated", TOKEN_BUCKETS
         )
+
+    def _token_metrics(self) -> None:
+        """Token, request, cache-call and step counters."""
+        r, p = self.registry, "kvtier_compute"
         self.generation_tokens = Counter(f"{p}_generation_tokens", "Tokens generated.", registry=r)
         self.prompt_tokens = Counter(
             f"{p}_prompt_tokens",
@@ -115,16 +135,6 @@ class ComputeMetrics(RpcLatency):
             f"{p}_cache_calls", "RPCs made to the cache service.", ["method"], registry=r
         )
         self.decode_steps = Counter(f"{p}_decode_steps", "Batched decode steps run.", registry=r)
-        # Label values known up front, so dashboards see zeros instead of missing series.
-        for kind in (SWAP, RECOMPUTE):
-            self.preemptions.labels(kind)
-            for reason in REASONS:
-                self.preemptions_by_reason.labels(reason, kind)
-        for method in CACHE_METHODS:
-            self.cache_calls.labels(method)
-        for reason in FINISH_REASONS:
-            self.finished_requests.labels(reason)
-        self.rpc_duration.labels("Generate", "OK")
 
     def vllm_aliases(self, model_name: str) -> VllmAliases:
         """The replica's series under vLLM's names (register it on ``self.registry``): requests,
