@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+# NOTE: before grpc is imported (gRPC reads it once): this process forks children that exec at
+# once (subprocess.Popen, one with a preexec_fn), and gRPC's fork handlers, with its poller
+# threads running, once aborted such a child between fork and exec (SIGABRT, "epoll_wait error:
+# Bad file descriptor" in a fresh-clone CI run). No test process uses gRPC across a fork.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 # NOTE: imported here, before any test starts server or heartbeat threads. Twice a run died with
 # CPython 3.11.7's "AST constructor recursion depth mismatch" (gh-106905: the AST constructor's
