@@ -34,6 +34,7 @@ import os
 import shutil
 import threading
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from pathlib import Path
 
 from cachesvc.disk_records import BadRecord, RecordLayout, check_key, decode, encode, file_name, record_bytes
@@ -82,6 +83,9 @@ class DiskTier:
         self.queue_blocks = queue_blocks
         self.lock = threading.RLock()
         self.enabled = True
+        self.on_change: Callable[[bool, bytes, int], object] | None = None
+        """Called ``(stored, key, -1)`` as a record enters (True) or leaves (False) the index,
+        on the writer thread or the caller's (the tier's KV events: ``LowerTiers``)."""
         # key -> record file size in bytes, least recently used first.
         self._index: OrderedDict[bytes, int] = OrderedDict()
         self._bytes = 0
@@ -317,6 +321,7 @@ class DiskTier:
             self._index[key] = size
             self._bytes += size
             self._counts["writes"] += 1
+        self._changed(True, [key])
 
     def _evict_to(self, limit: int) -> None:
         """Delete least recently used records until the index holds at most ``limit`` bytes."""
@@ -327,6 +332,7 @@ class DiskTier:
                 key, size = self._index.popitem(last=False)
                 self._bytes -= size
                 self._counts["evictions"] += 1
+            self._changed(False, [key])
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path / file_name(key))
 
@@ -335,6 +341,8 @@ class DiskTier:
             size = self._index.pop(key, None)
             if size is not None:
                 self._bytes -= size
+        if size is not None:
+            self._changed(False, [key])
         if unlink:
             with contextlib.suppress(OSError):
                 os.unlink(self.path / file_name(key))
@@ -347,8 +355,20 @@ class DiskTier:
             self.enabled = False
             self._queue.clear()
         with self.lock:
+            dropped = list(self._index)
             self._index.clear()
             self._bytes = 0
+        self._changed(False, dropped)
+
+    def indexed_keys(self) -> list[bytes]:
+        """The keys of the indexed records, least recently used first (a copy)."""
+        with self.lock:
+            return list(self._index)
+
+    def _changed(self, stored: bool, keys: list[bytes]) -> None:
+        if self.on_change is not None:
+            for key in keys:
+                self.on_change(stored, key, -1)
 
 
 def _open_dir(path: Path) -> int:

@@ -24,6 +24,7 @@ class BlockStored:
     parent_block_hash: BlockHash | None
     block_id: int
     token_ids: list[int]
+    medium: str = "device"  # the tier it entered: "device", "host" or "disk" (MEDIUMS)
 
 
 @dataclass(slots=True)
@@ -32,12 +33,23 @@ class BlockRemoved:
 
     block_hash: BlockHash
     block_id: int
+    medium: str = "device"  # the tier it left
 
 
 BlockEvent = BlockStored | BlockRemoved
 
 REMOVED = 0
 STORED = 1
+MEDIUMS = ("device", "host", "disk")
+"""A record's kind is ``STORED | REMOVED`` plus ``2 * `` its medium's index here: the device's
+records keep kinds 0 and 1 (the block manager's hot path is unchanged), the host tier's are 2
+and 3, the disk tier's 4 and 5 (``tier_kind``)."""
+
+
+def tier_kind(stored: bool, medium: str) -> int:
+    """The EventRecord kind of a block entering (``stored``) or leaving ``medium``."""
+    return (STORED if stored else REMOVED) + 2 * MEDIUMS.index(medium)
+
 
 EventRecord = tuple
 """How the block manager records events on its hot path, without an object per block:
@@ -48,7 +60,10 @@ EventRecord = tuple
   are block i of ``token_bytes`` (``pack_token_ids`` form), its parent ``parent`` for i == 0
   and ``hashes[i - 1]`` after.
 
-A commit costs one STORED record, an allocation that evicts one REMOVED record. Records hold
+A commit costs one STORED record, an allocation that evicts one REMOVED record. A lower tier's
+record (kind ``tier_kind(stored, medium)``) is one block: its ``parent`` is the first 32 bytes
+of the block's index key (the parent's hash, or the chain's extra key for a first block), its
+block id the host slot (-1 on disk, which has no block ids). Records hold
 only tuples, bytes, ints and None, so the garbage collector stops tracking them: a log of
 thousands of them costs no GC time.
 """
@@ -64,15 +79,18 @@ def decode_events(
 ) -> list[BlockEvent]:
     """The ``BlockStored`` / ``BlockRemoved`` events an ``EventRecord`` stands for, in order
     (those numbered ``start`` to ``stop`` within the record, by default all)."""
-    if record[0] == REMOVED:
-        return [BlockRemoved(h, i) for h, i in zip(record[1][start:stop], record[2][start:stop], strict=True)]
+    medium = MEDIUMS[record[0] >> 1]
+    if record[0] & 1 == REMOVED:
+        pairs = zip(record[1][start:stop], record[2][start:stop], strict=True)
+        return [BlockRemoved(h, i, medium) for h, i in pairs]
     _, hashes, block_ids, token_bytes, parent = record
     if start:
         parent = hashes[start - 1]
     events: list[BlockEvent] = []
     for i in range(start, len(hashes) if stop is None else min(stop, len(hashes))):
         block_hash = hashes[i]
-        events.append(BlockStored(block_hash, parent, block_ids[i], unpack_block(token_bytes, block_size, i)))
+        tokens = unpack_block(token_bytes, block_size, i)
+        events.append(BlockStored(block_hash, parent, block_ids[i], tokens, medium))
         parent = block_hash
     return events
 

@@ -31,6 +31,7 @@ from cachesvc.errors import InvalidArgument, ResourceExhausted
 from cachesvc.tiers import LowerTier, TierStats
 
 EvictSink = Callable[[bytes, "bytes | None", torch.Tensor], object]
+ChangeSink = Callable[[bool, bytes, int], object]
 
 
 @dataclass(slots=True)
@@ -67,6 +68,9 @@ class HostBlockCache:
         self.slots = torch.empty((num_slots, block_bytes), dtype=torch.uint8, pin_memory=cuda)
         self.stream = torch.cuda.Stream(device=self.device) if cuda else None
         self.on_evict = on_evict
+        self.on_change: ChangeSink | None = None
+        """Called ``(stored, key, slot)`` as an entry enters (True) or leaves (False) the cache
+        (the tier's KV events: ``LowerTiers``)."""
         self._entries: OrderedDict[bytes, HostEntry] = OrderedDict()  # least recently used first
         self._free = list(range(num_slots - 1, -1, -1))  # a stack: lowest slot ids first
         self._swap_slots: set[int] = set()
@@ -122,6 +126,8 @@ class HostBlockCache:
                 self._counts["rejected"] += 1
                 continue
             self._entries[key] = HostEntry(key, parent_hash, slot)
+            if self.on_change is not None:
+                self.on_change(True, key, slot)
             slots.append(slot)
             views.append(flat)
             held += 1
@@ -192,6 +198,8 @@ class HostBlockCache:
         if entry is None:
             return False
         self._free.append(entry.slot)
+        if self.on_change is not None:
+            self.on_change(False, key, entry.slot)
         return True
 
     # ------------------------------------------------------------------ swap's share
@@ -253,6 +261,8 @@ class HostBlockCache:
         """Evict the least recently used entry through ``on_evict``; return its (now unused) slot."""
         _, entry = self._entries.popitem(last=False)
         self._counts["evictions"] += 1
+        if self.on_change is not None:
+            self.on_change(False, entry.key, entry.slot)
         if self.on_evict is not None:
             self.on_evict(entry.key, entry.parent_hash, self.slots[entry.slot])
         return entry.slot

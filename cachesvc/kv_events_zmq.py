@@ -42,13 +42,19 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _STOP = object()
 
 
+ZMQ_MEDIUMS = (None, "CPU", "DISK")
+"""vLLM's medium per ``events.MEDIUMS`` entry; the device's is the publisher's (GPU, or CPU for a CPU pool)."""
+
+
 def encode_record(record: EventRecord, block_size: int, medium: str) -> list:
-    """The vLLM event (a positional list, tag first) one EventRecord stands for.
+    """The vLLM event (a positional list, tag first) one EventRecord stands for; ``medium`` is
+    the device's (a host or disk tier's record says CPU or DISK).
 
     A STORED record is a run of consecutive blocks of one chain: one BlockStored carries all of
     them, ``token_ids`` being the tokens of every block in order (as vLLM's does).
     """
-    if record[0] == REMOVED:
+    medium = ZMQ_MEDIUMS[record[0] >> 1] or medium
+    if record[0] & 1 == REMOVED:
         return ["BlockRemoved", list(record[1]), medium]
     _, hashes, _block_ids, token_bytes, parent = record
     num_tokens = len(hashes) * block_size

@@ -14,11 +14,13 @@ recorded with a block is its key's first 32 bytes.
 from __future__ import annotations
 
 import argparse
+from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from cachesvc.disk_records import KEY_PREFIX_BYTES, RecordLayout
 from cachesvc.disk_tier import DiskTier
+from cachesvc.events import EventRecord, tier_kind
 from kvtier.block_hash import hash_preimage
 
 if TYPE_CHECKING:  # torch loads only with a pool (the flags are parsed without it: fast --help)
@@ -58,12 +60,39 @@ class LowerTiers:
         self._hits: dict[bytes, int] = {}
         self.num_not_kept = 0  # evicted blocks below min_hits
         self.promoted = {"host": 0, "disk": 0}  # blocks promote copied into the pool, per tier
+        # The tiers' KV events (one record per block, see cachesvc.events), taken by the node
+        # after each call; the disk's writer thread appends too (deque appends are atomic).
+        self._events: deque[EventRecord] = deque()
+        self._kinds = {
+            (stored, m): tier_kind(stored, m) for stored in (True, False) for m in ("host", "disk")
+        }
+        if host is not None:
+            host.on_change = lambda stored, key, slot: self._record(stored, "host", key, slot)
+        if disk is not None:
+            disk.on_change = lambda stored, key, slot: self._record(stored, "disk", key, slot)
+            for key in disk.indexed_keys():  # records found at startup: a consumer learns what disk holds
+                self._record(True, "disk", key, -1)
         if host is not None and disk is not None:
             # through: a block the host evicts within the keep that took it has no disk copy yet
             host.on_evict = disk.offer if write_policy == "evict" else self._write_unless_on_disk
 
     def _write_unless_on_disk(self, key: bytes, parent_hash: bytes | None, payload) -> bool:
         return self.disk.contains(key) or self.disk.offer(key, parent_hash, payload)
+
+    def _record(self, stored: bool, medium: str, key: bytes, block_id: int) -> None:
+        """Record a block entering (``stored``) or leaving ``medium`` under its index ``key``."""
+        block_hash = hash_preimage(key)
+        kind = self._kinds[stored, medium]
+        if stored:
+            parent = key[:KEY_PREFIX_BYTES]
+            self._events.append((kind, (block_hash,), (block_id,), key[KEY_PREFIX_BYTES:], parent))
+        else:
+            self._events.append((kind, (block_hash,), (block_id,)))
+
+    def take_event_records(self) -> list[EventRecord]:
+        """Return and clear the tiers' event records since the last call, oldest first."""
+        events = self._events
+        return [events.popleft() for _ in range(len(events))]
 
     def note_hits(self, keys: Sequence[bytes]) -> None:
         """Count a device prefix hit on each of ``keys`` (for ``--offload-min-hits``; no-op without it)."""

@@ -144,7 +144,11 @@ class CacheNode:
 
     def _logged(self, result):
         """``result``, after moving the block manager's new event records into the log."""
-        self.events.extend(self.sequences.block_manager.take_event_records())
+        records = self.sequences.block_manager.take_event_records()
+        lower = self.sequences.lower_tiers
+        if lower is not None:  # the host and disk tiers' events, after the device's
+            records += lower.take_event_records()
+        self.events.extend(records)
         return result
 
     def _succeeded(self, lease: Lease, result):

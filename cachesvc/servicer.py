@@ -26,7 +26,6 @@ from cachesvc.errors import (
 )
 from cachesvc.events import BlockEvent, BlockRemoved, EventGap
 from cachesvc.node import CacheNode, CacheSnapshot
-from cachesvc.records import DEVICE
 from cachesvc.validation import (
     MAX_LEASE_ID_BYTES,
     MAX_NAME_BYTES,
@@ -123,14 +122,16 @@ def stats_to_proto(snapshot: CacheSnapshot) -> cache_pb2.GetStatsResponse:
 def event_to_proto(event_id: int, event: BlockEvent) -> cache_pb2.CacheEvent:
     """The CacheEvent message of one numbered event from ``EventLog.since``."""
     if isinstance(event, BlockRemoved):
-        removed = cache_pb2.BlockRemoved(block_hash=event.block_hash, block_id=event.block_id, medium=DEVICE)
+        removed = cache_pb2.BlockRemoved(
+            block_hash=event.block_hash, block_id=event.block_id, medium=event.medium
+        )
         return cache_pb2.CacheEvent(event_id=event_id, block_removed=removed)
     stored = cache_pb2.BlockStored(
         block_hash=event.block_hash,
         parent_block_hash=event.parent_block_hash or b"",
         block_id=event.block_id,
         token_ids=event.token_ids,
-        medium=DEVICE,
+        medium=event.medium,
     )
     return cache_pb2.CacheEvent(event_id=event_id, block_stored=stored)
 

@@ -12,8 +12,10 @@ from pathlib import Path
 
 import torch
 from servers import TOKEN, ModuleLoop, cache_service, cache_stats, greedy_request, local_stack, wait_until
+from test_kv_events_zmq import decode, free_port, replay
 
 from cachesvc.disk_records import file_name
+from kvtier.api import cache_pb2
 from kvtier.block_hash import extra_key, hash_preimage, pack_token_ids
 from kvtier.cache_client import AllocateItem, CacheClient
 from kvtier.compute_client import ComputeClient
@@ -35,15 +37,47 @@ def prompt(seed: int) -> list[int]:
     return [rng.randrange(SHAPE.vocab_size) for _ in range(3 * BS + 1)]
 
 
+def index_keys(tokens: list[int], fingerprint: str = SHAPE.fingerprint) -> list[bytes]:
+    """The prefix-index key of each full block of ``tokens`` (``parent || token bytes``)."""
+    parent, data, step = extra_key(fingerprint), pack_token_ids(tokens), 4 * BS
+    keys = []
+    for b in range(len(tokens) // BS):
+        keys.append(parent + data[b * step : (b + 1) * step])
+        parent = hash_preimage(keys[-1])
+    return keys
+
+
 def record_paths(disk: Path, tokens: list[int], fingerprint: str = SHAPE.fingerprint) -> list[Path]:
     """The record file each full block of ``tokens`` would have (its index key's hash, hex)."""
-    parent, data, step = extra_key(fingerprint), pack_token_ids(tokens), 4 * BS
-    paths = []
-    for b in range(len(tokens) // BS):
-        key = parent + data[b * step : (b + 1) * step]
-        paths.append(disk / file_name(key))
-        parent = hash_preimage(key)
-    return paths
+    return [disk / file_name(key) for key in index_keys(tokens, fingerprint)]
+
+
+def tier_events(client: Client, until) -> dict[tuple[str, str], list[bytes]]:
+    """WatchEvents from 0 as ``{(kind, medium): [block hash, ...]}``, read until ``until(that)``
+    holds (the disk's events are logged by the next call or the lease reaper's sweep)."""
+    seen: dict[tuple[str, str], list[bytes]] = {}
+    req = cache_pb2.WatchEventsRequest(since_event_id=0)
+    stream = client.c.stub.WatchEvents(req, metadata=client.c.metadata, timeout=FLUSH_S)
+    for event in stream:
+        kind = event.WhichOneof("event")
+        body = getattr(event, kind)
+        seen.setdefault((kind, body.medium), []).append(body.block_hash)
+        if until(seen):
+            break
+    stream.cancel()
+    return seen
+
+
+def zmq_events(endpoint: str) -> dict[tuple[str, str], list[bytes]]:
+    """The ZMQ replay's events from seq 0 as ``{(tag, medium): [block hash, ...]}``."""
+    seen: dict[tuple[str, str], list[bytes]] = {}
+    for _, payload in replay(endpoint, 0):
+        for event in decode(payload)[1]:
+            if event[0] == "AllBlocksCleared":  # the startup batch
+                continue
+            medium = event[6] if event[0] == "BlockStored" else event[2]
+            seen.setdefault((event[0], medium), []).extend(event[1])
+    return seen
 
 
 class Client:
@@ -98,7 +132,10 @@ def tier_args(disk: Path, *more: str) -> list[str]:
 def test_evicted_prefixes_come_back_from_host_and_disk_and_survive_a_sigkill(tmp_path):
     disk = tmp_path / "kv-disk"
     a = prompt(1)
-    with cache_service(tmp_path, *tier_args(disk)) as svc:
+    replay_endpoint = f"tcp://127.0.0.1:{free_port()}"
+    zmq_args = ["--kv-events-endpoint", f"tcp://127.0.0.1:{free_port()}"]
+    zmq_args += ["--kv-events-replay-endpoint", replay_endpoint]
+    with cache_service(tmp_path, *tier_args(disk, *zmq_args)) as svc:
         client = Client(svc)
         fills_a = client.publish(a, 1)
         # a's blocks are evicted last to first: the host keeps blocks 0 and 1, all three reach the disk
@@ -127,6 +164,17 @@ def test_evicted_prefixes_come_back_from_host_and_disk_and_survive_a_sigkill(tmp
         stream.cancel()
         assert kinds == [("block_stored", "device")] * 3 + [("block_removed", "device")] * 3, kinds
         assert client.hit(a, fills_a, salt="other-tenant") == 0
+
+        # Per tier: a's blocks entered the host (block 2 left it again, for block 0) and the
+        # disk; WatchEvents and a ZMQ consumer see each with its medium.
+        hashes = [hash_preimage(key) for key in index_keys(a)]
+        seen = tier_events(client, lambda seen: len(seen.get(("block_stored", "disk"), [])) >= 3)
+        assert sorted(seen[("block_stored", "host")]) == sorted(hashes), seen
+        assert seen[("block_removed", "host")] == [hashes[2]], seen
+        assert sorted(seen[("block_stored", "disk")]) == sorted(hashes), seen
+        published = zmq_events(replay_endpoint)
+        assert sorted(published[("BlockStored", "DISK")]) == sorted(hashes), published
+        assert hashes[2] in published[("BlockRemoved", "CPU")]  # the host's (a CPU pool's is CPU too)
 
         # A write-heavy load: every prompt published evicts the previous one to host and disk.
         load = {seed: prompt(seed) for seed in range(2, 40)}
