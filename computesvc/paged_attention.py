@@ -68,7 +68,9 @@ def paged_attention_forward(
     """transformers attention function over the pool (`AttentionInterface` contract).
 
     query [1, num_heads, T, head_dim], key/value [1, num_kv_heads, T, head_dim] after RoPE.
-    Writes this layer's K/V of the T tokens into the pool, then attends. Returns
+    Writes this layer's K/V of the T tokens into the pool, then attends: over the layer's last
+    `sliding_window` positions when transformers passes one (Mistral; Qwen2's windowed layers),
+    else over the whole context. Returns
     ([1, T, num_heads, head_dim], None) like transformers' eager attention.
     """
     if kvtier_batch is None:
@@ -90,6 +92,9 @@ def paged_attention_forward(
         scales = {"k_scale": batch.k_scales[layer], "v_scale": batch.v_scales[layer]}
     write_kv(k, v, k_cache, v_cache, batch.slot_mapping, **scales)
     scale = module.scaling if scaling is None else scaling
+    # transformers passes each layer's own window (None on full-attention layers of mixed models).
+    window = kwargs.get("sliding_window")
+    window = int(window) if window else None
     if batch.cu_query_lens is None:
         out = paged_decode_attention(
             q,
@@ -99,6 +104,7 @@ def paged_attention_forward(
             batch.seq_lens,
             scale,
             max_seq_len=batch.max_seq_len,
+            window=window,
             **scales,
         )
     else:
@@ -111,6 +117,7 @@ def paged_attention_forward(
             batch.seq_lens,
             scale,
             max_query_len=batch.max_query_len,
+            window=window,
             **scales,
         )
     return out.unsqueeze(0), None

@@ -61,6 +61,7 @@ def paged_decode_attention(
     max_seq_len: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged context (MHA, GQA, MQA).
 
@@ -71,7 +72,9 @@ def paged_decode_attention(
     length are never read). seq_lens: [num_seqs] int32, context length in tokens including the
     new token, whose K/V must already be written; 0 marks a padding row (output zeros).
     scale: softmax scale, usually head_dim ** -0.5. Query head h reads KV head
-    h // (num_heads // num_kv_heads).
+    h // (num_heads // num_kv_heads). window: sliding window in tokens (the query reads its last
+    `window` positions; table entries of blocks wholly before them may be placeholders), None
+    for full attention.
 
     Triton only: num_splits forces the flash-decoding split count (default: a heuristic from
     batch and context length); max_seq_len, an upper bound of seq_lens, sizes the splits
@@ -80,6 +83,7 @@ def paged_decode_attention(
     """
     _check_cache(q, k_cache, v_cache, num_query_heads=q.shape[1] if q.dim() == 3 else 0)
     _check_scales(k_cache, k_scale, v_scale)
+    _check_window(window)
     _check_index("block_tables", block_tables, 2, q.device)
     _check_index("seq_lens", seq_lens, 1, q.device)
     if block_tables.shape[0] != q.shape[0] or seq_lens.shape[0] != q.shape[0]:
@@ -90,7 +94,7 @@ def paged_decode_attention(
     kind = backend(q.device)
     if kind == "torch":
         return paged_decode_attention_ref(
-            q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale
+            q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, window
         )
     from kernels import decode_attention
 
@@ -105,6 +109,7 @@ def paged_decode_attention(
         max_seq_len=max_seq_len,
         k_scale=k_scale,
         v_scale=v_scale,
+        window=window,
     )
 
 
@@ -120,6 +125,7 @@ def paged_prefill_attention(
     max_query_len: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of new tokens over their sequence's cached prefix plus themselves.
 
@@ -128,12 +134,14 @@ def paged_prefill_attention(
     [num_seqs] int32 total tokens per sequence (cached prefix + new). The new tokens' K/V must
     already be in the cache (`write_kv`): every key is read through block_tables
     [num_seqs, max_blocks] int32. Query j of sequence i sits at position
-    seq_lens[i] - query_len_i + j and attends to positions <= its own.
+    seq_lens[i] - query_len_i + j and attends to positions <= its own (and, with a sliding
+    `window` in tokens, > its own - window; None for full attention).
     Triton only: max_query_len, an upper bound of the query lengths, spares a device sync.
     k_scale, v_scale: a quantized cache's scales (module doc). Returns [num_query_tokens, num_heads, head_dim] in q's dtype.
     """
     _check_cache(q, k_cache, v_cache, num_query_heads=q.shape[1] if q.dim() == 3 else 0)
     _check_scales(k_cache, k_scale, v_scale)
+    _check_window(window)
     _check_index("block_tables", block_tables, 2, q.device)
     _check_index("cu_query_lens", cu_query_lens, 1, q.device)
     _check_index("seq_lens", seq_lens, 1, q.device)
@@ -146,7 +154,7 @@ def paged_prefill_attention(
     kind = backend(q.device)
     if kind == "torch":
         return paged_prefill_attention_ref(
-            q, k_cache, v_cache, block_tables, cu_query_lens, seq_lens, scale, k_scale, v_scale
+            q, k_cache, v_cache, block_tables, cu_query_lens, seq_lens, scale, k_scale, v_scale, window
         )
     from kernels import prefill_attention
 
@@ -161,6 +169,7 @@ def paged_prefill_attention(
         max_query_len=max_query_len,
         k_scale=k_scale,
         v_scale=v_scale,
+        window=window,
     )
 
 
@@ -262,6 +271,11 @@ def _check_scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: 
             )
         if scales.device != k_cache.device:
             raise ValueError(f"{name} is on {scales.device}, the cache on {k_cache.device}")
+
+
+def _check_window(window: int | None) -> None:
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be None or an int >= 1 (tokens), got {window!r}")
 
 
 def _check_index(

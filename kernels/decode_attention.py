@@ -30,6 +30,8 @@ from kernels.online_softmax import attend_tile, scale_operands
 # NOTE: a split shorter than this reads too little KV to pay for its partial write + reduce.
 MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 64
+# The window of full attention: seq_len - _NO_WINDOW is below 0 for any int32 seq_len.
+_NO_WINDOW = 2**31 - 1
 _LOG2E = 1.4426950408889634
 
 
@@ -48,6 +50,7 @@ def _decode_kernel(
     qk_scale,
     group,
     tokens_per_split,
+    window,
     stride_q_seq,
     stride_q_head,
     stride_k_block,
@@ -82,6 +85,8 @@ def _decode_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     start = split * tokens_per_split
     end = tl.minimum(seq_len, start + tokens_per_split)
+    # A sliding window hides what lies before it: a split wholly before it reads nothing.
+    start = tl.maximum(start, seq_len - window)
 
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM_PAD)
@@ -261,6 +266,7 @@ def paged_decode_attention(
     config: tuple[int, int, int] | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Triton paged decode attention; same contract as `kernels.paged_decode_attention`.
 
@@ -268,8 +274,9 @@ def paged_decode_attention(
     upper bound of seq_lens that sizes the splits (default: the block table's capacity,
     max_blocks * block_size; pass the true maximum when tables are padded far beyond it).
     config: (TILE_N, num_warps, num_stages) instead of `launch_config`'s (for tuning).
-    k_scale, v_scale: a quantized cache's scales (kernels/__init__.py).
-    Returns [num_seqs, num_heads, head_dim] in q's dtype.
+    k_scale, v_scale: a quantized cache's scales (kernels/__init__.py). window: a sliding window
+    in tokens, None for full attention; positions before it are never loaded (splits wholly
+    before it write an empty partial). Returns [num_seqs, num_heads, head_dim] in q's dtype.
     """
     num_seqs, num_heads, head_dim = q.shape
     scales = scale_operands(k_scale, v_scale, q.device)
@@ -318,6 +325,7 @@ def paged_decode_attention(
         scale * _LOG2E,
         num_heads // num_kv_heads,
         tokens_per_split,
+        window or _NO_WINDOW,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),

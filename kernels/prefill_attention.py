@@ -17,6 +17,8 @@ import triton.language as tl
 
 from kernels.online_softmax import attend_tile, scale_operands
 
+# The window of full attention: q_pos - _NO_WINDOW is below 0 for any int32 position.
+_NO_WINDOW = 2**31 - 1
 _LOG2E = 1.4426950408889634
 
 
@@ -33,6 +35,7 @@ def _prefill_kernel(
     out_ptr,
     qk_scale,
     group,
+    window,
     stride_q_tok,
     stride_q_head,
     stride_k_block,
@@ -89,14 +92,18 @@ def _prefill_kernel(
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     k_head = k_ptr + kv_head * stride_k_head
     v_head = v_ptr + kv_head * stride_v_head
-    for tile_start in range(0, kv_end, TILE_N):
+    # Keys from the tile's first query's earliest visible position (0 without a window). Row r
+    # sees kv_start + r (or 0) first, inside the first tile as BLOCK_M <= TILE_N: row_max is
+    # finite after it.
+    kv_start = tl.maximum(prefix_len + m_tile * BLOCK_M - window + 1, 0)
+    for tile_start in range(kv_start, kv_end, TILE_N):
         pos = tile_start + n
         kv_valid = pos < kv_end
         block_ids = tl.load(block_table + pos // BLOCK_SIZE, mask=kv_valid, other=0).to(tl.int64)
         offsets = pos % BLOCK_SIZE
         kv_mask = kv_valid[:, None] & d_mask[None, :]
-        # Position 0 is in the first tile and visible to every row, so row_max is finite after it.
-        causal = kv_valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        seen = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window)
+        causal = kv_valid[None, :] & seen
         acc, row_max, row_sum = attend_tile(
             q,
             acc,
@@ -142,11 +149,13 @@ def paged_prefill_attention(
     max_query_len: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Triton paged prefill attention; same contract as `kernels.paged_prefill_attention`.
 
     max_query_len: an upper bound of the per-sequence query lengths, to spare the device->host
-    read that sizes the grid otherwise. Returns [num_query_tokens, num_heads, head_dim].
+    read that sizes the grid otherwise. window: a sliding window in tokens, None for full
+    attention; each tile starts at its first query's earliest visible key. Returns [num_query_tokens, num_heads, head_dim].
     """
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
@@ -179,6 +188,7 @@ def paged_prefill_attention(
         out,
         scale * _LOG2E,
         num_heads // num_kv_heads,
+        window or _NO_WINDOW,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),

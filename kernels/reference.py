@@ -82,6 +82,7 @@ def paged_decode_attention_ref(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged context.
 
@@ -90,7 +91,10 @@ def paged_decode_attention_ref(
     length are ignored). seq_lens: [num_seqs] int32 context length in tokens, the new token
     included; 0 marks a padding row whose output is zeros. Query head h reads KV head
     h // (num_heads // num_kv_heads). k_scale, v_scale: [num_blocks, block_size, num_kv_heads]
-    float32 for a quantized cache, else None. Returns [num_seqs, num_heads, head_dim] in q's dtype.
+    float32 for a quantized cache, else None. window: a sliding window in tokens (the query reads
+    only its last `window` positions, itself included; table entries of blocks wholly before it
+    may be placeholders, any id: they are never attended), None for full attention.
+    Returns [num_seqs, num_heads, head_dim] in q's dtype.
     """
     num_seqs, num_heads, head_dim = q.shape
     num_blocks_total, block_size, num_kv_heads, _ = k_cache.shape
@@ -102,10 +106,14 @@ def paged_decode_attention_ref(
     if max_len == 0:
         return out
     min_len = min(lens_list)
+    # Positions below a sequence's `lows` entry lie before its window.
+    lows_list = [max(0, n - window) if window else 0 for n in lens_list]
+    min_low, max_low = min(lows_list), max(lows_list)
 
     num_blocks = -(-max_len // block_size)
     tables = block_tables[:, :num_blocks].to(device=device, dtype=torch.long).clamp(0, num_blocks_total - 1)
     lens = seq_lens.to(device=device, dtype=torch.long)
+    lows = torch.tensor(lows_list, device=device)
     block_bytes = block_size * num_kv_heads * head_dim * k_cache.element_size()
     chunk_blocks = max(1, min(num_blocks, _CHUNK_BYTES // (num_seqs * block_bytes)))
 
@@ -114,16 +122,18 @@ def paged_decode_attention_ref(
     row_max = torch.full((num_kv_heads, num_seqs, group, 1), -math.inf, device=device)
     row_sum = torch.zeros((num_kv_heads, num_seqs, group, 1), device=device)
     acc = torch.zeros((num_kv_heads, num_seqs, group, head_dim), device=device)
-    for first in range(0, num_blocks, chunk_blocks):
+    for first in range(min_low // block_size, num_blocks, chunk_blocks):
         ids = tables[:, first : first + chunk_blocks].reshape(-1)
         start = first * block_size
         tokens = ids.numel() // num_seqs * block_size
         k = _gather_head_major(k_cache, ids, num_seqs, k_scale)  # [Hkv, S, T, D]
         scores = _workspace.get("scores", (num_kv_heads, num_seqs, group, tokens), torch.float32, device)
         torch.matmul(qf, k.transpose(-1, -2), out=scores)  # [Hkv, S, G, T]
-        if start + tokens > min_len:  # some position of the chunk lies past some sequence's end
+        # Some position of the chunk lies past some sequence's end, or before its window.
+        if start + tokens > min_len or start < max_low:
             pos = torch.arange(start, start + tokens, device=device)
-            scores.masked_fill_((pos[None, :] >= lens[:, None])[None, :, None, :], -math.inf)
+            hidden = (pos[None, :] >= lens[:, None]) | (pos[None, :] < lows[:, None])
+            scores.masked_fill_(hidden[None, :, None, :], -math.inf)
         new_max = torch.maximum(row_max, scores.amax(-1, keepdim=True))
         # A row with no valid position yet keeps max = -inf; shifting by 0 there avoids -inf - -inf.
         shift = torch.where(torch.isinf(new_max), 0.0, new_max)
@@ -148,6 +158,7 @@ def paged_prefill_attention_ref(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of a varlen batch of new tokens over each sequence's cached prefix plus
     themselves.
@@ -157,7 +168,9 @@ def paged_prefill_attention_ref(
     [num_seqs] int32 total tokens of each sequence (cached prefix + new). The new tokens' K/V
     must already be in the cache (`write_kv`). Query j of sequence i sits at position
     seq_lens[i] - query_len_i + j and attends to positions <= its own. k_scale, v_scale: as
-    `paged_decode_attention_ref`'s. Returns [num_query_tokens, num_heads, head_dim] in q's dtype.
+    `paged_decode_attention_ref`'s. window: a sliding window in tokens (query at position p reads
+    positions p - window + 1 .. p; blocks wholly before the first query's window are not read),
+    None for full attention. Returns [num_query_tokens, num_heads, head_dim] in q's dtype.
     """
     num_heads = q.shape[1]
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -170,12 +183,18 @@ def paged_prefill_attention_ref(
         query_len = q_end - q_start
         if query_len == 0:
             continue
-        blocks = block_tables[i, : -(-seq_len // block_size)].to(device=q.device, dtype=torch.long)
-        k = _read_tokens(k_cache, k_scale, blocks, seq_len)  # [L, Hkv, D] fp32
-        v = _read_tokens(v_cache, v_scale, blocks, seq_len)
+        # The keys read start at the block holding the first query's earliest visible position.
+        first = max(0, seq_len - query_len - window + 1) // block_size * block_size if window else 0
+        table = block_tables[i, first // block_size : -(-seq_len // block_size)]
+        blocks = table.to(device=q.device, dtype=torch.long)
+        k = _read_tokens(k_cache, k_scale, blocks, seq_len - first)  # [L, Hkv, D] fp32
+        v = _read_tokens(v_cache, v_scale, blocks, seq_len - first)
         qi = q[q_start:q_end].float().transpose(0, 1)  # [H, Q, D]
         q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
-        causal = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [Q, L]
+        k_pos = torch.arange(first, seq_len, device=q.device)
+        causal = k_pos[None, :] <= q_pos[:, None]  # [Q, L]
+        if window:
+            causal &= k_pos[None, :] > q_pos[:, None] - window
         # NOTE: SDPA's fused CPU kernel instead of explicit scores + softmax: same fp32 math,
         # ~4x faster on a long prefill, and this is the CPU path of every prefill.
         o = torch.nn.functional.scaled_dot_product_attention(

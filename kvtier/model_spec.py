@@ -78,11 +78,9 @@ class ModelShape:
         head_dim = int(config.get("head_dim") or hidden_size // num_heads)
         dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch.")
         kv_dtypes.model_dtype(dtype, "config dtype")
-        # Within the sliding window, sliding-window attention equals full causal attention, which
-        # is what the kernels compute: cap the context there instead of computing it wrong.
-        window = config.get("sliding_window")
-        uses_window = window and (model_type == "mistral" or config.get("use_sliding_window"))
-        max_model_len = min(max_positions, int(window)) if uses_window else max_positions
+        # A sliding window caps no context: the kernels read each windowed layer's window only
+        # (the layer's `sliding_window` reaches computesvc.paged_attention), so every position serves.
+        max_model_len = max_positions
         identity = {
             k: v for k, v in config.items() if k not in _VOLATILE_CONFIG_KEYS and not k.startswith("_")
         }

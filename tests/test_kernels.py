@@ -99,6 +99,16 @@ def make_paged_batch(
     )
 
 
+def poison_before_windows(batch, firsts: list[int]) -> None:
+    """Point the table entries of each sequence's blocks wholly before position `firsts[i]` at a
+    spare block filled with large values: attending it would change the output visibly."""
+    used = set(batch.block_tables.flatten().tolist())
+    poison = next(b for b in range(batch.pool.shape[0]) if b not in used)
+    batch.pool[poison] = 50.0
+    for seq, first in enumerate(firsts):
+        batch.block_tables[seq, : max(0, first) // batch.block_size] = poison
+
+
 def direct_decode(q: torch.Tensor, batch: PagedBatch, scale: float) -> torch.Tensor:
     """Decode attention by SDPA over each sequence's contiguous K/V, fp32. [num_seqs, heads, dim]."""
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)

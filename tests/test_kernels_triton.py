@@ -28,6 +28,7 @@ from test_kernels import (  # noqa: E402
     HEAD_LAYOUT_IDS,
     HEAD_LAYOUTS,
     make_paged_batch,
+    poison_before_windows,
 )
 
 import kernels  # noqa: E402
@@ -193,6 +194,31 @@ def test_dispatcher_routes_to_triton_and_keeps_its_names():
     assert "kernels.kv_write" in sys.modules and "kernels.decode_attention" in sys.modules
     assert kernels.write_kv.__module__ == "kernels"
     assert kernels.paged_decode_attention.__module__ == "kernels"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_triton_kernels_with_a_sliding_window_match_the_references(dtype):
+    # Table entries wholly before each window point at a poisoned block: neither path reads them.
+    window, (num_heads, num_kv_heads), head_dim = 20, (6, 2), 64
+    lens = decode_lengths(16)
+    batch = make_paged_batch(lens, num_kv_heads, head_dim, 16, dtype, DEVICE)
+    poison_before_windows(batch, [n - window for n in lens])
+    q = torch.randn(len(lens), num_heads, head_dim, device=DEVICE).to(dtype)
+    args = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, head_dim**-0.5)
+    expected = paged_decode_attention_ref(*args, window=window).float()
+    for num_splits in (None, 3):
+        out = kernels.paged_decode_attention(*args, num_splits=num_splits, window=window)
+        torch.testing.assert_close(out.float(), expected, **triton_tolerance(dtype))
+
+    shapes = prefill_shapes(16)
+    batch = make_paged_batch([p + n for p, n in shapes], num_kv_heads, head_dim, 16, dtype, DEVICE)
+    poison_before_windows(batch, [p - window + 1 for p, _ in shapes])
+    cu = torch.tensor([0, *itertools.accumulate(n for _, n in shapes)], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(int(cu[-1]), num_heads, head_dim, device=DEVICE).to(dtype)
+    args = (q, batch.k_cache, batch.v_cache, batch.block_tables, cu, batch.seq_lens, head_dim**-0.5)
+    out = kernels.paged_prefill_attention(*args, window=window)
+    expected = paged_prefill_attention_ref(*args, window=window).float()
+    torch.testing.assert_close(out.float(), expected, **triton_tolerance(dtype))
 
 
 # --- quantized KV (fp8_e4m3, fp8_e5m2, int8 with per-token-head scales) --------------------------

@@ -105,6 +105,19 @@ def paged_greedy(
     return outputs
 
 
+def chunked_greedy(
+    runner: ModelRunner, tokens: list[int], split: int, table: list[int], max_new_tokens: int
+) -> list[int]:
+    """Prefill `tokens` in two chunks (before and from `split`), then decode greedily."""
+    runner.prefill([PrefillInput(tokens[:split], 0, table)])
+    logits = runner.prefill([PrefillInput(tokens[split:], split, table)])
+    out = [int(logits.argmax(-1))]
+    for _ in range(max_new_tokens - 1):
+        logits = runner.decode([out[-1]], [len(tokens) + len(out) - 1], [table])
+        out.append(int(logits.argmax(-1)))
+    return out
+
+
 def test_decode_logits_match_eager_attention(eager_model, paged_model):
     tokens = prompt(21)
     runner = ModelRunner(paged_model, make_pool(paged_model), BLOCK_SIZE)
@@ -161,14 +174,7 @@ def test_chunked_prefill_matches_generate(eager_model, paged_model):
     runner = ModelRunner(paged_model, make_pool(paged_model), BLOCK_SIZE)
     table = ShuffledBlocks(NUM_BLOCKS, seed=7).take(blocks_for(45 + 10))
 
-    runner.prefill([PrefillInput(tokens[:20], 0, table)])
-    logits = runner.prefill([PrefillInput(tokens[20:], 20, table)])
-    out = [int(logits.argmax(-1))]
-    for _ in range(9):
-        logits = runner.decode([out[-1]], [len(tokens) + len(out) - 1], [table])
-        out.append(int(logits.argmax(-1)))
-
-    assert out == hf_greedy(eager_model, tokens, 10)
+    assert chunked_greedy(runner, tokens, 20, table, 10) == hf_greedy(eager_model, tokens, 10)
 
 
 def test_writes_land_only_in_the_sequence_blocks_of_the_shared_pool(paged_model):
@@ -266,7 +272,7 @@ def test_shape_from_hf_config_defaults_head_dim_and_kv_heads():
     assert gqa.fingerprint != shape.fingerprint
 
 
-def test_shape_caps_context_at_an_active_sliding_window():
+def test_shape_serves_the_whole_context_of_a_sliding_window_model():
     config = {
         "model_type": "mistral",
         "hidden_size": 64,
@@ -276,7 +282,8 @@ def test_shape_caps_context_at_an_active_sliding_window():
         "max_position_embeddings": 32768,
         "sliding_window": 4096,
     }
-    assert ModelShape.from_hf_config(config).max_model_len == 4096
+    # The kernels read each windowed layer's window only (tests/test_sliding_window.py): no cap.
+    assert ModelShape.from_hf_config(config).max_model_len == 32768
     assert ModelShape.from_hf_config({**config, "sliding_window": None}).max_model_len == 32768
 
 
