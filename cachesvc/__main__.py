@@ -19,6 +19,7 @@ from cachesvc.servicer import CacheServicer
 from cachesvc.wire_limits import request_limits, request_scans
 from kvtier import auth, kv_dtypes, telemetry
 from kvtier.api import cache_pb2_grpc
+from kvtier.cuda_pool import require_cuda
 from kvtier.grpc_server import (
     AddressInUse,
     return_large_buffers_to_the_os,
@@ -27,7 +28,7 @@ from kvtier.grpc_server import (
 )
 from kvtier.memory_plan import DevicePoolPlan, model_needs, plan_device_pool
 from kvtier.model_spec import ModelShape
-from kvtier.pool import PoolUnavailable, create_pool, default_backend, pool_shape, require_cuda
+from kvtier.pool import PoolUnavailable, create_pool, default_backend, pool_shape
 
 log = logging.getLogger("kvtier.cache")
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvtier.cuda_pool import CudaPool
 from kvtier.pool import (
-    CudaPool,
     PoolSpec,
     PoolUnavailable,
     ShmPool,
