@@ -254,8 +254,11 @@ def cmd_generate(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from kvtier_cli.demo import print_summary, run_demo
+    from kvtier_cli.demo import print_kv_dtypes, print_summary, run_demo
 
+    if args.kv_dtypes:
+        print_kv_dtypes(args.model, args.block_size)
+        return 0
     _stop_on_signals()
     stack = None
     try:
@@ -381,6 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--concurrency", type=int, default=16, help="requests in flight at once")
     demo.add_argument("--max-tokens", type=int, default=32, help="completion tokens per request")
     demo.add_argument("--seed", type=int, default=0, help="workload seed")
+    demo.add_argument(
+        "--kv-dtypes", action="store_true", help="print KV blocks per GiB for each --kv-cache-dtype and exit"
+    )
     demo.set_defaults(func=cmd_demo)
 
     gen = sub.add_parser("generate", help="stream one completion")

@@ -116,3 +116,30 @@ def print_summary(summary: dict, replicas: int) -> None:
         f"demo: {summary['requests']} requests, {summary['tokens_per_s']:.1f} tokens/s, "
         f"prefix hit rate {100 * summary['prefix_hit_rate']:.1f}%"
     )
+
+
+def blocks_per_gib(shape, block_size: int) -> dict[str, int]:
+    """Pool blocks of `block_size` tokens that one GiB holds for each KV dtype of kvtier.kv_dtypes,
+    scales included (`ModelShape.block_bytes`): {dtype name: blocks}."""
+    from kvtier import kv_dtypes
+
+    return {name: (1 << 30) // shape.block_bytes(block_size, name) for name in kv_dtypes.TABLE}
+
+
+def print_kv_dtypes(model_dir: str | None, block_size: int) -> None:
+    """`kvtier demo --kv-dtypes`: blocks and tokens per GiB of pool for each KV dtype (the values
+    of `--kv-cache-dtype`) for the model `model_dir` (None: the built-in tiny model)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvtier.model_spec import ModelShape
+
+    shape = ModelShape.from_model_dir(model_dir) if model_dir else ModelShape.tiny()
+    counts = blocks_per_gib(shape, block_size)
+    table = Table(title=f"KV pool capacity per GiB ({model_dir or 'tiny model'}, block_size {block_size})")
+    for column in ("--kv-cache-dtype", "blocks per GiB", "tokens per GiB"):
+        table.add_column(column, justify="left" if column.startswith("--") else "right")
+    for name, blocks in counts.items():
+        table.add_row(name, f"{blocks:,}", f"{blocks * block_size:,}")
+    Console().print(table)
+    print("kv dtypes: " + ", ".join(f"{name} {blocks} blocks/GiB" for name, blocks in counts.items()))

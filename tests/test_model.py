@@ -28,6 +28,7 @@ from computesvc.model import (
 from computesvc.paged_attention import use_paged_attention
 from kvtier.model_spec import TINY_LLAMA_CONFIG, ModelShape
 from kvtier.tokenizer import build_byte_tokenizer
+from kvtier_cli.demo import blocks_per_gib
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 64
@@ -285,6 +286,28 @@ def test_shape_serves_the_whole_context_of_a_sliding_window_model():
     # The kernels read each windowed layer's window only (tests/test_sliding_window.py): no cap.
     assert ModelShape.from_hf_config(config).max_model_len == 32768
     assert ModelShape.from_hf_config({**config, "sliding_window": None}).max_model_len == 32768
+
+
+def test_demo_shows_blocks_per_gib_for_each_kv_dtype():
+    mistral_7b = {
+        "model_type": "mistral",
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "num_hidden_layers": 32,
+        "vocab_size": 32000,
+        "max_position_embeddings": 32768,
+        "sliding_window": 4096,
+    }
+    counts = blocks_per_gib(ModelShape.from_hf_config(mistral_7b), 16)
+    # bf16: 32 layers x K/V x 16 tokens x 8 heads x 128 x 2 bytes = 2 MiB; one byte codes plus a
+    # float32 scale per token-head: 132 bytes per head vector.
+    assert counts["bfloat16"] == counts["float16"] == 512 and counts["float32"] == 256
+    assert counts["fp8_e4m3"] == counts["fp8_e5m2"] == counts["int8"] == (1 << 30) // (32 * 2 * 16 * 8 * 132)
+    kvtier = str(Path(sys.executable).parent / "kvtier")
+    out = subprocess.run([kvtier, "demo", "--kv-dtypes"], capture_output=True, text=True, check=True).stdout
+    tiny = blocks_per_gib(ModelShape.tiny(), 16)
+    assert out.splitlines()[-1] == "kv dtypes: " + ", ".join(f"{n} {b} blocks/GiB" for n, b in tiny.items())
 
 
 def test_tiny_shape_fingerprint_differs_by_seed_and_config():
