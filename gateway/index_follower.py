@@ -1,8 +1,9 @@
 """One node as the router sees it: its cached block hashes, followed from the cache's events,
 and its live figures, read from GetStats.
 
-The index is the set of block hashes the node's cache holds, fed by its ``WatchEvents`` stream
-(BlockStored adds, BlockRemoved drops). A stream that fails, drops events (OUT_OF_RANGE) or
+The index is the set of block hashes the node's cache holds per tier (device, host, disk), fed
+by its ``WatchEvents`` stream (BlockStored adds to its medium's set, BlockRemoved drops from it;
+a block may be on several tiers at once). A stream that fails, drops events (OUT_OF_RANGE) or
 restarts (a new cache: event ids start over) is reopened from 0 with an empty index, so the kept
 events are replayed; while it is not synced a hit is asked with ``LookupPrefix`` (one RPC,
 bounded by ``LOOKUP_TIMEOUT_S``). GetStats is read every ``STATS_PERIOD_S``; a node that does not
@@ -42,7 +43,9 @@ class NodeState:
 
     node: Node
     cache: CacheClient  # aio; deadline STATS_TIMEOUT_S (WatchEvents has none)
-    hashes: set[BlockHash] = field(default_factory=set)
+    hashes: set[BlockHash] = field(default_factory=set)  # on the device (the pool)
+    host_hashes: set[BlockHash] = field(default_factory=set)  # in the host cache
+    disk_hashes: set[BlockHash] = field(default_factory=set)  # on the disk tier
     synced: bool = False  # the index follows the node's event stream
     last_event_id: int = 0
     block_size: int = 0  # from GetStats; 0 until the first answer
@@ -68,31 +71,69 @@ class NodeState:
     def up(self, now: float) -> bool:
         return self.down_until <= now
 
+    def index(self, medium: str) -> set[BlockHash]:
+        """The hashes held on ``medium`` ("device", "host", "disk"; "" from a cache that predates
+        tiers is the device)."""
+        return self.host_hashes if medium == "host" else self.disk_hashes if medium == "disk" else self.hashes
 
-def predicted_tokens(
-    held: set[BlockHash], hashes: Sequence[BlockHash], prompt_len: int, block_size: int
-) -> int:
-    """Leading prompt tokens whose blocks are all in ``held``, capped as the cache caps a hit
-    (the last prompt token is always computed); 0 while the block size is unknown."""
-    n = 0
-    for h in hashes:
-        if h not in held:
+
+@dataclass(frozen=True)
+class PredictedHit:
+    """A prompt's predicted hit on a node, in tokens, per tier it would be served from: the
+    device's leading run, then the blocks after it the host cache (else the disk) holds, as the
+    cache's Allocate follows a chain. Capped as the cache caps a hit."""
+
+    device: int = 0
+    host: int = 0
+    disk: int = 0
+
+    @property
+    def total(self) -> int:
+        """The prompt tokens the hit would cache (what Allocate's num_cached_tokens counts)."""
+        return self.device + self.host + self.disk
+
+
+def predicted_hit(state: NodeState, hashes: Sequence[BlockHash], prompt_len: int) -> PredictedHit:
+    """The hit of a prompt whose full blocks are ``hashes`` on ``state``'s indexes; nothing
+    while the block size is unknown."""
+    bs = state.block_size
+    if not bs:
+        return PredictedHit()
+    hashes = hashes[: (prompt_len - 1) // bs]  # the cap: the last prompt token is always computed
+    device = 0
+    while device < len(hashes) and hashes[device] in state.hashes:
+        device += 1
+    host = disk = 0
+    for h in hashes[device:]:
+        if h in state.host_hashes:
+            host += 1
+        elif h in state.disk_hashes:
+            disk += 1
+        else:
             break
-        n += 1
-    bs = block_size
-    return min(n * bs, (prompt_len - 1) // bs * bs) if bs else 0
+    return PredictedHit(device * bs, host * bs, disk * bs)
 
 
-async def looked_up(state: NodeState, prompt_ids: list[int], tenant_salt: str) -> int:
-    """A node's hit asked directly (its index is not synced); 0 if it does not answer in time."""
+def capped(device: int, host: int, disk: int, prompt_len: int, block_size: int) -> PredictedHit:
+    """A hit of ``device`` + ``host`` + ``disk`` tokens (LookupPrefix's counts), cut to the
+    cache's cap (whole blocks, the last prompt token always computed) from the lower tiers'
+    share first, disk before host: the counts do not say which tier's blocks come last."""
+    over = max(0, device + host + disk - (prompt_len - 1) // block_size * block_size)
+    cut_disk = min(disk, over)
+    cut_host = min(host, over - cut_disk)
+    return PredictedHit(device - (over - cut_disk - cut_host), host - cut_host, disk - cut_disk)
+
+
+async def looked_up(state: NodeState, prompt_ids: list[int], tenant_salt: str) -> PredictedHit:
+    """A node's hit asked directly (its index is not synced); nothing if it does not answer in time."""
     try:
         reply = await asyncio.wait_for(
             state.cache.lookup_prefix([prompt_ids], tenant_salt=tenant_salt), LOOKUP_TIMEOUT_S
         )
     except (TimeoutError, grpc.aio.AioRpcError):
-        return 0
-    bs = state.block_size or 1
-    return min(reply.num_cached_tokens[0], (len(prompt_ids) - 1) // bs * bs)
+        return PredictedHit()
+    tiers = (reply.num_cached_tokens[0], reply.num_host_tokens[0], reply.num_disk_tokens[0])
+    return capped(*tiers, len(prompt_ids), state.block_size or 1)
 
 
 def follow(state: NodeState, count: Callable[[str], None]) -> None:
@@ -120,7 +161,8 @@ async def _follow_events(state: NodeState, count: Callable[[str], None]) -> None
     while True:
         # (Re)start from 0 with an empty index: after a gap, a broken stream or a restarted
         # cache, the kept events are the only truth we can replay.
-        state.hashes.clear()
+        for held in (state.hashes, state.host_hashes, state.disk_hashes):
+            held.clear()
         state.last_event_id = 0
         state.synced = False
         try:
@@ -133,9 +175,9 @@ async def _follow_events(state: NodeState, count: Callable[[str], None]) -> None
                 state.last_event_id = event.event_id
                 kind = event.WhichOneof("event")
                 if kind == "block_stored":
-                    state.hashes.add(event.block_stored.block_hash)
+                    state.index(event.block_stored.medium).add(event.block_stored.block_hash)
                 elif kind == "block_removed":
-                    state.hashes.discard(event.block_removed.block_hash)
+                    state.index(event.block_removed.medium).discard(event.block_removed.block_hash)
             log.warning("router: node %s ended its event stream; resyncing", state.name)
         except grpc.aio.AioRpcError as e:
             state.synced = False

@@ -206,8 +206,8 @@ class Router:
 
     @staticmethod
     def predicted_tokens(state: NodeState, hashes: list[BlockHash], prompt_len: int) -> int:
-        """Leading prompt tokens ``state`` holds, capped as the cache caps a hit."""
-        return index_follower.predicted_tokens(state.hashes, hashes, prompt_len, state.block_size)
+        """Leading prompt tokens ``state`` holds on any tier, capped as the cache caps a hit."""
+        return index_follower.predicted_hit(state, hashes, prompt_len).total
 
     async def route(self, prompt_ids: list[int], cache_salt: str = "", tenant: str = "") -> Route:
         """Nodes to try for a request, best first (down nodes last). ``cache_salt``: the client's
@@ -233,12 +233,14 @@ class Router:
             return self._decided(Route(order + after, [0] * len(self.states), "random"))
         predicted = await self._predictions(candidates, prompt_ids, tenant_salt(tenant, cache_salt))
         figures = [
-            NodeFigures(p, s.load.outstanding_tokens, s.load.tokens_per_s(), s.inflight)
+            NodeFigures(
+                p.device, s.load.outstanding_tokens, s.load.tokens_per_s(), s.inflight, p.host, p.disk
+            )
             for p, s in zip(predicted, candidates, strict=True)
         ]
         ranking = rank(figures, len(prompt_ids), self.load_weight, next(self._rr))
         order = [candidates[k] for k in ranking.order]
-        tokens = [predicted[k] for k in ranking.order] + [0] * len(after)
+        tokens = [predicted[k].total for k in ranking.order] + [0] * len(after)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "route: %d prompt tokens -> %s (%s); %s",
@@ -246,28 +248,31 @@ class Router:
                 order[0].name,
                 ranking.reason,
                 "; ".join(
-                    f"{s.name}: cached {f.predicted_tokens}, queued {f.outstanding_tokens} tokens at "
+                    f"{s.name}: cached {f.predicted_tokens} (+{f.host_tokens} host, +{f.disk_tokens} disk), queued {f.outstanding_tokens} tokens at "
                     f"{f.tokens_per_s:.0f}/s, score {ranking.scores[k] * 1000:.1f} ms"
                     for k, (s, f) in enumerate(zip(candidates, figures, strict=True))
                 ),
             )
         return self._decided(Route(order + after, tokens, ranking.reason))
 
-    async def _predictions(self, states: list[NodeState], prompt_ids: list[int], salt: str) -> list[int]:
-        """Each node's predicted hit for the prompt hashed with the tenant salt ``salt``: from its
-        index, asked with LookupPrefix while it is not synced, 0 while its block size is unknown."""
+    async def _predictions(
+        self, states: list[NodeState], prompt_ids: list[int], salt: str
+    ) -> list[index_follower.PredictedHit]:
+        """Each node's predicted hit per tier for the prompt hashed with the tenant salt ``salt``:
+        from its indexes, asked with LookupPrefix while it is not synced, none while its block
+        size is unknown."""
         hashes_by_bs: dict[int, list[BlockHash]] = {}
         predicted = []
         for state in states:
             bs = state.block_size
             if not bs:
-                predicted.append(0)
+                predicted.append(index_follower.PredictedHit())
             elif not state.synced:
                 predicted.append(await index_follower.looked_up(state, prompt_ids, salt))
             else:
                 if bs not in hashes_by_bs:
                     hashes_by_bs[bs] = self._hashes(prompt_ids, salt, bs)
-                predicted.append(self.predicted_tokens(state, hashes_by_bs[bs], len(prompt_ids)))
+                predicted.append(index_follower.predicted_hit(state, hashes_by_bs[bs], len(prompt_ids)))
         return predicted
 
     def _decided(self, route: Route) -> Route:

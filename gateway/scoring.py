@@ -7,13 +7,20 @@ first one won.
 The score of a node is what the request's time to first token would be there, negated:
 
     score = saved_s - queue_s - prompt_s
-    saved_s = predicted cached tokens / prefill_tokens_per_s   (prefill the node's cache saves)
+    saved_s = saved tokens / prefill_tokens_per_s   (prefill the node's cache saves)
+    saved tokens = device tokens + HOST_TOKEN_VALUE * host tokens + DISK_TOKEN_VALUE * disk tokens
     queue_s = load_weight * outstanding tokens / the node's tokens_per_s   (work queued ahead)
     prompt_s = prompt tokens / prefill_tokens_per_s             (the whole prefill)
 
 The prefill terms use one rate for every node (the candidates' mean throughput): a throughput
 measured from a few requests is noisy (a replica's first request is slow), and a noisy rate
 must not outweigh a cached prefix on an idle node. A node's own rate prices only its queue.
+
+A host or disk hit is worth less than a device hit: the cache promotes it (copies it into the
+pool) before compute reads it, and that copy costs a fraction of recomputing the block. The
+values price that fraction at issue 22's targets for the promotion (host <= 0.2x, disk <= 0.3x of
+recompute; bench/tiers_e2e.py measured 0.07x and 0.08x for a 2,000-token prefix), so a node
+holding a prefix on the device beats one holding it below, and both beat a miss.
 
 So a node holding the prompt's prefix wins until the work queued on it costs more than the
 prefill it saves: then the request *spills* to the best other node, which caches the prefix too.
@@ -26,16 +33,27 @@ from dataclasses import dataclass
 
 REASONS = ("prefix", "load_spill", "tie")
 TIE_FRACTION = 0.1  # scores within this fraction of the best one count as equal
+HOST_TOKEN_VALUE = 0.8  # prefill a host-cache token saves, as a fraction of a device token's
+DISK_TOKEN_VALUE = 0.7  # prefill a disk token saves, as a fraction of a device token's
 
 
 @dataclass(frozen=True)
 class NodeFigures:
     """One candidate node's figures for one request."""
 
-    predicted_tokens: int  # leading prompt tokens the node's cache holds (capped as a hit is)
+    predicted_tokens: int  # leading prompt tokens the node's pool holds (capped as a hit is)
     outstanding_tokens: int = 0  # work open on the node: uncached prompt + max_tokens, in tokens
     tokens_per_s: float = 1.0  # the node's measured throughput of that work (> 0)
     inflight: int = 0  # requests this gateway has open on the node
+    host_tokens: int = 0  # prompt tokens after the pool's that the host cache holds
+    disk_tokens: int = 0  # prompt tokens after those that the disk holds
+
+    @property
+    def saved_tokens(self) -> float:
+        """The prefill the hit saves, in device tokens (module docstring)."""
+        return (
+            self.predicted_tokens + HOST_TOKEN_VALUE * self.host_tokens + DISK_TOKEN_VALUE * self.disk_tokens
+        )
 
 
 @dataclass(frozen=True)
@@ -48,7 +66,7 @@ class Ranking:
 def score(node: NodeFigures, prompt_len: int, load_weight: float, prefill_tokens_per_s: float) -> float:
     """Minus the expected seconds to the first token on ``node`` (module docstring)."""
     queue_s = load_weight * node.outstanding_tokens / node.tokens_per_s
-    return -(queue_s + (prompt_len - node.predicted_tokens) / prefill_tokens_per_s)
+    return -(queue_s + (prompt_len - node.saved_tokens) / prefill_tokens_per_s)
 
 
 def rank(nodes: Sequence[NodeFigures], prompt_len: int, load_weight: float, tie: int) -> Ranking:
@@ -58,8 +76,8 @@ def rank(nodes: Sequence[NodeFigures], prompt_len: int, load_weight: float, tie:
 
     ``prompt_len``: the request's prompt, in tokens. ``load_weight``: the weight of the queueing
     delay against the prefill saved (1 = both in seconds; 0 = prefix only). The reason is
-    ``prefix`` when the first node holds the longest predicted prefix, ``load_spill`` when a
-    node holding more lost on load, ``tie`` when no node holds any of the prompt.
+    ``prefix`` when the first node's hit saves the most (``saved_tokens``), ``load_spill`` when a
+    node saving more lost on load, ``tie`` when no node holds any of the prompt.
     """
     prefill_tokens_per_s = sum(n.tokens_per_s for n in nodes) / len(nodes)
     scores = [score(n, prompt_len, load_weight, prefill_tokens_per_s) for n in nodes]
@@ -70,10 +88,10 @@ def rank(nodes: Sequence[NodeFigures], prompt_len: int, load_weight: float, tie:
     equal = [k for k in by_score if scores[k] >= best - TIE_FRACTION * abs(best)]
     equal.sort(key=lambda k: (-nodes[k].inflight, -((k - tie) % len(nodes))), reverse=True)
     order = equal + [k for k in by_score if k not in equal]
-    most = max(n.predicted_tokens for n in nodes)
+    most = max(n.saved_tokens for n in nodes)
     if most == 0:
         reason = "tie"
-    elif nodes[order[0]].predicted_tokens == most:
+    elif nodes[order[0]].saved_tokens == most:
         reason = "prefix"
     else:
         reason = "load_spill"

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from gateway.discovery import Node
+from gateway.index_follower import NodeState, PredictedHit, capped, predicted_hit
 from gateway.node_load import PRIOR_TOKENS_PER_S, NodeLoad
-from gateway.scoring import NodeFigures, rank, score
+from gateway.scoring import DISK_TOKEN_VALUE, HOST_TOKEN_VALUE, NodeFigures, rank, score
 
 PROMPT = 1000  # tokens
 FAST = 1000.0  # tokens of work per second
@@ -74,3 +76,59 @@ def test_node_load_counts_open_work_and_measures_throughput_from_finished_work()
     before = load.tokens_per_s()
     load.opened(10, now=t + 60)
     assert load.tokens_per_s() == pytest.approx(before)
+
+
+def test_a_host_or_disk_hit_saves_a_fraction_of_a_device_hit() -> None:
+    # 600 tokens held: on the device they save 0.6 s of prefill, on the host 0.8 of that, on disk 0.7.
+    device, host, disk = (
+        NodeFigures(600, 0, FAST),
+        NodeFigures(0, 0, FAST, host_tokens=600),
+        NodeFigures(0, 0, FAST, disk_tokens=600),
+    )
+    assert score(device, PROMPT, 1.0, FAST) == pytest.approx(-0.4)
+    assert score(host, PROMPT, 1.0, FAST) == pytest.approx(-(1.0 - HOST_TOKEN_VALUE * 0.6))
+    assert score(disk, PROMPT, 1.0, FAST) == pytest.approx(-(1.0 - DISK_TOKEN_VALUE * 0.6))
+    assert 0 < DISK_TOKEN_VALUE < HOST_TOKEN_VALUE < 1
+    miss = NodeFigures(0, 0, FAST)
+    # Same prefix held: device beats host beats disk beats a miss, whatever the candidates' order.
+    assert rank([miss, disk, host, device], PROMPT, 1.0, tie=0).order == [3, 2, 1, 0]
+    assert rank([device, host, disk, miss], PROMPT, 1.0, tie=0).order == [0, 1, 2, 3]
+    ranking = rank([miss, host], PROMPT, 1.0, tie=0)
+    assert (ranking.order[0], ranking.reason) == (1, "prefix")
+    # A longer prefix on the host beats a shorter one on the device: 800 * 0.8 > 500.
+    assert (
+        rank([NodeFigures(500, 0, FAST), NodeFigures(0, 0, FAST, host_tokens=800)], PROMPT, 1.0, 0).order[0]
+        == 1
+    )
+    # Device 300 + host 300 of a prompt vs device 400: 300 + 240 saved against 400.
+    mixed = NodeFigures(300, 0, FAST, host_tokens=300)
+    assert rank([NodeFigures(400, 0, FAST), mixed], PROMPT, 1.0, tie=0).order[0] == 1
+    # A load spill: the device holder is busy; the host holder wins on load.
+    spilled = rank([NodeFigures(600, 3000, FAST), host], PROMPT, 1.0, tie=0)
+    assert (spilled.order[0], spilled.reason) == (1, "load_spill")
+
+
+def test_the_predicted_hit_follows_device_then_host_then_disk_and_is_capped() -> None:
+    bs = 16
+    state = NodeState(Node("n", "unix:///x", []), cache=None, block_size=bs)  # no calls are made
+    chain = [bytes([k]) * 32 for k in range(6)]
+    state.hashes.update(chain[:2])
+    state.host_hashes.update([chain[2], chain[4], chain[0]])
+    state.disk_hashes.update([chain[3], chain[2]])
+    # Device run 0-1, then host 2 (also on disk: the host serves it), disk 3, host 4; 5 held nowhere.
+    assert predicted_hit(state, chain, 6 * bs + 1) == PredictedHit(2 * bs, 2 * bs, bs)
+    assert predicted_hit(state, chain, 6 * bs + 1).total == 5 * bs
+    # The cap (the last prompt token is computed) cuts from the end: 4 * bs + 1 tokens cap at 4 blocks.
+    assert predicted_hit(state, chain[:5], 4 * bs + 1) == PredictedHit(2 * bs, bs, bs)
+    assert predicted_hit(state, chain[:5], 4 * bs) == PredictedHit(2 * bs, bs, 0)
+    assert predicted_hit(state, chain[:2], 2 * bs) == PredictedHit(bs, 0, 0)
+    # A block missing on every tier ends the hit; what follows it is useless.
+    state.disk_hashes.discard(chain[3])
+    assert predicted_hit(state, chain, 6 * bs + 1) == PredictedHit(2 * bs, bs, 0)
+    # LookupPrefix's per-tier counts (an unsynced node) are capped from the lower tiers' share.
+    assert capped(2 * bs, 2 * bs, bs, 4 * bs + 1, bs) == PredictedHit(2 * bs, 2 * bs, 0)
+    assert capped(2 * bs, 2 * bs, bs, 3 * bs, bs) == PredictedHit(2 * bs, 0, 0)
+    assert capped(4 * bs, 0, 0, 4 * bs, bs) == PredictedHit(3 * bs, 0, 0)
+    # Nothing while the block size is unknown.
+    state.block_size = 0
+    assert predicted_hit(state, chain, 6 * bs + 1) == PredictedHit()
