@@ -300,16 +300,8 @@ def paged_decode_attention(
     # Splits start on block boundaries so no block is read by two programs.
     tokens_per_split = math.ceil(math.ceil(max_seq_len / num_splits) / block_size) * block_size
     tokens_per_split = max(tokens_per_split, block_size)
-
     write_partial = num_splits > 1
-    if write_partial:
-        part_out = torch.empty(
-            (num_seqs, num_heads, num_splits, head_dim), device=q.device, dtype=torch.float32
-        )
-        part_lse = torch.empty((num_seqs, num_heads, num_splits), device=q.device, dtype=torch.float32)
-    else:  # unused by the kernel; any tensor fills the slots
-        part_out = out.new_empty((1, 1, 1, 1), dtype=torch.float32)
-        part_lse = out.new_empty((1, 1, 1), dtype=torch.float32)
+    part_out, part_lse = _split_partials(out, num_splits)
 
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q,
@@ -326,24 +318,14 @@ def paged_decode_attention(
         num_heads // num_kv_heads,
         tokens_per_split,
         window or _NO_WINDOW,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        scales[0].stride(0),
-        scales[0].stride(1),
+        *q.stride()[:2],
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
+        *scales[0].stride()[:2],
         block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
-        part_out.stride(0),
-        part_out.stride(1),
-        part_out.stride(2),
-        part_lse.stride(0),
-        part_lse.stride(1),
+        *out.stride()[:2],
+        *part_out.stride()[:3],
+        *part_lse.stride()[:2],
         GROUP_PAD=group_pad,
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
@@ -356,21 +338,40 @@ def paged_decode_attention(
         num_stages=num_stages,
     )
     if write_partial:
-        _reduce_splits_kernel[(num_seqs, num_heads)](
-            part_out,
-            part_lse,
-            out,
-            num_splits,
-            part_out.stride(0),
-            part_out.stride(1),
-            part_out.stride(2),
-            part_lse.stride(0),
-            part_lse.stride(1),
-            out.stride(0),
-            out.stride(1),
-            HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=head_dim_pad,
-            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
-            num_warps=4 if not interpret else 1,
-        )
+        _reduce_splits(part_out, part_lse, out, head_dim_pad, interpret)
     return out
+
+
+def _split_partials(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each split's partial output [num_seqs, num_heads, num_splits, head_dim] and log-sum-exp
+    [num_seqs, num_heads, num_splits], float32; with one split, unused placeholders (the kernel
+    writes `out` directly, but its arguments need tensors)."""
+    num_seqs, num_heads, head_dim = out.shape
+    if num_splits == 1:
+        return out.new_empty((1, 1, 1, 1), dtype=torch.float32), out.new_empty((1, 1, 1), dtype=torch.float32)
+    part_out = torch.empty(
+        (num_seqs, num_heads, num_splits, head_dim), device=out.device, dtype=torch.float32
+    )
+    part_lse = torch.empty((num_seqs, num_heads, num_splits), device=out.device, dtype=torch.float32)
+    return part_out, part_lse
+
+
+def _reduce_splits(
+    part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, head_dim_pad: int, interpret: bool
+) -> None:
+    """Combine the splits' partials into `out` [num_seqs, num_heads, head_dim] (flash-decoding's
+    second pass: each split weighted by its share of the log-sum-exp)."""
+    num_seqs, num_heads, num_splits, head_dim = part_out.shape
+    _reduce_splits_kernel[(num_seqs, num_heads)](
+        part_out,
+        part_lse,
+        out,
+        num_splits,
+        *part_out.stride()[:3],
+        *part_lse.stride()[:2],
+        *out.stride()[:2],
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+        num_warps=4 if not interpret else 1,
+    )
