@@ -14,6 +14,13 @@ what the trees do differently.
 
     python bench/block_manager_ab.py --before 24f705e          # vs the tree before the redesign
     python bench/block_manager_ab.py --before HEAD~1 --quick
+    python bench/block_manager_ab.py --before a015991 --quick --tiers   # after with a host cache
+
+``--tiers`` builds the after tree's lower tiers (issue 22: a host cache of ``--host-slots`` slots
+of 64 bytes under a pool of 64-byte rows, no disk): every eviction copies the block down, every
+miss past the device's hit asks the host cache, and the host tier's events are drained with the
+device's, as the node does. The run reports how many blocks were promoted from the host (the
+tiers' cost with no lower-tier hit is the target: 0 promoted, or the count says otherwise).
 
 The last line is the headline: after vs before, µs per lifecycle.
 """
@@ -77,7 +84,9 @@ class Tree(Runner):
     """One tree's table, stepped one lifecycle at a time: ``Runner.lifecycle`` (the same calls,
     clock reads and event drain as block_manager.py) over this tree's classes."""
 
-    def __init__(self, prefix: str, args: argparse.Namespace, trace: Trace, no_hits: bool) -> None:
+    def __init__(
+        self, prefix: str, args: argparse.Namespace, trace: Trace, no_hits: bool, host_slots: int = 0
+    ) -> None:
         self.name = prefix
         self.args = args
         self.trace = trace
@@ -88,17 +97,35 @@ class Tree(Runner):
         # --no-hits: a salt per request, block_manager.py's "baseline (no hits)" mode. The salt is
         # the second field in every tree (cache_salt, later tenant_salt): passed by position.
         self.items = [item(p, s) for p, s in zip(trace.prompts, salts(args, no_hits), strict=True)]
-        self.new_table = lambda: sequences.SequenceTable(
+        self.host_slots = host_slots
+        self.lower = None
+        if host_slots:  # imported now: the exported trees are deleted once the trees are built
+            self.lower_tiers = importlib.import_module(f"{prefix}_cachesvc.lower_tiers")
+            self.host_cache = importlib.import_module(f"{prefix}_cachesvc.host_cache")
+        self.new_table = lambda lower: sequences.SequenceTable(
             bm.BlockManager(args.num_blocks, args.block_size),
             None,
             model_fingerprint=FINGERPRINT,
             vocab_size=VOCAB,
             max_model_len=args.prompt_len + args.decode + 64,
+            **({"lower_tiers": lower} if lower is not None else {}),
         )
 
     def reset(self) -> None:
-        self.table = self.new_table()
+        self.lower = self.new_lower_tiers() if self.host_slots else None
+        self.table = self.new_table(self.lower)
         self.events = self.event_log(self.args.block_size)
+        if self.lower is not None:  # drain the host tier's events with the device's, as the node does
+            bm, lower = self.table.block_manager, self.lower
+            device_records = bm.take_event_records
+            bm.take_event_records = lambda: device_records() + lower.take_event_records()
+
+    def new_lower_tiers(self):
+        """A host cache of ``host_slots`` 64-byte slots under a pool of 64-byte rows (no disk)."""
+        import torch
+
+        rows = torch.zeros((self.args.num_blocks, 64), dtype=torch.uint8)
+        return self.lower_tiers.LowerTiers(rows, self.host_cache.HostBlockCache(self.host_slots, 64), None)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -109,6 +136,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--chunk", type=int, default=20, help="lifecycles per turn")
     ap.add_argument("--quick", action="store_true", help="300 sequences (default 2000)")
     ap.add_argument("--no-hits", action="store_true", help="a cache_salt per request: nothing hits")
+    ap.add_argument(
+        "--tiers", action="store_true", help="the after tree with a host cache (module docstring)"
+    )
+    ap.add_argument("--host-slots", type=int, default=4096, help="--tiers: the host cache's slots (blocks)")
     ours = ap.parse_args(argv)
     args = parse_args(["--quick"] if ours.quick else [])
     trace = make_trace(args)
@@ -116,12 +147,14 @@ def main(argv: list[str] | None = None) -> None:
         export_tree(ours.before, "before", Path(tmp))
         export_tree(ours.after, "after", Path(tmp))
         sys.path.insert(0, tmp)
-        trees = [Tree(name, args, trace, ours.no_hits) for name in ("before", "after")]
+        host_slots = {"before": 0, "after": ours.host_slots if ours.tiers else 0}
+        trees = [Tree(name, args, trace, ours.no_hits, host_slots[name]) for name in ("before", "after")]
     n = args.sequences
     print(
         f"before = {ours.before}, after = {ours.after or 'working tree'}; {n} lifecycles of "
         f"{args.prompt_len}-token prompts ({'no prefix hits' if ours.no_hits else 'about half a shared prefix'}), "
         f"{args.decode} extends; turns of {ours.chunk}, best of {ours.repeats}"
+        + (f"; after with a host cache of {ours.host_slots} blocks" if ours.tiers else "")
     )
     best = {t.name: np.full((n, len(PHASES)), np.iinfo(np.int64).max, np.int64) for t in trees}
     for rep in range(ours.repeats):
@@ -147,6 +180,13 @@ def main(argv: list[str] | None = None) -> None:
             f"{parts[2]:>7.1f} {parts[3]:>6.1f} {parts[4]:>6.1f}"
         )
     print("(extend: µs per call; the rest µs per lifecycle; hashing included, the same code in both)")
+    for t in trees:
+        if t.lower is not None:  # the last repeat's table
+            host = t.lower.host.stats()
+            print(
+                f"{t.name}'s host cache, last run: {host['stored']} blocks stored, {host['evictions']} evicted, "
+                f"{t.lower.promoted['host']} promoted (lower-tier hits)"
+            )
     after, before = totals["after"], totals["before"]
     print(
         f"headline: after {after:.1f} vs before {before:.1f} µs per lifecycle, after/before {after / before:.3f}"
