@@ -226,7 +226,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--host-cache-gib", type=float, default=0.0,
         help="host memory (GiB) for published blocks evicted from the pool, LRU, shared with swap (swap "
-        "first: a swap-out evicts cached blocks; --swap-space is then not a second area); 0 = no host cache",
+        "first: a swap-out evicts cached blocks; --swap-space is then not a second area); 0, the default = no host cache (opt-in: docs/architecture.md, Lower tiers)",
     )  # fmt: skip
     ap.add_argument(
         "--disk-path", default="",
