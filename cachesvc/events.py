@@ -12,8 +12,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from cachesvc.disk_records import KEY_PREFIX_BYTES
 from cachesvc.errors import CacheError
-from kvtier.block_hash import BlockHash, unpack_block
+from kvtier.block_hash import BlockHash, hash_preimage, unpack_block
 
 
 @dataclass(slots=True)
@@ -61,9 +62,11 @@ EventRecord = tuple
   and ``hashes[i - 1]`` after.
 
 A commit costs one STORED record, an allocation that evicts one REMOVED record. A lower tier's
-record (kind ``tier_kind(stored, medium)``) is one block: its ``parent`` is the first 32 bytes
-of the block's index key (the parent's hash, or the chain's extra key for a first block), its
-block id the host slot (-1 on disk, which has no block ids). Records hold
+record is ``(tier_kind(stored, medium), keys, block_ids)``: its blocks' index keys (``parent ||
+token bytes``), hashed only when the record is read (``lower_tier_blocks``), so the eviction
+that records it pays no SHA-256; a block's parent is its key's first 32 bytes (the parent's
+hash, or the chain's extra key for a first block), its block id the host slot (-1 on disk,
+which has no block ids). Records hold
 only tuples, bytes, ints and None, so the garbage collector stops tracking them: a log of
 thousands of them costs no GC time.
 """
@@ -80,6 +83,11 @@ def decode_events(
     """The ``BlockStored`` / ``BlockRemoved`` events an ``EventRecord`` stands for, in order
     (those numbered ``start`` to ``stop`` within the record, by default all)."""
     medium = MEDIUMS[record[0] >> 1]
+    if record[0] > STORED:
+        blocks = lower_tier_blocks(record, start, stop)
+        if record[0] & 1 == REMOVED:
+            return [BlockRemoved(h, i, medium) for h, _, i, _ in blocks]
+        return [BlockStored(h, p, i, unpack_block(t, block_size, 0), medium) for h, p, i, t in blocks]
     if record[0] & 1 == REMOVED:
         pairs = zip(record[1][start:stop], record[2][start:stop], strict=True)
         return [BlockRemoved(h, i, medium) for h, i in pairs]
@@ -93,6 +101,15 @@ def decode_events(
         events.append(BlockStored(block_hash, parent, block_ids[i], tokens, medium))
         parent = block_hash
     return events
+
+
+def lower_tier_blocks(
+    record: EventRecord, start: int = 0, stop: int | None = None
+) -> list[tuple[BlockHash, bytes, int, bytes]]:
+    """``(hash, parent, block id, token bytes)`` of a lower tier's record's blocks ``start`` to
+    ``stop`` (its keys hashed here)."""
+    pairs = zip(record[1][start:stop], record[2][start:stop], strict=True)
+    return [(hash_preimage(k), k[:KEY_PREFIX_BYTES], i, k[KEY_PREFIX_BYTES:]) for k, i in pairs]
 
 
 class EventGap(CacheError):

@@ -102,25 +102,52 @@ class HostBlockCache:
         (every slot is swap's) is not held (counted as rejected). Least recently used entries
         are evicted to make room. The copies are complete when this returns.
         """
-        held = 0
-        slots: list[int] = []
-        views: list[torch.Tensor] = []
-        for key, parent_hash, view in blocks:
-            if key in self._entries:
-                self._entries.move_to_end(key)
-                held += 1
-                continue
+        views = []
+        for _, _, view in blocks:
             flat = _flat_bytes(view)
             if flat.numel() != self.block_bytes:
                 raise InvalidArgument(
                     f"block of {flat.numel()} bytes offered to a host cache of {self.block_bytes}-byte slots"
                 )
+            views.append(flat)
+        return self._take([(k, p) for k, p, _ in blocks], views, self._copy_in)
+
+    def offer_rows(self, keys: Sequence[bytes], rows: torch.Tensor, row_ids: Sequence[int]) -> int:
+        """``offer_many`` of CPU pool rows: block i is ``rows[row_ids[i]]`` (``rows``: the pool as
+        ``[num_blocks, block_bytes]`` uint8), its parent hash its key's first 32 bytes. One numpy
+        row copy per block instead of two tensor views and a copy: every eviction pays this with
+        a host cache (bench/block_manager_ab.py --tiers). A CUDA pool goes through offer_many."""
+        if rows.is_cuda or self.stream is not None:
+            return self.offer_many([(k, k[:32], rows[i]) for k, i in zip(keys, row_ids, strict=True)])
+        if rows.dim() != 2 or rows.shape[1] != self.block_bytes or rows.dtype != torch.uint8:
+            raise InvalidArgument(
+                f"pool rows {tuple(rows.shape)} {rows.dtype}: need [num_blocks, {self.block_bytes}] uint8"
+            )
+        dst, src = self.slots.numpy(), rows.numpy()
+
+        def copy_rows(slots: list[int], ids: list[int]) -> None:
+            for slot, i in zip(slots, ids, strict=True):
+                dst[slot] = src[i]
+
+        return self._take([(k, k[:32]) for k in keys], list(row_ids), copy_rows)
+
+    def _take(self, blocks: list[tuple[bytes, bytes | None]], sources: list, copy: Callable) -> int:
+        """Take ``blocks`` (key, parent hash), block i's bytes from ``sources[i]`` through
+        ``copy(slots, sources)``: ``offer_many``'s bookkeeping for either kind of source."""
+        held = 0
+        slots: list[int] = []
+        pending: list = []
+        for (key, parent_hash), source in zip(blocks, sources, strict=True):
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                held += 1
+                continue
             if not self._free and slots and self._entries[next(iter(self._entries))].slot in slots:
                 # The LRU entry is one of this batch, not copied yet: copy first, so what
                 # on_evict receives is the block, not the slot's old bytes.
-                self._copy_in(slots, views)
+                copy(slots, pending)
                 self._counts["stored"] += len(slots)
-                slots, views = [], []
+                slots, pending = [], []
             slot = self._free_slot()
             if slot is None:
                 self._counts["rejected"] += 1
@@ -129,9 +156,10 @@ class HostBlockCache:
             if self.on_change is not None:
                 self.on_change(True, key, slot)
             slots.append(slot)
-            views.append(flat)
+            pending.append(source)
             held += 1
-        self._copy_in(slots, views)
+        if slots:
+            copy(slots, pending)
         self._counts["stored"] += len(slots)
         return held
 

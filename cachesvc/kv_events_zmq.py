@@ -32,7 +32,7 @@ from collections.abc import Iterable
 import msgpack
 import zmq
 
-from cachesvc.events import REMOVED, EventRecord
+from cachesvc.events import REMOVED, STORED, EventRecord, lower_tier_blocks
 
 log = logging.getLogger("kvtier.cache")
 
@@ -46,22 +46,35 @@ ZMQ_MEDIUMS = (None, "CPU", "DISK")
 """vLLM's medium per ``events.MEDIUMS`` entry; the device's is the publisher's (GPU, or CPU for a CPU pool)."""
 
 
-def encode_record(record: EventRecord, block_size: int, medium: str) -> list:
-    """The vLLM event (a positional list, tag first) one EventRecord stands for; ``medium`` is
+def encode_record(record: EventRecord, block_size: int, medium: str) -> list[list]:
+    """The vLLM events (positional lists, tag first) one EventRecord stands for; ``medium`` is
     the device's (a host or disk tier's record says CPU or DISK).
 
-    A STORED record is a run of consecutive blocks of one chain: one BlockStored carries all of
-    them, ``token_ids`` being the tokens of every block in order (as vLLM's does).
+    A device STORED record is a run of consecutive blocks of one chain: one BlockStored carries
+    all of them, ``token_ids`` being the tokens of every block in order (as vLLM's does). A lower
+    tier's STORED record is a BlockStored per block (each with its own parent).
     """
     medium = ZMQ_MEDIUMS[record[0] >> 1] or medium
+    if record[0] > STORED:  # a lower tier's: one BlockStored per block (each names its parent)
+        blocks = lower_tier_blocks(record)
+        if record[0] & 1 == REMOVED:
+            return [["BlockRemoved", [h for h, _, _, _ in blocks], medium]]
+        return [
+            ["BlockStored", [h], p, _token_ids(t, 1, block_size), block_size, None, medium, None]
+            for h, p, _, t in blocks
+        ]
     if record[0] & 1 == REMOVED:
-        return ["BlockRemoved", list(record[1]), medium]
+        return [["BlockRemoved", list(record[1]), medium]]
     _, hashes, _block_ids, token_bytes, parent = record
-    num_tokens = len(hashes) * block_size
-    token_ids = list(struct.unpack_from(f"<{num_tokens}i", token_bytes))  # pack_token_ids form
+    token_ids = _token_ids(token_bytes, len(hashes), block_size)
     # lora_id (deprecated in vLLM) and lora_name: adapters enter our chain through its root
     # (extra_key), so neither is needed to read the hashes; both stay None.
-    return ["BlockStored", list(hashes), parent, token_ids, block_size, None, medium, None]
+    return [["BlockStored", list(hashes), parent, token_ids, block_size, None, medium, None]]
+
+
+def _token_ids(token_bytes: bytes, num_blocks: int, block_size: int) -> list[int]:
+    """The token ids of ``num_blocks`` blocks in ``pack_token_ids`` form."""
+    return list(struct.unpack_from(f"<{num_blocks * block_size}i", token_bytes))
 
 
 def encode_batch(ts: float, events: list, data_parallel_rank: int | None = 0) -> bytes:
@@ -155,10 +168,12 @@ class KvEventsPublisher:
 
     def _encode(self, ts: float, records: Iterable) -> bytes:
         # A record is an EventRecord (kind int first) or, for the startup batch, an event already.
-        events = [
-            record if isinstance(record[0], str) else encode_record(record, self.block_size, self.medium)
-            for record in records
-        ]
+        events = []
+        for record in records:
+            if isinstance(record[0], str):
+                events.append(record)
+            else:
+                events += encode_record(record, self.block_size, self.medium)
         return encode_batch(ts, events)
 
     def _run(self) -> None:

@@ -80,19 +80,14 @@ class LowerTiers:
         return self.disk.contains(key) or self.disk.offer(key, parent_hash, payload)
 
     def _record(self, stored: bool, medium: str, key: bytes, block_id: int) -> None:
-        """Record a block entering (``stored``) or leaving ``medium`` under its index ``key``."""
-        block_hash = hash_preimage(key)
-        kind = self._kinds[stored, medium]
-        if stored:
-            parent = key[:KEY_PREFIX_BYTES]
-            self._events.append((kind, (block_hash,), (block_id,), key[KEY_PREFIX_BYTES:], parent))
-        else:
-            self._events.append((kind, (block_hash,), (block_id,)))
+        """Record a block entering (``stored``) or leaving ``medium`` under its index ``key``
+        (hashed when the record is read: cachesvc.events)."""
+        self._events.append((self._kinds[stored, medium], (key,), (block_id,)))
 
     def take_event_records(self) -> list[EventRecord]:
         """Return and clear the tiers' event records since the last call, oldest first."""
         events = self._events
-        return [events.popleft() for _ in range(len(events))]
+        return [events.popleft() for _ in range(len(events))]  # the writer may append meanwhile
 
     def note_hits(self, keys: Sequence[bytes]) -> None:
         """Count a device prefix hit on each of ``keys`` (for ``--offload-min-hits``; no-op without it)."""
@@ -112,9 +107,7 @@ class LowerTiers:
             block_ids, keys = [i for i, _ in pairs], [k for _, k in pairs]
         rows = self.pool_rows
         if self.host is not None:
-            held = self.host.offer_many(
-                [(k, k[:KEY_PREFIX_BYTES], rows[i]) for i, k in zip(block_ids, keys, strict=True)]
-            )
+            held = self.host.offer_rows(keys, rows, block_ids)
             if self.disk is not None and self.write_policy == "through":
                 for key in keys:
                     entry = self.host.entry(key)

@@ -9,7 +9,7 @@ import torch
 from test_host_tier import needs_cuda  # the same reason printed when it skips
 
 from cachesvc.block_manager import BlockManager
-from cachesvc.errors import ResourceExhausted
+from cachesvc.errors import InvalidArgument, ResourceExhausted
 from cachesvc.host_cache import HostBlockCache
 from kvtier.block_hash import chain_preimages, extra_key, pack_token_ids
 
@@ -122,3 +122,27 @@ def test_cuda_cache_is_pinned_and_sees_writes_queued_just_before_it():
     pool.zero_()
     assert cache.load_many(keys, [pool[63 - i] for i in range(64)]) == 64
     assert torch.all(pool == 3.0)  # read on the default stream right after the call returned
+
+
+def test_offer_rows_takes_pool_rows_like_offer_many_and_refuses_a_wrong_layout():
+    rows = filled_pool().view(SHAPE[0], -1).view(torch.uint8)  # [8 blocks, block bytes]
+    changes: list[tuple[bool, bytes, int]] = []
+    cache = HostBlockCache(2, rows.shape[1])
+    cache.on_change = lambda stored, key, slot: changes.append((stored, key, slot))
+    keys = [bytes([k]) * 40 for k in range(3)]
+    with pytest.raises(InvalidArgument, match=r"need \[num_blocks, \d+\] uint8"):
+        cache.offer_rows(keys, rows[:, :-1], [5, 6, 7])
+    assert len(cache) == 0 and changes == []  # refused whole: nothing taken
+    # Three blocks into two slots: the first is evicted again within the batch (after its copy).
+    assert cache.offer_rows(keys, rows, [5, 6, 7]) == 3
+    assert [(stored, key) for stored, key, _ in changes] == [
+        (True, keys[0]),
+        (True, keys[1]),
+        (False, keys[0]),
+        (True, keys[2]),
+    ]
+    assert cache.entry(keys[1]).parent_hash == keys[1][:32]
+    out = torch.zeros(2, rows.shape[1], dtype=torch.uint8)
+    assert cache.load_many(keys[1:], [out[0], out[1]]) == 2
+    assert torch.equal(out, rows[6:8])
+    cache.check_invariants()
