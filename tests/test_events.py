@@ -7,9 +7,10 @@ import asyncio
 import pytest
 
 from cachesvc.block_manager import BlockManager
-from cachesvc.events import EventGap, EventLog
+from cachesvc.events import EventGap, EventLog, tier_kind
+from cachesvc.kv_events_zmq import encode_record
 from cachesvc.servicer import event_to_proto
-from kvtier.block_hash import extra_key, hash_full_blocks
+from kvtier.block_hash import extra_key, hash_full_blocks, hash_preimage, pack_token_ids
 
 BS = 4
 EXTRA = extra_key("model-fp")
@@ -128,3 +129,37 @@ def test_watch_events_delivers_events_that_arrive_while_a_batch_is_being_sent() 
         return got
 
     assert asyncio.run(scenario()) == [1, 2, 3, 4]
+
+
+def test_a_lower_tiers_records_hold_keys_and_read_as_events_with_their_medium() -> None:
+    tokens = list(range(3 * BS))
+    data = pack_token_ids(tokens)
+    keys, parent = [], EXTRA
+    for b in range(3):
+        keys.append(parent + data[b * 4 * BS : (b + 1) * 4 * BS])
+        parent = hash_preimage(keys[-1])
+    hashes = hash_full_blocks(tokens, BS, EXTRA)
+    log = EventLog(BS)
+    log.extend([
+        (tier_kind(True, "host"), tuple(keys), (0, 1, 2)),
+        (tier_kind(False, "host"), (keys[2],), (2,)),
+        (tier_kind(True, "disk"), (keys[1],), (-1,)),
+    ])  # fmt: skip
+    events = since(log, 0)
+    assert [(e.block_stored.medium, e.block_stored.block_hash) for e in events[:3]] == [
+        ("host", h) for h in hashes
+    ]
+    assert [e.block_stored.parent_block_hash for e in events[:3]] == [EXTRA, hashes[0], hashes[1]]
+    assert list(events[1].block_stored.token_ids) == tokens[BS : 2 * BS]
+    assert (events[3].block_removed.medium, events[3].block_removed.block_hash) == ("host", hashes[2])
+    assert (events[4].block_stored.medium, events[4].block_stored.block_id) == ("disk", -1)
+    assert [e.event_id for e in since(log, 2)] == [3, 4, 5]  # from the middle of a record
+    # The ZMQ form: a BlockStored per block (each with its parent), vLLM's media.
+    stored = encode_record((tier_kind(True, "host"), tuple(keys[:2]), (0, 1)), BS, "GPU")
+    assert stored == [
+        ["BlockStored", [hashes[0]], EXTRA, tokens[:BS], BS, None, "CPU", None],
+        ["BlockStored", [hashes[1]], hashes[0], tokens[BS : 2 * BS], BS, None, "CPU", None],
+    ]
+    assert encode_record((tier_kind(False, "disk"), (keys[2],), (-1,)), BS, "GPU") == [
+        ["BlockRemoved", [hashes[2]], "DISK"]
+    ]
