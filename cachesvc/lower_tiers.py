@@ -214,12 +214,39 @@ class LowerTiers:
             self.disk.close()
 
 
+AUTO_MAX_GIB = 4.0  # --host-cache-gib auto: at most this much ...
+AUTO_SHARE = 0.10  # ... and at most this share of the memory available (other processes need the rest)
+
+
+def host_cache_gib(value: str) -> float:
+    """``--host-cache-gib``'s value: GiB, or ``auto`` (``auto_host_cache_gib``)."""
+    return auto_host_cache_gib() if value == "auto" else float(value)
+
+
+def auto_host_cache_gib(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup") -> float:
+    """min(AUTO_MAX_GIB, AUTO_SHARE x the memory available): MemAvailable, or less where a cgroup
+    v2 limit leaves less (a container's /proc/meminfo shows the host's memory)."""
+    with open(meminfo) as f:
+        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    try:
+        with open(f"{cgroup}/memory.max") as f:
+            limit = f.read().strip()
+        with open(f"{cgroup}/memory.current") as f:
+            used = int(f.read())
+        if limit != "max":
+            available = min(available, max(0, int(limit) - used))
+    except (OSError, ValueError):
+        pass  # no cgroup v2 limit readable: MemAvailable stands
+    return min(AUTO_MAX_GIB, AUTO_SHARE * available / 2**30)
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The lower tiers' flags (off unless ``--host-cache-gib`` or ``--disk-path`` is given)."""
     ap.add_argument(
-        "--host-cache-gib", type=float, default=0.0,
+        "--host-cache-gib", type=host_cache_gib, default=0.0,
         help="host memory (GiB) for published blocks evicted from the pool, LRU, shared with swap (swap "
-        "first: a swap-out evicts cached blocks; --swap-space is then not a second area); 0, the default = no host cache (opt-in: docs/architecture.md, Lower tiers)",
+        "first: a swap-out evicts cached blocks; --swap-space is then not a second area); 0, the default = no host cache (opt-in: docs/architecture.md, Lower tiers); "
+        f"auto = min({AUTO_MAX_GIB:g} GiB, {AUTO_SHARE * 100:.0f}%% of the memory available to this process)",
     )  # fmt: skip
     ap.add_argument(
         "--disk-path", default="",

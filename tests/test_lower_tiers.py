@@ -225,3 +225,27 @@ def test_swap_shares_the_host_cache_area_swap_first():
     assert host.stats()["swap_slots"] == 0
     table.check_invariants()
     host.check_invariants()
+
+
+def test_host_cache_gib_auto_is_a_share_of_the_memory_available_capped(tmp_path):
+    import argparse
+
+    from cachesvc.lower_tiers import AUTO_MAX_GIB, add_arguments, auto_host_cache_gib
+
+    meminfo = tmp_path / "meminfo"
+    cgroup = tmp_path / "cgroup"
+    cgroup.mkdir()
+    meminfo.write_text(f"MemTotal: {64 * 2**20} kB\nMemAvailable: {20 * 2**20} kB\n")  # 20 GiB free
+    assert auto_host_cache_gib(str(meminfo), str(cgroup)) == pytest.approx(2.0)  # no cgroup files: 10%
+    (cgroup / "memory.max").write_text("max\n")
+    (cgroup / "memory.current").write_text(str(2**30))
+    assert auto_host_cache_gib(str(meminfo), str(cgroup)) == pytest.approx(2.0)  # no limit
+    (cgroup / "memory.max").write_text(str(9 * 2**30))  # a container: 8 GiB left under its limit
+    assert auto_host_cache_gib(str(meminfo), str(cgroup)) == pytest.approx(0.8)
+    meminfo.write_text(f"MemAvailable: {500 * 2**20} kB\n")
+    (cgroup / "memory.max").write_text("max\n")
+    assert auto_host_cache_gib(str(meminfo), str(cgroup)) == AUTO_MAX_GIB  # capped
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    assert ap.parse_args([]).host_cache_gib == 0.0  # off unless asked for
+    assert 0 < ap.parse_args(["--host-cache-gib", "auto"]).host_cache_gib <= AUTO_MAX_GIB
