@@ -74,6 +74,7 @@ class HostBlockCache:
         self._entries: OrderedDict[bytes, HostEntry] = OrderedDict()  # least recently used first
         self._free = list(range(num_slots - 1, -1, -1))  # a stack: lowest slot ids first
         self._swap_slots: set[int] = set()
+        self._rows = self._rows_np = self._slots_np = None  # offer_rows' pool, as numpy arrays
         self._counts = dict.fromkeys(("hits", "promotions", "evictions", "stored", "rejected"), 0)
 
     @classmethod
@@ -119,17 +120,18 @@ class HostBlockCache:
         a host cache (bench/block_manager_ab.py --tiers). A CUDA pool goes through offer_many."""
         if rows.is_cuda or self.stream is not None:
             return self.offer_many([(k, k[:32], rows[i]) for k, i in zip(keys, row_ids, strict=True)])
-        if rows.dim() != 2 or rows.shape[1] != self.block_bytes or rows.dtype != torch.uint8:
-            raise InvalidArgument(
-                f"pool rows {tuple(rows.shape)} {rows.dtype}: need [num_blocks, {self.block_bytes}] uint8"
-            )
-        dst, src = self.slots.numpy(), rows.numpy()
+        if rows is not self._rows:  # checked and viewed once per pool (keep passes the same one)
+            if rows.dim() != 2 or rows.shape[1] != self.block_bytes or rows.dtype != torch.uint8:
+                raise InvalidArgument(
+                    f"pool rows {tuple(rows.shape)} {rows.dtype}: need [num_blocks, {self.block_bytes}] uint8"
+                )
+            self._rows, self._rows_np, self._slots_np = rows, rows.numpy(), self.slots.numpy()
+        return self._take([(k, k[:32]) for k in keys], list(row_ids), self._copy_rows)
 
-        def copy_rows(slots: list[int], ids: list[int]) -> None:
-            for slot, i in zip(slots, ids, strict=True):
-                dst[slot] = src[i]
-
-        return self._take([(k, k[:32]) for k in keys], list(row_ids), copy_rows)
+    def _copy_rows(self, slots: list[int], ids: list[int]) -> None:
+        dst, src = self._slots_np, self._rows_np
+        for slot, i in zip(slots, ids, strict=True):
+            dst[slot] = src[i]
 
     def _take(self, blocks: list[tuple[bytes, bytes | None]], sources: list, copy: Callable) -> int:
         """Take ``blocks`` (key, parent hash), block i's bytes from ``sources[i]`` through

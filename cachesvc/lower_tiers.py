@@ -63,15 +63,12 @@ class LowerTiers:
         # The tiers' KV events (one record per block, see cachesvc.events), taken by the node
         # after each call; the disk's writer thread appends too (deque appends are atomic).
         self._events: deque[EventRecord] = deque()
-        self._kinds = {
-            (stored, m): tier_kind(stored, m) for stored in (True, False) for m in ("host", "disk")
-        }
         if host is not None:
-            host.on_change = lambda stored, key, slot: self._record(stored, "host", key, slot)
+            host.on_change = self._recorder("host")
         if disk is not None:
-            disk.on_change = lambda stored, key, slot: self._record(stored, "disk", key, slot)
+            disk.on_change = self._recorder("disk")
             for key in disk.indexed_keys():  # records found at startup: a consumer learns what disk holds
-                self._record(True, "disk", key, -1)
+                disk.on_change(True, key, -1)
         if host is not None and disk is not None:
             # through: a block the host evicts within the keep that took it has no disk copy yet
             host.on_evict = disk.offer if write_policy == "evict" else self._write_unless_on_disk
@@ -79,10 +76,17 @@ class LowerTiers:
     def _write_unless_on_disk(self, key: bytes, parent_hash: bytes | None, payload) -> bool:
         return self.disk.contains(key) or self.disk.offer(key, parent_hash, payload)
 
-    def _record(self, stored: bool, medium: str, key: bytes, block_id: int) -> None:
-        """Record a block entering (``stored``) or leaving ``medium`` under its index ``key``
-        (hashed when the record is read: cachesvc.events)."""
-        self._events.append((self._kinds[stored, medium], (key,), (block_id,)))
+    def _recorder(self, medium: str):
+        """The ``on_change(stored, key, block_id)`` of ``medium``'s tier: it records the block
+        entering or leaving under its index key (hashed when the record is read: cachesvc.events).
+        Runs on every eviction with a host cache, so it is one closure and one append."""
+        kinds = (tier_kind(False, medium), tier_kind(True, medium))
+        append = self._events.append
+
+        def record(stored: bool, key: bytes, block_id: int) -> None:
+            append((kinds[stored], (key,), (block_id,)))
+
+        return record
 
     def take_event_records(self) -> list[EventRecord]:
         """Return and clear the tiers' event records since the last call, oldest first."""
