@@ -122,8 +122,7 @@ class SequenceTable:
         return list(self._sequences.values())
 
     def lease_index(self) -> dict[str, dict[int, Sequence]]:
-        """Lease id -> that lease's sequences by id (read only: for the invariants)."""
-        return self._by_lease
+        return self._by_lease  # lease id -> its sequences by id (read only: for the invariants)
 
     @property
     def num_swapped_sequences(self) -> int:
@@ -274,9 +273,7 @@ class SequenceTable:
                 table = seq.block_table
                 table += new_ids[pos : pos + more]
                 pos += more
-                seq.room = min(
-                    len(table) * self.block_size, self.max_model_len
-                )  # room(), inline: each growth
+                seq.room = min(len(table) * self.block_size, self.max_model_len)  # room(), inline
                 seq.cached_blocks = None
         if len(seqs) == 1:
             return [self._blocks_of(seqs[0])]
@@ -450,6 +447,5 @@ class SequenceTable:
     # ------------------------------------------------------------------ checks
 
     def check_invariants(self) -> None:
-        """Block-manager invariants over all device tables, plus sequence, tenant and tier
-        accounting (``cachesvc.invariants``)."""
+        """Block-manager, sequence, tenant and tier accounting (``cachesvc.invariants``)."""
         check_table(self)
