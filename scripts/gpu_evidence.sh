@@ -6,7 +6,8 @@
 #   setup.log              what pip installed (only when something was missing)
 #   pytest-cuda.log        the CUDA tests of the pool (IPC handle opened in another process, device
 #   junit-cuda.xml         UUID check), the pinned swap tier on a side stream, the real device
-#                          memory plan and replica check, the model runner's Triton path vs generate
+#                          memory plan and replica check, the model runner's Triton path vs generate,
+#                          the prefix cache's pinned host tier and a cuda pool's keep/promote via disk
 #   pytest-kernels.log     tests/test_kernels_triton.py on the GPU (realistic shapes)
 #   junit-kernels.xml
 #   bench-decode.txt       bench/decode_attention.py: paged vs contiguous, KV-read bandwidth as a
@@ -134,6 +135,8 @@ CUDA_TESTS=(
     tests/test_host_tier.py
     tests/test_memory_plan.py::test_real_device_plan_and_replica_check
     tests/test_model.py::test_greedy_on_cuda_with_triton_kernels_matches_generate
+    tests/test_host_cache.py::test_cuda_cache_is_pinned_and_sees_writes_queued_just_before_it
+    tests/test_lower_tiers.py::test_a_cuda_pool_keeps_and_promotes_through_pinned_host_memory_and_disk
 )
 KERNEL_TESTS=(tests/test_kernels_triton.py)
 PYTEST=("$PY" -m pytest -o addopts="" -p no:cacheprovider -q -rA)
