@@ -17,8 +17,6 @@ from kvtier.pool import (
     PoolSpec,
     PoolUnavailable,
     PoolViews,
-    block_layout,
-    pool_strides,
     pool_views,
 )
 
@@ -75,7 +73,8 @@ class CudaPool(MappedViews):
     @classmethod
     def create(cls, shape: list[int], dtype: str, device: int = 0, **spec_fields) -> CudaPool:
         cupy = require_cuda()
-        size = shape[0] * block_layout(shape, dtype)[0]
+        spec = PoolSpec.laid_out(cls.backend, shape, dtype, device_uuid=device_uuid(device), **spec_fields)
+        size = spec.size_bytes
         with cupy.cuda.Device(device):
             # NOTE: cupy.cuda.Memory is a plain cudaMalloc, not a pool slice: the IPC handle must
             # name the whole allocation, which the caching allocators of torch/CuPy do not promise.
@@ -83,17 +82,7 @@ class CudaPool(MappedViews):
             handle = bytes(cupy.cuda.runtime.ipcGetMemHandle(memory.ptr))
             raw = cupy.ndarray((size,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0))
             raw.fill(0)
-        spec = PoolSpec(
-            backend=cls.backend,
-            dtype=dtype,
-            shape=list(shape),
-            strides=pool_strides(list(shape), dtype),
-            size_bytes=size,
-            block_size=shape[3],
-            cuda_ipc_handle=handle,
-            device_uuid=device_uuid(device),
-            **spec_fields,
-        )
+        spec.cuda_ipc_handle = handle
         return cls(spec=spec, views=_torch_view(raw, spec), _memory=memory, _owner=True)
 
     @classmethod

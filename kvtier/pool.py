@@ -95,6 +95,14 @@ class PoolSpec:
     vocab_size: int = 0
     max_model_len: int = 0
 
+    @classmethod
+    def laid_out(cls, backend: str, shape: list[int], dtype: str, **fields) -> PoolSpec:
+        """The spec of a pool of ``shape`` and ``dtype``: strides, bytes and block size follow from
+        them (``pool_strides``, ``block_layout``); ``fields`` are the rest (a handle, the model's)."""
+        shape = list(shape)
+        size = shape[0] * block_layout(shape, dtype)[0]
+        return cls(backend, dtype, shape, pool_strides(shape, dtype), size, shape[3], **fields)
+
     @property
     def num_blocks(self) -> int:
         return self.shape[0]
@@ -148,10 +156,8 @@ def private_pool(shape: list[int], dtype: str, device: str = "cpu") -> PoolViews
     a shared one (benchmarks and tests that need no second process)."""
     import torch
 
-    strides = pool_strides(list(shape), dtype)
-    size = shape[0] * block_layout(shape, dtype)[0]
-    spec = PoolSpec("private", dtype, list(shape), strides, size, shape[3])
-    return pool_views(torch.zeros(size, dtype=torch.uint8, device=device), spec)
+    spec = PoolSpec.laid_out("private", shape, dtype)
+    return pool_views(torch.zeros(spec.size_bytes, dtype=torch.uint8, device=device), spec)
 
 
 class MappedViews:
@@ -196,24 +202,15 @@ class ShmPool(MappedViews):
     @classmethod
     def create(cls, shape: list[int], dtype: str, **spec_fields) -> ShmPool:
         """Create a new segment (mode 0600) sized for `shape`; the caller owns and unlinks it."""
-        size = shape[0] * block_layout(shape, dtype)[0]
+        spec = PoolSpec.laid_out(cls.backend, shape, dtype, **spec_fields)
         remove_stale_segments()
         name = f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
         # NOTE: SharedMemory creates the segment with mode 0600, so only our uid can map it.
         # The creating process stays registered with the resource tracker on purpose: if the
         # cache service is killed, the tracker unlinks the segment (mappings that exist live on).
-        shm = shared_memory.SharedMemory(name=name, create=True, size=size)
+        shm = shared_memory.SharedMemory(name=name, create=True, size=spec.size_bytes)
         os.chmod(f"/dev/shm/{shm.name}", 0o600)
-        spec = PoolSpec(
-            backend=cls.backend,
-            dtype=dtype,
-            shape=list(shape),
-            strides=pool_strides(list(shape), dtype),
-            size_bytes=size,
-            block_size=shape[3],
-            shm_name=shm.name,
-            **spec_fields,
-        )
+        spec.shm_name = shm.name
         pool = cls(spec=spec, views=_view(shm, spec), _shm=shm, _owner=True)
         pool.rows.zero_()
         return pool
