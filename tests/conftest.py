@@ -33,6 +33,27 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def edge_gateway(tmp_path_factory: pytest.TempPathFactory):
+    """A cache service (512 blocks), one compute replica and the gateway (`--api-key
+    EDGE_API_KEY`, the default tool-call parser), shared by the tests of the gateway's edge and of
+    structured outputs: they only send requests, and none depends on what another cached."""
+    from servers import EDGE_API_KEY, child_env
+
+    from kvtier_cli.stack import LocalStack
+
+    run_dir = tmp_path_factory.mktemp("edge-gateway")
+    with LocalStack(
+        run_dir,
+        cache_args=["--num-blocks", "512"],
+        num_replicas=1,
+        env=child_env(run_dir),
+        gateway_args=["--api-key", EDGE_API_KEY],
+        gateway_port=0,
+    ) as stack:
+        yield stack
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _close_module_loop(request: pytest.FixtureRequest):
     """Close the module's `LOOP` (a tests/servers.py ModuleLoop) after its last test, if it has one."""

@@ -64,6 +64,10 @@ def tls_cache_service(run_dir: Path, *args: str):
         proc.stop()
 
 
+# The API key of the one-replica gateway stack that tests/conftest.py's `edge_gateway` shares.
+EDGE_API_KEY = "sk-kvtier-edge-test"
+
+
 @contextmanager
 def local_stack(run_dir: Path, cache_args=(), compute_args=(), replicas: int = 2, env=None):
     """Cache service + `replicas` compute replicas, all serving."""

@@ -1,6 +1,7 @@
 """The gateway's edge (issue 26): stop strings that never leak, bounded input, exact errors,
-/tokenize and /detokenize. A real stack (cache service + 1 compute replica), the gateway as a real
-process, the official `openai` client (or httpx for raw bodies)."""
+/tokenize and /detokenize. A real stack (cache service + 1 compute replica; conftest's
+`edge_gateway`, shared with tests/test_structured_output.py), the gateway as a real process, the
+official `openai` client (or httpx for raw bodies)."""
 
 from __future__ import annotations
 
@@ -11,33 +12,17 @@ import time
 import httpx
 import openai
 import pytest
-from servers import child_env
-
-from kvtier_cli.stack import LocalStack
+from servers import EDGE_API_KEY
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-API_KEY = "sk-kvtier-gateway-input-test"
+API_KEY = EDGE_API_KEY
 MODEL = "kvtier-tiny"
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("gateway-input")
-    with LocalStack(
-        run_dir,
-        cache_args=["--num-blocks", "512"],
-        num_replicas=1,
-        env=child_env(run_dir),
-        gateway_args=["--api-key", API_KEY],
-        gateway_port=0,
-    ) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def url(stack) -> str:
-    return stack.gateway.address
+def url(edge_gateway) -> str:
+    return edge_gateway.gateway.address
 
 
 @pytest.fixture(scope="module")

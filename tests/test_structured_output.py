@@ -16,17 +16,16 @@ import jsonschema
 import openai
 import pytest
 import torch
-from servers import child_env
+from servers import EDGE_API_KEY
 
 from computesvc.structured_output import Grammars, advance, choice_grammar, mask_logits
 from kvtier.model_spec import TINY_LLAMA_CONFIG
 from kvtier.structured_output import MAX_CONSTRAINT_BYTES, Constraint, from_proto, to_proto
 from kvtier.tokenizer import build_byte_tokenizer
-from kvtier_cli.stack import LocalStack
 
 VOCAB = TINY_LLAMA_CONFIG["vocab_size"]
 EOS = TINY_LLAMA_CONFIG["eos_token_id"]
-API_KEY = "sk-kvtier-structured-test"
+API_KEY = EDGE_API_KEY
 MODEL = "kvtier-tiny"
 # Every value bounded, so a random model's output ends well within max_tokens.
 PERSON = {
@@ -189,19 +188,11 @@ def test_constraints_round_trip_the_wire_and_choices_are_escaped(grammars):
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("structured")
-    with LocalStack(
-        run_dir,
-        cache_args=["--num-blocks", "512"],
-        num_replicas=1,
-        env=child_env(run_dir),
-        gateway_args=["--api-key", API_KEY, "--tool-call-parser", "hermes"],
-        gateway_port=0,
-    ) as stack:
-        yield openai.OpenAI(
-            base_url=f"{stack.gateway.address}/v1", api_key=API_KEY, max_retries=0, timeout=120
-        )
+def client(edge_gateway):
+    """The official client on conftest's shared `edge_gateway` (hermes, the default tool-call parser)."""
+    return openai.OpenAI(
+        base_url=f"{edge_gateway.gateway.address}/v1", api_key=API_KEY, max_retries=0, timeout=120
+    )
 
 
 CHAT = [{"role": "user", "content": "Tell me about someone."}]
