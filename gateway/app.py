@@ -123,8 +123,8 @@ def create_app(
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes(model))  # inside MetricsAndLogs: counted
     app.add_middleware(MetricsAndLogs, metrics=metrics)
 
-    api = OpenAIRoutes(engine, model, metrics, ApiKeyCheck(api_key, keys), tool_call_parser)
-    keyed = [Depends(api.check_api_key)]
+    api = OpenAIRoutes(engine, model, metrics, tool_call_parser)
+    keyed = [Depends(ApiKeyCheck(api_key, keys))]
     app.include_router(tokenize_routes(model, chat_prompt), dependencies=keyed)
     app.get("/health")(api.health)
     app.get("/metrics")(api.prometheus)
@@ -141,7 +141,7 @@ class ApiKeyCheck:
     def __init__(self, api_key: str | None, keys: ApiKeys | None) -> None:
         self.api_key, self.keys = api_key, keys
 
-    def __call__(self, request: Request) -> None:
+    async def __call__(self, request: Request) -> None:
         api_key, keys = self.api_key, self.keys
         if api_key is None and keys is None:
             return
@@ -170,15 +170,10 @@ class OpenAIRoutes:
         engine: Engine,
         model: ServedModel,
         metrics: GatewayMetrics,
-        key_check: ApiKeyCheck,
         tool_call_parser: str,
     ) -> None:
         self.engine, self.model, self.metrics = engine, model, metrics
-        self.key_check = key_check
         self.tool_call_parser = tool_call_parser
-
-    async def check_api_key(self, request: Request) -> None:
-        self.key_check(request)
 
     def check_request(self, req: _SamplingRequest) -> None:
         check_model(req.model, self.model)
