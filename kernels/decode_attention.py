@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.online_softmax import attend_tile, scale_operands
+from kernels.online_softmax import attend_span, load_rows, log_sum_exp, scale_operands, store_rows
 
 # NOTE: a split shorter than this reads too little KV to pay for its partial write + reduce.
 MIN_SPLIT_TOKENS = 256
@@ -78,92 +78,50 @@ def _decode_kernel(
     QUANTIZED: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-
-    seq_len = tl.load(seq_lens_ptr + seq)
-    start = split * tokens_per_split
-    end = tl.minimum(seq_len, start + tokens_per_split)
-    # A sliding window hides what lies before it: a split wholly before it reads nothing.
-    start = tl.maximum(start, seq_len - window)
-
+    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start, end = _split_span(seq_lens_ptr + seq, split, tokens_per_split, window)
     g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, HEAD_DIM_PAD)
-    n = tl.arange(0, TILE_N)
     g_mask = g < group
-    d_mask = d < HEAD_DIM
     heads = kv_head * group + g
-
-    q = tl.load(
-        q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + d[None, :],
-        mask=g_mask[:, None] & d_mask[None, :],
-        other=0.0,
+    q = load_rows(
+        q_ptr + seq * stride_q_seq, heads, stride_q_head, g_mask, HEAD_DIM, HEAD_DIM_PAD, DOT_IN_FP32
     )
-    if DOT_IN_FP32:
-        q = q.to(tl.float32)
-    row_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    row_sum = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-
-    block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
-    k_head = k_ptr + kv_head * stride_k_head
-    v_head = v_ptr + kv_head * stride_v_head
-    for tile_start in range(start, end, TILE_N):
-        pos = tile_start + n
-        valid = pos < end
-        # int64: block id * block stride overflows int32 on pools of a few GiB.
-        block_ids = tl.load(block_table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        offsets = pos % BLOCK_SIZE
-        kv_mask = valid[:, None] & d_mask[None, :]
-        # Every tile holds at least one valid position, so row_max is finite from the first tile on.
-        acc, row_max, row_sum = attend_tile(
-            q,
-            acc,
-            row_max,
-            row_sum,
-            k_head,
-            v_head,
-            block_ids,
-            offsets,
-            d,
-            kv_mask,
-            valid[None, :],
-            qk_scale,
-            stride_k_block,
-            stride_k_tok,
-            stride_v_block,
-            stride_v_tok,
-            k_scale_ptr + kv_head,
-            v_scale_ptr + kv_head,
-            stride_s_block,
-            stride_s_tok,
-            DOT_IN_FP32,
-            QUANTIZED,
-        )
-
+    # Every tile holds at least one valid position, so row_max is finite from the first tile on.
+    result, row_max, row_sum = attend_span(
+        q,
+        start,
+        end,
+        block_tables_ptr + seq.to(tl.int64) * stride_bt_seq,
+        (k_ptr + kv_head * stride_k_head, stride_k_block, stride_k_tok),
+        (v_ptr + kv_head * stride_v_head, stride_v_block, stride_v_tok),
+        (k_scale_ptr + kv_head, v_scale_ptr + kv_head, stride_s_block, stride_s_tok),
+        qk_scale,
+        None,
+        HEAD_DIM,
+        BLOCK_SIZE,
+        TILE_N,
+        DOT_IN_FP32,
+        QUANTIZED,
+    )
     # An empty range (seq_len 0, or a split past the end) has row_sum 0: its output is zeros.
-    has_tokens = row_sum > 0
-    result = acc / tl.where(has_tokens, row_sum, 1.0)[:, None]
-    out_mask = g_mask[:, None] & d_mask[None, :]
     if WRITE_PARTIAL:
-        lse = tl.where(has_tokens, row_max + tl.log2(tl.where(has_tokens, row_sum, 1.0)), float("-inf"))
-        tl.store(
-            part_out_ptr
-            + seq * stride_po_seq
-            + heads[:, None] * stride_po_head
-            + split * stride_po_split
-            + d[None, :],
-            result,
-            mask=out_mask,
-        )
+        part_out = part_out_ptr + seq * stride_po_seq + split * stride_po_split
+        store_rows(part_out, heads, stride_po_head, g_mask, result, HEAD_DIM)
+        lse = log_sum_exp(row_max, row_sum)
         tl.store(part_lse_ptr + seq * stride_pl_seq + heads * stride_pl_head + split, lse, mask=g_mask)
     else:
-        tl.store(
-            out_ptr + seq * stride_o_seq + heads[:, None] * stride_o_head + d[None, :],
-            result.to(out_ptr.dtype.element_ty),
-            mask=out_mask,
-        )
+        out = result.to(out_ptr.dtype.element_ty)
+        store_rows(out_ptr + seq * stride_o_seq, heads, stride_o_head, g_mask, out, HEAD_DIM)
+
+
+@triton.jit
+def _split_span(seq_len_ptr, split, tokens_per_split, window):
+    """The key positions [start, end) one split of a sequence reads: its share of the sequence,
+    from the window's start on (a split wholly before a sliding window reads nothing)."""
+    seq_len = tl.load(seq_len_ptr)
+    start = split * tokens_per_split
+    end = tl.minimum(seq_len, start + tokens_per_split)
+    return tl.maximum(start, seq_len - window), end
 
 
 @triton.jit
@@ -287,22 +245,15 @@ def paged_decode_attention(
         return out
     interpret = os.environ.get("TRITON_INTERPRET") == "1" or q.device.type != "cuda"
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    group_pad = max(16, triton.next_power_of_2(group))
     tile_n, num_warps, num_stages = config or launch_config(head_dim_pad, q.dtype, interpret)
-
-    if max_seq_len is None:
-        # The block table's capacity bounds every seq_len without reading seq_lens back (a
-        # device sync per layer per step).
-        max_seq_len = block_tables.shape[1] * block_size
-    if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, _num_sms(q.device))
-    num_splits = max(1, num_splits)
-    # Splits start on block boundaries so no block is read by two programs.
-    tokens_per_split = math.ceil(math.ceil(max_seq_len / num_splits) / block_size) * block_size
-    tokens_per_split = max(tokens_per_split, block_size)
+    # The block table's capacity bounds every seq_len without reading seq_lens back (a device
+    # sync per layer per step).
+    max_seq_len = block_tables.shape[1] * block_size if max_seq_len is None else max_seq_len
+    num_splits, tokens_per_split = _split_plan(
+        num_seqs, num_kv_heads, block_size, max_seq_len, num_splits, q.device
+    )
     write_partial = num_splits > 1
     part_out, part_lse = _split_partials(out, num_splits)
-
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -315,7 +266,7 @@ def paged_decode_attention(
         part_out,
         part_lse,
         scale * _LOG2E,
-        num_heads // num_kv_heads,
+        group,
         tokens_per_split,
         window or _NO_WINDOW,
         *q.stride()[:2],
@@ -326,7 +277,7 @@ def paged_decode_attention(
         *out.stride()[:2],
         *part_out.stride()[:3],
         *part_lse.stride()[:2],
-        GROUP_PAD=group_pad,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size,
@@ -340,6 +291,24 @@ def paged_decode_attention(
     if write_partial:
         _reduce_splits(part_out, part_lse, out, head_dim_pad, interpret)
     return out
+
+
+def _split_plan(
+    num_seqs: int,
+    num_kv_heads: int,
+    block_size: int,
+    max_seq_len: int,
+    num_splits: int | None,
+    device: torch.device,
+) -> tuple[int, int]:
+    """(splits per sequence, tokens per split): the forced count or `choose_num_splits`'s, each
+    split a whole number of blocks (at least one) covering max_seq_len tokens."""
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, _num_sms(device))
+    num_splits = max(1, num_splits)
+    # Splits start on block boundaries so no block is read by two programs.
+    tokens_per_split = math.ceil(math.ceil(max_seq_len / num_splits) / block_size) * block_size
+    return num_splits, max(tokens_per_split, block_size)
 
 
 def _split_partials(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:

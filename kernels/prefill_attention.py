@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.online_softmax import attend_tile, scale_operands
+from kernels.online_softmax import attend_span, load_rows, scale_operands, store_rows
 
 # The window of full attention: q_pos - _NO_WINDOW is below 0 for any int32 position.
 _NO_WINDOW = 2**31 - 1
@@ -57,84 +57,54 @@ def _prefill_kernel(
     DOT_IN_FP32: tl.constexpr,
     QUANTIZED: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    m_tile = tl.program_id(2)
+    seq, head, m_tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kv_head = head // group
-
     q_start = tl.load(cu_query_lens_ptr + seq)
     query_len = tl.load(cu_query_lens_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
     prefix_len = seq_len - query_len
 
     m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    d = tl.arange(0, HEAD_DIM_PAD)
-    n = tl.arange(0, TILE_N)
     row_valid = m < query_len
-    d_mask = d < HEAD_DIM
-    q_pos = prefix_len + m
     tokens = (q_start + m).to(tl.int64)
-
-    q = tl.load(
-        q_ptr + tokens[:, None] * stride_q_tok + head * stride_q_head + d[None, :],
-        mask=row_valid[:, None] & d_mask[None, :],
-        other=0.0,
+    q = load_rows(
+        q_ptr + head * stride_q_head, tokens, stride_q_tok, row_valid, HEAD_DIM, HEAD_DIM_PAD, DOT_IN_FP32
     )
-    if DOT_IN_FP32:
-        q = q.to(tl.float32)
-    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    row_sum = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    kv_start, kv_end = _visible_keys(prefix_len, query_len, seq_len, m_tile, window, BLOCK_M)
+    result, _, _ = attend_span(
+        q,
+        kv_start,
+        kv_end,
+        block_tables_ptr + seq.to(tl.int64) * stride_bt_seq,
+        (k_ptr + kv_head * stride_k_head, stride_k_block, stride_k_tok),
+        (v_ptr + kv_head * stride_v_head, stride_v_block, stride_v_tok),
+        (k_scale_ptr + kv_head, v_scale_ptr + kv_head, stride_s_block, stride_s_tok),
+        qk_scale,
+        (prefix_len + m, window),
+        HEAD_DIM,
+        BLOCK_SIZE,
+        TILE_N,
+        DOT_IN_FP32,
+        QUANTIZED,
+    )
+    out = result.to(out_ptr.dtype.element_ty)
+    store_rows(out_ptr + head * stride_o_head, tokens, stride_o_tok, row_valid, out, HEAD_DIM)
 
-    # Keys up to the tile's last query position; a tile past the query range reads nothing.
+
+@triton.jit
+def _visible_keys(prefix_len, query_len, seq_len, m_tile, window, BLOCK_M: tl.constexpr):
+    """The key positions [start, end) a tile of BLOCK_M queries (tile m_tile of a sequence
+    whose query_len new tokens follow prefix_len cached ones) may see.
+
+    The end is the tile's last query position (a tile past the query range reads nothing); the
+    start is the tile's first query's earliest visible position (0 without a window). Row r sees
+    start + r (or 0) first, inside the first key tile as BLOCK_M <= TILE_N: row_max is finite
+    after it.
+    """
     kv_end = tl.minimum(seq_len, prefix_len + (m_tile + 1) * BLOCK_M)
     kv_end = tl.where(m_tile * BLOCK_M < query_len, kv_end, 0)
-    block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
-    k_head = k_ptr + kv_head * stride_k_head
-    v_head = v_ptr + kv_head * stride_v_head
-    # Keys from the tile's first query's earliest visible position (0 without a window). Row r
-    # sees kv_start + r (or 0) first, inside the first tile as BLOCK_M <= TILE_N: row_max is
-    # finite after it.
     kv_start = tl.maximum(prefix_len + m_tile * BLOCK_M - window + 1, 0)
-    for tile_start in range(kv_start, kv_end, TILE_N):
-        pos = tile_start + n
-        kv_valid = pos < kv_end
-        block_ids = tl.load(block_table + pos // BLOCK_SIZE, mask=kv_valid, other=0).to(tl.int64)
-        offsets = pos % BLOCK_SIZE
-        kv_mask = kv_valid[:, None] & d_mask[None, :]
-        seen = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window)
-        causal = kv_valid[None, :] & seen
-        acc, row_max, row_sum = attend_tile(
-            q,
-            acc,
-            row_max,
-            row_sum,
-            k_head,
-            v_head,
-            block_ids,
-            offsets,
-            d,
-            kv_mask,
-            causal,
-            qk_scale,
-            stride_k_block,
-            stride_k_tok,
-            stride_v_block,
-            stride_v_tok,
-            k_scale_ptr + kv_head,
-            v_scale_ptr + kv_head,
-            stride_s_block,
-            stride_s_tok,
-            DOT_IN_FP32,
-            QUANTIZED,
-        )
-
-    result = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
-    tl.store(
-        out_ptr + tokens[:, None] * stride_o_tok + head * stride_o_head + d[None, :],
-        result.to(out_ptr.dtype.element_ty),
-        mask=row_valid[:, None] & d_mask[None, :],
-    )
+    return kv_start, kv_end
 
 
 def paged_prefill_attention(
