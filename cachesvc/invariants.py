@@ -13,7 +13,7 @@ from typing import Protocol
 from cachesvc.block_manager import BlockManager
 from cachesvc.fencing import Fencing
 from cachesvc.limits import TenantLimits
-from cachesvc.records import DEVICE, Sequence
+from cachesvc.records import DEVICE, PLACEHOLDER_BLOCK, Sequence
 from cachesvc.tiers import Tier
 from kvtier.block_hash import pack_token_ids
 
@@ -54,6 +54,10 @@ def check_table(table: TableView) -> None:
             f"sequence {sid}: cached {seq.num_cached_tokens} <= computed {seq.num_computed_tokens} "
             f"<= tokens {len(seq.token_ids)} does not hold"
         )
+        assert seq.num_released_blocks * bs <= seq.num_computed_tokens, (
+            f"sequence {sid}: {seq.num_released_blocks} released blocks reach past its "
+            f"{seq.num_computed_tokens} computed tokens"
+        )
         if seq.location == DEVICE:
             assert not seq.tier_slots, f"device sequence {sid} holds tier slots {seq.tier_slots}"
             assert len(seq.token_ids) <= len(seq.block_table) * bs, (
@@ -65,12 +69,21 @@ def check_table(table: TableView) -> None:
             assert seq.room == table.room(seq.block_table), (
                 f"sequence {sid}: room {seq.room} does not match {len(seq.block_table)} blocks"
             )
-            device_tables.append(seq.block_table)
+            released = seq.block_table[: seq.num_released_blocks]
+            assert released == [PLACEHOLDER_BLOCK] * seq.num_released_blocks, (
+                f"sequence {sid}: released entries {released} are not placeholders"
+            )
+            assert seq.num_released_blocks <= seq.num_published_blocks, (
+                f"sequence {sid}: {seq.num_released_blocks} released blocks but {seq.num_published_blocks} published"
+            )
+            device_tables.append(seq.live_blocks)
         else:
             assert seq.location in tier_slots, f"sequence {sid} has location {seq.location!r}"
             assert not seq.block_table, f"{seq.location} sequence {sid} holds device blocks {seq.block_table}"
-            assert len(seq.token_ids) <= len(seq.tier_slots) * bs, (
-                f"sequence {sid}: {len(seq.token_ids)} tokens exceed {len(seq.tier_slots)} {seq.location} slots"
+            positions = seq.num_released_blocks + len(seq.tier_slots)  # released ones hold no slot
+            assert len(seq.token_ids) <= positions * bs, (
+                f"sequence {sid}: {len(seq.token_ids)} tokens exceed {seq.num_released_blocks} released "
+                f"blocks + {len(seq.tier_slots)} {seq.location} slots"
             )
             assert seq.room == 0, f"{seq.location} sequence {sid} has room {seq.room}"
             tier_slots[seq.location] += seq.tier_slots

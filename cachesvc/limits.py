@@ -243,7 +243,7 @@ class TenantLimits:
         held = dict.fromkeys(more_by_tenant, 0)
         for seq in self._sequences.values():
             if seq.tenant in held:
-                held[seq.tenant] += len(seq.block_table)
+                held[seq.tenant] += len(seq.live_blocks)  # device blocks (none while swapped)
         for tenant, want in more_by_tenant.items():
             if want and held[tenant] >= shares[tenant]:
                 why = (

@@ -32,7 +32,7 @@ class LeaseSnapshot:
     num_blocks: int  # device blocks of its sequences on the device
     num_host_blocks: int  # host-tier slots of its swapped-out sequences
     expires_in_s: float
-    num_tokens: int  # tokens of its sequences on the device
+    num_tokens: int  # tokens of its sequences on the device, in the blocks they hold
 
 
 @dataclass(slots=True)
@@ -240,12 +240,13 @@ class CacheNode:
         return self._succeeded(lease, self.sequences.allocate(lease.lease_id, _nonempty("items", items)))
 
     def extend(
-        self, lease_id: str, items: list[ExtendItem], commits: list[CommitItem] = ()
+        self, lease_id: str, items: list[ExtendItem], commits: list[CommitItem] = (), releases=()
     ) -> list[SequenceBlocks]:
-        """Per ``(sequence_id, num_tokens)``: room for that many tokens more, after ``commits``."""
+        """Per ``(sequence_id, num_tokens)``: room for that many tokens more, after ``commits``
+        and ``releases`` (ReleaseItems: blocks a sliding window left behind)."""
         lease = self.leases.get(lease_id)
         return self._succeeded(
-            lease, self.sequences.extend(lease.lease_id, _nonempty("items", items), commits)
+            lease, self.sequences.extend(lease.lease_id, _nonempty("items", items), commits, releases)
         )
 
     def commit(self, lease_id: str, items: list[CommitItem]) -> int:
@@ -294,8 +295,9 @@ class CacheNode:
         for lease in self.leases:
             own = seqs.sequences_of(lease.lease_id)
             on_device = [s for s in own if s.location == DEVICE]
-            lease_blocks = sum(len(s.block_table) for s in on_device)
-            lease_tokens = sum(len(s.token_ids) for s in on_device)
+            lease_blocks = sum(s.num_blocks for s in on_device)
+            # Tokens in the blocks held: a sliding window's released blocks hold none.
+            lease_tokens = sum(len(s.token_ids) - s.num_released_blocks * bm.block_size for s in on_device)
             num_tokens += lease_tokens
             num_token_slots += lease_blocks * bm.block_size
             leases.append(

@@ -15,6 +15,10 @@ from kvtier.sequence_types import SequenceBlocks
 # blocks are in the pool. Any other location names a lower tier.
 DEVICE = "device"
 
+# What a released entry of a block table reads (a sliding window left the block behind,
+# cachesvc.releases): an in-range id that no kernel reads or writes for that position.
+PLACEHOLDER_BLOCK = 0
+
 
 @dataclass(slots=True)
 class Sequence:
@@ -23,7 +27,8 @@ class Sequence:
     sequence_id: int
     lease_id: str
     token_ids: list[int]
-    # Device block ids in token order while on the device; empty while on a lower tier.
+    # Device block ids in token order while on the device; empty while on a lower tier. The
+    # first num_released_blocks entries are PLACEHOLDER_BLOCK: released, not held.
     block_table: list[int]
     num_computed_tokens: int  # leading tokens whose KV is written (committed)
     num_cached_tokens: int  # leading tokens that were a prefix hit at Allocate
@@ -46,14 +51,24 @@ class Sequence:
     # Leading blocks of block_table already offered to the prefix index (published, a hit, or
     # a duplicate of a published block). Reset by SwapIn, whose blocks are new.
     num_published_blocks: int = 0
+    # Leading positions whose blocks a sliding window left behind and were released (Extend's
+    # releases): placeholders in block_table, no slot on a lower tier. Never decreases.
+    num_released_blocks: int = 0
     # The SequenceBlocks last handed out, reused until the block table changes (None = rebuild).
     # They are snapshots shared between calls, so callers must treat them as read-only.
     cached_blocks: SequenceBlocks | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_blocks(self) -> int:
-        """Blocks held, on whichever tier the sequence lives."""
-        return len(self.block_table) if self.location == DEVICE else len(self.tier_slots)
+        """Blocks held, on whichever tier the sequence lives (released entries hold none)."""
+        if self.location == DEVICE:
+            return len(self.block_table) - self.num_released_blocks
+        return len(self.tier_slots)
+
+    @property
+    def live_blocks(self) -> list[int]:
+        """The device block ids held, in token order: the table past its released entries."""
+        return self.block_table[self.num_released_blocks :]
 
 
 @dataclass

@@ -24,6 +24,7 @@ from cachesvc.fencing import Fencing
 from cachesvc.invariants import check_table
 from cachesvc.limits import TenantLimits
 from cachesvc.records import DEVICE, CacheStats, Sequence
+from cachesvc.releases import Releasing
 from cachesvc.swap import Swapping
 from cachesvc.tiers import DeviceTier, LowerTier
 from cachesvc.validation import (
@@ -39,6 +40,7 @@ from kvtier.sequence_types import AllocateItem, CommitItem, ExtendItem, PrefixQu
 
 if TYPE_CHECKING:
     from cachesvc.lower_tiers import LowerTiers
+    from kvtier.sequence_types import ReleaseItem
 
 
 class SequenceTable:
@@ -103,6 +105,7 @@ class SequenceTable:
         bounds = (self._sequences, self.block_size, max_model_len)
         self._check_commit = partial(commit_sequences, *bounds, vocab_size, max_batch)
         self._plan_extend = partial(plan_extend, *bounds, max_batch)
+        self.releasing = Releasing(self._sequences, block_manager, self.limits, max_batch)
 
     # ------------------------------------------------------------------ reading
 
@@ -218,15 +221,19 @@ class SequenceTable:
         return out
 
     def extend(
-        self, lease_id: str, items: list[ExtendItem], commits: list[CommitItem] = ()
+        self,
+        lease_id: str,
+        items: list[ExtendItem],
+        commits: list[CommitItem] = (),
+        releases: list[ReleaseItem] = (),
     ) -> list[SequenceBlocks]:
         """Make room for ``num_tokens`` tokens beyond each sequence's current token count.
 
-        New blocks only where a block boundary is crossed; a table never shrinks. ``commits``
-        are applied first, as ``commit`` would; all or nothing: if either part is refused,
-        neither is applied (room is counted from the token counts after the commits).
+        New blocks only where a block boundary is crossed; a table never shrinks. ``commits`` are
+        applied first, as ``commit`` would, then ``releases`` (``cachesvc.releases``); all or
+        nothing (room is counted after the commits and before the releases free anything).
         """
-        if len(items) == 1 and not commits:
+        if len(items) == 1 and not commits and not releases:
             # NOTE: not a check (a miss takes the full path, which checks): once per decode step
             # of a sequence, the room is already there and nothing else needs doing.
             sid, num_tokens = items[0]
@@ -237,10 +244,12 @@ class SequenceTable:
                 and 0 <= num_tokens <= seq.room - len(seq.token_ids)
             ):
                 return [seq.cached_blocks or self._blocks_of(seq)]
-        elif commits:
-            checked = self._check_commit(lease_id, commits)
+        elif commits or releases:
+            checked = self._check_commit(lease_id, commits) if commits else []
+            freeing = self.releasing.check(lease_id, releases, commits)
             self._extend(lease_id, items, {sid: len(new) for sid, new, _ in commits})  # checks only
             self._apply_commit(checked, commits)
+            self.releasing.apply(freeing)
         return self._extend(lease_id, items)
 
     def _extend(
@@ -341,7 +350,7 @@ class SequenceTable:
         limits = self.limits
         limits.released(seq.tenant, seq.lease_id, seq.num_blocks if limits.limited else 0)
         if seq.location == DEVICE:
-            released = self.block_manager.free(seq.block_table[::-1])
+            released = self.block_manager.free(seq.live_blocks[::-1])
         else:
             self.tiers[seq.location].release(seq.tier_slots)
             released = 0
@@ -412,7 +421,7 @@ class SequenceTable:
         check_batch(len(sequence_ids), self.max_batch)
         seqs = [owned(self._sequences, lease_id, k, sid) for k, sid in enumerate(sequence_ids)]
         check_unique(sequence_ids)
-        self.swapping.check_out(sum(len(seq.block_table) for seq in seqs))
+        self.swapping.check_out(sum(seq.num_blocks for seq in seqs))
         if commits:
             self._apply_commit(checked, commits)
         return self.swapping.move_out(seqs)
@@ -440,7 +449,7 @@ class SequenceTable:
             seq.cached_blocks = None
             # The copied blocks hold committed KV: offer them to the index again (a duplicate of a
             # still-cached original is skipped by publish).
-            seq.num_published_blocks = 0
+            seq.num_published_blocks = seq.num_released_blocks
             self._publish(seq, seq.num_computed_tokens // self.block_size)
         return [self._blocks_of(seq) for seq in seqs], total, num_bytes
 

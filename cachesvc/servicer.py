@@ -36,7 +36,14 @@ from cachesvc.validation import (
 from kvtier import status
 from kvtier.api import cache_pb2, cache_pb2_grpc
 from kvtier.pool import PoolSpec
-from kvtier.sequence_types import AllocateItem, CommitItem, ExtendItem, PrefixQuery, SequenceBlocks
+from kvtier.sequence_types import (
+    AllocateItem,
+    CommitItem,
+    ExtendItem,
+    PrefixQuery,
+    ReleaseItem,
+    SequenceBlocks,
+)
 from kvtier.wire import pool_spec_to_proto
 
 log = logging.getLogger("kvtier.cache")
@@ -213,8 +220,10 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         # NOTE: plain tuples in ExtendItem / CommitItem field order (the domain unpacks them): a
         # NamedTuple costs ~150 ns more per item, and Extend and Commit run every decode step.
         items: list[ExtendItem] = [(i.sequence_id, i.num_tokens) for i in request.items]
+        # A sliding window's releases: rare (once per block a window passes), so typed.
+        releases = [ReleaseItem(i.sequence_id, i.num_blocks) for i in request.releases]
         response = cache_pb2.ExtendResponse()
-        _add_blocks(response.sequences, self.node.extend(lease_id, items, commits))
+        _add_blocks(response.sequences, self.node.extend(lease_id, items, commits, releases))
         return response
 
     @rpc

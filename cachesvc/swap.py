@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from cachesvc.errors import ResourceExhausted
+from cachesvc.records import PLACEHOLDER_BLOCK
 from cachesvc.tiers import DeviceTier, LowerTier, Tier, copy_blocks
 
 if TYPE_CHECKING:
@@ -55,16 +56,16 @@ class Swapping:
         """Copy the device sequences ``seqs`` to the swap tier and release their device blocks
         (reverse table order: committed ones stay cached). Returns ``(blocks, bytes)`` copied.
         The caller checked the room (``check_out``)."""
-        device_ids = [i for seq in seqs for i in seq.block_table]
+        device_ids = [i for seq in seqs for i in seq.live_blocks]  # released entries stay behind
         tier = self.check_out(len(device_ids))
         slots = tier.allocate(len(device_ids))
         num_bytes = copy_blocks(self.device, device_ids, tier, slots)
         pos = 0
         for seq in seqs:
-            n = len(seq.block_table)
+            n = seq.num_blocks
             seq.tier_slots = slots[pos : pos + n]
             pos += n
-            self.device.release(seq.block_table[::-1])
+            self.device.release(seq.live_blocks[::-1])
             seq.block_table = []
             seq.room = 0
             seq.cached_blocks = None
@@ -95,7 +96,7 @@ class Swapping:
             num_bytes += copy_blocks(tier, slots, self.device, device_ids)
             tier.release(slots)
         for seq, table in zip(seqs, tables, strict=True):
-            seq.block_table = table
+            seq.block_table = [PLACEHOLDER_BLOCK] * seq.num_released_blocks + table  # positions kept
             seq.tier_slots = []
             seq.location = self.device.name
         self.stats.num_swap_in_blocks += total

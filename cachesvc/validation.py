@@ -14,7 +14,7 @@ import numpy as np
 from cachesvc.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from cachesvc.records import DEVICE, Sequence
 from kvtier.block_hash import InvalidHashInput, extra_key, pack_token_ids
-from kvtier.sequence_types import CommitItem
+from kvtier.sequence_types import CommitItem, ReleaseItem
 
 # Cached extra keys per (tenant_salt, adapter_id); cleared when it grows past this many entries
 # (one salt per request would otherwise grow it without bound).
@@ -64,30 +64,37 @@ def check_length(k: int, num_tokens: int, max_model_len: int) -> None:
 
 
 def owned(
-    sequences: dict[int, Sequence], lease_id: str, k: int, sequence_id: int, *, on_device: bool | None = True
+    sequences: dict[int, Sequence],
+    lease_id: str,
+    k: int,
+    sequence_id: int,
+    *,
+    on_device: bool | None = True,
+    field: str = "items",
 ) -> Sequence:
-    """The sequence of item ``k``, checked for existence, ownership and (unless ``on_device`` is
-    None) whether its blocks are on the device tier (True) or on a lower tier (False)."""
+    """The sequence of item ``k`` (of the request's ``field``), checked for existence, ownership
+    and (unless ``on_device`` is None) whether its blocks are on the device tier (True) or on a
+    lower tier (False)."""
     seq = sequences.get(sequence_id)
     if seq is None:
-        raise NotFound(f"items[{k}].sequence_id = {sequence_id} is not a live sequence")
+        raise NotFound(f"{field}[{k}].sequence_id = {sequence_id} is not a live sequence")
     if seq.lease_id != lease_id:
-        raise PermissionDenied(f"items[{k}].sequence_id = {sequence_id} belongs to another lease")
+        raise PermissionDenied(f"{field}[{k}].sequence_id = {sequence_id} belongs to another lease")
     if on_device is not None and (seq.location == DEVICE) != on_device:
         if on_device:
             raise FailedPrecondition(
-                f"items[{k}].sequence_id = {sequence_id} is swapped out to the {seq.location} tier; SwapIn it first"
+                f"{field}[{k}].sequence_id = {sequence_id} is swapped out to the {seq.location} tier; SwapIn it first"
             )
-        raise FailedPrecondition(f"items[{k}].sequence_id = {sequence_id} is already on the device")
+        raise FailedPrecondition(f"{field}[{k}].sequence_id = {sequence_id} is already on the device")
     return seq
 
 
-def check_unique(sequence_ids: list[int]) -> None:
+def check_unique(sequence_ids: list[int], field: str = "items") -> None:
     if len(sequence_ids) > 1 and len(set(sequence_ids)) != len(sequence_ids):
         seen: set[int] = set()
         for k, sid in enumerate(sequence_ids):
             if sid in seen:
-                raise InvalidArgument(f"items[{k}].sequence_id = {sid} appears more than once in the batch")
+                raise InvalidArgument(f"{field}[{k}].sequence_id = {sid} appears more than once in the batch")
             seen.add(sid)
 
 
@@ -185,3 +192,42 @@ def commit_sequences(
     if len(items) > 1:
         check_unique([item[0] for item in items])
     return seqs
+
+
+# ---------------------------------------------------------------- Extend's releases
+# Blocks a sliding window left behind (cachesvc.releases applies them): rare, once per block a
+# window moves past, so each is checked on its own.
+
+
+def release_sequences(
+    sequences: dict[int, Sequence],
+    block_size: int,
+    max_batch: int,
+    lease_id: str,
+    items: list[ReleaseItem],
+    commits: list[CommitItem] = (),
+) -> list[tuple[Sequence, int]]:
+    """``(sequence, num_blocks)`` of each release item that releases more than its sequence has
+    released already, after checking every item: a device sequence of the lease, 0 <=
+    ``num_blocks`` <= its table, and only blocks wholly inside its computed tokens (after the
+    call's ``commits``, checked already) released. The table's bounds come first (partial)."""
+    check_batch(len(items), max_batch)
+    computed = {sid: n for sid, _, n in commits} if commits else {}
+    out = []
+    for k, (sid, num_blocks) in enumerate(items):
+        seq = owned(sequences, lease_id, k, sid, field="releases")
+        if not 0 <= num_blocks <= len(seq.block_table):
+            raise InvalidArgument(
+                f"releases[{k}].num_blocks = {num_blocks} is not in [0, {len(seq.block_table)} "
+                f"(the sequence's blocks)]"
+            )
+        num_computed = computed.get(sid, seq.num_computed_tokens)
+        if num_blocks * block_size > num_computed:
+            raise InvalidArgument(
+                f"releases[{k}].num_blocks = {num_blocks} covers {num_blocks * block_size} tokens but only "
+                f"{num_computed} are committed: only blocks whose KV is written may be released"
+            )
+        if num_blocks > seq.num_released_blocks:
+            out.append((seq, num_blocks))
+    check_unique([sid for sid, _ in items], "releases")
+    return out

@@ -29,7 +29,7 @@ from kvtier import auth, telemetry
 from kvtier.api import cache_pb2, cache_pb2_grpc
 from kvtier.grpc_server import MAX_MESSAGE_BYTES
 from kvtier.pool import PoolSpec
-from kvtier.sequence_types import AllocateItem, CommitItem, ExtendItem, SequenceBlocks
+from kvtier.sequence_types import AllocateItem, CommitItem, ExtendItem, ReleaseItem, SequenceBlocks
 from kvtier.wire import pool_spec_from_proto
 
 log = logging.getLogger("kvtier.client")
@@ -216,14 +216,21 @@ class CacheClient:
                 add(token_ids=item)
         return self._call(self.stub.Allocate, request)
 
-    def extend(self, items: Iterable[ExtendItem], commits: Iterable[CommitItem] = ()):
+    def extend(
+        self,
+        items: Iterable[ExtendItem],
+        commits: Iterable[CommitItem] = (),
+        releases: Iterable[ReleaseItem] = (),
+    ):
         """Room for `num_tokens` more tokens per sequence, after `commits` (as `commit` takes
-        them) are applied: one call for both."""
+        them) and then `releases` (blocks a sliding window left behind) are applied: one call."""
         request = cache_pb2.ExtendRequest(lease_id=self.lease_id)
         add = request.items.add
         for sequence_id, num_tokens in items:
             add(sequence_id=sequence_id, num_tokens=num_tokens)
         _add_commits(request.commits, commits)
+        for sequence_id, num_blocks in releases:
+            request.releases.add(sequence_id=sequence_id, num_blocks=num_blocks)
         return self._call(self.stub.Extend, request)
 
     def commit(self, items: Iterable[CommitItem]):

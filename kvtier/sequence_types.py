@@ -59,6 +59,13 @@ class CommitItem(NamedTuple):
     num_computed_tokens: int  # leading tokens whose KV is now written in the pool
 
 
+class ReleaseItem(NamedTuple):
+    """Leading blocks of one sequence that a sliding window has left behind (Extend carries it)."""
+
+    sequence_id: int
+    num_blocks: int  # release the blocks before this block index; the entries become placeholders
+
+
 class PrefixQuery(NamedTuple):
     """One prompt for LookupPrefix: which of its leading blocks are cached."""
 

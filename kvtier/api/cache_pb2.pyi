@@ -120,14 +120,24 @@ class ExtendItem(_message.Message):
     def __init__(self, sequence_id: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class ExtendRequest(_message.Message):
-    __slots__ = ("lease_id", "items", "commits")
+    __slots__ = ("lease_id", "items", "commits", "releases")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     COMMITS_FIELD_NUMBER: _ClassVar[int]
+    RELEASES_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     items: _containers.RepeatedCompositeFieldContainer[ExtendItem]
     commits: _containers.RepeatedCompositeFieldContainer[CommitItem]
-    def __init__(self, lease_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[ExtendItem, _Mapping]]] = ..., commits: _Optional[_Iterable[_Union[CommitItem, _Mapping]]] = ...) -> None: ...
+    releases: _containers.RepeatedCompositeFieldContainer[ReleaseItem]
+    def __init__(self, lease_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[ExtendItem, _Mapping]]] = ..., commits: _Optional[_Iterable[_Union[CommitItem, _Mapping]]] = ..., releases: _Optional[_Iterable[_Union[ReleaseItem, _Mapping]]] = ...) -> None: ...
+
+class ReleaseItem(_message.Message):
+    __slots__ = ("sequence_id", "num_blocks")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: int
+    num_blocks: int
+    def __init__(self, sequence_id: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class ExtendResponse(_message.Message):
     __slots__ = ("sequences",)

@@ -118,7 +118,7 @@ class CacheServiceServicer:
 
     def Extend(self, request, context):
         """Reserve room for more tokens; new blocks only where a block boundary is crossed. May carry
-        commits (applied first).
+        commits (applied first) and releases of blocks a sliding window left behind (after them).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
