@@ -253,15 +253,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    device = torch.device(args.device)
-    cuda = device.type == "cuda"
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    scale = args.head_dim**-0.5
-    torch.manual_seed(0)
-
+def available_baselines(cuda: bool) -> dict[str, Callable[[DecodeCase, float], Callable[[], torch.Tensor]]]:
+    """The comparison columns importable here (flashinfer, vllm; CUDA only), each skip noted."""
     baselines: dict[str, Callable[[DecodeCase, float], Callable[[], torch.Tensor]]] = {}
     if cuda:
         for name, factory, module in (("flashinfer", flashinfer_fn, "flashinfer"), ("vllm", vllm_fn, "vllm")):
@@ -272,8 +265,79 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"note: {name} column skipped ({module} not importable: {type(exc).__name__}: {exc})")
     else:
         print("note: flashinfer / vllm columns are CUDA only; skipped on CPU")
-    peak, peak_source = peak_bandwidth_gbs(device, args.peak_bw_gbs) if cuda else (None, "")
+    return baselines
 
+
+def measure_point(
+    args: argparse.Namespace, batch: int, context: int, device: torch.device, scale: float, baselines: dict
+) -> dict:
+    """Time paged vs contiguous (and the baselines) at one grid point, after checking paged
+    agrees with contiguous; {batch, context, gbs (paged KV read rate), ms per function name}."""
+    case = make_case(args, batch, context, device)
+    fns = {"paged": paged_fn(case, scale), "contiguous": contiguous_fn(case, scale)}
+    torch.testing.assert_close(
+        fns["paged"]().float(), fns["contiguous"]().squeeze(2).float(), atol=2e-2, rtol=2e-2
+    )
+    for name, factory in baselines.items():
+        try:
+            fns[name] = factory(case, scale)
+            fns[name]()
+        except Exception as exc:  # noqa: BLE001 - a baseline's API drift must not stop the run
+            print(f"note: {name} failed at batch {batch}, context {context}: {type(exc).__name__}: {exc}")
+            fns.pop(name, None)
+    times = time_cuda(fns) if device.type == "cuda" else time_cpu(fns, args.repeats)
+    gbs = case.kv_bytes / (times["paged"] * 1e-3) / 1e9
+    return {"batch": batch, "context": context, "gbs": gbs, **times}
+
+
+def print_row(row: dict, peak: float | None, baselines: dict) -> None:
+    line = (
+        f"{row['batch']:>5} {row['context']:>7} {row['paged']:>9.3f} {row['contiguous']:>9.3f} "
+        f"{row['paged'] / row['contiguous']:>6.2f} {row['gbs']:>10.1f}"
+    )
+    if peak:
+        line += f" {100 * row['gbs'] / peak:>5.1f}%"
+    for name in baselines:
+        line += f" {row[name]:>13.3f}" if name in row else f" {'-':>13}"
+    print(line, flush=True)
+
+
+def print_headline(
+    args: argparse.Namespace, rows: list[dict], device: torch.device, peak: float | None
+) -> None:
+    """CUDA: the KV read rate at batch 64, context 4096 (else the last point), against the peak;
+    CPU: the paged/contiguous ratio at the largest point."""
+    if device.type == "cuda":
+        target = [r for r in rows if r["batch"] == 64 and r["context"] == 4096] or rows[-1:]
+        r = target[0]
+        if peak:
+            print(
+                f"headline: paged decode reads KV at {r['gbs']:.0f} GB/s = {100 * r['gbs'] / peak:.1f}% of peak "
+                f"{peak:.0f} GB/s (batch {r['batch']}, context {r['context']}, {args.dtype})"
+            )
+        else:
+            print(
+                f"headline: paged decode reads KV at {r['gbs']:.0f} GB/s (batch {r['batch']}, context {r['context']})"
+            )
+    else:
+        r = max(rows, key=lambda r: (r["batch"] * r["context"], r["context"]))
+        print(
+            f"headline: paged/contiguous time ratio {r['paged'] / r['contiguous']:.2f} at batch {r['batch']}, "
+            f"context {r['context']} ({kernels.backend(device)} path, {args.dtype})"
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    scale = args.head_dim**-0.5
+    torch.manual_seed(0)
+
+    baselines = available_baselines(cuda)
+    peak, peak_source = peak_bandwidth_gbs(device, args.peak_bw_gbs) if cuda else (None, "")
     where = (
         torch.cuda.get_device_name(device)
         if cuda
@@ -296,58 +360,15 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for batch in args.batch:
         for context in args.context:
-            case = make_case(args, batch, context, device)
-            fns = {"paged": paged_fn(case, scale), "contiguous": contiguous_fn(case, scale)}
-            torch.testing.assert_close(
-                fns["paged"]().float(), fns["contiguous"]().squeeze(2).float(), atol=2e-2, rtol=2e-2
-            )
-            for name, factory in baselines.items():
-                try:
-                    fns[name] = factory(case, scale)
-                    fns[name]()
-                except Exception as exc:  # noqa: BLE001 - a baseline's API drift must not stop the run
-                    print(
-                        f"note: {name} failed at batch {batch}, context {context}: {type(exc).__name__}: {exc}"
-                    )
-                    fns.pop(name, None)
-            times = time_cuda(fns) if cuda else time_cpu(fns, args.repeats)
-            gbs = case.kv_bytes / (times["paged"] * 1e-3) / 1e9
-            row = {"batch": batch, "context": context, "gbs": gbs, **times}
-            rows.append(row)
-            line = (
-                f"{batch:>5} {context:>7} {times['paged']:>9.3f} {times['contiguous']:>9.3f} "
-                f"{times['paged'] / times['contiguous']:>6.2f} {gbs:>10.1f}"
-            )
-            if peak:
-                line += f" {100 * gbs / peak:>5.1f}%"
-            for name in baselines:
-                line += f" {times[name]:>13.3f}" if name in times else f" {'-':>13}"
-            print(line, flush=True)
-            del case, fns
+            rows.append(measure_point(args, batch, context, device, scale, baselines))
+            print_row(rows[-1], peak, baselines)
 
     if cuda and args.sweep_configs:
         sweep_configs(args, device, scale)
     write_plot(args, rows, device)
     ratios = [r["paged"] / r["contiguous"] for r in rows]
     print(f"geomean paged/contiguous ratio over the grid: {statistics.geometric_mean(ratios):.2f}")
-    if cuda:
-        target = [r for r in rows if r["batch"] == 64 and r["context"] == 4096] or rows[-1:]
-        r = target[0]
-        if peak:
-            print(
-                f"headline: paged decode reads KV at {r['gbs']:.0f} GB/s = {100 * r['gbs'] / peak:.1f}% of peak "
-                f"{peak:.0f} GB/s (batch {r['batch']}, context {r['context']}, {args.dtype})"
-            )
-        else:
-            print(
-                f"headline: paged decode reads KV at {r['gbs']:.0f} GB/s (batch {r['batch']}, context {r['context']})"
-            )
-    else:
-        r = max(rows, key=lambda r: (r["batch"] * r["context"], r["context"]))
-        print(
-            f"headline: paged/contiguous time ratio {r['paged'] / r['contiguous']:.2f} at batch {r['batch']}, "
-            f"context {r['context']} ({kernels.backend(device)} path, {args.dtype})"
-        )
+    print_headline(args, rows, device, peak)
 
 
 def sweep_configs(args: argparse.Namespace, device: torch.device, scale: float) -> None:

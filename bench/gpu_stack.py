@@ -43,6 +43,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from gpu_stack_hf import (  # noqa: E402
+    empty_cache,
+    hf_greedy,
+    hf_model,
+    hf_serve_continuous,
+    hf_serve_static,
+    runner_greedy_fp32,
+)
 
 TOKEN = "gpu-stack-token"
 
@@ -148,36 +158,6 @@ def build_model_dir(a: argparse.Namespace, path: Path) -> dict:
     return {"params": params, "path": str(path)}
 
 
-def empty_cache() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def hf_model(model_dir: Path, dtype, device: str):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
-    model.set_attn_implementation("sdpa")
-    return model.to(device).eval().requires_grad_(False)
-
-
-def hf_greedy(model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """`generate` one prompt at a time (no padding), exactly max_tokens tokens (EOS id -1: never)."""
-    import torch
-    from transformers import GenerationConfig
-
-    gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=max_tokens)
-    out = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p], device=model.device)
-            seq = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen)
-            out.append(seq[0, len(p) :].tolist())
-    return out
-
-
 def agreement(got: list[list[int]], want: list[list[int]]) -> dict:
     prefixes = []
     for g, w in zip(got, want, strict=True):
@@ -272,75 +252,6 @@ def start_stack(a: argparse.Namespace, model_dir: Path, run_dir: Path):
     return stack.up()
 
 
-# --------------------------------------------------------------------------- baselines
-
-
-def hf_serve_static(model, prompts: list[list[int]], max_tokens: int) -> dict:
-    """`generate` on the whole batch at once (all prompts have one length: no padding)."""
-    import torch
-    from transformers import GenerationConfig
-
-    gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=max_tokens)
-    ids = torch.tensor(prompts, device=model.device)
-    sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
-    with torch.inference_mode():
-        model.generate(ids[:2], attention_mask=torch.ones_like(ids[:2]), generation_config=gen)  # warm
-        sync()
-        t = time.perf_counter()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen)
-        sync()
-        wall = time.perf_counter() - t
-    n = int((out.shape[1] - ids.shape[1]) * out.shape[0])
-    return {"wall_s": wall, "output_tokens": n, "output_tokens_per_s": n / wall, "batch": len(prompts)}
-
-
-def hf_serve_continuous(model, prompts: list[list[int]], max_tokens: int) -> dict:
-    """transformers' continuous batching (`generate_batch`, its paged cache) on the same requests."""
-    from transformers import GenerationConfig
-
-    gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=max_tokens)
-    model.generate_batch(prompts[:2], generation_config=gen)  # warm
-    t = time.perf_counter()
-    outs = model.generate_batch(prompts, generation_config=gen)
-    wall = time.perf_counter() - t
-    n = sum(len(o.generated_tokens) for o in outs.values())
-    return {"wall_s": wall, "output_tokens": n, "output_tokens_per_s": n / wall}
-
-
-def runner_greedy_fp32(
-    model_dir: Path, prompts: list[list[int]], max_tokens: int, device: str = "cuda"
-) -> list[list[int]]:
-    """The model runner's Triton path (in process) in float32: prefill, then one decode a token."""
-    import torch
-
-    from computesvc.model import ModelRunner, PrefillInput, load_model
-
-    loaded = load_model(model_dir, dtype="float32", device=device)  # on cuda: checks free memory first
-    cfg = loaded.model.config
-    bs = 16
-    per_seq = -(-(max(len(p) for p in prompts) + max_tokens) // bs)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    pool = torch.zeros(
-        (per_seq * len(prompts) + 1, cfg.num_hidden_layers, 2, bs, cfg.num_key_value_heads, head_dim),
-        dtype=torch.float32,
-        device=device,
-    )
-    runner = ModelRunner(loaded.model, pool, bs)
-    outs = []
-    for i, p in enumerate(prompts):
-        # Blocks in reverse order: the kernels must follow the table, not assume contiguity.
-        table = list(range((i + 1) * per_seq, i * per_seq, -1))
-        tok = int(runner.prefill([PrefillInput(p, 0, table)])[0].argmax())
-        out = [tok]
-        for pos in range(len(p), len(p) + max_tokens - 1):
-            tok = int(runner.decode([tok], [pos], [table])[0].argmax())
-            out.append(tok)
-        outs.append(out)
-    del runner, pool, loaded
-    empty_cache()
-    return outs
-
-
 # --------------------------------------------------------------------------- driver
 
 
@@ -378,7 +289,6 @@ def main(argv: list[str] | None = None) -> int:
     if a.device == "cuda" and not torch.cuda.is_available():
         print("gpu_stack: no CUDA device (this benchmark runs on a GPU machine; --device cpu checks wiring)")
         return 2
-    bf16 = torch.bfloat16 if a.device == "cuda" else torch.float32
     a.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="kvtier-gpu-stack-"))
     model_dir = work / "model"
@@ -411,39 +321,10 @@ def main(argv: list[str] | None = None) -> int:
             for log in run_dir.glob("*.log"):
                 shutil.copy(log, a.out / log.name)
     if built:
-        hf_bf16 = steps.run("hf-load-bf16", lambda: hf_model(model_dir, bf16, a.device))
-        if hf_bf16 is not None and kv_parity is not None:
-            want = steps.run("hf-greedy-bf16", lambda: hf_greedy(hf_bf16, parity_prompts, a.parity_tokens))
-            if want is not None:
-                report["parity_bf16"] = agreement(kv_parity, want)
-        if hf_bf16 is not None and "serve" in a.steps:
-            report["serve"] = {"kvtier": kv_serve}
-            report["serve"]["hf_generate_static"] = steps.run(
-                "hf-generate-static", lambda: hf_serve_static(hf_bf16, serve_prompts, a.max_tokens)
-            )
-            report["serve"]["hf_generate_batch"] = steps.run(
-                "hf-generate-batch", lambda: hf_serve_continuous(hf_bf16, serve_prompts, a.max_tokens)
-            )
-        del hf_bf16
-        empty_cache()
+        hf_bf16_steps(a, steps, model_dir, report, parity_prompts, serve_prompts, kv_parity, kv_serve)
+        empty_cache()  # the bf16 model went with hf_bf16_steps' frame
         if "parity-fp32" in a.steps:
-            got = steps.run(
-                "runner-greedy-fp32",
-                lambda: runner_greedy_fp32(model_dir, parity_prompts, a.parity_tokens, a.device),
-            )
-            hf32 = (
-                steps.run("hf-load-fp32", lambda: hf_model(model_dir, torch.float32, a.device))
-                if got
-                else None
-            )
-            if hf32 is not None:
-                want = steps.run("hf-greedy-fp32", lambda: hf_greedy(hf32, parity_prompts, a.parity_tokens))
-                if want is not None:
-                    report["parity_fp32"] = agreement(got, want)
-                    if report["parity_fp32"]["exact"] != len(want):
-                        steps.status["parity-fp32"] = "FAILED: float32 greedy differs from generate"
-                    else:
-                        steps.status["parity-fp32"] = "ok"
+            fp32_parity_steps(a, steps, model_dir, report, parity_prompts)
     report["model"] = built
     report["steps"] = steps.status
     report["seconds"] = steps.seconds
@@ -456,6 +337,59 @@ def main(argv: list[str] | None = None) -> int:
         f"{'; failed: ' + ', '.join(failed) if failed else ''}"
     )
     return 1 if failed else 0
+
+
+def hf_bf16_steps(
+    a: argparse.Namespace,
+    steps: Steps,
+    model_dir: Path,
+    report: dict,
+    parity_prompts: list[list[int]],
+    serve_prompts: list[list[int]],
+    kv_parity: list[list[int]] | None,
+    kv_serve: dict | None,
+) -> None:
+    """HF `generate` in bfloat16 (float32 on cpu) on the device: greedy parity against the stack's
+    completions (kv_parity) and the serving baselines beside the stack's figures (kv_serve), into
+    report. The model lives in this call's frame only: it is freed when the call returns."""
+    import torch
+
+    dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
+    hf_bf16 = steps.run("hf-load-bf16", lambda: hf_model(model_dir, dtype, a.device))
+    if hf_bf16 is not None and kv_parity is not None:
+        want = steps.run("hf-greedy-bf16", lambda: hf_greedy(hf_bf16, parity_prompts, a.parity_tokens))
+        if want is not None:
+            report["parity_bf16"] = agreement(kv_parity, want)
+    if hf_bf16 is not None and "serve" in a.steps:
+        report["serve"] = {"kvtier": kv_serve}
+        report["serve"]["hf_generate_static"] = steps.run(
+            "hf-generate-static", lambda: hf_serve_static(hf_bf16, serve_prompts, a.max_tokens)
+        )
+        report["serve"]["hf_generate_batch"] = steps.run(
+            "hf-generate-batch", lambda: hf_serve_continuous(hf_bf16, serve_prompts, a.max_tokens)
+        )
+
+
+def fp32_parity_steps(
+    a: argparse.Namespace, steps: Steps, model_dir: Path, report: dict, parity_prompts: list[list[int]]
+) -> None:
+    """The model runner's float32 Triton path against HF `generate` in float32: must match exactly
+    (the step's status says FAILED otherwise)."""
+    import torch
+
+    got = steps.run(
+        "runner-greedy-fp32",
+        lambda: runner_greedy_fp32(model_dir, parity_prompts, a.parity_tokens, a.device),
+    )
+    hf32 = steps.run("hf-load-fp32", lambda: hf_model(model_dir, torch.float32, a.device)) if got else None
+    if hf32 is not None:
+        want = steps.run("hf-greedy-fp32", lambda: hf_greedy(hf32, parity_prompts, a.parity_tokens))
+        if want is not None:
+            report["parity_fp32"] = agreement(got, want)
+            if report["parity_fp32"]["exact"] != len(want):
+                steps.status["parity-fp32"] = "FAILED: float32 greedy differs from generate"
+            else:
+                steps.status["parity-fp32"] = "ok"
 
 
 def print_headlines(report: dict) -> None:

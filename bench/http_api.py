@@ -42,7 +42,6 @@ import json
 import math
 import os
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -171,73 +170,6 @@ async def http_one(http, url: str, prompt: list[int], max_tokens: int, salt: str
     return Result(ttft, tokens, error, replica_ttft)
 
 
-def floor_app(num_events: int):
-    """The floor: a trivial FastAPI endpoint that reads the request's JSON and streams `num_events`
-    pre-made completion chunks, a usage chunk and [DONE], with nothing behind it."""
-    from fastapi import FastAPI
-    from fastapi.responses import StreamingResponse
-
-    def chunk(finish: str | None, usage: dict | None = None) -> bytes:
-        choices = [] if usage else [{"index": 0, "text": " x", "finish_reason": finish, "logprobs": None}]
-        body = {"id": "floor", "object": "text_completion", "created": 0, "model": "floor"}
-        event = json.dumps(body | {"choices": choices, "usage": usage}, separators=(",", ":"))
-        return b"data: " + event.encode() + b"\n\n"
-
-    usage = {"prompt_tokens": 0, "completion_tokens": num_events, "total_tokens": num_events}
-    events = [chunk(None)] * (num_events - 1) + [chunk("length"), chunk(None, usage), b"data: [DONE]\n\n"]
-    app = FastAPI()
-
-    async def completions(request) -> StreamingResponse:  # a plain route: it takes the Request
-        json.loads(await request.body())
-
-        async def body():
-            for event in events:
-                yield event
-
-        headers = {"x-kvtier-replica-ttft-s": "0"}
-        return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
-
-    app.add_route("/v1/completions", completions, methods=["POST"])
-    return app
-
-
-def serve_floor(num_events: int) -> None:
-    """Run the floor app as the gateway runs (uvicorn, httptools, uvloop, a TCP_NODELAY socket);
-    print its URL, serve until killed."""
-    import uvicorn
-    import uvloop
-
-    from gateway.__main__ import bind, url_of
-
-    sock = bind("127.0.0.1", 0)
-    print(url_of(sock), flush=True)
-    config = uvicorn.Config(floor_app(num_events), http="httptools", log_level="warning", access_log=False)
-    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-    asyncio.run(uvicorn.Server(config).serve(sockets=[sock]))
-
-
-class FloorServer:
-    """The floor app in a process of its own, as the gateway is."""
-
-    def __init__(self, num_events: int):
-        self.num_events = num_events
-
-    def __enter__(self) -> FloorServer:
-        import subprocess
-
-        self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--serve-floor", str(self.num_events)],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        self.url = self.proc.stdout.readline().strip()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
-
-
 def cpu_seconds(pid: int | None) -> float:
     """CPU time (user + system) a process has used so far; nan where /proc cannot say."""
     try:
@@ -315,35 +247,7 @@ async def measure(
     return out
 
 
-def _p50_ms(values) -> float:
-    values = list(values)
-    return 1000 * statistics.median(values) if values else float("nan")
-
-
-def summarize(raw: dict) -> dict:
-    s = {}
-    for name in ("grpc", "http", "floor"):
-        results = raw[name]["results"]
-        good = [x for x in results if not x.error]
-        s[name] = {
-            "requests": len(results),
-            "errors": len(results) - len(good),
-            "first_error": next((x.error for x in results if x.error), ""),
-            "tokens": sum(x.tokens for x in results),
-            "tok_per_s": sum(x.tokens for x in results) / raw[name]["seconds"],
-            # The server's own CPU (the gateway's, the floor's) per request and per streamed token.
-            "server_cpu_ms_per_request": 1000 * raw[name]["cpu_s"] / max(1, len(results)),
-            "server_cpu_us_per_token": 1e6 * raw[name]["cpu_s"] / max(1, sum(x.tokens for x in results)),
-            "ttft_p50_ms": _p50_ms(x.ttft_s for x in good),
-            # The path's share of each TTFT (client-side TTFT minus the replica's own), which the
-            # shared prefill queue does not blur: the gateway's cost under the same load.
-            "path_ttft_p50_ms": _p50_ms(x.path_s for x in good),
-            "probe_ttft_p50_ms": _p50_ms(x.ttft_s for x in raw["probe"].get(name, ())),
-        }
-    return s
-
-
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="16 smaller requests, one round each way")
     ap.add_argument("--rounds", type=int, help="passes each way (alternating order); default 2, quick 1")
@@ -356,54 +260,42 @@ def main() -> int:
     ap.add_argument(
         "--structured", action="store_true", help="the structured-output run (bench/http_structured.py)"
     )
-    ap.add_argument(
-        "--serve-floor", type=int, metavar="EVENTS", help=argparse.SUPPRESS
-    )  # FloorServer's child
-    args = ap.parse_args()
-    if args.serve_floor:
-        serve_floor(args.serve_floor)
-        return 0
-    work = QUICK if args.quick else FULL
-    rounds = args.rounds or (1 if args.quick else 2)
-    probes = 5 if args.quick and args.probes == 20 else args.probes
+    return ap
 
+
+def local_stack(run_dir: Path, model: Path, args: argparse.Namespace):
+    """The stack under test (not started): cache service, args.replicas replicas, the gateway."""
     from kvtier_cli.stack import LocalStack
 
-    tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-http-"))
-    model, params = make_model_dir(tmp / "model")
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     env.update(KVTIER_TOKEN=TOKEN, PYTHONUNBUFFERED="1")
-    stack = LocalStack(
-        tmp / "run",
+    return LocalStack(
+        run_dir,
         # A long lease and short prefill chunks: on a busy 2-core machine one 2048-token prefill
         # step of this model can outlast the default lease, and the replica then re-attaches.
         [
-            "--model",
-            str(model),
-            "--num-blocks",
-            "4096",
-            "--swap-space",
-            "0",
-            "--lease-ttl",
-            "60",
-            "--log-level",
-            "WARNING",
+            *("--model", str(model), "--num-blocks", "4096", "--swap-space", "0"),
+            *("--lease-ttl", "60", "--log-level", "WARNING"),
         ],
         [
-            "--model",
-            str(model),
-            "--threads",
-            str(args.threads),
-            "--max-num-batched-tokens",
-            "512",
-            "--log-level",
-            "WARNING",
+            *("--model", str(model), "--threads", str(args.threads)),
+            *("--max-num-batched-tokens", "512", "--log-level", "WARNING"),
         ],
         num_replicas=args.replicas,
         env=env,
         gateway_args=["--model", str(model), "--log-level", "WARNING"],
         gateway_port=0,
     )
+
+
+def main() -> int:
+    args = build_parser().parse_args()
+    work = QUICK if args.quick else FULL
+    rounds = args.rounds or (1 if args.quick else 2)
+    probes = 5 if args.quick and args.probes == 20 else args.probes
+    tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-http-"))
+    model, params = make_model_dir(tmp / "model")
+    stack = local_stack(tmp / "run", model, args)
     print(
         f"model: random Llama, {params / 1e6:.1f}M params (hidden 512, 8 layers, 8 heads, 2 KV heads, vocab 4096, "
         f"fp32); {args.replicas} replica(s) x {args.threads} threads; workload: {work.num_requests} requests = "
@@ -415,48 +307,20 @@ def main() -> int:
         import http_structured
 
         return http_structured.run(stack, work.prompts(), work.max_tokens, rounds, args.json, VOCAB)
+    from http_floor import FloorServer
+    from http_report import compare, print_headline, print_table, summarize
+
     with stack, FloorServer(work.max_tokens) as floor:
         pids = {"http": stack.gateway.proc.pid, "floor": floor.proc.pid}
         raw = asyncio.run(
             measure(stack.compute_addresses, stack.gateway.address, floor.url, work, rounds, probes, pids)
         )
     s = summarize(raw)
-    print(
-        f"{'path':>5} {'requests':>9} {'errors':>7} {'tokens':>7} {'tok/s':>8} {'TTFT p50 ms':>12} "
-        f"{'path share p50 ms':>18} {'probe TTFT p50 ms':>18} {'server CPU us/token':>20}"
-    )
-    for name in ("grpc", "http", "floor"):
-        r = s[name]
-        print(
-            f"{name:>5} {r['requests']:>9} {r['errors']:>7} {r['tokens']:>7} {r['tok_per_s']:>8.1f} "
-            f"{r['ttft_p50_ms']:>12.1f} {r['path_ttft_p50_ms']:>18.2f} {r['probe_ttft_p50_ms']:>18.2f} "
-            f"{r['server_cpu_us_per_token']:>20.1f}"
-        )
-        if r["errors"]:
-            print(f"      first error: {r['first_error']}")
-    ratio = s["http"]["tok_per_s"] / s["grpc"]["tok_per_s"]
-    overhead = s["http"]["path_ttft_p50_ms"] - s["grpc"]["path_ttft_p50_ms"]
-    s |= {
-        "ratio": ratio,
-        "ttft_overhead_ms": overhead,
-        "floor_ttft_p50_ms": s["floor"]["ttft_p50_ms"],
-        "raw_ttft_difference_ms": s["http"]["ttft_p50_ms"] - s["grpc"]["ttft_p50_ms"],
-        "probe_ttft_overhead_ms": s["http"]["probe_ttft_p50_ms"] - s["grpc"]["probe_ttft_p50_ms"],
-        "params": params,
-    }
+    print_table(s)
+    s = compare(s, params)
     if args.json:
         Path(args.json).write_text(json.dumps(s, indent=2))
-    met = lambda ok: "met" if ok else "**missed**"  # noqa: E731
-    errors = sum(s[name]["errors"] for name in ("grpc", "http", "floor"))
-    print(
-        f"headline: HTTP {s['http']['tok_per_s']:.1f} tok/s vs gRPC {s['grpc']['tok_per_s']:.1f} = {ratio:.3f}x "
-        f"(target >= 0.95: {met(ratio >= 0.95)}); TTFT p50 overhead {overhead:+.2f} ms (the path's share: HTTP "
-        f"{s['http']['path_ttft_p50_ms']:.2f} vs gRPC {s['grpc']['path_ttft_p50_ms']:.2f} ms; target <= 5: "
-        f"{met(overhead <= 5)}; the floor, a trivial FastAPI SSE endpoint under the same burst: TTFT p50 "
-        f"{s['floor_ttft_p50_ms']:.2f} ms); raw TTFT p50 {s['http']['ttft_p50_ms']:.1f} vs "
-        f"{s['grpc']['ttft_p50_ms']:.1f} ms; sequential probe {s['probe_ttft_overhead_ms']:+.2f} ms; errors {errors}"
-    )
-    return 0 if errors == 0 else 1
+    return 0 if print_headline(s) == 0 else 1
 
 
 if __name__ == "__main__":

@@ -203,37 +203,10 @@ def main(argv=None) -> int:
         print(
             f"soak: t={time.monotonic() - t0:5.1f}s a client took {silent.num_blocks} blocks and went silent"
         )
-        victim = 0
-        next_fault = time.monotonic()
-        while next_fault + 2.0 < end:
-            time.sleep(max(0.0, next_fault - time.monotonic()))
-            unexpected += restart_dead_replicas(stack, t0)
-            replica = stack.replicas[victim]
-            replica.stop(signal.SIGKILL)
-            faults["replica SIGKILL"] += 1
-            killed_at = time.monotonic()
-            restart(stack, victim, f"killed-{faults['replica SIGKILL']}")
-            print(
-                f"soak: t={killed_at - t0:5.1f}s SIGKILLed compute-{victim}; serving again after "
-                f"{time.monotonic() - killed_at:.1f}s",
-                flush=True,
-            )
-            victim = 1 - victim
-            next_fault = max(time.monotonic(), killed_at + args.fault_every)
-
+        unexpected += kill_replicas_until(stack, end, args.fault_every, t0, faults)
         out = collect(procs, results, max(0.0, end - time.monotonic()) + 2 * spec.request_timeout_s)
         unexpected += restart_dead_replicas(stack, t0)
-        # Nothing runs now: the dead replicas' and the silent client's leases expire, and every
-        # block still referenced after that is leaked.
-        probe = CacheClient.connect(stack.cache_address, token, timeout_s=5.0)
-        stats = (
-            wait_until(
-                lambda: (s := probe.get_stats()).num_blocks_used == 0 and s.num_sequences == 0 and s,
-                2 * args.lease_ttl + 5.0,
-            )
-            or probe.get_stats()
-        )
-        probe.close()
+        stats = settled_stats(stack.cache_address, token, args.lease_ttl)
         watch.stop()
         silent_expired = silent.refused_as_expired()
         silent.close()
@@ -245,6 +218,66 @@ def main(argv=None) -> int:
         violations.append("the silent client's lease did not expire with NOT_FOUND naming it")
     if stats.num_blocks_free + stats.num_blocks_used != stats.num_blocks_total:
         violations.append("final stats: free + used != total")
+    return report(args, out, stats, watch, violations, faults, run_dir, (t0, baseline_end, end))
+
+
+def kill_replicas_until(
+    stack: LocalStack, end: float, fault_every: float, t0: float, faults: Counter
+) -> list[str]:
+    """SIGKILL the two replicas in turn, every fault_every seconds until 2 s before end (monotonic
+    seconds), restarting each at once; the replicas that had died unkilled meanwhile."""
+    unexpected: list[str] = []
+    victim = 0
+    next_fault = time.monotonic()
+    while next_fault + 2.0 < end:
+        time.sleep(max(0.0, next_fault - time.monotonic()))
+        unexpected += restart_dead_replicas(stack, t0)
+        replica = stack.replicas[victim]
+        replica.stop(signal.SIGKILL)
+        faults["replica SIGKILL"] += 1
+        killed_at = time.monotonic()
+        restart(stack, victim, f"killed-{faults['replica SIGKILL']}")
+        print(
+            f"soak: t={killed_at - t0:5.1f}s SIGKILLed compute-{victim}; serving again after "
+            f"{time.monotonic() - killed_at:.1f}s",
+            flush=True,
+        )
+        victim = 1 - victim
+        next_fault = max(time.monotonic(), killed_at + fault_every)
+    return unexpected
+
+
+def settled_stats(cache_address: str, token: str, lease_ttl: float):
+    """GetStats once the pool is empty, or after two lease TTLs (+5 s) if it never empties.
+
+    Nothing runs now: the dead replicas' and the silent client's leases expire, and every block
+    still referenced after that is leaked."""
+    probe = CacheClient.connect(cache_address, token, timeout_s=5.0)
+    try:
+        return (
+            wait_until(
+                lambda: (s := probe.get_stats()).num_blocks_used == 0 and s.num_sequences == 0 and s,
+                2 * lease_ttl + 5.0,
+            )
+            or probe.get_stats()
+        )
+    finally:
+        probe.close()
+
+
+def report(
+    args: argparse.Namespace,
+    out: list[dict],
+    stats,
+    watch: InvariantWatch,
+    violations: list[str],
+    faults: Counter[str],
+    run_dir: Path,
+    phases: tuple[float, float, float],
+) -> int:
+    """Print the figures, the last line the headline; the exit status (0: all served, none failed
+    or leaked, no violation). phases: (start, end of the fault-free baseline, end), monotonic s."""
+    t0, baseline_end, end = phases
     served = sum(r["served"] for r in out)
     errors: Counter[str] = Counter()
     for r in out:

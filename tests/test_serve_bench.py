@@ -18,7 +18,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-from serve import RUN_METRICS, SUMMARY_METRICS, WORKLOADS  # noqa: E402
+from serve_report import RUN_METRICS, SUMMARY_METRICS  # noqa: E402
+from serve_workloads import WORKLOADS  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
