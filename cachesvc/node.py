@@ -113,6 +113,7 @@ class CacheSnapshot:
     tenants: list[TenantSnapshot] = field(default_factory=list)
     max_blocks_per_lease: int = 0  # 0 = no limit
     num_blocks_fenced: int = 0  # held back from expired leases (fencing), neither free nor used
+    num_window_released_blocks: int = 0  # released by Extend's releases since start (sliding windows)
     tiers: list[TierSnapshot] = field(default_factory=list)  # the prefix cache per tier
 
     @property
@@ -336,5 +337,6 @@ class CacheNode:
             tenants=[TenantSnapshot(t, *usage) for t, usage in sorted(seqs.limits.tenant_usage().items())],
             max_blocks_per_lease=seqs.limits.max_blocks_per_lease,
             num_blocks_fenced=seqs.fencing.num_fenced_blocks,
+            num_window_released_blocks=stats.num_window_released_blocks,
             tiers=tier_snapshots(seqs),
         )

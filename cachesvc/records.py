@@ -81,3 +81,4 @@ class CacheStats:
     num_swap_in_blocks: int = 0
     num_swap_out_bytes: int = 0
     num_swap_in_bytes: int = 0
+    num_window_released_blocks: int = 0  # blocks released by Extend's releases (sliding windows)

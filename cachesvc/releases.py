@@ -20,23 +20,26 @@ from cachesvc.validation import release_sequences
 if TYPE_CHECKING:
     from cachesvc.block_manager import BlockManager
     from cachesvc.limits import TenantLimits
-    from cachesvc.records import Sequence
+    from cachesvc.records import CacheStats, Sequence
     from kvtier.sequence_types import CommitItem, ReleaseItem
 
 
 class Releasing:
-    """Extend's releases over a table's records (``sequences``), block manager and limits."""
+    """Extend's releases over a table's records (``sequences``), block manager and limits;
+    counted in ``stats.num_window_released_blocks``."""
 
     def __init__(
         self,
         sequences: dict[int, Sequence],
         block_manager: BlockManager,
         limits: TenantLimits,
+        stats: CacheStats,
         max_batch: int,
     ) -> None:
         self.sequences = sequences
         self.block_manager = block_manager
         self.limits = limits
+        self.stats = stats
         self.max_batch = max_batch
 
     def check(
@@ -64,4 +67,5 @@ class Releasing:
             seq.cached_blocks = None  # the handed-out table changed
             if limits.limited:
                 limits.charge(seq.tenant, seq.lease_id, start - num_blocks)
+            self.stats.num_window_released_blocks += num_blocks - start
         return freed

@@ -105,7 +105,7 @@ class SequenceTable:
         bounds = (self._sequences, self.block_size, max_model_len)
         self._check_commit = partial(commit_sequences, *bounds, vocab_size, max_batch)
         self._plan_extend = partial(plan_extend, *bounds, max_batch)
-        self.releasing = Releasing(self._sequences, block_manager, self.limits, max_batch)
+        self.releasing = Releasing(self._sequences, block_manager, self.limits, self.stats, max_batch)
 
     # ------------------------------------------------------------------ reading
 

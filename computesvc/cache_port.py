@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from kvtier.sequence_types import AllocateItem, CommitItem, ExtendItem, SequenceBlocks
+from kvtier.sequence_types import AllocateItem, CommitItem, ExtendItem, ReleaseItem, SequenceBlocks
 
 __all__ = [
     "AllocateItem",
@@ -20,6 +20,7 @@ __all__ = [
     "ExceedsLimit",
     "ExtendItem",
     "NoFreeBlocks",
+    "ReleaseItem",
     "SequenceBlocks",
     "TenantLimited",
 ]
@@ -53,6 +54,7 @@ class BlockCache(Protocol):
 
     Extend, Free and SwapOut take `commits` too, applied first and all or nothing with the
     rest of the call, so a decode step reports what it wrote without a Commit of its own.
+    Extend also takes `releases`: blocks a sliding window left behind (computesvc.window).
     Each raises NoFreeBlocks when the cache has no room and CacheUnavailable when it is gone.
     """
 
@@ -61,7 +63,7 @@ class BlockCache(Protocol):
 
     async def allocate(self, items: list[AllocateItem]) -> list[SequenceBlocks]: ...
     async def extend(
-        self, items: list[ExtendItem], commits: list[CommitItem] = ()
+        self, items: list[ExtendItem], commits: list[CommitItem] = (), releases: list[ReleaseItem] = ()
     ) -> list[SequenceBlocks]: ...
     async def commit(self, items: list[CommitItem]) -> None: ...
     async def free(self, sequence_ids: list[int], commits: list[CommitItem] = ()) -> None: ...

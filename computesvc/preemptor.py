@@ -15,14 +15,14 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-import torch
-
-from computesvc.cache_port import BlockCache, ExtendItem, NoFreeBlocks, TenantLimited
+from computesvc.cache_port import BlockCache, ExtendItem, NoFreeBlocks, ReleaseItem, TenantLimited
 from computesvc.observer import SchedulerObserver
 from computesvc.preemption import SWAP, Candidate, Ledger, Pressure, backoff_s, choose_victim
 from computesvc.request import Request, Status, commit_items, mark_committed
+from computesvc.window import blocks_behind, release_window
 
 if TYPE_CHECKING:
+    from computesvc.model import ModelRunner
     from computesvc.scheduler import SchedulerConfig
 
 
@@ -51,11 +51,15 @@ class Preemptor:
         # Tenants held back from admission -> until when (monotonic s); the scheduler reads it.
         self.held_back = held_back
 
-    def attach(self, pool: torch.Tensor, cache: BlockCache) -> None:
-        """The pool and cache of the replica's current attachment (`Scheduler.attach`)."""
+    def attach(self, runner: ModelRunner, cache: BlockCache) -> None:
+        """The runner (its pool, its model's window) and cache of the replica's current
+        attachment (`Scheduler.attach`)."""
         self.cache = cache
         self.block_size = cache.block_size
+        pool = runner.pool
         self.block_bytes = pool[0].numel() * pool.element_size()  # one block, every layer, K and V
+        # Set when every layer has a sliding window: each Extend then gives back what it left behind.
+        self.window = release_window(runner.model.config)
 
     def has_slot(self, req: Request) -> bool:
         """Whether `req`'s block table has room for its next token's KV."""
@@ -100,10 +104,30 @@ class Preemptor:
             ExtendItem(r.sequence_id, max(1, min(lookahead, max_len - max(r.num_recorded, r.num_computed))))
             for r in reqs
         ]
-        seqs = await self._call(self.cache.extend(items, commits), reqs)
+        releases = self._releases(reqs)
+        if releases:
+            seqs = await self._call(self.cache.extend(items, commits, releases), reqs)
+        else:
+            seqs = await self._call(self.cache.extend(items, commits), reqs)
         mark_committed(reqs)
+        released = dict(releases)
         for req, seq in zip(reqs, seqs, strict=True):
             req.block_table = seq.block_table
+            req.num_released_blocks = released.get(req.sequence_id, req.num_released_blocks)
+
+    def _releases(self, reqs: list[Request]) -> list[ReleaseItem]:
+        """The blocks each of `reqs` has left behind its window since its last release (none
+        unless every layer of the model is windowed). Counted from `num_computed`, which the
+        Extend carrying them commits first."""
+        window = self.window
+        if window is None:
+            return []
+        items = []
+        for req in reqs:
+            behind = blocks_behind(req.num_computed, window, self.block_size)
+            if behind > req.num_released_blocks:
+                items.append(ReleaseItem(req.sequence_id, behind))
+        return items
 
     async def _extend_apart(
         self, low: list[Request], error: NoFreeBlocks
@@ -140,7 +164,7 @@ class Preemptor:
         """Whether `tenant` holds more than an even share of the running sequences' blocks."""
         held: dict[str, int] = {}
         for r in self.running:
-            held[r.tenant] = held.get(r.tenant, 0) + len(r.block_table)
+            held[r.tenant] = held.get(r.tenant, 0) + len(r.block_table) - r.num_released_blocks
         return len(held) > 1 and held.get(tenant, 0) > sum(held.values()) / len(held)
 
     def _candidate(self, req: Request) -> Candidate:
@@ -151,7 +175,7 @@ class Preemptor:
             req.arrival,
             req.tenant,
             req.num_computed,
-            len(req.block_table),
+            len(req.block_table) - req.num_released_blocks,  # what a swap would move
             generated,
             max(0, remaining),
             self.ledger.preemptions(req),
@@ -188,6 +212,7 @@ class Preemptor:
                 self.running.remove(victim)
                 victim.status = Status.WAITING
                 victim.block_table = []
+                victim.num_released_blocks = 0  # readmitted as a new sequence
                 self.waiting.appendleft(victim)
             self.ledger.preempted(victim)
             if moved is None and self.config.preemption_policy == "cost":

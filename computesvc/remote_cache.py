@@ -21,6 +21,7 @@ from computesvc.cache_port import (
     ExceedsLimit,
     ExtendItem,
     NoFreeBlocks,
+    ReleaseItem,
     SequenceBlocks,
     TenantLimited,
 )
@@ -67,8 +68,10 @@ class RemoteCache:
     async def allocate(self, items: list[AllocateItem]) -> list[SequenceBlocks]:
         return sequence_blocks((await self._rpc(self.client.allocate(items))).sequences)
 
-    async def extend(self, items: list[ExtendItem], commits: list[CommitItem] = ()) -> list[SequenceBlocks]:
-        return sequence_blocks((await self._rpc(self.client.extend(items, commits))).sequences)
+    async def extend(
+        self, items: list[ExtendItem], commits: list[CommitItem] = (), releases: list[ReleaseItem] = ()
+    ) -> list[SequenceBlocks]:
+        return sequence_blocks((await self._rpc(self.client.extend(items, commits, releases))).sequences)
 
     async def commit(self, items: list[CommitItem]) -> None:
         await self._rpc(self.client.commit(items))

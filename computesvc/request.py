@@ -61,6 +61,9 @@ class Request:
     num_computed: int = 0  # leading tokens whose KV is in the pool
     num_recorded: int = 0  # leading tokens the cache's sequence record holds
     num_committed: int = 0  # num_computed last reported to the cache
+    # Leading entries of block_table a sliding window left behind and the cache took back
+    # (placeholders now; computesvc.window). 0 for a new sequence.
+    num_released_blocks: int = 0
     num_cached_prompt_tokens: int = -1  # from the first Allocate; -1 = not allocated yet
     first_token_at: float = 0.0  # time.monotonic() seconds; 0 = no token yet
     last_token_at: float = 0.0

@@ -131,7 +131,7 @@ class Scheduler:
             swapped=self.swapped,
             held_back=self.held_back,
         )
-        self.preemptor.attach(runner.pool, cache)
+        self.preemptor.attach(runner, cache)
         self._wakeup = asyncio.Event()
         # Whether a step (and so maybe a forward writing KV) is running; set when one ends.
         self._in_step = False
@@ -143,7 +143,7 @@ class Scheduler:
         """Run on a new attachment's pool and cache (the replica re-attached after losing its
         cache service or its lease); the requests in flight stay queued."""
         self.runner, self.cache = runner, cache
-        self.preemptor.attach(runner.pool, cache)
+        self.preemptor.attach(runner, cache)
 
     def add(self, request: Request) -> None:
         if request.generator is None:
@@ -291,7 +291,8 @@ class Scheduler:
             except NoFreeBlocks:
                 return
             self.ledger.rates.observe_swap(
-                len(seq.block_table) * self.preemptor.block_bytes, time.perf_counter() - started
+                (len(seq.block_table) - req.num_released_blocks) * self.preemptor.block_bytes,
+                time.perf_counter() - started,
             )
             self.ledger.swapped_in(req)
             self.swapped.popleft()

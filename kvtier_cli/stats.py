@@ -27,6 +27,7 @@ SUMMED = (
     "num_expired_leases",
     "num_swap_out_blocks",
     "num_swap_in_blocks",
+    "num_window_released_blocks",
 )
 
 

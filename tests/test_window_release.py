@@ -39,6 +39,7 @@ def test_released_blocks_become_placeholders_and_stay_prefix_hits() -> None:
     seq = table.get(sid)
     assert (seq.num_released_blocks, seq.num_blocks, seq.live_blocks) == (2, 2, held[2:])
     assert table.block_manager.num_free_blocks == free_before + 2
+    assert table.stats.num_window_released_blocks == 2
     table.check_invariants()
     # Released, not forgotten: a new request with the same prompt hits all three full blocks.
     other = alloc(table, PROMPT, lease=OTHER)

@@ -270,7 +270,7 @@ class LeaseStats(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., client_name: _Optional[str] = ..., num_sequences: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., expires_in_s: _Optional[float] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("num_blocks_total", "num_blocks_free", "num_blocks_used", "num_blocks_cached", "usage_percent", "prefix_query_tokens", "prefix_hit_tokens", "num_evictions", "num_host_blocks_total", "num_host_blocks_used", "num_swap_out_blocks", "num_swap_in_blocks", "num_sequences", "num_swapped_sequences", "leases", "block_size", "num_expired_leases", "num_swap_out_bytes", "num_swap_in_bytes", "num_tokens", "num_token_slots", "tenants", "max_blocks_per_lease", "num_blocks_fenced", "kv_cache_dtype", "block_bytes", "tiers")
+    __slots__ = ("num_blocks_total", "num_blocks_free", "num_blocks_used", "num_blocks_cached", "usage_percent", "prefix_query_tokens", "prefix_hit_tokens", "num_evictions", "num_host_blocks_total", "num_host_blocks_used", "num_swap_out_blocks", "num_swap_in_blocks", "num_sequences", "num_swapped_sequences", "leases", "block_size", "num_expired_leases", "num_swap_out_bytes", "num_swap_in_bytes", "num_tokens", "num_token_slots", "tenants", "max_blocks_per_lease", "num_blocks_fenced", "kv_cache_dtype", "block_bytes", "tiers", "num_window_released_blocks")
     NUM_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
@@ -298,6 +298,7 @@ class GetStatsResponse(_message.Message):
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WINDOW_RELEASED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_blocks_total: int
     num_blocks_free: int
     num_blocks_used: int
@@ -325,7 +326,8 @@ class GetStatsResponse(_message.Message):
     kv_cache_dtype: str
     block_bytes: int
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
-    def __init__(self, num_blocks_total: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_cached: _Optional[int] = ..., usage_percent: _Optional[float] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_host_blocks_total: _Optional[int] = ..., num_host_blocks_used: _Optional[int] = ..., num_swap_out_blocks: _Optional[int] = ..., num_swap_in_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., num_swapped_sequences: _Optional[int] = ..., leases: _Optional[_Iterable[_Union[LeaseStats, _Mapping]]] = ..., block_size: _Optional[int] = ..., num_expired_leases: _Optional[int] = ..., num_swap_out_bytes: _Optional[int] = ..., num_swap_in_bytes: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_token_slots: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., max_blocks_per_lease: _Optional[int] = ..., num_blocks_fenced: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., block_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ...) -> None: ...
+    num_window_released_blocks: int
+    def __init__(self, num_blocks_total: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_cached: _Optional[int] = ..., usage_percent: _Optional[float] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_host_blocks_total: _Optional[int] = ..., num_host_blocks_used: _Optional[int] = ..., num_swap_out_blocks: _Optional[int] = ..., num_swap_in_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., num_swapped_sequences: _Optional[int] = ..., leases: _Optional[_Iterable[_Union[LeaseStats, _Mapping]]] = ..., block_size: _Optional[int] = ..., num_expired_leases: _Optional[int] = ..., num_swap_out_bytes: _Optional[int] = ..., num_swap_in_bytes: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_token_slots: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., max_blocks_per_lease: _Optional[int] = ..., num_blocks_fenced: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., block_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., num_window_released_blocks: _Optional[int] = ...) -> None: ...
 
 class TierStats(_message.Message):
     __slots__ = ("medium", "num_blocks", "num_bytes", "num_hit_blocks", "num_promotions", "num_evictions", "num_stored_blocks", "write_queue_depth")

@@ -1,0 +1,160 @@
+"""A Mistral-style model (every layer windowed) served by the real stack past its window gives the
+blocks its window left behind back to the cache (issue 24 item 3), and still decodes as Hugging
+Face does; a later request with the same prompt hits the released-but-cached blocks.
+
+One cache service and one replica over a saved seeded model directory (tests/test_sliding_window
+builds the model). Which models release at all (`computesvc.window`) is checked without a stack.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from servers import TOKEN, ModuleLoop, child_env, greedy_request
+from test_model import prompt
+from test_sliding_window import WINDOW, windowed_model
+
+from computesvc.window import blocks_behind, release_window
+from kvtier.cache_client import CacheClient
+from kvtier.compute_client import ComputeClient
+from kvtier.model_spec import TINY_LLAMA_CONFIG
+from kvtier.tokenizer import build_byte_tokenizer
+from kvtier_cli.stack import LocalStack
+
+BLOCK = 16  # tokens per block: the window (24) starts mid-block
+LOOKAHEAD_BLOCKS = 1  # the scheduler's default
+# The most blocks a decoding sequence holds once its window has moved: the window's positions
+# straddle ceil(W / B) + 1 blocks, plus the lookahead block each Extend reserves.
+MAX_HELD = -(-WINDOW // BLOCK) + 1 + LOOKAHEAD_BLOCKS
+
+LOOP = ModuleLoop()
+
+
+# ---------------------------------------------------------------- which models release
+
+
+def test_only_a_model_windowed_in_every_layer_releases():
+    from transformers import LlamaConfig, Qwen2Config
+
+    assert release_window(windowed_model("mistral", WINDOW).config) == WINDOW
+    assert release_window(windowed_model("mistral", None).config) is None
+    # Qwen2 with one full layer keeps full context there: nothing may be released.
+    assert release_window(windowed_model("qwen2-mixed", WINDOW).config) is None
+    common = {k: v for k, v in TINY_LLAMA_CONFIG.items() if k != "rope_theta"}
+    all_windowed = Qwen2Config(**common, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=0)
+    assert release_window(all_windowed) == WINDOW
+    assert release_window(LlamaConfig(**common)) is None
+
+
+@pytest.mark.parametrize(
+    ("num_computed", "expected"),
+    [(0, 0), (23, 0), (38, 0), (39, 1), (54, 1), (55, 2), (100, 4)],
+)
+def test_blocks_behind_are_those_wholly_before_the_next_query_s_window(num_computed, expected):
+    # The query at position p reads p - 23 .. p: block b (positions 16b .. 16b + 15) is behind
+    # once 16b + 15 < p - 23.
+    assert blocks_behind(num_computed, WINDOW, BLOCK) == expected
+
+
+# ---------------------------------------------------------------- through the stack
+
+
+@pytest.fixture(scope="module")
+def eager():
+    """The Mistral-style model, every layer windowed, in transformers' own eager attention; EOS
+    cleared so generate runs exactly max_new_tokens, as ignore_eos does."""
+    model = windowed_model("mistral", WINDOW)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.fixture(scope="module")
+def stack(eager, tmp_path_factory):
+    path = tmp_path_factory.mktemp("mistral-windowed")
+    eager.save_pretrained(path)
+    build_byte_tokenizer().save_pretrained(path)
+    run_dir = tmp_path_factory.mktemp("window-release")
+    model = ["--model", str(path)]
+    with LocalStack(
+        run_dir,
+        cache_args=[*model, "--num-blocks", "256", "--block-size", str(BLOCK), "--lease-ttl", "2"],
+        compute_args=model,
+        num_replicas=1,
+        env=child_env(run_dir),
+    ) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def cache(stack):
+    client = CacheClient.connect(stack.cache_address, TOKEN, timeout_s=10.0)
+    yield client
+    client.close()
+
+
+def generate(stack, token_ids: list[int], max_tokens: int):
+    async def go():
+        client = ComputeClient([stack.replicas[0].address], TOKEN)
+        try:
+            return await client.complete(greedy_request(token_ids, max_tokens))
+        finally:
+            await client.close()
+
+    return LOOP.run(go())
+
+
+def hf_greedy(model, token_ids: list[int], max_new_tokens: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([token_ids]), do_sample=False, max_new_tokens=max_new_tokens)
+    return out[0, len(token_ids) :].tolist()
+
+
+def test_greedy_past_the_window_matches_hf_and_released_blocks_stay_prefix_hits(stack, cache, eager):
+    ids = prompt(45, salt=21)
+    released_before = cache.get_stats().num_window_released_blocks
+
+    done = generate(stack, ids, 60)  # 105 tokens: more than four windows
+
+    assert done.token_ids == hf_greedy(eager, ids, 60)
+    # Its last Extend came within a block of the end: the window had left at least this many
+    # blocks behind by then, and the cache took them back.
+    released = cache.get_stats().num_window_released_blocks - released_before
+    assert released >= blocks_behind(45 + 60 - 2 * BLOCK, WINDOW, BLOCK) > 0
+    # The prompt's first blocks were released mid-request and stayed cached: the same prompt
+    # hits them (whole blocks below its last token).
+    again = generate(stack, ids, 4)
+    assert again.cached_prompt_tokens == (45 - 1) // BLOCK * BLOCK
+    assert again.token_ids == done.token_ids[:4]
+
+
+async def aenumerate(replies):
+    k = 0
+    async for reply in replies:
+        yield k, reply
+        k += 1
+
+
+def test_a_long_decode_holds_only_its_window_and_lookahead(stack, cache):
+    """GetStats while one request decodes far past its window: its lease never holds more than
+    the window's blocks and the lookahead (without releases it would hold ~22)."""
+    ids = prompt(40, salt=22)
+    max_tokens = 300
+    seen: list[tuple[int, int]] = []  # (tokens delivered so far, blocks the lease holds)
+
+    async def go():
+        client = ComputeClient([stack.replicas[0].address], TOKEN)
+        delivered = 0
+        try:
+            async for k, reply in aenumerate(client.stream(greedy_request(ids, max_tokens))):
+                delivered += len(reply.token_ids)
+                if k % 5 == 0:  # a GetStats per reply would slow the reader behind the decode
+                    leases = [lease for lease in cache.get_stats().leases if lease.num_sequences]
+                    seen.extend((delivered, lease.num_blocks) for lease in leases)
+        finally:
+            await client.close()
+        return delivered
+
+    assert LOOP.run(go()) == max_tokens
+    late = [blocks for delivered, blocks in seen if delivered >= 100]
+    assert late, f"no GetStats caught the sequence live after 100 tokens: {seen}"
+    assert max(blocks for _, blocks in seen) <= MAX_HELD, seen
