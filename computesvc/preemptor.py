@@ -83,6 +83,8 @@ class Preemptor:
                 await self._extend(low)
                 return
             except NoFreeBlocks as refused:
+                if await self._release_behind(low):
+                    continue  # what the windows left behind may be the room that was missing
                 low, tenant = await self._extend_apart(low, refused)
                 if tenant is None:  # the pool is short (a tenant's own limit holds back no one else)
                     self.ledger.refused_at = self.ledger.step
@@ -94,14 +96,17 @@ class Preemptor:
                 return  # those in `low` wait for room (the step decodes the others)
             low = [r for r in low if r is not victim]
 
-    async def _extend(self, reqs: list[Request]) -> None:
-        """One Extend topping `reqs` up to the lookahead, carrying their commits: the tokens written
-        since the last call are committed, then the room is counted from the record as it is."""
+    async def _extend(self, reqs: list[Request], room: bool = True) -> None:
+        """One Extend topping `reqs` up to the lookahead (`room` False: asking none), carrying their
+        commits and what their windows left behind: the tokens written since the last call are
+        committed, then the room is counted from the record as it is."""
         commits = commit_items(reqs)
         lookahead = self.config.lookahead_blocks * self.block_size
         max_len = self.cache.max_model_len
         items = [
             ExtendItem(r.sequence_id, max(1, min(lookahead, max_len - max(r.num_recorded, r.num_computed))))
+            if room
+            else ExtendItem(r.sequence_id, 0)
             for r in reqs
         ]
         releases = self._releases(reqs)
@@ -114,6 +119,16 @@ class Preemptor:
         for req, seq in zip(reqs, seqs, strict=True):
             req.block_table = seq.block_table
             req.num_released_blocks = released.get(req.sequence_id, req.num_released_blocks)
+
+    async def _release_behind(self, reqs: list[Request]) -> bool:
+        """After the Extend of `reqs` was refused (nothing applied): give back only what their
+        windows left behind, in an Extend asking no room (it always fits) that carries their
+        commits, so that a retry may find the room. False when nothing was behind."""
+        behind = {sequence_id for sequence_id, _ in self._releases(reqs)}
+        if not behind:
+            return False
+        await self._extend([r for r in reqs if r.sequence_id in behind], room=False)
+        return True
 
     def _releases(self, reqs: list[Request]) -> list[ReleaseItem]:
         """The blocks each of `reqs` has left behind its window since its last release (none

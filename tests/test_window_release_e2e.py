@@ -8,6 +8,8 @@ builds the model). Which models release at all (`computesvc.window`) is checked 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 from servers import TOKEN, ModuleLoop, child_env, greedy_request
@@ -69,19 +71,29 @@ def eager():
 
 
 @pytest.fixture(scope="module")
-def stack(eager, tmp_path_factory):
+def model_dir(eager, tmp_path_factory):
     path = tmp_path_factory.mktemp("mistral-windowed")
     eager.save_pretrained(path)
     build_byte_tokenizer().save_pretrained(path)
-    run_dir = tmp_path_factory.mktemp("window-release")
-    model = ["--model", str(path)]
+    return path
+
+
+@contextmanager
+def one_replica_stack(model_dir, run_dir, num_blocks: int):
+    model = ["--model", str(model_dir)]
     with LocalStack(
         run_dir,
-        cache_args=[*model, "--num-blocks", "256", "--block-size", str(BLOCK), "--lease-ttl", "2"],
+        cache_args=[*model, "--num-blocks", str(num_blocks), "--block-size", str(BLOCK), "--lease-ttl", "2"],
         compute_args=model,
         num_replicas=1,
         env=child_env(run_dir),
     ) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def stack(model_dir, tmp_path_factory):
+    with one_replica_stack(model_dir, tmp_path_factory.mktemp("window-release"), 256) as s:
         yield s
 
 
@@ -158,3 +170,12 @@ def test_a_long_decode_holds_only_its_window_and_lookahead(stack, cache):
     late = [blocks for delivered, blocks in seen if delivered >= 100]
     assert late, f"no GetStats caught the sequence live after 100 tokens: {seen}"
     assert max(blocks for _, blocks in seen) <= MAX_HELD, seen
+
+
+def test_a_sequence_far_longer_than_the_pool_decodes_in_a_pool_its_window_fits(model_dir, tmp_path):
+    """4 blocks (64 tokens) serve a 340-token sequence: when an Extend finds the pool full, the
+    replica first gives back what the window left behind (an Extend asking no room), then
+    retries, instead of preempting a sequence that could never be readmitted."""
+    with one_replica_stack(model_dir, tmp_path / "run", num_blocks=4) as tight:
+        done = generate(tight, prompt(40, salt=23), 300)
+        assert (len(done.token_ids), done.finish_reason) == (300, "length")
