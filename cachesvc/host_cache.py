@@ -12,6 +12,12 @@ and ``release_slots`` gives them back to the cache. An evicted entry goes to ``o
 parent_hash, data)`` before its slot is reused (the disk tier's ``offer`` has that signature);
 ``data`` is the slot's row, valid only during the call.
 
+Every eviction of a device block with a host cache lands here (``offer_rows``), so a batch is
+taken in one go: its slots claimed together (free ones, then the LRU entries' in one pass),
+its keys entered into the LRU with one ``update``, its rows copied with one indexed copy, one
+``on_change`` call per batch. An entry is its key and slot only (a parent hash other than the
+key's first 32 bytes is kept aside): no object per cached block for the garbage collector.
+
 On CUDA every copy runs on a side stream that first waits for the default stream's work; the
 call returns once the copy has completed, so a device block handed to ``offer`` may be reused
 and a block filled by ``load`` read as soon as the call returns (a replica in another process
@@ -23,6 +29,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import islice
 
 import numpy as np
 import torch
@@ -31,12 +38,13 @@ from cachesvc.errors import InvalidArgument, ResourceExhausted
 from cachesvc.tiers import LowerTier, TierStats
 
 EvictSink = Callable[[bytes, "bytes | None", torch.Tensor], object]
-ChangeSink = Callable[[bool, bytes, int], object]
+ChangeSink = Callable[[bool, Sequence[bytes], Sequence[int]], object]
 
 
 @dataclass(slots=True)
 class HostEntry:
-    """One cached block: its index key, its parent's hash (None for a first block), its slot."""
+    """One cached block as ``entry`` reports it: its index key, its parent's hash (None for a
+    first block offered without one), its slot."""
 
     key: bytes
     parent_hash: bytes | None
@@ -69,12 +77,15 @@ class HostBlockCache:
         self.stream = torch.cuda.Stream(device=self.device) if cuda else None
         self.on_evict = on_evict
         self.on_change: ChangeSink | None = None
-        """Called ``(stored, key, slot)`` as an entry enters (True) or leaves (False) the cache
-        (the tier's KV events: ``LowerTiers``)."""
-        self._entries: OrderedDict[bytes, HostEntry] = OrderedDict()  # least recently used first
+        """Called ``(stored, keys, slots)`` as entries enter (True) or leave (False) the cache, once
+        per batch, in order (the tier's KV events: ``LowerTiers``)."""
+        self._entries: OrderedDict[bytes, int] = OrderedDict()  # key -> slot, least recently used first
+        # Parent hashes given by offer_many that are not the key's first 32 bytes (tests, a caller
+        # with its own parents); empty on the eviction path, whose parents are their keys' prefix.
+        self._parents: dict[bytes, bytes | None] = {}
         self._free = list(range(num_slots - 1, -1, -1))  # a stack: lowest slot ids first
         self._swap_slots: set[int] = set()
-        self._rows = self._rows_np = self._slots_np = None  # offer_rows' pool, as numpy arrays
+        self._rows = self._rows_bytes = self._slots_bytes = None  # offer_rows' pool; both as flat bytes
         self._counts = dict.fromkeys(("hits", "promotions", "evictions", "stored", "rejected"), 0)
 
     @classmethod
@@ -89,6 +100,10 @@ class HostBlockCache:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def held_keys(self):
+        """A live, read-only view of the keys held (``in`` on it costs no Python call)."""
+        return self._entries.keys()
 
     def offer(self, key: bytes, parent_hash: bytes | None, block_view: torch.Tensor) -> bool:
         """``offer_many`` for one block."""
@@ -111,59 +126,112 @@ class HostBlockCache:
                     f"block of {flat.numel()} bytes offered to a host cache of {self.block_bytes}-byte slots"
                 )
             views.append(flat)
-        return self._take([(k, p) for k, p, _ in blocks], views, self._copy_in)
+        keys = [k for k, _, _ in blocks]
+        parents = [p for _, p, _ in blocks]
+        held = 0
+        if len(set(keys)) < len(keys) or not self._entries.keys().isdisjoint(keys):
+            keys, views, parents, held = self._skip_held(keys, views, parents)
+        return held + self._take(keys, views, self._copy_in, parents)
 
     def offer_rows(self, keys: Sequence[bytes], rows: torch.Tensor, row_ids: Sequence[int]) -> int:
-        """``offer_many`` of CPU pool rows: block i is ``rows[row_ids[i]]`` (``rows``: the pool as
-        ``[num_blocks, block_bytes]`` uint8), its parent hash its key's first 32 bytes. One numpy
-        row copy per block instead of two tensor views and a copy: every eviction pays this with
-        a host cache (bench/block_manager_ab.py --tiers). A CUDA pool goes through offer_many."""
+        """``offer_many`` of CPU pool rows: block i is ``rows[row_ids[i]]`` (``rows``: the pool as a
+        contiguous ``[num_blocks, block_bytes]`` uint8 tensor), its parent hash its key's first
+        32 bytes; ``keys`` are distinct (a batch of device evictions). The whole batch in one
+        pass (module docstring): every eviction pays this with a host cache
+        (bench/block_manager_ab.py --tiers). A CUDA pool goes through offer_many."""
         if rows.is_cuda or self.stream is not None:
             return self.offer_many([(k, k[:32], rows[i]) for k, i in zip(keys, row_ids, strict=True)])
         if rows is not self._rows:  # checked and viewed once per pool (keep passes the same one)
-            if rows.dim() != 2 or rows.shape[1] != self.block_bytes or rows.dtype != torch.uint8:
-                raise InvalidArgument(
-                    f"pool rows {tuple(rows.shape)} {rows.dtype}: need [num_blocks, {self.block_bytes}] uint8"
-                )
-            self._rows, self._rows_np, self._slots_np = rows, rows.numpy(), self.slots.numpy()
-        return self._take([(k, k[:32]) for k in keys], list(row_ids), self._copy_rows)
+            self.bind_rows(rows)
+        return self.keep_rows(row_ids, keys)
 
-    def _copy_rows(self, slots: list[int], ids: list[int]) -> None:
-        dst, src = self._slots_np, self._rows_np
-        for slot, i in zip(slots, ids, strict=True):
-            dst[slot] = src[i]
-
-    def _take(self, blocks: list[tuple[bytes, bytes | None]], sources: list, copy: Callable) -> int:
-        """Take ``blocks`` (key, parent hash), block i's bytes from ``sources[i]`` through
-        ``copy(slots, sources)``: ``offer_many``'s bookkeeping for either kind of source."""
+    def keep_rows(self, row_ids: Sequence[int], keys: Sequence[bytes]) -> int:
+        """``offer_rows`` of the bound pool (``bind_rows``), in the order of the device tier's
+        ``on_evict`` hook, which it is when the host cache is the only lower tier
+        (``LowerTiers``): one call per Allocate or Extend that evicts."""
         held = 0
-        slots: list[int] = []
-        pending: list = []
-        for (key, parent_hash), source in zip(blocks, sources, strict=True):
-            if key in self._entries:
-                self._entries.move_to_end(key)
-                held += 1
-                continue
-            if not self._free and slots and self._entries[next(iter(self._entries))].slot in slots:
-                # The LRU entry is one of this batch, not copied yet: copy first, so what
-                # on_evict receives is the block, not the slot's old bytes.
-                copy(slots, pending)
-                self._counts["stored"] += len(slots)
-                slots, pending = [], []
-            slot = self._free_slot()
-            if slot is None:
-                self._counts["rejected"] += 1
-                continue
-            self._entries[key] = HostEntry(key, parent_hash, slot)
-            if self.on_change is not None:
-                self.on_change(True, key, slot)
-            slots.append(slot)
-            pending.append(source)
-            held += 1
-        if slots:
-            copy(slots, pending)
-        self._counts["stored"] += len(slots)
+        if not self._entries.keys().isdisjoint(keys):
+            keys, row_ids, _, held = self._skip_held(keys, row_ids, None)
+        return held + self._take(keys, row_ids, self._copy_rows)
+
+    def bind_rows(self, rows: torch.Tensor) -> None:
+        """Take ``rows`` (a CPU pool as ``[num_blocks, block_bytes]`` uint8, contiguous) as the pool
+        ``keep_rows`` copies from: its layout checked, it and the slots viewed as flat bytes."""
+        if (
+            rows.dim() != 2
+            or rows.shape[1] != self.block_bytes
+            or rows.dtype != torch.uint8
+            or not rows.is_contiguous()
+        ):
+            raise InvalidArgument(
+                f"pool rows {tuple(rows.shape)} {rows.dtype}: need [num_blocks, {self.block_bytes}] uint8, contiguous"
+            )
+        self._rows = rows
+        self._rows_bytes = memoryview(rows.numpy()).cast("B")
+        self._slots_bytes = memoryview(self.slots.numpy()).cast("B")
+
+    def _copy_rows(self, slots: list[int], ids: Sequence[int]) -> None:
+        """Pool rows ``ids`` into ``slots``: a memoryview slice copy each (one memcpy; cheaper than
+        numpy's row or indexed assignment, whose index conversion costs more than 64 bytes' copy)."""
+        dst, src, size = self._slots_bytes, self._rows_bytes, self.block_bytes
+        for slot, i in zip(slots, ids):
+            at, start = slot * size, i * size
+            dst[at : at + size] = src[start : start + size]
+
+    def _take(self, keys: Sequence[bytes], sources: Sequence, copy: Callable, parents: Sequence | None = None) -> int:
+        """Take blocks ``keys``, none held, distinct (parent hashes ``parents``; None: each key's
+        first 32 bytes), block i's bytes from ``sources[i]`` through ``copy(slots, sources)``;
+        return how many were taken. ``offer_many``'s bookkeeping for either kind of source."""
+        room = len(self._free) + len(self._entries)
+        if len(keys) <= room:  # one round: the rule
+            return self._store(keys, sources, copy, parents)
+        # A batch larger than the cache goes in rounds of `room`: a round is copied before the
+        # next one evicts it, so what on_evict receives is the block, not the slot's old bytes.
+        held = 0
+        while keys and room:
+            held += self._store(keys[:room], sources[:room], copy, parents and parents[:room])
+            keys, sources, parents = keys[room:], sources[room:], parents and parents[room:]
+            room = len(self._free) + len(self._entries)
+        self._counts["rejected"] += len(keys)  # every slot is swap's
         return held
+
+    def _store(self, keys: Sequence[bytes], sources: Sequence, copy: Callable, parents: Sequence | None) -> int:
+        """``_take`` of at most as many blocks as there are free or cached slots."""
+        slots = self._claim(len(keys))
+        entries = self._entries
+        for key, slot in zip(keys, slots):  # (faster than OrderedDict.update, which goes through Python)
+            entries[key] = slot
+        if parents is not None:
+            self._keep_parents(keys, parents)
+        if self.on_change is not None:
+            self.on_change(True, keys, slots)
+        copy(slots, sources)
+        self._counts["stored"] += len(slots)
+        return len(slots)
+
+    def _skip_held(self, keys: Sequence[bytes], sources: Sequence, parents: Sequence | None) -> tuple:
+        """A batch without the keys already held (each touched: most recently used) or repeated
+        within it; returns ``(keys, sources, parents, how many were left out)``."""
+        entries = self._entries
+        new: dict[bytes, int] = {}  # key -> its position in the batch
+        for k, key in enumerate(keys):
+            if key in entries:
+                entries.move_to_end(key)
+            elif key not in new:
+                new[key] = k
+        at = list(new.values())
+        kept_parents = [parents[k] for k in at] if parents is not None else None
+        return list(new), [sources[k] for k in at], kept_parents, len(keys) - len(at)
+
+    def _keep_parents(self, keys: Sequence[bytes], parents: Sequence) -> None:
+        """Remember the parent hashes of ``keys`` that are not their key's first 32 bytes."""
+        for key, parent in zip(keys, parents, strict=True):
+            if parent != key[:32]:
+                self._parents[key] = parent
+
+    def _parent(self, key: bytes) -> bytes | None:
+        """``key``'s parent hash, forgotten (its entry is leaving)."""
+        return self._parents.pop(key, key[:32]) if self._parents else key[:32]
 
     def lookup_chain(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` the cache holds (each counted as a hit); LRU order unchanged."""
@@ -190,11 +258,11 @@ class HostBlockCache:
             raise InvalidArgument(f"len(keys) = {len(keys)} != len(dst_views) = {len(dst_views)}")
         slots: list[int] = []
         for key in keys:
-            entry = self._entries.get(key)
-            if entry is None:
+            slot = self._entries.get(key)
+            if slot is None:
                 break
             self._entries.move_to_end(key)
-            slots.append(entry.slot)
+            slots.append(slot)
         views = [_flat_bytes(v) for v in dst_views[: len(slots)]]
         for k, view in enumerate(views):
             if view.numel() != self.block_bytes:
@@ -205,7 +273,10 @@ class HostBlockCache:
 
     def entry(self, key: bytes) -> HostEntry | None:
         """The entry held under ``key`` (its slot row is ``slots[entry.slot]``), or None."""
-        return self._entries.get(key)
+        slot = self._entries.get(key)
+        if slot is None:
+            return None
+        return HostEntry(key, self._parents.get(key, key[:32]), slot)
 
     def touch(self, key: bytes) -> bool:
         """Make ``key`` the most recently used entry; False if it is not held."""
@@ -216,20 +287,19 @@ class HostBlockCache:
 
     def evict(self, num_blocks: int = 1) -> int:
         """Evict up to ``num_blocks`` least recently used entries (each to ``on_evict``); return how many."""
-        n = 0
-        while n < num_blocks and self._entries:
-            self._free.append(self._evict_lru())
-            n += 1
+        n = min(num_blocks, len(self._entries))
+        self._free += self._evict_lru(n)
         return n
 
     def discard(self, key: bytes) -> bool:
         """Drop ``key`` without handing it to ``on_evict`` (it is back on the device); False if not held."""
-        entry = self._entries.pop(key, None)
-        if entry is None:
+        slot = self._entries.pop(key, None)
+        if slot is None:
             return False
-        self._free.append(entry.slot)
+        self._parents.pop(key, None)
+        self._free.append(slot)
         if self.on_change is not None:
-            self.on_change(False, key, entry.slot)
+            self.on_change(False, (key,), (slot,))
         return True
 
     # ------------------------------------------------------------------ swap's share
@@ -245,7 +315,7 @@ class HostBlockCache:
                 f"host area: swap needs {num_slots} slots but only {room} of {self.num_slots} are not swap's "
                 f"({len(self._swap_slots)} are); raise --host-cache-gib"
             )
-        taken = [self._free_slot() for _ in range(num_slots)]
+        taken = self._claim(num_slots)
         self._swap_slots.update(taken)
         return taken
 
@@ -273,29 +343,43 @@ class HostBlockCache:
 
     def check_invariants(self) -> None:
         """AssertionError unless every slot is exactly one of free, cached or swap's. O(num_slots)."""
-        cached = [e.slot for e in self._entries.values()]
+        cached = list(self._entries.values())
         every = sorted([*self._free, *cached, *self._swap_slots])
         assert every == list(range(self.num_slots)), f"slots free/cached/swap overlap or leak: {every}"
 
     # ------------------------------------------------------------------ internals
 
-    def _free_slot(self) -> int | None:
-        """A free slot, evicting the least recently used entry if none is; None if nothing can be."""
-        if self._free:
-            return self._free.pop()
-        if self._entries:
-            return self._evict_lru()
-        return None
+    def _claim(self, n: int) -> list[int]:
+        """``n`` slots: free ones first (lowest ids first), then those of the least recently used
+        entries, evicted. Needs ``n <= len(_free) + len(_entries)``."""
+        free = self._free
+        k = min(n, len(free))
+        slots = free[len(free) - k :]
+        slots.reverse()  # the stack's order: popped from its end
+        del free[len(free) - k :]
+        if n > k:
+            slots += self._evict_lru(n - k)
+        return slots
 
-    def _evict_lru(self) -> int:
-        """Evict the least recently used entry through ``on_evict``; return its (now unused) slot."""
-        _, entry = self._entries.popitem(last=False)
-        self._counts["evictions"] += 1
+    def _evict_lru(self, n: int) -> list[int]:
+        """Evict the ``n`` least recently used entries (one on_change call, then each to ``on_evict``);
+        return their (now unused) slots, oldest first."""
+        if n <= 0:
+            return []
+        entries = self._entries
+        keys = list(islice(entries, n))
+        slots = list(map(entries.pop, keys))  # C loops: no Python step per entry
+        self._counts["evictions"] += n
         if self.on_change is not None:
-            self.on_change(False, entry.key, entry.slot)
+            self.on_change(False, keys, slots)
         if self.on_evict is not None:
-            self.on_evict(entry.key, entry.parent_hash, self.slots[entry.slot])
-        return entry.slot
+            rows = self.slots
+            for key, slot in zip(keys, slots):
+                self.on_evict(key, self._parent(key), rows[slot])
+        elif self._parents:
+            for key in keys:
+                self._parents.pop(key, None)
+        return slots
 
     def _copy_in(self, slots: list[int], views: list[torch.Tensor]) -> None:
         if not slots:

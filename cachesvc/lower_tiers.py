@@ -66,25 +66,32 @@ class LowerTiers:
         if host is not None:
             host.on_change = self._recorder("host")
         if disk is not None:
-            disk.on_change = self._recorder("disk")
+            record = self._recorder("disk")
+            disk.on_change = lambda stored, key, block_id: record(stored, (key,), (block_id,))
             for key in disk.indexed_keys():  # records found at startup: a consumer learns what disk holds
                 disk.on_change(True, key, -1)
         if host is not None and disk is not None:
             # through: a block the host evicts within the keep that took it has no disk copy yet
             host.on_evict = disk.offer if write_policy == "evict" else self._write_unless_on_disk
+        self._on_host = host.held_keys() if host is not None else ()
+        if host is not None and disk is None and not min_hits and not pool_rows.is_cuda:
+            # The rule with a host cache: the device's eviction hook goes straight to the host
+            # cache (every Allocate or Extend that evicts pays for each call on the way).
+            host.bind_rows(pool_rows)
+            self.keep = host.keep_rows
 
     def _write_unless_on_disk(self, key: bytes, parent_hash: bytes | None, payload) -> bool:
         return self.disk.contains(key) or self.disk.offer(key, parent_hash, payload)
 
     def _recorder(self, medium: str):
-        """The ``on_change(stored, key, block_id)`` of ``medium``'s tier: it records the block
-        entering or leaving under its index key (hashed when the record is read: cachesvc.events).
-        Runs on every eviction with a host cache, so it is one closure and one append."""
+        """``record(stored, keys, block_ids)`` for ``medium``'s tier: one event record of the blocks
+        entering or leaving under their index keys (hashed when the record is read: cachesvc.events).
+        The host cache's ``on_change`` (one call per batch); the disk's calls it per block."""
         kinds = (tier_kind(False, medium), tier_kind(True, medium))
         append = self._events.append
 
-        def record(stored: bool, key: bytes, block_id: int) -> None:
-            append((kinds[stored], (key,), (block_id,)))
+        def record(stored: bool, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
+            append((kinds[stored], tuple(keys), tuple(block_ids)))
 
         return record
 
@@ -128,9 +135,7 @@ class LowerTiers:
 
     def holds(self, key: bytes) -> bool:
         """Whether the host cache or the disk holds ``key`` (read-only: no LRU change)."""
-        return (self.host is not None and key in self.host) or (
-            self.disk is not None and self.disk.contains(key)
-        )
+        return key in self._on_host or (self.disk is not None and self.disk.contains(key))
 
     def lookup_chain(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` the host cache or the disk holds (each key on either)."""
@@ -249,7 +254,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--host-cache-gib", type=host_cache_gib, default=0.0,
         help="host memory (GiB) for published blocks evicted from the pool, LRU, shared with swap (swap "
-        "first: a swap-out evicts cached blocks; --swap-space is then not a second area); 0, the default = no host cache (opt-in: docs/architecture.md, Lower tiers); "
+        "first: a swap-out evicts cached blocks; --swap-space is then not a second area); 0 = no host cache; "
         f"auto = min({AUTO_MAX_GIB:g} GiB, {AUTO_SHARE * 100:.0f}%% of the memory available to this process)",
     )  # fmt: skip
     ap.add_argument(
