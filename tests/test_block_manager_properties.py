@@ -205,9 +205,25 @@ class SequenceTableMachine(RuleBasedStateMachine):
         out: list = []
         if self.expect_failure(lambda: out.append(self.table.swap_in(lease, [sid])), CacheError):
             (view,), _, _ = out[0]
-            back = [int(v) for b in view.block_table for v in self.pool[b]]
+            live = view.block_table[seq.num_released_blocks :]  # placeholders held no slot
+            back = [int(v) for b in live for v in self.pool[b]]
             assert back == written, "swap round trip changed the block bytes"
             self.record_published(sid)
+
+    @precondition(lambda self: self.live(location="device"))
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        """A sliding window left leading blocks behind (Extend's releases): refused, changing
+        nothing, exactly when they reach past the committed tokens."""
+        sid = data.draw(st.sampled_from(self.live(location="device")))
+        seq = self.table.get(sid)
+        n = data.draw(st.integers(0, len(seq.block_table)))
+        allowed = n * BS <= seq.num_computed_tokens
+        ran = self.expect_failure(
+            lambda: self.table.extend(seq.lease_id, [(sid, 0)], releases=[(sid, n)]), InvalidArgument
+        )
+        assert ran == allowed, f"release of {n} blocks with {seq.num_computed_tokens} computed tokens"
+        assert not ran or self.table.get(sid).num_released_blocks >= n
 
     @rule(data=st.data(), kind=st.sampled_from(["unknown", "foreign", "bad-token", "swapped", "duplicate"]))
     def invalid_call(self, data: st.DataObject, kind: str) -> None:
