@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+import grpc
 import pytest
 import torch
-from servers import TOKEN, ModuleLoop, child_env, greedy_request
+from servers import TOKEN, ModuleLoop, child_env, greedy_request, stats_without_clock
 from test_model import prompt
 from test_sliding_window import WINDOW, windowed_model
 
+from cachesvc.records import PLACEHOLDER_BLOCK
 from computesvc.window import blocks_behind, release_window
 from kvtier.cache_client import CacheClient
 from kvtier.compute_client import ComputeClient
@@ -179,3 +181,29 @@ def test_a_sequence_far_longer_than_the_pool_decodes_in_a_pool_its_window_fits(m
     with one_replica_stack(model_dir, tmp_path / "run", num_blocks=4) as tight:
         done = generate(tight, prompt(40, salt=23), 300)
         assert (len(done.token_ids), done.finish_reason) == (300, "length")
+
+
+def test_releases_on_the_wire_answer_placeholders_and_a_bad_one_is_invalid_argument(stack):
+    """Extend's releases through the servicer: the table comes back with placeholders in the
+    released positions; a release past the committed tokens is INVALID_ARGUMENT naming it and
+    changes nothing (GetStats, clock aside)."""
+    client = CacheClient.connect(stack.cache_address, TOKEN, timeout_s=10.0)
+    try:
+        client.attach("window-wire")
+        ids = prompt(40, salt=24)
+        (seq,) = client.allocate([ids]).sequences
+        client.commit([(seq.sequence_id, [], 40)])  # the 40 prompt tokens' KV written
+        table = list(seq.block_table)
+        (after,) = client.extend([(seq.sequence_id, 0)], releases=[(seq.sequence_id, 2)]).sequences
+        assert list(after.block_table) == [PLACEHOLDER_BLOCK] * 2 + table[2:]
+        before = stats_without_clock(client.get_stats())
+        with pytest.raises(grpc.RpcError) as refused:
+            client.extend([(seq.sequence_id, 0)], releases=[(seq.sequence_id, 3)])
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (
+            "releases[0].num_blocks = 3 covers 48 tokens but only 40 are committed" in refused.value.details()
+        )
+        assert stats_without_clock(client.get_stats()) == before
+        client.free([seq.sequence_id])
+    finally:
+        client.close()
