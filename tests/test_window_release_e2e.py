@@ -150,7 +150,7 @@ async def aenumerate(replies):
 
 def test_a_long_decode_holds_only_its_window_and_lookahead(stack, cache):
     """GetStats while one request decodes far past its window: its lease never holds more than
-    the window's blocks and the lookahead (without releases it would hold ~22)."""
+    the window's blocks and the lookahead (without releases it held 21)."""
     ids = prompt(40, salt=22)
     max_tokens = 300
     seen: list[tuple[int, int]] = []  # (tokens delivered so far, blocks the lease holds)
