@@ -230,7 +230,7 @@ class DiskTier:
         """``load`` into one pool block ``dst_view`` (a contiguous tensor of ``block_bytes``); False on a miss."""
         import torch
 
-        from cachesvc.host_cache import copy_block
+        from cachesvc.host_slots import copy_block
 
         payload = self.load(key)
         if payload is None:

@@ -5,23 +5,21 @@ ids``), the key ``BlockManager.prefix_index`` uses, so a prompt's chain is follo
 on every tier: ``lookup_chain`` counts how many of a prompt's leading keys the cache holds, and
 ``load`` copies one back into a device block. Entries are LRU within a budget of slots.
 
-Backing memory is one uint8 tensor ``[num_slots, block_bytes]`` (pinned on CUDA, so copies run
-at full PCIe speed; plain on CPU). Swap space and cached blocks share it, swap first:
+Backing memory is a ``cachesvc.host_slots.HostSlots`` (one uint8 tensor ``[num_slots,
+block_bytes]``, pinned on CUDA, and the copies to and from pool blocks). Swap space and cached
+blocks share it, swap first:
 ``take_slots`` hands the swap side free slots, evicting cached entries (LRU first) to make room,
 and ``release_slots`` gives them back to the cache. An evicted entry goes to ``on_evict(key,
 parent_hash, data)`` before its slot is reused (the disk tier's ``offer`` has that signature);
 ``data`` is the slot's row, valid only during the call.
 
-Every eviction of a device block with a host cache lands here (``offer_rows``), so a batch is
-taken in one go: its slots claimed together (free ones, then the LRU entries' in one pass),
-its keys entered into the LRU with one ``update``, its rows copied with one indexed copy, one
+Every eviction of a device block with a host cache lands here (``keep_rows``), so a batch is
+taken in one go: its slots claimed together (free ones, then the LRU victims' with C loops), one
 ``on_change`` call per batch. An entry is its key and slot only (a parent hash other than the
 key's first 32 bytes is kept aside): no object per cached block for the garbage collector.
-
-On CUDA every copy runs on a side stream that first waits for the default stream's work; the
-call returns once the copy has completed, so a device block handed to ``offer`` may be reused
-and a block filled by ``load`` read as soon as the call returns (a replica in another process
-reads it next). Single-threaded: the cache service's loop calls every method.
+Every copy is complete when the call returns (``HostSlots``), so a device block handed to
+``offer`` may be reused, and a block filled by ``load`` read, at once. Single-threaded: the
+cache service's loop calls every method.
 """
 
 from __future__ import annotations
@@ -31,10 +29,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import islice
 
-import numpy as np
 import torch
 
 from cachesvc.errors import InvalidArgument, ResourceExhausted
+from cachesvc.host_slots import HostSlots, flat_bytes
 from cachesvc.tiers import LowerTier, TierStats
 
 EvictSink = Callable[[bytes, "bytes | None", torch.Tensor], object]
@@ -69,12 +67,10 @@ class HostBlockCache:
             raise InvalidArgument(
                 f"host cache of {num_slots} slots x {block_bytes} bytes: need >= 0 slots, > 0 bytes"
             )
-        self.device = torch.device(device)
+        self.area = HostSlots(num_slots, block_bytes, device)
         self.block_bytes = block_bytes
         self.num_slots = num_slots
-        cuda = self.device.type == "cuda"
-        self.slots = torch.empty((num_slots, block_bytes), dtype=torch.uint8, pin_memory=cuda)
-        self.stream = torch.cuda.Stream(device=self.device) if cuda else None
+        self.slots, self.stream = self.area.slots, self.area.stream  # the rows; the side stream on CUDA
         self.on_evict = on_evict
         self.on_change: ChangeSink | None = None
         """Called ``(stored, keys, slots)`` as entries enter (True) or leave (False) the cache, once
@@ -85,7 +81,6 @@ class HostBlockCache:
         self._parents: dict[bytes, bytes | None] = {}
         self._free = list(range(num_slots - 1, -1, -1))  # a stack: lowest slot ids first
         self._swap_slots: set[int] = set()
-        self._rows = self._rows_bytes = self._slots_bytes = None  # offer_rows' pool; both as flat bytes
         self._counts = dict.fromkeys(("hits", "promotions", "evictions", "stored", "rejected"), 0)
 
     @classmethod
@@ -120,7 +115,7 @@ class HostBlockCache:
         """
         views = []
         for _, _, view in blocks:
-            flat = _flat_bytes(view)
+            flat = flat_bytes(view)
             if flat.numel() != self.block_bytes:
                 raise InvalidArgument(
                     f"block of {flat.numel()} bytes offered to a host cache of {self.block_bytes}-byte slots"
@@ -131,7 +126,7 @@ class HostBlockCache:
         held = 0
         if len(set(keys)) < len(keys) or not self._entries.keys().isdisjoint(keys):
             keys, views, parents, held = self._skip_held(keys, views, parents)
-        return held + self._take(keys, views, self._copy_in, parents)
+        return held + self._take(keys, views, self.area.copy_in, parents)
 
     def offer_rows(self, keys: Sequence[bytes], rows: torch.Tensor, row_ids: Sequence[int]) -> int:
         """``offer_many`` of CPU pool rows: block i is ``rows[row_ids[i]]`` (``rows``: the pool as a
@@ -141,44 +136,22 @@ class HostBlockCache:
         (bench/block_manager_ab.py --tiers). A CUDA pool goes through offer_many."""
         if rows.is_cuda or self.stream is not None:
             return self.offer_many([(k, k[:32], rows[i]) for k, i in zip(keys, row_ids, strict=True)])
-        if rows is not self._rows:  # checked and viewed once per pool (keep passes the same one)
-            self.bind_rows(rows)
+        if rows is not self.area.rows:  # checked and viewed once per pool (keep passes the same one)
+            self.area.bind_rows(rows)
         return self.keep_rows(row_ids, keys)
 
     def keep_rows(self, row_ids: Sequence[int], keys: Sequence[bytes]) -> int:
-        """``offer_rows`` of the bound pool (``bind_rows``), in the order of the device tier's
+        """``offer_rows`` of the bound pool (``area.bind_rows``), in the order of the device tier's
         ``on_evict`` hook, which it is when the host cache is the only lower tier
         (``LowerTiers``): one call per Allocate or Extend that evicts."""
         held = 0
         if not self._entries.keys().isdisjoint(keys):
             keys, row_ids, _, held = self._skip_held(keys, row_ids, None)
-        return held + self._take(keys, row_ids, self._copy_rows)
+        return held + self._take(keys, row_ids, self.area.copy_rows)
 
-    def bind_rows(self, rows: torch.Tensor) -> None:
-        """Take ``rows`` (a CPU pool as ``[num_blocks, block_bytes]`` uint8, contiguous) as the pool
-        ``keep_rows`` copies from: its layout checked, it and the slots viewed as flat bytes."""
-        if (
-            rows.dim() != 2
-            or rows.shape[1] != self.block_bytes
-            or rows.dtype != torch.uint8
-            or not rows.is_contiguous()
-        ):
-            raise InvalidArgument(
-                f"pool rows {tuple(rows.shape)} {rows.dtype}: need [num_blocks, {self.block_bytes}] uint8, contiguous"
-            )
-        self._rows = rows
-        self._rows_bytes = memoryview(rows.numpy()).cast("B")
-        self._slots_bytes = memoryview(self.slots.numpy()).cast("B")
-
-    def _copy_rows(self, slots: list[int], ids: Sequence[int]) -> None:
-        """Pool rows ``ids`` into ``slots``: a memoryview slice copy each (one memcpy; cheaper than
-        numpy's row or indexed assignment, whose index conversion costs more than 64 bytes' copy)."""
-        dst, src, size = self._slots_bytes, self._rows_bytes, self.block_bytes
-        for slot, i in zip(slots, ids):
-            at, start = slot * size, i * size
-            dst[at : at + size] = src[start : start + size]
-
-    def _take(self, keys: Sequence[bytes], sources: Sequence, copy: Callable, parents: Sequence | None = None) -> int:
+    def _take(
+        self, keys: Sequence[bytes], sources: Sequence, copy: Callable, parents: Sequence | None = None
+    ) -> int:
         """Take blocks ``keys``, none held, distinct (parent hashes ``parents``; None: each key's
         first 32 bytes), block i's bytes from ``sources[i]`` through ``copy(slots, sources)``;
         return how many were taken. ``offer_many``'s bookkeeping for either kind of source."""
@@ -195,11 +168,14 @@ class HostBlockCache:
         self._counts["rejected"] += len(keys)  # every slot is swap's
         return held
 
-    def _store(self, keys: Sequence[bytes], sources: Sequence, copy: Callable, parents: Sequence | None) -> int:
+    def _store(
+        self, keys: Sequence[bytes], sources: Sequence, copy: Callable, parents: Sequence | None
+    ) -> int:
         """``_take`` of at most as many blocks as there are free or cached slots."""
         slots = self._claim(len(keys))
         entries = self._entries
-        for key, slot in zip(keys, slots):  # (faster than OrderedDict.update, which goes through Python)
+        # a loop: OrderedDict.update goes through Python, slower
+        for key, slot in zip(keys, slots, strict=True):
             entries[key] = slot
         if parents is not None:
             self._keep_parents(keys, parents)
@@ -263,11 +239,11 @@ class HostBlockCache:
                 break
             self._entries.move_to_end(key)
             slots.append(slot)
-        views = [_flat_bytes(v) for v in dst_views[: len(slots)]]
+        views = [flat_bytes(v) for v in dst_views[: len(slots)]]
         for k, view in enumerate(views):
             if view.numel() != self.block_bytes:
                 raise InvalidArgument(f"dst_views[{k}] has {view.numel()} bytes, a slot {self.block_bytes}")
-        self._copy_out(slots, views)
+        self.area.copy_out(slots, views)
         self._counts["promotions"] += len(slots)
         return len(slots)
 
@@ -374,45 +350,12 @@ class HostBlockCache:
             self.on_change(False, keys, slots)
         if self.on_evict is not None:
             rows = self.slots
-            for key, slot in zip(keys, slots):
+            for key, slot in zip(keys, slots, strict=True):
                 self.on_evict(key, self._parent(key), rows[slot])
         elif self._parents:
             for key in keys:
                 self._parents.pop(key, None)
         return slots
-
-    def _copy_in(self, slots: list[int], views: list[torch.Tensor]) -> None:
-        if not slots:
-            return
-        if self.stream is None:
-            for slot, view in zip(slots, views, strict=True):
-                copy_block(self.slots[slot], view)
-            return
-        self._on_side_stream(
-            lambda: [self.slots[s].copy_(v, non_blocking=True) for s, v in zip(slots, views, strict=True)]
-        )
-
-    def _copy_out(self, slots: list[int], views: list[torch.Tensor]) -> None:
-        if not slots:
-            return
-        if self.stream is None:
-            for slot, view in zip(slots, views, strict=True):
-                copy_block(view, self.slots[slot])
-            return
-        self._on_side_stream(
-            lambda: [v.copy_(self.slots[s], non_blocking=True) for s, v in zip(slots, views, strict=True)]
-        )
-
-    def _on_side_stream(self, copies: Callable[[], object]) -> None:
-        """Run ``copies`` on the side stream after the default stream's queued work; wait for them."""
-        stream = self.stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            copies()
-            done = torch.cuda.Event()
-            done.record(stream)
-        # Complete before returning: the device block is reused, or read by another process, next.
-        done.synchronize()
 
 
 class SwapShare(LowerTier):
@@ -450,33 +393,9 @@ class SwapShare(LowerTier):
         self.cache.release_slots(ids)
 
     def store(self, device_ids: list[int], ids: list[int]) -> None:
-        self.cache._copy_in(ids, [self.pool_rows[i] for i in device_ids])
+        self.cache.area.copy_in(ids, [self.pool_rows[i] for i in device_ids])
 
     def load(self, ids: list[int], device_ids: list[int]) -> None:
         if len(ids) != len(device_ids):
             raise InvalidArgument(f"len(slots) = {len(ids)} != len(device_ids) = {len(device_ids)}")
-        self.cache._copy_out(ids, [self.pool_rows[i] for i in device_ids])
-
-
-def _flat_bytes(view: torch.Tensor) -> torch.Tensor:
-    """A contiguous block as a flat uint8 view (no copy)."""
-    if not view.is_contiguous():
-        raise InvalidArgument(f"block view of shape {tuple(view.shape)} is not contiguous")
-    return view.reshape(-1).view(torch.uint8)
-
-
-def copy_block(dst: torch.Tensor, src) -> None:
-    """Copy one block's bytes into ``dst`` (a flat uint8 tensor) from a uint8 tensor or a buffer.
-
-    On CPU this is one numpy memcpy: torch's ``copy_`` splits a 128 KiB copy over its intra-op
-    threads, which cost 5 ms instead of 0.1 ms a block on a machine whose cores are busy
-    (bench/tiers.py). A CUDA ``dst`` is a host -> device copy on the current stream, complete
-    when this returns (from pageable memory, ``copy_`` may return before the DMA has landed, and
-    another process reads the block next).
-    """
-    if dst.device.type != "cpu":
-        dst.copy_(src if isinstance(src, torch.Tensor) else torch.frombuffer(src, dtype=torch.uint8))
-        torch.cuda.current_stream(dst.device).synchronize()
-        return
-    src_array = src.numpy() if isinstance(src, torch.Tensor) else np.frombuffer(src, dtype=np.uint8)
-    np.copyto(dst.numpy(), src_array)
+        self.cache.area.copy_out(ids, [self.pool_rows[i] for i in device_ids])

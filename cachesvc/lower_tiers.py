@@ -77,7 +77,7 @@ class LowerTiers:
         if host is not None and disk is None and not min_hits and not pool_rows.is_cuda:
             # The rule with a host cache: the device's eviction hook goes straight to the host
             # cache (every Allocate or Extend that evicts pays for each call on the way).
-            host.bind_rows(pool_rows)
+            host.area.bind_rows(pool_rows)
             self.keep = host.keep_rows
 
     def _write_unless_on_disk(self, key: bytes, parent_hash: bytes | None, payload) -> bool:

@@ -128,7 +128,9 @@ def test_offer_rows_takes_pool_rows_like_offer_many_and_refuses_a_wrong_layout()
     rows = filled_pool().view(SHAPE[0], -1).view(torch.uint8)  # [8 blocks, block bytes]
     changes: list[tuple[bool, bytes, int]] = []
     cache = HostBlockCache(2, rows.shape[1])
-    cache.on_change = lambda stored, keys, slots: changes.extend((stored, k, s) for k, s in zip(keys, slots))
+    cache.on_change = lambda stored, keys, slots: changes.extend(
+        (stored, k, s) for k, s in zip(keys, slots, strict=True)
+    )
     keys = [bytes([k]) * 40 for k in range(3)]
     with pytest.raises(InvalidArgument, match=r"need \[num_blocks, \d+\] uint8"):
         cache.offer_rows(keys, rows[:, :-1], [5, 6, 7])

@@ -1,0 +1,113 @@
+"""Host memory for pool blocks: ``num_slots`` rows of ``block_bytes`` bytes and the copies between
+them and the device pool's blocks.
+
+The rows are one uint8 tensor ``[num_slots, block_bytes]``: pinned on CUDA, so copies run at
+full PCIe speed; plain on CPU. Every copy is complete when its call returns: a device block
+copied out may be reused, and a block copied in read, at once (a replica in another process
+reads or writes it next). On CUDA the copies of a call run on a side stream that first waits for
+the default stream's queued work, then the call waits for the side stream's event. On CPU a
+block is one memcpy (numpy or a memoryview slice), never torch's threaded ``copy_`` (``copy_block``).
+
+The host block cache (``cachesvc.host_cache``) keeps its blocks here; which slot holds what is
+its business, not this module's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from cachesvc.errors import InvalidArgument
+
+
+class HostSlots:
+    """``num_slots`` host rows of ``block_bytes`` bytes on the host side of ``device``'s pool."""
+
+    def __init__(self, num_slots: int, block_bytes: int, device: str | torch.device = "cpu") -> None:
+        self.device = torch.device(device)
+        self.block_bytes = block_bytes
+        cuda = self.device.type == "cuda"
+        self.slots = torch.empty((num_slots, block_bytes), dtype=torch.uint8, pin_memory=cuda)
+        self.stream = torch.cuda.Stream(device=self.device) if cuda else None
+        # The CPU pool copy_rows reads (bind_rows), and it and the slots as flat bytes.
+        self.rows: torch.Tensor | None = None
+        self._rows_bytes = self._slots_bytes = None
+
+    def copy_in(self, slots: Sequence[int], views: Sequence[torch.Tensor]) -> None:
+        """Copy each of ``views`` (a pool block as flat uint8, on ``device``) into its slot."""
+        self._copy(slots, views, into_slots=True)
+
+    def copy_out(self, slots: Sequence[int], views: Sequence[torch.Tensor]) -> None:
+        """Copy each slot of ``slots`` into its pool block of ``views`` (flat uint8, on ``device``)."""
+        self._copy(slots, views, into_slots=False)
+
+    def _copy(self, slots: Sequence[int], views: Sequence[torch.Tensor], into_slots: bool) -> None:
+        rows = self.slots
+        pairs = [(rows[s], v) if into_slots else (v, rows[s]) for s, v in zip(slots, views, strict=True)]
+        if not pairs:
+            return
+        if self.stream is None:
+            for dst, src in pairs:
+                copy_block(dst, src)
+            return
+        self._on_side_stream(lambda: [dst.copy_(src, non_blocking=True) for dst, src in pairs])
+
+    def bind_rows(self, rows: torch.Tensor) -> None:
+        """Take ``rows`` (a CPU pool as ``[num_blocks, block_bytes]`` uint8, contiguous) as the pool
+        ``copy_rows`` copies from: its layout checked, it and the slots viewed as flat bytes."""
+        if rows.dim() != 2 or rows.shape[1] != self.block_bytes or rows.dtype != torch.uint8 or rows.is_cuda:
+            raise InvalidArgument(
+                f"pool rows {tuple(rows.shape)} {rows.dtype} on {rows.device}: need [num_blocks, "
+                f"{self.block_bytes}] uint8 on the CPU, contiguous"
+            )
+        if not rows.is_contiguous():
+            raise InvalidArgument(f"pool rows {tuple(rows.shape)} are not contiguous")
+        self.rows = rows
+        self._rows_bytes = memoryview(rows.numpy()).cast("B")
+        self._slots_bytes = memoryview(self.slots.numpy()).cast("B")
+
+    def copy_rows(self, slots: Sequence[int], ids: Sequence[int]) -> None:
+        """Rows ``ids`` of the bound pool (``bind_rows``) into ``slots``: a memoryview slice copy
+        each (one memcpy; cheaper than numpy's row or indexed assignment, whose index conversion
+        costs more than a small row's copy; measured by bench/block_manager_ab.py --tiers)."""
+        dst, src, size = self._slots_bytes, self._rows_bytes, self.block_bytes
+        for slot, i in zip(slots, ids, strict=True):
+            at, start = slot * size, i * size
+            dst[at : at + size] = src[start : start + size]
+
+    def _on_side_stream(self, copies: Callable[[], object]) -> None:
+        """Run ``copies`` on the side stream after the default stream's queued work; wait for them."""
+        stream = self.stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            copies()
+            done = torch.cuda.Event()
+            done.record(stream)
+        # Complete before returning: the device block is reused, or read by another process, next.
+        done.synchronize()
+
+
+def flat_bytes(view: torch.Tensor) -> torch.Tensor:
+    """A contiguous block as a flat uint8 view (no copy)."""
+    if not view.is_contiguous():
+        raise InvalidArgument(f"block view of shape {tuple(view.shape)} is not contiguous")
+    return view.reshape(-1).view(torch.uint8)
+
+
+def copy_block(dst: torch.Tensor, src) -> None:
+    """Copy one block's bytes into ``dst`` (a flat uint8 tensor) from a uint8 tensor or a buffer.
+
+    On CPU this is one numpy memcpy: torch's ``copy_`` splits a 128 KiB copy over its intra-op
+    threads, which cost 5 ms instead of 0.1 ms a block on a machine whose cores are busy
+    (bench/tiers.py). A CUDA ``dst`` is a host -> device copy on the current stream, complete
+    when this returns (from pageable memory, ``copy_`` may return before the DMA has landed, and
+    another process reads the block next).
+    """
+    if dst.device.type != "cpu":
+        dst.copy_(src if isinstance(src, torch.Tensor) else torch.frombuffer(src, dtype=torch.uint8))
+        torch.cuda.current_stream(dst.device).synchronize()
+        return
+    src_array = src.numpy() if isinstance(src, torch.Tensor) else np.frombuffer(src, dtype=np.uint8)
+    np.copyto(dst.numpy(), src_array)
