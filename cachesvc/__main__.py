@@ -266,10 +266,27 @@ def build_lower_tiers(cfg: CacheConfig, pool):
     layout = RecordLayout(
         spec.model_fingerprint, spec.block_size, spec.dtype, tuple(spec.shape[1:]), spec.block_bytes
     )
+    log.info("host cache: %s", host_cache_choice(cfg))
     tiers = lower_tiers.from_args(cfg, pool.rows, layout)
     if tiers is not None:
         log.info("lower tiers: %s", tiers.stats())
     return tiers
+
+
+def host_cache_choice(cfg: CacheConfig) -> str:
+    """The host cache's size and why, for the startup log: the flag as given, or the default
+    (auto: min(AUTO_MAX_GIB, AUTO_SHARE x the memory available), with which bound chose it)."""
+    from cachesvc.lower_tiers import AUTO_MAX_GIB, AUTO_SHARE
+
+    size = human_bytes(int(cfg.host_cache_gib * GIB))
+    if not cfg.host_cache_default:
+        return f"{size} (--host-cache-gib as given)" if cfg.host_cache_gib else "off (--host-cache-gib 0)"
+    if cfg.host_cache_gib >= AUTO_MAX_GIB:
+        why = f"the {AUTO_MAX_GIB:g} GiB cap ({AUTO_SHARE:.0%} of the memory available is more)"
+    else:
+        available = human_bytes(int(cfg.host_cache_gib / AUTO_SHARE * GIB))
+        why = f"{AUTO_SHARE:.0%} of the {available} available to this process (MemAvailable, or a cgroup limit's headroom)"
+    return f"{size}, the default (--host-cache-gib auto: {why}; --host-cache-gib 0 turns it off)"
 
 
 def tenant_quotas(cfg: CacheConfig, token: str) -> dict[str, int]:

@@ -56,6 +56,7 @@ class CacheConfig:
     max_request_bytes: int | None
     max_watch_streams: int
     host_cache_gib: float
+    host_cache_default: bool  # host_cache_gib is the service's default (auto), not a given flag
     disk_path: str
     disk_gib: float
     disk_write_policy: str
@@ -160,7 +161,8 @@ def build_parser(prog: str = "python -m cachesvc") -> argparse.ArgumentParser:
         "--swap-space",
         type=float,
         default=4.0,
-        help="GiB of host memory for swapped-out blocks (0 = no swap)",
+        help="GiB of host memory for swapped-out blocks (0 = no swap); unused while the host cache "
+        "is on (--host-cache-gib, on by default): swap then takes the host cache's slots",
     )
 
     lower_tiers.add_arguments(
@@ -168,6 +170,10 @@ def build_parser(prog: str = "python -m cachesvc") -> argparse.ArgumentParser:
             "lower tiers", "the prefix cache below the pool: host memory, then disk (issue 22)"
         )
     )
+    # A service keeps a share of host memory for the prefixes its pool evicts (issue 22): auto,
+    # resolved at parse time (parse_config), and cheap until used (the host cache's slots are
+    # one lazily mapped allocation on the cpu; pinned on cuda, as --swap-space's area was).
+    p.set_defaults(host_cache_gib="auto")
     svc = p.add_argument_group("service")
     svc.add_argument(
         "--lease-ttl",
@@ -275,7 +281,11 @@ def build_parser(prog: str = "python -m cachesvc") -> argparse.ArgumentParser:
 
 def parse_config(argv: list[str] | None = None, prog: str = "python -m cachesvc") -> CacheConfig:
     parser = build_parser(prog)
-    args = parser.parse_args(argv)
+    # None survives parsing only when --host-cache-gib is not given: then the default, auto.
+    args = parser.parse_args(argv, argparse.Namespace(host_cache_gib=None))
+    args.host_cache_default = args.host_cache_gib is None
+    if args.host_cache_default:
+        args.host_cache_gib = lower_tiers.auto_host_cache_gib()
     if args.kv_events_replay_endpoint and not args.kv_events_endpoint:
         parser.error("--kv-events-replay-endpoint needs --kv-events-endpoint")
     if args.max_request_bytes is not None and args.max_request_bytes < 1:

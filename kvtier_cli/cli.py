@@ -54,6 +54,8 @@ def _service_args(args) -> tuple[list[str], list[str], list[str]]:
     cache service learns how many replicas share its device (--compute-replicas: on cuda its
     pool leaves room for their weights and activations)."""
     cache_args = ["--num-blocks", str(args.num_blocks), "--swap-space", str(args.swap_space)]
+    if args.host_cache_gib != "auto":  # auto is the service's own default: its log says what it chose
+        cache_args += ["--host-cache-gib", args.host_cache_gib]
     cache_args += ["--compute-replicas", str(args.replicas), "--block-size", str(args.block_size)]
     compute_args = ["--max-num-seqs", str(args.max_num_seqs), "--threads", str(args.threads)]
     compute_args += getattr(args, "compute_flag", None) or []
@@ -271,6 +273,19 @@ def cmd_demo(args) -> int:
     return 0 if summary["requests"] == args.requests else 1
 
 
+def _gib_or_auto(value: str) -> str:
+    """A --host-cache-gib value as the cache service takes it: `auto`, or GiB >= 0."""
+    if value == "auto":
+        return value
+    try:
+        gib = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is neither `auto` nor a number of GiB") from None
+    if not gib >= 0:
+        raise argparse.ArgumentTypeError(f"{value} GiB: must be >= 0")
+    return value
+
+
 def _stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=int, default=2, help="compute replicas to start (per node)")
     p.add_argument("--model", help="local Hugging Face model directory (default: built-in tiny model)")
@@ -278,8 +293,17 @@ def _stack_flags(p: argparse.ArgumentParser) -> None:
         "--swap-space",
         type=float,
         default=0.25,
-        help="GiB of host swap for preempted sequences (default: 0.25; a hand-started `kvtier cache` "
+        help="GiB of host swap for preempted sequences, used only with --host-cache-gib 0 (swap takes "
+        "the host cache's slots while it is on) (default: 0.25; a hand-started `kvtier cache` "
         "defaults to 4)",
+    )
+    p.add_argument(
+        "--host-cache-gib",
+        type=_gib_or_auto,
+        default="auto",
+        help="GiB of host memory keeping the blocks each pool evicts (a prefix-cache tier below the "
+        "pool, LRU; swap shares it); auto = min(4 GiB, 10%% of the memory available), 0 = off "
+        "(default: auto, as a hand-started `kvtier cache`)",
     )
     p.add_argument(
         "--num-blocks",

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+from servers import TOKEN, child_env
 
 from kvtier_cli.stack import Process, wait_gateway
 
@@ -93,6 +94,9 @@ def test_up_help_states_the_defaults_that_differ_from_a_hand_started_service():
     flat = " ".join(out.split())
     assert "a hand-started `kvtier cache` defaults to 4" in flat  # --swap-space 0.25 here
     assert "a hand-started `kvtier cache` sizes its pool from memory" in flat  # --num-blocks 2048 here
+    assert "0 = off (default: auto, as a hand-started `kvtier cache`)" in flat  # --host-cache-gib
+    cache = subprocess.run([KVTIER, "cache", "--help"], capture_output=True, text=True, check=True).stdout
+    assert "0 = no host cache" in cache and "(default: auto)" in " ".join(cache.split())
     for flag in ("--routing", "--routing-load-weight", "--block-size", "--threads", "--compute-flag"):
         assert flag in out, flag
 
@@ -153,3 +157,37 @@ def test_up_starts_the_gateway_prints_its_url_and_serve_finds_the_stack(tmp_path
         up.send_signal(signal.SIGINT)
         assert up.wait(60) == 0
     assert not (tmp_path / "run" / "stack.json").exists()
+
+
+def test_a_cache_service_started_without_the_flag_keeps_a_share_of_host_memory(tmp_path):
+    """issue 22: `--host-cache-gib` defaults to auto. A service started without it (and without
+    swap space, so the host area is the host cache's alone) reports a host tier in GetStats, and
+    its log names the size it chose and why; the pool line's host area is that size."""
+    from kvtier.cache_client import CacheClient
+    from kvtier_cli.stack import LocalStack
+
+    stack = LocalStack(
+        tmp_path,
+        cache_args=["--num-blocks", "64", "--swap-space", "0"],
+        num_replicas=0,
+        env=child_env(tmp_path),
+    )
+    try:
+        service = stack.start_cache()
+        client = CacheClient.connect(stack.cache_address, TOKEN, timeout_s=5.0)
+        try:
+            stats = client.get_stats()
+        finally:
+            client.close()
+        log = service.log()
+    finally:
+        stack.down()
+    assert stats.num_host_blocks_total > 0 and stats.num_host_blocks_used == 0, stats
+    assert "host" in [tier.medium for tier in stats.tiers], stats.tiers
+    chosen = re.search(r"host cache: ([\d.]+ [KMG]iB), the default \(--host-cache-gib auto: (.+?);", log)
+    assert chosen, log[-3000:]
+    area = re.search(r"host swap tier: (\d+) blocks \(([\d.]+ [KMG]iB)\)", log)
+    assert area and int(area.group(1)) == stats.num_host_blocks_total, log[-3000:]
+    assert area.group(2) == chosen.group(1), (area.group(0), chosen.group(0))
+    why = chosen.group(2)  # which bound of min(cap, share of the memory available) chose it
+    assert "of the memory available is more" in why or "available to this process" in why, why

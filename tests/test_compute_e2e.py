@@ -32,6 +32,7 @@ from servers import (
     cache_service,
     cache_stats,
     child_env,
+    device_only,
     greedy_request,
     local_stack,
     wait_until,
@@ -132,7 +133,7 @@ def restart_cache(stack: LocalStack, pool_args: list[str]) -> None:
     """Kill the cache service, start it again at the same socket with `pool_args`, and wait
     until every replica has re-attached and serves."""
     stack.cache.stop(signal.SIGKILL)  # a clean stop is not under test here, and takes seconds
-    stack.cache_args = [*pool_args, "--lease-ttl", LEASE_TTL]
+    stack.cache_args = [*device_only(pool_args), "--lease-ttl", LEASE_TTL]
     stack.start_cache()
     wait_replicas_serve(stack)
 

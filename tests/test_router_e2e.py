@@ -26,7 +26,7 @@ NUM_SYSTEMS = 16
 QUESTIONS = 4
 BOS = TINY_LLAMA_CONFIG["bos_token_id"]
 # Each pool holds about half of the system prompts (8 x 6 blocks) plus a request in flight.
-NODE_ARGS = ["--num-blocks", "64", "--lease-ttl", "2"]
+NODE_ARGS = ["--num-blocks", "64", "--lease-ttl", "2", "--host-cache-gib", "0"]  # device-only hits
 
 
 def system_prompt(s: int) -> list[int]:
