@@ -76,9 +76,9 @@ class InProcessCache:
         # The scheduler's items are the table's own type (kvtier.sequence_types).
         return self._blocks(self._do(self.table.allocate, items))
 
-    async def extend(self, items, commits=()):
+    async def extend(self, items, commits=(), releases=()):
         self._carrying(commits)
-        return self._blocks(self._do(self.table.extend, items, commits))
+        return self._blocks(self._do(self.table.extend, items, commits, releases))
 
     async def commit(self, items):
         self._do(self.table.commit, items)
