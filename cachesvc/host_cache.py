@@ -14,7 +14,8 @@ parent_hash, data)`` before its slot is reused (the disk tier's ``offer`` has th
 ``data`` is the slot's row, valid only during the call.
 
 Every eviction of a device block with a host cache lands here (``keep_rows``), so a batch is
-taken in one go: its slots claimed together (free ones, then the LRU victims' with C loops), one
+taken in one go: its slots claimed together (free ones, then the LRU victims', popped by
+``cachesvc.slot_lru`` without a Python step per entry), its keys added in one update, one
 ``on_change`` call per batch. An entry is its key and slot only (a parent hash other than the
 key's first 32 bytes is kept aside): no object per cached block for the garbage collector.
 Every copy is complete when the call returns (``HostSlots``), so a device block handed to
@@ -24,15 +25,14 @@ cache service's loop calls every method.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import islice
 
 import torch
 
 from cachesvc.errors import InvalidArgument, ResourceExhausted
 from cachesvc.host_slots import HostSlots, flat_bytes
+from cachesvc.slot_lru import SlotLru
 from cachesvc.tiers import LowerTier, TierStats
 
 EvictSink = Callable[[bytes, "bytes | None", torch.Tensor], object]
@@ -75,7 +75,7 @@ class HostBlockCache:
         self.on_change: ChangeSink | None = None
         """Called ``(stored, keys, slots)`` as entries enter (True) or leave (False) the cache, once
         per batch, in order (the tier's KV events: ``LowerTiers``)."""
-        self._entries: OrderedDict[bytes, int] = OrderedDict()  # key -> slot, least recently used first
+        self._entries = SlotLru()  # key -> slot, least recently used first
         # Parent hashes given by offer_many that are not the key's first 32 bytes (tests, a caller
         # with its own parents); empty on the eviction path, whose parents are their keys' prefix.
         self._parents: dict[bytes, bytes | None] = {}
@@ -98,7 +98,7 @@ class HostBlockCache:
 
     def held_keys(self):
         """A live, read-only view of the keys held (``in`` on it costs no Python call)."""
-        return self._entries.keys()
+        return self._entries.slots.keys()
 
     def offer(self, key: bytes, parent_hash: bytes | None, block_view: torch.Tensor) -> bool:
         """``offer_many`` for one block."""
@@ -124,7 +124,7 @@ class HostBlockCache:
         keys = [k for k, _, _ in blocks]
         parents = [p for _, p, _ in blocks]
         held = 0
-        if len(set(keys)) < len(keys) or not self._entries.keys().isdisjoint(keys):
+        if len(set(keys)) < len(keys) or not self._entries.slots.keys().isdisjoint(keys):
             keys, views, parents, held = self._skip_held(keys, views, parents)
         return held + self._take(keys, views, self.area.copy_in, parents)
 
@@ -145,7 +145,7 @@ class HostBlockCache:
         ``on_evict`` hook, which it is when the host cache is the only lower tier
         (``LowerTiers``): one call per Allocate or Extend that evicts."""
         held = 0
-        if not self._entries.keys().isdisjoint(keys):
+        if not self._entries.slots.keys().isdisjoint(keys):
             keys, row_ids, _, held = self._skip_held(keys, row_ids, None)
         return held + self._take(keys, row_ids, self.area.copy_rows)
 
@@ -173,10 +173,7 @@ class HostBlockCache:
     ) -> int:
         """``_take`` of at most as many blocks as there are free or cached slots."""
         slots = self._claim(len(keys))
-        entries = self._entries
-        # a loop: OrderedDict.update goes through Python, slower
-        for key, slot in zip(keys, slots, strict=True):
-            entries[key] = slot
+        self._entries.add(keys, slots)
         if parents is not None:
             self._keep_parents(keys, parents)
         if self.on_change is not None:
@@ -188,11 +185,11 @@ class HostBlockCache:
     def _skip_held(self, keys: Sequence[bytes], sources: Sequence, parents: Sequence | None) -> tuple:
         """A batch without the keys already held (each touched: most recently used) or repeated
         within it; returns ``(keys, sources, parents, how many were left out)``."""
-        entries = self._entries
+        entries, held = self._entries, self._entries.slots
         new: dict[bytes, int] = {}  # key -> its position in the batch
         for k, key in enumerate(keys):
-            if key in entries:
-                entries.move_to_end(key)
+            if key in held:
+                entries.touch(key)
             elif key not in new:
                 new[key] = k
         at = list(new.values())
@@ -211,10 +208,10 @@ class HostBlockCache:
 
     def lookup_chain(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` the cache holds (each counted as a hit); LRU order unchanged."""
-        entries = self._entries
+        held = self._entries.slots
         n = 0
         for key in keys:
-            if key not in entries:
+            if key not in held:
                 break
             n += 1
         self._counts["hits"] += n
@@ -234,10 +231,10 @@ class HostBlockCache:
             raise InvalidArgument(f"len(keys) = {len(keys)} != len(dst_views) = {len(dst_views)}")
         slots: list[int] = []
         for key in keys:
-            slot = self._entries.get(key)
+            slot = self._entries.slots.get(key)
             if slot is None:
                 break
-            self._entries.move_to_end(key)
+            self._entries.touch(key)
             slots.append(slot)
         views = [flat_bytes(v) for v in dst_views[: len(slots)]]
         for k, view in enumerate(views):
@@ -249,7 +246,7 @@ class HostBlockCache:
 
     def entry(self, key: bytes) -> HostEntry | None:
         """The entry held under ``key`` (its slot row is ``slots[entry.slot]``), or None."""
-        slot = self._entries.get(key)
+        slot = self._entries.slots.get(key)
         if slot is None:
             return None
         return HostEntry(key, self._parents.get(key, key[:32]), slot)
@@ -258,7 +255,7 @@ class HostBlockCache:
         """Make ``key`` the most recently used entry; False if it is not held."""
         if key not in self._entries:
             return False
-        self._entries.move_to_end(key)
+        self._entries.touch(key)
         return True
 
     def evict(self, num_blocks: int = 1) -> int:
@@ -269,7 +266,7 @@ class HostBlockCache:
 
     def discard(self, key: bytes) -> bool:
         """Drop ``key`` without handing it to ``on_evict`` (it is back on the device); False if not held."""
-        slot = self._entries.pop(key, None)
+        slot = self._entries.remove(key)
         if slot is None:
             return False
         self._parents.pop(key, None)
@@ -319,7 +316,7 @@ class HostBlockCache:
 
     def check_invariants(self) -> None:
         """AssertionError unless every slot is exactly one of free, cached or swap's. O(num_slots)."""
-        cached = list(self._entries.values())
+        cached = list(self._entries.slots.values())
         every = sorted([*self._free, *cached, *self._swap_slots])
         assert every == list(range(self.num_slots)), f"slots free/cached/swap overlap or leak: {every}"
 
@@ -342,9 +339,7 @@ class HostBlockCache:
         return their (now unused) slots, oldest first."""
         if n <= 0:
             return []
-        entries = self._entries
-        keys = list(islice(entries, n))
-        slots = list(map(entries.pop, keys))  # C loops: no Python step per entry
+        keys, slots = self._entries.pop_oldest(n)
         self._counts["evictions"] += n
         if self.on_change is not None:
             self.on_change(False, keys, slots)

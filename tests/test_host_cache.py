@@ -11,6 +11,7 @@ from test_host_tier import needs_cuda  # the same reason printed when it skips
 from cachesvc.block_manager import BlockManager
 from cachesvc.errors import InvalidArgument, ResourceExhausted
 from cachesvc.host_cache import HostBlockCache
+from cachesvc.slot_lru import SlotLru
 from kvtier.block_hash import chain_preimages, extra_key, pack_token_ids
 
 SHAPE = (8, 2, 2, 16, 2, 8)  # pool: 8 blocks of [2 layers, K/V, 16 tokens, 2 heads, head_dim 8]
@@ -148,3 +149,33 @@ def test_offer_rows_takes_pool_rows_like_offer_many_and_refuses_a_wrong_layout()
     assert cache.load_many(keys[1:], [out[0], out[1]]) == 2
     assert torch.equal(out, rows[6:8])
     cache.check_invariants()
+
+
+def test_slot_lru_takes_the_least_recently_used_past_touched_and_removed_places():
+    """The host cache's LRU (cachesvc.slot_lru): touches and removals leave stale places behind;
+    taking the oldest skips them, and the order stays exact through compaction and rebuilds."""
+    lru = SlotLru()
+    keys = [bytes([k]) * 8 for k in range(6)]
+    lru.add(keys[:4], [10, 11, 12, 13])
+    lru.touch(keys[0])  # 1 is now the least recently used
+    assert lru.remove(keys[2]) == 12 and lru.remove(keys[2]) is None
+    lru.add(keys[4:], [14, 15])
+    assert lru.oldest_first() == [keys[1], keys[3], keys[0], keys[4], keys[5]]
+    assert lru.pop_oldest(3) == ([keys[1], keys[3], keys[0]], [11, 13, 10])
+    lru.add([keys[2]], [12])  # back after its removal: its old place stays skipped
+    assert lru.pop_oldest(2) == ([keys[4], keys[5]], [14, 15]) and lru.oldest_first() == [keys[2]]
+    # Many touches and no evictions: the order is rebuilt, not grown without bound.
+    many = [k.to_bytes(4, "little") for k in range(3000)]
+    lru.add(many, list(range(100, 3100)))
+    for _ in range(2):
+        for key in many[:1500]:
+            lru.touch(key)
+    assert len(lru._order) - lru._head <= 2 * len(lru) + 1024 + 1  # live places + at most that many stale
+    assert lru.oldest_first() == [keys[2], *many[1500:], *many[:1500]]
+    got, slots = lru.pop_oldest(len(lru))
+    assert got == [keys[2], *many[1500:], *many[:1500]] and slots == [
+        12,
+        *range(1600, 3100),
+        *range(100, 1600),
+    ]
+    assert len(lru) == 0
