@@ -221,6 +221,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         # NamedTuple costs ~150 ns more per item, and Extend and Commit run every decode step.
         items: list[ExtendItem] = [(i.sequence_id, i.num_tokens) for i in request.items]
         # A sliding window's releases: rare (once per block a window passes), so typed.
+        check_batch(len(request.releases), self.max_batch, "releases")  # before building a list
         releases = [ReleaseItem(i.sequence_id, i.num_blocks) for i in request.releases]
         response = cache_pb2.ExtendResponse()
         _add_blocks(response.sequences, self.node.extend(lease_id, items, commits, releases))

@@ -29,9 +29,9 @@ MAX_NAME_BYTES = 256  # client_name, adapter_id, request_id
 MAX_LEASE_ID_BYTES = 64
 
 
-def check_batch(n: int, max_batch: int) -> None:
+def check_batch(n: int, max_batch: int, field: str = "items") -> None:
     if n > max_batch:
-        raise InvalidArgument(f"len(items) = {n} exceeds max_batch {max_batch}")
+        raise InvalidArgument(f"len({field}) = {n} exceeds max_batch {max_batch}")
 
 
 def check_text(where: str, value: str, limit: int) -> None:
@@ -211,7 +211,7 @@ def release_sequences(
     released already, after checking every item: a device sequence of the lease, 0 <=
     ``num_blocks`` <= its table, and only blocks wholly inside its computed tokens (after the
     call's ``commits``, checked already) released. The table's bounds come first (partial)."""
-    check_batch(len(items), max_batch)
+    check_batch(len(items), max_batch, "releases")
     computed = {sid: n for sid, _, n in commits} if commits else {}
     out = []
     for k, (sid, num_blocks) in enumerate(items):

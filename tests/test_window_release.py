@@ -93,6 +93,7 @@ def bad_releases(table: SequenceTable) -> dict[str, tuple[type[Exception], str, 
             r"releases\[1\].sequence_id = \d+ appears more than once",
             [(sid, 1)] * 2,
         ),
+        "over-max-batch": (InvalidArgument, r"len\(releases\) = 9 exceeds max_batch 8", [(sid, 1)] * 9),
         "unknown": (
             NotFound,
             r"releases\[1\].sequence_id = 999 is not a live sequence",
@@ -108,7 +109,17 @@ def bad_releases(table: SequenceTable) -> dict[str, tuple[type[Exception], str, 
 
 
 @pytest.mark.parametrize(
-    "kind", ["past-the-table", "negative", "not-committed", "duplicate", "unknown", "foreign", "swapped"]
+    "kind",
+    [
+        "past-the-table",
+        "negative",
+        "not-committed",
+        "duplicate",
+        "over-max-batch",
+        "unknown",
+        "foreign",
+        "swapped",
+    ],
 )
 def test_a_bad_release_is_refused_and_changes_nothing(kind: str) -> None:
     table = make_table(num_blocks=12, host_blocks=4)

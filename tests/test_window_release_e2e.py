@@ -204,6 +204,12 @@ def test_releases_on_the_wire_answer_placeholders_and_a_bad_one_is_invalid_argum
             "releases[0].num_blocks = 3 covers 48 tokens but only 40 are committed" in refused.value.details()
         )
         assert stats_without_clock(client.get_stats()) == before
+        # More releases than --max-batch: refused before the servicer builds a list of them.
+        with pytest.raises(grpc.RpcError) as refused:
+            client.extend([(seq.sequence_id, 0)], releases=[(seq.sequence_id, 1)] * (client.max_batch + 1))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"len(releases) = {client.max_batch + 1} exceeds max_batch" in refused.value.details()
+        assert stats_without_clock(client.get_stats()) == before
         client.free([seq.sequence_id])
     finally:
         client.close()
