@@ -213,3 +213,22 @@ def test_releases_on_the_wire_answer_placeholders_and_a_bad_one_is_invalid_argum
         client.free([seq.sequence_id])
     finally:
         client.close()
+
+
+def test_a_mixed_model_releases_nothing_and_keeps_full_context(tmp_path):
+    """Qwen2 with one full and one windowed layer: its full layer reads every position, so the
+    replica releases nothing, and its output past the window is Hugging Face's."""
+    mixed = windowed_model("qwen2-mixed", WINDOW)
+    mixed.generation_config.eos_token_id = None
+    path = tmp_path / "qwen2-mixed"
+    mixed.save_pretrained(path)
+    build_byte_tokenizer().save_pretrained(path)
+    ids = prompt(45, salt=25)
+    with one_replica_stack(path, tmp_path / "run", num_blocks=64) as s:
+        done = generate(s, ids, 60)
+        client = CacheClient.connect(s.cache_address, TOKEN, timeout_s=10.0)
+        try:
+            assert client.get_stats().num_window_released_blocks == 0
+        finally:
+            client.close()
+    assert done.token_ids == hf_greedy(mixed, ids, 60)
