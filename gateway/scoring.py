@@ -71,8 +71,8 @@ def score(node: NodeFigures, prompt_len: int, load_weight: float, prefill_tokens
 
 def rank(nodes: Sequence[NodeFigures], prompt_len: int, load_weight: float, tie: int) -> Ranking:
     """Rank ``nodes`` by ``score``, best first; scores within TIE_FRACTION of the best are equal
-    and go to fewer requests in flight, then round-robin from candidate ``tie`` (a counter the
-    caller advances).
+    and go to the node whose cache saves the most prefill, then to fewer requests in flight, then
+    round-robin from candidate ``tie`` (a counter the caller advances).
 
     ``prompt_len``: the request's prompt, in tokens. ``load_weight``: the weight of the queueing
     delay against the prefill saved (1 = both in seconds; 0 = prefix only). The reason is
@@ -85,8 +85,12 @@ def rank(nodes: Sequence[NodeFigures], prompt_len: int, load_weight: float, tie:
     best = scores[by_score[0]]
     # Measured throughputs differ by noise: scores this close to the best are equal, so requests
     # that no node holds spread over the nodes instead of all going to the one measured fastest.
+    # Among equals the largest hit wins: as fast to a first token, it adds the least work to its
+    # node (a spill prefills the whole prompt again, and evicts blocks to hold it).
     equal = [k for k in by_score if scores[k] >= best - TIE_FRACTION * abs(best)]
-    equal.sort(key=lambda k: (-nodes[k].inflight, -((k - tie) % len(nodes))), reverse=True)
+    equal.sort(
+        key=lambda k: (nodes[k].saved_tokens, -nodes[k].inflight, -((k - tie) % len(nodes))), reverse=True
+    )
     order = equal + [k for k in by_score if k not in equal]
     most = max(n.saved_tokens for n in nodes)
     if most == 0:

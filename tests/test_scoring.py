@@ -35,6 +35,17 @@ def test_the_held_prefix_wins_until_the_queue_on_its_node_costs_more_than_it_sav
     assert rank([NodeFigures(800, 10**6, FAST), idle], PROMPT, 0.0, tie=0).reason == "prefix"
 
 
+def test_a_spill_no_faster_than_staying_does_not_happen() -> None:
+    # 850 tokens queued on the holder: 1.05 s to a first token there, 1.0 s on the idle node. As
+    # fast within TIE_FRACTION, and the spill would prefill 800 tokens more: the holder keeps it,
+    # though it has a request in flight and the idle node none.
+    holder, idle = NodeFigures(800, 850, FAST, inflight=1), NodeFigures(0, 0, FAST)
+    ranking = rank([idle, holder], PROMPT, 1.0, tie=0)
+    assert (ranking.order, ranking.reason) == ([1, 0], "prefix")
+    # Clearly faster elsewhere (1.5 s against 1.0 s): it spills.
+    assert rank([idle, NodeFigures(800, 1300, FAST, inflight=1)], PROMPT, 1.0, tie=0).reason == "load_spill"
+
+
 def test_queued_work_costs_more_on_a_slower_node_but_a_noisy_rate_never_outweighs_a_hit() -> None:
     idle = NodeFigures(0, 0, 4 * FAST)
     # 300 tokens queued at 250/s (1.2 s) on the holder: the idle node is faster to a first token.
