@@ -2,8 +2,10 @@
 blocks its window left behind back to the cache (issue 24 item 3), and still decodes as Hugging
 Face does; a later request with the same prompt hits the released-but-cached blocks.
 
-One cache service and one replica over a saved seeded model directory (tests/test_sliding_window
-builds the model). Which models release at all (`computesvc.window`) is checked without a stack.
+Each stack is one cache service and one replica over a saved seeded model directory
+(tests/test_sliding_window builds the models): the Mistral-style one (a roomy pool and a 4-block
+one) and a Qwen2 with one full layer, which releases nothing. Which models release at all
+(`computesvc.window`) is also checked without a stack.
 """
 
 from __future__ import annotations
@@ -123,6 +125,7 @@ def hf_greedy(model, token_ids: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(token_ids) :].tolist()
 
 
+@pytest.mark.slow
 def test_greedy_past_the_window_matches_hf_and_released_blocks_stay_prefix_hits(stack, cache, eager):
     ids = prompt(45, salt=21)
     released_before = cache.get_stats().num_window_released_blocks
@@ -148,6 +151,7 @@ async def aenumerate(replies):
         k += 1
 
 
+@pytest.mark.slow
 def test_a_long_decode_holds_only_its_window_and_lookahead(stack, cache):
     """GetStats while one request decodes far past its window: its lease never holds more than
     the window's blocks and the lookahead (without releases it held 21)."""
@@ -174,6 +178,7 @@ def test_a_long_decode_holds_only_its_window_and_lookahead(stack, cache):
     assert max(blocks for _, blocks in seen) <= MAX_HELD, seen
 
 
+@pytest.mark.slow
 def test_a_sequence_far_longer_than_the_pool_decodes_in_a_pool_its_window_fits(model_dir, tmp_path):
     """4 blocks (64 tokens) serve a 340-token sequence: when an Extend finds the pool full, the
     replica first gives back what the window left behind (an Extend asking no room), then
@@ -183,6 +188,7 @@ def test_a_sequence_far_longer_than_the_pool_decodes_in_a_pool_its_window_fits(m
         assert (len(done.token_ids), done.finish_reason) == (300, "length")
 
 
+@pytest.mark.slow
 def test_releases_on_the_wire_answer_placeholders_and_a_bad_one_is_invalid_argument(stack):
     """Extend's releases through the servicer: the table comes back with placeholders in the
     released positions; a release past the committed tokens is INVALID_ARGUMENT naming it and
@@ -215,6 +221,7 @@ def test_releases_on_the_wire_answer_placeholders_and_a_bad_one_is_invalid_argum
         client.close()
 
 
+@pytest.mark.slow
 def test_a_mixed_model_releases_nothing_and_keeps_full_context(tmp_path):
     """Qwen2 with one full and one windowed layer: its full layer reads every position, so the
     replica releases nothing, and its output past the window is Hugging Face's."""
