@@ -37,6 +37,7 @@ class CacheMetrics(RpcLatency):
         ("num_swap_out_bytes", "swapped_bytes", ("out",)),
         ("num_swap_in_bytes", "swapped_bytes", ("in",)),
         ("num_expired_leases", "expired_leases", ()),
+        ("num_window_released_blocks", "window_released_blocks", ()),
     )
     # CacheSnapshot attribute -> gauge attribute.
     _GAUGES = (
@@ -110,6 +111,11 @@ class CacheMetrics(RpcLatency):
             f"{p}_prefix_hit_ratio", "Hit tokens / query tokens since start, 0..1.", registry=r
         )
         self.evictions = Counter(f"{p}_evictions", "Cached blocks evicted from the prefix index.", registry=r)
+        self.window_released_blocks = Counter(
+            f"{p}_window_released_blocks",
+            "Blocks a sliding window left behind, given back early.",
+            registry=r,
+        )
         self.swapped_blocks = Counter(
             f"{p}_swapped_blocks",
             "Blocks moved to (out) or from (in) the host tier.",

@@ -65,7 +65,15 @@ def test_cache_gauges_and_cumulative_counters_scrape_as_stats_say():
     assert port > 0
     metrics.update(stats())
     # A second snapshot: counters advance by the difference, gauges take the new value.
-    metrics.update(stats(prefix_query_tokens=1000, prefix_hit_tokens=750, num_evictions=9, num_leases=2))
+    metrics.update(
+        stats(
+            prefix_query_tokens=1000,
+            prefix_hit_tokens=750,
+            num_evictions=9,
+            num_leases=2,
+            num_window_released_blocks=3,
+        )
+    )
     values = scrape(port)
 
     assert values[("kvtier_cache_capacity_blocks", ())] == 100
@@ -83,6 +91,7 @@ def test_cache_gauges_and_cumulative_counters_scrape_as_stats_say():
     assert values[("kvtier_cache_swapped_bytes_total", (("direction", "out"),))] == 8 * 4096
     assert values[("kvtier_cache_swapped_bytes_total", (("direction", "in"),))] == 2 * 4096
     assert values[("kvtier_cache_expired_leases_total", ())] == 1
+    assert values[("kvtier_cache_window_released_blocks_total", ())] == 3
     assert values[("kvtier_cache_resident_tokens", ())] == 300
     assert values[("kvtier_cache_slot_waste_ratio", ())] == pytest.approx(0.25)
     assert values[("kvtier_cache_host_capacity_blocks", ())] == 40
