@@ -38,6 +38,7 @@ from hypothesis.stateful import (
 )
 from servers import TOKEN, cache_service, stats_without_clock
 
+from cachesvc.records import PLACEHOLDER_BLOCK
 from cachesvc.wire_limits import request_limits
 from kvtier.api import cache_pb2
 from kvtier.auth import bearer, grpc_target
@@ -103,6 +104,11 @@ class SequenceModel:
     table: list[int]  # device block ids; empty while on the host
     computed: int
     host_blocks: int = 0  # blocks held in the host tier while swapped out
+    released: int = 0  # leading table entries a sliding window gave back (placeholders)
+
+    @property
+    def live(self) -> list[int]:
+        return self.table[self.released :]
 
     @property
     def on_device(self) -> bool:
@@ -232,10 +238,10 @@ class CacheApiMachine(RuleBasedStateMachine):
         return OK
 
     def live_blocks(self) -> set[int]:
-        return {b for m in self.seqs.values() for b in m.table}
+        return {b for m in self.seqs.values() for b in m.live}
 
     def publish(self, seq: SequenceModel) -> None:
-        for b in range(seq.computed // BS):
+        for b in range(seq.released, seq.computed // BS):
             PUBLISHED.setdefault((seq.salt, tuple(seq.tokens[: (b + 1) * BS])), set()).add(seq.table[b])
 
     def check_fresh(self, fresh: list[int], held_before: set[int], what: str) -> None:
@@ -430,6 +436,48 @@ class CacheApiMachine(RuleBasedStateMachine):
             self.publish(seq)
 
     @precondition(lambda self: self.seqs)
+    @rule(
+        lease=lease_st,
+        picks=batch_of(st.tuples(pick_st, st.sampled_from(["behind"] * 4 + ["none", "past", -1]))),
+    )
+    def release(self, lease, picks):
+        """Extend carrying releases (a sliding window's trail), each item asking no room: "behind"
+        releases what is committed, "past" one block more (INVALID_ARGUMENT), -1 is negative."""
+        lease = self.lease_of(lease, "device")
+        sids = [self.pick(lease, *p, "device") for p, _ in picks]
+        counts = []
+        for sid, (_, how) in zip(sids, picks, strict=True):
+            seq = self.seqs.get(sid)
+            behind = seq.computed // BS if seq else 1
+            counts.append({"behind": behind, "none": 0, "past": behind + 1}.get(how, how))
+
+        def check(k, seq):
+            n = counts[k]
+            return INV if not 0 <= n <= len(seq.table) or n * BS > seq.computed else None
+
+        # The servicer bounds the releases before it looks at the lease.
+        expected = INV if len(sids) > MAX_BATCH else self.expect_owned(lease, sids, "device", check)
+        request = cache_pb2.ExtendRequest(
+            lease_id=self.lease_id(lease),
+            items=[cache_pb2.ExtendItem(sequence_id=s, num_tokens=0) for s in sids],
+            releases=[
+                cache_pb2.ReleaseItem(sequence_id=s, num_blocks=n) for s, n in zip(sids, counts, strict=True)
+            ],
+        )
+        reply, _ = self.call("Extend", request, expected)
+        if reply is None:
+            return
+        for sid, n, seq in zip(sids, counts, reply.sequences, strict=True):
+            model = self.seqs[sid]
+            if n > model.released:
+                OUTCOMES["Extend", "OK releasing blocks"] += 1
+            model.released = max(model.released, n)
+            table = list(seq.block_table)
+            assert table[: model.released] == [PLACEHOLDER_BLOCK] * model.released, table
+            assert table[model.released :] == model.live, "a release moved blocks it kept"
+            model.table = table
+
+    @precondition(lambda self: self.seqs)
     @rule(lease=lease_st, picks=batch_of(pick_st))
     def free(self, lease, picks):
         lease = self.lease_of(lease)
@@ -452,17 +500,17 @@ class CacheApiMachine(RuleBasedStateMachine):
         expected = self.expect_owned(lease, sids, "device", lambda k, seq: None)
         stats = self.stats()
         if expected is OK:
-            need = sum(len(self.seqs[s].table) for s in sids)
+            need = sum(len(self.seqs[s].live) for s in sids)
             expected = RE if need > stats.num_host_blocks_total - stats.num_host_blocks_used else OK
         reply, _ = self.call(
             "SwapOut", cache_pb2.SwapOutRequest(lease_id=self.lease_id(lease), sequence_ids=sids), expected
         )
         if reply is None:
             return
-        assert reply.num_blocks == sum(len(self.seqs[s].table) for s in sids)
+        assert reply.num_blocks == sum(len(self.seqs[s].live) for s in sids)
         for sid in sids:
             seq = self.seqs[sid]
-            seq.host_blocks, seq.table = len(seq.table), []
+            seq.host_blocks, seq.table = len(seq.live), []
             self.host_total += seq.host_blocks
 
     @precondition(lambda self: self.seqs)
@@ -483,8 +531,9 @@ class CacheApiMachine(RuleBasedStateMachine):
         fresh = []
         for sid, seq in zip(sids, reply.sequences, strict=True):
             model = self.seqs[sid]
-            assert len(seq.block_table) == model.host_blocks
-            fresh += list(seq.block_table)
+            assert list(seq.block_table[: model.released]) == [PLACEHOLDER_BLOCK] * model.released
+            assert len(seq.block_table) == model.released + model.host_blocks
+            fresh += list(seq.block_table[model.released :])
             self.host_total -= model.host_blocks
             model.table, model.host_blocks = list(seq.block_table), 0
             self.publish(model)
@@ -552,7 +601,7 @@ class CacheApiMachine(RuleBasedStateMachine):
             lease = by_id[client.lease_id[:8]]
             mine = [m for m in self.seqs.values() if m.lease == k]
             assert lease.num_sequences == len(mine), f"lease {k}"
-            assert lease.num_blocks == sum(len(m.table) for m in mine), f"lease {k}"
+            assert lease.num_blocks == sum(len(m.live) for m in mine), f"lease {k}"
             assert lease.num_host_blocks == sum(m.host_blocks for m in mine), f"lease {k}"
 
     def teardown(self):
