@@ -179,3 +179,68 @@ def test_slot_lru_takes_the_least_recently_used_past_touched_and_removed_places(
         *range(100, 1600),
     ]
     assert len(lru) == 0
+
+
+def test_random_operations_keep_the_lru_order_the_victims_and_the_bytes_of_a_plain_model():
+    """offer_rows / offer_many / load / touch / discard / evict / take_slots / release_slots in a
+    random order, against a plain OrderedDict model of what the cache holds and in which order:
+    the keys held (least recently used first), the victims handed to on_evict and every held
+    block's bytes agree after each step."""
+    import random
+    from collections import OrderedDict
+
+    rng = random.Random(7)
+    num_slots, row = 6, 8
+    rows = torch.arange(32 * row, dtype=torch.int64).remainder(251).to(torch.uint8).view(32, row)
+    victims: list[bytes] = []
+    cache = HostBlockCache(num_slots, row, on_evict=lambda k, p, data: victims.append(k))
+    model: OrderedDict[bytes, int] = OrderedDict()  # key -> the pool row its bytes came from
+    model_victims: list[bytes] = []
+    swap: list[int] = []
+
+    def evict_oldest(n: int) -> None:
+        for _ in range(n):
+            model_victims.append(model.popitem(last=False)[0])
+
+    for _ in range(400):
+        op = rng.choice(["rows", "many", "load", "touch", "discard", "evict", "take", "release"])
+        if op in ("rows", "many"):
+            picked = rng.sample(range(32), rng.randint(1, 9))
+            keys = [bytes([i]) * 40 for i in picked]
+            if op == "rows":
+                cache.offer_rows(keys, rows, picked)
+            else:
+                cache.offer_many([(k, None, rows[i]) for k, i in zip(keys, picked, strict=True)])
+            new = [(k, i) for k, i in zip(keys, picked, strict=True) if k not in model]
+            for k in keys:
+                if k in model:
+                    model.move_to_end(k)
+            while new and num_slots - len(swap) > 0:  # rounds of the room there is
+                batch, new = new[: num_slots - len(swap)], new[num_slots - len(swap) :]
+                evict_oldest(max(0, len(model) + len(batch) - (num_slots - len(swap))))
+                model.update(batch)
+        elif op in ("load", "touch"):
+            key = bytes([rng.randrange(32)]) * 40
+            out = torch.zeros(row, dtype=torch.uint8)
+            held = cache.load(key, out) if op == "load" else cache.touch(key)
+            assert held == (key in model)
+            if held:
+                model.move_to_end(key)
+                assert op == "touch" or torch.equal(out, rows[model[key]])
+        elif op == "discard":
+            key = bytes([rng.randrange(32)]) * 40
+            assert cache.discard(key) == (model.pop(key, None) is not None)
+        elif op == "evict":
+            n = rng.randint(0, 3)
+            assert cache.evict(n) == min(n, len(model))
+            evict_oldest(min(n, len(model)))
+        elif op == "take" and len(swap) < num_slots:
+            n = rng.randint(1, num_slots - len(swap))
+            swap += cache.take_slots(n)
+            evict_oldest(max(0, len(model) + len(swap) - num_slots))
+        elif op == "release" and swap:
+            cache.release_slots([swap.pop()])
+        assert cache._entries.oldest_first() == list(model) and victims == model_victims
+        for key, i in model.items():
+            assert torch.equal(cache.slots[cache.entry(key).slot], rows[i])
+        cache.check_invariants()
