@@ -67,8 +67,10 @@ class Sequence:
 
     @property
     def live_blocks(self) -> list[int]:
-        """The device block ids held, in token order: the table past its released entries."""
-        return self.block_table[self.num_released_blocks :]
+        """The device block ids held, in token order: the table past its released entries (the
+        table itself when none is released, not a copy: read only)."""
+        n = self.num_released_blocks
+        return self.block_table[n:] if n else self.block_table
 
 
 @dataclass
