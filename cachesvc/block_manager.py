@@ -168,6 +168,7 @@ class BlockManager:
         hashes: list[BlockHash] = []
         evicted: list[int] = []
         keys: list[bytes] = []  # their index keys, for on_evict (cleared below)
+        hook = self.on_evict is not None  # keys are collected only for the hook
         # NOTE: one pass, inline (this runs for almost every allocation of a full pool); copies
         # are rare.
         for block in cached:
@@ -178,12 +179,13 @@ class BlockManager:
                 del index[key]
                 hashes.append(block.block_hash)
                 evicted.append(block.block_id)
-                keys.append(key)
+                if hook:
+                    keys.append(key)
             block.block_hash = block.index_key = None
         self.num_evictions += len(cached)
         if self.record_events and hashes:
             self._events.append((REMOVED, tuple(hashes), tuple(evicted)))
-        if self.on_evict is not None and evicted:
+        if hook and evicted:
             self.on_evict(evicted, keys)
         return ids
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NewType
 
 BlockHash = NewType("BlockHash", bytes)
@@ -58,15 +58,28 @@ def extra_key(model_fingerprint: str, cache_salt: str = "", adapter_id: str = ""
     return _sha256(_HASH_DOMAIN + b"\0".join(f.encode("utf-8") for f in fields)).digest()
 
 
+# Token count -> the bound ``pack`` of a compiled ``struct.Struct("<{count}i")``; cleared when it
+# holds this many (every prompt length up to max_model_len could otherwise stay compiled).
+_MAX_PACKERS = 4096
+_packers: dict[int, Callable[..., bytes]] = {}
+
+
 def pack_token_ids(token_ids: Sequence[int]) -> bytes:
     """Token ids as little-endian int32 bytes (4 bytes per token), the form block hashes cover.
 
     Raises InvalidHashInput if an id does not fit in int32 or is not an int.
     """
+    # NOTE: struct with an explicit "<" is both the fastest list -> bytes conversion we measured
+    # (about 2x array('i') and numpy) and independent of the host's byte order. A compiled
+    # Struct per length packs 1024 ids in ~80% of struct.pack's time (no format string built
+    # and looked up per call): this runs for every prompt and commit.
+    pack = _packers.get(len(token_ids))
+    if pack is None:
+        if len(_packers) >= _MAX_PACKERS:
+            _packers.clear()
+        pack = _packers[len(token_ids)] = struct.Struct(f"<{len(token_ids)}i").pack
     try:
-        # NOTE: struct.pack with an explicit "<" is both the fastest list -> bytes conversion we
-        # measured (about 2x array('i') and numpy) and independent of the host's byte order.
-        return struct.pack(f"<{len(token_ids)}i", *token_ids)
+        return pack(*token_ids)
     except struct.error as e:
         for i, t in enumerate(token_ids):
             if not isinstance(t, int) or not -(2**31) <= t < 2**31:
