@@ -141,8 +141,7 @@ def plan_extend(
 ) -> tuple[list[Sequence], list[tuple[Sequence, int]], int]:
     """The sequences of Extend ``items`` in order, those crossing a block boundary with the new
     blocks each needs, and the total; after checking each item (``pending``: tokens the call's
-    commits append, per sequence id). Changes nothing. The table's bounds come first so it can
-    bind them once (functools.partial)."""
+    commits append, per sequence id). Changes nothing. The table's bounds come first."""
     if len(items) > max_batch:
         check_batch(len(items), max_batch)
     seqs = []

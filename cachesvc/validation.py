@@ -68,13 +68,14 @@ def owned(
     lease_id: str,
     k: int,
     sequence_id: int,
-    *,
     on_device: bool | None = True,
     field: str = "items",
 ) -> Sequence:
     """The sequence of item ``k`` (of the request's ``field``), checked for existence, ownership
     and (unless ``on_device`` is None) whether its blocks are on the device tier (True) or on a
     lower tier (False)."""
+    # NOTE: no keyword-only parameters: CPython 3.11 does not specialize calls to a function
+    # that has any, and this runs for every item of Extend, Commit and Free.
     seq = sequences.get(sequence_id)
     if seq is None:
         raise NotFound(f"{field}[{k}].sequence_id = {sequence_id} is not a live sequence")
