@@ -58,10 +58,20 @@ def extra_key(model_fingerprint: str, cache_salt: str = "", adapter_id: str = ""
     return _sha256(_HASH_DOMAIN + b"\0".join(f.encode("utf-8") for f in fields)).digest()
 
 
-# Token count -> the bound ``pack`` of a compiled ``struct.Struct("<{count}i")``; cleared when it
-# holds this many (every prompt length up to max_model_len could otherwise stay compiled).
+# Token count -> the bound ``pack`` of a compiled ``struct.Struct("<{count}i")`` (``I`` for
+# uint32); cleared when one holds this many (every prompt length up to max_model_len could
+# otherwise stay compiled).
 _MAX_PACKERS = 4096
-_packers: dict[int, Callable[..., bytes]] = {}
+_int32_packers: dict[int, Callable[..., bytes]] = {}
+_uint32_packers: dict[int, Callable[..., bytes]] = {}
+
+
+def _compile(packers: dict[int, Callable[..., bytes]], code: str, count: int) -> Callable[..., bytes]:
+    """Compile, keep in ``packers`` and return the packer of ``count`` values of struct ``code``."""
+    if len(packers) >= _MAX_PACKERS:
+        packers.clear()
+    pack = packers[count] = struct.Struct(f"<{count}{code}").pack
+    return pack
 
 
 def pack_token_ids(token_ids: Sequence[int]) -> bytes:
@@ -73,11 +83,8 @@ def pack_token_ids(token_ids: Sequence[int]) -> bytes:
     # (about 2x array('i') and numpy) and independent of the host's byte order. A compiled
     # Struct per length packs 1024 ids in ~80% of struct.pack's time (no format string built
     # and looked up per call): this runs for every prompt and commit.
-    pack = _packers.get(len(token_ids))
-    if pack is None:
-        if len(_packers) >= _MAX_PACKERS:
-            _packers.clear()
-        pack = _packers[len(token_ids)] = struct.Struct(f"<{len(token_ids)}i").pack
+    n = len(token_ids)
+    pack = _int32_packers.get(n) or _compile(_int32_packers, "i", n)
     try:
         return pack(*token_ids)
     except struct.error as e:
@@ -85,6 +92,22 @@ def pack_token_ids(token_ids: Sequence[int]) -> bytes:
             if not isinstance(t, int) or not -(2**31) <= t < 2**31:
                 raise InvalidHashInput(f"token_ids[{i}] = {t!r} is not an int32") from e
         raise InvalidHashInput(f"token_ids cannot be packed as int32: {e}") from e
+
+
+def pack_nonnegative_ids(token_ids: Sequence[int]) -> bytes | None:
+    """``pack_token_ids`` of ids known to be below a bound under 2**31 (a vocabulary), or None.
+
+    Packed as uint32, which are the same bytes for every id in [0, 2**31): a negative id (or one
+    that is not an int, or over 2**32 - 1) fails the packing and returns None, so a caller
+    checking ids against its bound needs only their max. An id in [2**31, 2**32) packs into
+    bytes that are NOT its int32 form: the caller's bound must reject it.
+    """
+    n = len(token_ids)
+    pack = _uint32_packers.get(n) or _compile(_uint32_packers, "I", n)
+    try:
+        return pack(*token_ids)
+    except struct.error:
+        return None
 
 
 def unpack_block(data: bytes, block_size: int, index: int) -> list[int]:
