@@ -27,15 +27,7 @@ from cachesvc.records import DEVICE, CacheStats, Sequence
 from cachesvc.releases import Releasing
 from cachesvc.swap import Swapping
 from cachesvc.tiers import DeviceTier, LowerTier
-from cachesvc.validation import (
-    ExtraKeys,
-    check_batch,
-    check_length,
-    check_unique,
-    commit_sequences,
-    owned,
-    pack_checked,
-)
+from cachesvc.validation import ExtraKeys, check_batch, check_unique, commit_sequences, key_queries, owned
 from kvtier.sequence_types import AllocateItem, CommitItem, ExtendItem, PrefixQuery, SequenceBlocks
 
 if TYPE_CHECKING:
@@ -396,13 +388,7 @@ class SequenceTable:
         ``below`` list, per item ``(host tokens, disk tokens)`` of the chain past the device hit
         are appended to it (what Allocate would promote, uncapped).
         """
-        check_batch(len(items), self.max_batch)
-        keyed: list[tuple[bytes, bytes]] = []
-        for k, (tokens, tenant_salt, adapter_id) in enumerate(items):
-            check_length(k, len(tokens), self.max_model_len)
-            data = pack_checked(f"items[{k}]", tokens, self.vocab_size)
-            extra = self._extra_keys.get(f"items[{k}]", tenant_salt, adapter_id)
-            keyed.append((data, extra))
+        keyed = key_queries(items, self._extra_keys, self.vocab_size, self.max_model_len, self.max_batch)
         bm = self.block_manager
         bs = self.block_size
         if below is not None and self.lower_tiers is not None:

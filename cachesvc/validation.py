@@ -14,7 +14,7 @@ import numpy as np
 from cachesvc.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from cachesvc.records import DEVICE, Sequence
 from kvtier.block_hash import InvalidHashInput, extra_key, pack_nonnegative_ids, pack_token_ids
-from kvtier.sequence_types import CommitItem, ReleaseItem
+from kvtier.sequence_types import CommitItem, PrefixQuery, ReleaseItem
 
 # Cached extra keys per (tenant_salt, adapter_id); cleared when it grows past this many entries
 # (one salt per request would otherwise grow it without bound).
@@ -154,6 +154,21 @@ class ExtraKeys:
                 self._keys.clear()
             self._keys[key] = extra
         return extra
+
+
+def key_queries(
+    items: list[PrefixQuery], extra_keys: ExtraKeys, vocab_size: int, max_model_len: int, max_batch: int
+) -> list[tuple[bytes, bytes]]:
+    """LookupPrefix's items as ``(prompt bytes, extra key)``, after checking each: the batch
+    size, then per item its length, token ids and key fields."""
+    check_batch(len(items), max_batch)
+    keyed: list[tuple[bytes, bytes]] = []
+    for k, (tokens, tenant_salt, adapter_id) in enumerate(items):
+        check_length(k, len(tokens), max_model_len)
+        where = f"items[{k}]"
+        data = pack_checked(where, tokens, vocab_size)
+        keyed.append((data, extra_keys.get(where, tenant_salt, adapter_id)))
+    return keyed
 
 
 # ---------------------------------------------------------------- Commit
