@@ -42,3 +42,38 @@ def test_the_proto_folder_never_shadows_the_proto_plus_package():
     assert out.returncode == 0, out.stderr
     assert str(REPO / "proto") not in out.stdout, out.stdout
     assert "site-packages" in out.stdout
+
+
+# --- sizes: what one reader can hold at once ---------------------------------------------------
+
+SIZED = ("kvtier", "cachesvc", "computesvc", "kernels", "gateway", "kvtier_cli", "bench")
+MAX_FILE_LINES = 450
+MAX_FUNCTION_LINES = 80  # from the `def` line to the last line of the body; decorators not counted
+
+
+def sized_sources() -> list[Path]:
+    """Every .py file of the packages and bench/, less the generated protobuf modules."""
+    files = [path for folder in SIZED for path in sorted((REPO / folder).rglob("*.py"))]
+    return [path for path in files if "_pb2" not in path.name]
+
+
+def test_no_source_file_over_450_lines_and_no_function_over_80():
+    """argparse builders (functions named build_parser) are exempt: one line per option is their
+    clearest form. The message names each offender and its size."""
+    import ast
+
+    offenders = []
+    for path in sized_sources():
+        source = path.read_text()
+        where = path.relative_to(REPO)
+        if (lines := len(source.splitlines())) > MAX_FILE_LINES:
+            offenders.append(f"{where}: {lines} lines (limit {MAX_FILE_LINES})")
+        for node in ast.walk(ast.parse(source, str(path))):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) or node.name == "build_parser":
+                continue
+            if (length := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES:
+                offenders.append(
+                    f"{where}:{node.lineno} {node.name}: {length} lines (limit {MAX_FUNCTION_LINES})"
+                )
+    assert len(sized_sources()) > 100, "the size check found almost no sources: wrong folders?"
+    assert not offenders, "over the size limits:\n" + "\n".join(offenders)
