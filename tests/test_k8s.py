@@ -173,9 +173,9 @@ def test_gpu_on_cache_and_compute_only():
 
 def test_cache_memory_limit_holds_its_host_tier():
     c = container("cache")
-    swap = float(flag(c["args"], "swap-space")) * (1 << 30)
-    assert quantity(c["resources"]["requests"]["memory"]) > swap
-    assert quantity(c["resources"]["limits"]["memory"]) > swap
+    host = float(flag(c["args"], "host-cache-gib")) * (1 << 30)
+    assert quantity(c["resources"]["requests"]["memory"]) > host
+    assert quantity(c["resources"]["limits"]["memory"]) > host
 
 
 def named_port(c: dict, port: int | str) -> int:
