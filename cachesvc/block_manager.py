@@ -34,6 +34,7 @@ from kvtier.block_hash import (
     InvalidHashInput,
     chain_preimages,
     hash_preimage,
+    iter_block_bytes,
     pack_token_ids,
 )
 
@@ -114,13 +115,11 @@ class BlockManager:
         at most ``max_blocks`` full blocks are matched. Returns the hit block ids and their hashes.
         """
         index = self.prefix_index
-        step = 4 * self.block_size
         ids: list[int] = []
         hashes: list[BlockHash] = []
         parent = extra
-        end = min(max_blocks, len(data) // step) * step
-        for offset in range(0, end, step):
-            block = index.get(parent + data[offset : offset + step])
+        for (tokens,) in iter_block_bytes(data, self.block_size, max_blocks):
+            block = index.get(parent + tokens)
             if block is None:
                 break
             ids.append(block.block_id)
