@@ -151,6 +151,8 @@ class HostBlockCache:
         (bench/block_manager_ab.py --tiers)."""
         entries, free, n = self._entries, self._free, len(keys)
         room = len(free)
+        if n == 1 and not room and entries.slots and keys[0] not in entries.slots:
+            return self._keep_one(row_ids[0], keys[0])
         if n > (room or len(entries.slots)) or not entries.slots.keys().isdisjoint(keys):
             held = 0
             if not entries.slots.keys().isdisjoint(keys):
@@ -163,6 +165,17 @@ class HostBlockCache:
         self.area.copy_rows(slots, row_ids)
         self._counts["stored"] += n
         return n
+
+    def _keep_one(self, row_id: int, key: bytes) -> int:
+        """``keep_rows`` of one new block into a full cache: the oldest entry leaves and ``key``
+        takes its slot, with no list built (Extend's evictions are single blocks)."""
+        victim, slot = self._entries.swap_oldest(key)
+        self._evicted((victim,), (slot,))
+        if self.on_change is not None:
+            self.on_change(True, (key,), (slot,))
+        self.area.copy_row(slot, row_id)
+        self._counts["stored"] += 1
+        return 1
 
     def _take(
         self, keys: Sequence[bytes], sources: Sequence, copy: Callable, parents: Sequence | None = None
@@ -355,7 +368,13 @@ class HostBlockCache:
         if n <= 0:
             return []
         keys, slots = self._entries.pop_oldest(n)
-        self._counts["evictions"] += n
+        self._evicted(keys, slots)
+        return slots
+
+    def _evicted(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
+        """Count and announce entries ``keys`` that left their ``slots`` (one on_change call, then
+        each to ``on_evict`` while its slot still holds its bytes)."""
+        self._counts["evictions"] += len(keys)
         if self.on_change is not None:
             self.on_change(False, keys, slots)
         if self.on_evict is not None:
@@ -365,7 +384,6 @@ class HostBlockCache:
         elif self._parents:
             for key in keys:
                 self._parents.pop(key, None)
-        return slots
 
 
 class SwapShare(LowerTier):

@@ -88,6 +88,12 @@ class HostSlots:
             at, start = slot * size, i * size
             dst[at : at + size] = src[start : start + size]
 
+    def copy_row(self, slot: int, i: int) -> None:
+        """``copy_rows`` of one row: pool row ``i`` into ``slot``."""
+        size = self.block_bytes
+        at, start = slot * size, i * size
+        self._slots_bytes[at : at + size] = self._rows_bytes[start : start + size]
+
     def _on_side_stream(self, copies: Callable[[], object]) -> None:
         """Run ``copies`` on the side stream after the default stream's queued work; wait for them."""
         stream = self.stream

@@ -63,9 +63,30 @@ class SlotLru:
             keys, head = self._skip_stale(keys, head, n)
         self._head = head
         if head > 1024 and head * 2 > len(order):
-            del order[:head]  # one memmove per about len(self) keys taken
-            self._head = 0
+            self._drop_head()
         return keys, list(map(self.slots.pop, keys))
+
+    def swap_oldest(self, key: bytes) -> tuple[bytes, int]:
+        """Stop holding the least recently used key and hold ``key`` (not held) in its slot, as
+        the most recently used (``len(self) >= 1``); ``(the key that left, the slot)``. A
+        ``pop_oldest(1)`` and ``add`` without their lists: one block evicted by Extend."""
+        if self._stale:
+            (old,), (slot,) = self.pop_oldest(1)
+        else:
+            order = self._order
+            old = order[self._head]
+            self._head += 1
+            slot = self.slots.pop(old)
+            if self._head > 1024 and self._head * 2 > len(order):
+                self._drop_head()
+        self.slots[key] = slot
+        self._order.append(key)
+        return old, slot
+
+    def _drop_head(self) -> None:
+        """Forget the places taken from the head: one memmove per about len(self) keys taken."""
+        del self._order[: self._head]
+        self._head = 0
 
     def oldest_first(self) -> list[bytes]:
         """The held keys, least recently used first. O(places): for tests and checks."""

@@ -181,11 +181,13 @@ def test_slot_lru_takes_the_least_recently_used_past_touched_and_removed_places(
     assert len(lru) == 0
 
 
-def test_random_operations_keep_the_lru_order_the_victims_and_the_bytes_of_a_plain_model():
+@pytest.mark.parametrize("max_batch", [9, 1])
+def test_random_operations_keep_the_lru_order_the_victims_and_the_bytes_of_a_plain_model(max_batch):
     """offer_rows / offer_many / load / touch / discard / evict / take_slots / release_slots in a
     random order, against a plain OrderedDict model of what the cache holds and in which order:
     the keys held (least recently used first), the victims handed to on_evict and every held
-    block's bytes agree after each step."""
+    block's bytes agree after each step. Offers of up to ``max_batch`` blocks (1: Extend's
+    single evictions, keep_rows' one-block path into a full cache)."""
     import random
     from collections import OrderedDict
 
@@ -205,7 +207,7 @@ def test_random_operations_keep_the_lru_order_the_victims_and_the_bytes_of_a_pla
     for _ in range(400):
         op = rng.choice(["rows", "many", "load", "touch", "discard", "evict", "take", "release"])
         if op in ("rows", "many"):
-            picked = rng.sample(range(32), rng.randint(1, 9))
+            picked = rng.sample(range(32), rng.randint(1, max_batch))
             keys = [bytes([i]) * 40 for i in picked]
             if op == "rows":
                 cache.offer_rows(keys, rows, picked)
