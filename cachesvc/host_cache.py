@@ -152,7 +152,15 @@ class HostBlockCache:
         entries, free, n = self._entries, self._free, len(keys)
         room = len(free)
         if n == 1 and not room and entries.slots and keys[0] not in entries.slots:
-            return self._keep_one(row_ids[0], keys[0])
+            # One block into a full cache (Extend's evictions): it takes the oldest entry's slot,
+            # no list built.
+            victim, slot = entries.swap_oldest(keys[0])
+            self._evicted((victim,), (slot,))
+            if self.on_change is not None:
+                self.on_change(True, keys, (slot,))
+            self.area.copy_row(slot, row_ids[0])
+            self._counts["stored"] += 1
+            return 1
         if n > (room or len(entries.slots)) or not entries.slots.keys().isdisjoint(keys):
             held = 0
             if not entries.slots.keys().isdisjoint(keys):
@@ -165,17 +173,6 @@ class HostBlockCache:
         self.area.copy_rows(slots, row_ids)
         self._counts["stored"] += n
         return n
-
-    def _keep_one(self, row_id: int, key: bytes) -> int:
-        """``keep_rows`` of one new block into a full cache: the oldest entry leaves and ``key``
-        takes its slot, with no list built (Extend's evictions are single blocks)."""
-        victim, slot = self._entries.swap_oldest(key)
-        self._evicted((victim,), (slot,))
-        if self.on_change is not None:
-            self.on_change(True, (key,), (slot,))
-        self.area.copy_row(slot, row_id)
-        self._counts["stored"] += 1
-        return 1
 
     def _take(
         self, keys: Sequence[bytes], sources: Sequence, copy: Callable, parents: Sequence | None = None

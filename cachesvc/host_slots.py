@@ -22,7 +22,8 @@ import torch
 from cachesvc.errors import InvalidArgument
 
 
-GATHER_FROM = 8  # rows per copy_rows call from which one numpy gather beats a memcpy per row
+SMALL_ROW_BYTES = 4096  # rows up to this size are copied as numpy void items (copy_rows)
+GATHER_FROM = 8  # small rows per copy_rows call from which one numpy gather beats a copy per row
 
 
 class HostSlots:
@@ -36,7 +37,8 @@ class HostSlots:
         self.stream = torch.cuda.Stream(device=self.device) if cuda else None
         # The CPU pool copy_rows reads (bind_rows), and it and the slots as flat bytes.
         self.rows: torch.Tensor | None = None
-        self._rows_bytes = self._slots_bytes = None
+        self._rows_bytes = self._slots_bytes = self._rows_items = self._slots_items = None
+        self._small = False
 
     def copy_in(self, slots: Sequence[int], views: Sequence[torch.Tensor]) -> None:
         """Copy each of ``views`` (a pool block as flat uint8, on ``device``) into its slot."""
@@ -70,18 +72,27 @@ class HostSlots:
         self.rows = rows
         self._rows_bytes = memoryview(rows.numpy()).cast("B")
         self._slots_bytes = memoryview(self.slots.numpy()).cast("B")
-        # The same rows as one numpy void item each: a batch is one fancy-indexed copy.
+        # The same rows as one numpy void item each (copy_rows' small rows).
+        self._small = self.block_bytes <= SMALL_ROW_BYTES
         row = np.dtype(f"V{self.block_bytes}")
         self._rows_items = rows.numpy().view(row).reshape(-1)
         self._slots_items = self.slots.numpy().view(row).reshape(-1)
 
     def copy_rows(self, slots: Sequence[int], ids: Sequence[int]) -> None:
-        """Rows ``ids`` of the bound pool (``bind_rows``) into ``slots``: under ``GATHER_FROM``
-        rows a memoryview slice copy each (one memcpy; numpy's index conversion costs more than
-        a small row's copy), else one numpy gather of whole-row void items (half the per-row
-        loop's time for 32 rows of 64 bytes; measured by bench/block_manager_ab.py --tiers)."""
-        if len(ids) >= GATHER_FROM:
-            self._slots_items[slots] = self._rows_items[ids]
+        """Rows ``ids`` of the bound pool (``bind_rows``) into ``slots``.
+
+        A row of up to ``SMALL_ROW_BYTES`` is one numpy void item: from ``GATHER_FROM`` rows on,
+        one gather (half the per-row loop's time for 32 rows of 64 bytes), else an item copy
+        each (cheaper than two memoryview slices). Both go through a temporary, so a larger row
+        is a memoryview slice copy each: one memcpy. Measured by bench/block_manager_ab.py --tiers.
+        """
+        if self._small:
+            dst_items, src_items = self._slots_items, self._rows_items
+            if len(ids) >= GATHER_FROM:
+                dst_items[slots] = src_items[ids]
+                return
+            for slot, i in zip(slots, ids, strict=True):
+                dst_items[slot] = src_items[i]
             return
         dst, src, size = self._slots_bytes, self._rows_bytes, self.block_bytes
         for slot, i in zip(slots, ids, strict=True):
@@ -90,6 +101,9 @@ class HostSlots:
 
     def copy_row(self, slot: int, i: int) -> None:
         """``copy_rows`` of one row: pool row ``i`` into ``slot``."""
+        if self._small:
+            self._slots_items[slot] = self._rows_items[i]
+            return
         size = self.block_bytes
         at, start = slot * size, i * size
         self._slots_bytes[at : at + size] = self._rows_bytes[start : start + size]

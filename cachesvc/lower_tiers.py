@@ -98,6 +98,10 @@ class LowerTiers:
     def take_event_records(self) -> list[EventRecord]:
         """Return and clear the tiers' event records since the last call, oldest first."""
         events = self._events
+        if self.disk is None:  # no writer thread: nothing appends meanwhile
+            records = list(events)
+            events.clear()
+            return records
         return [events.popleft() for _ in range(len(events))]  # the writer may append meanwhile
 
     def note_hits(self, keys: Sequence[bytes]) -> None:
@@ -158,9 +162,10 @@ class LowerTiers:
         """
         step = 4 * block_size
         keys: list[bytes] = []
+        on_host, disk = self._on_host, self.disk  # holds(), inline: every Allocate's miss asks
         for b in range(first, min(end, len(data) // step)):
             key = parent + data[b * step : (b + 1) * step]
-            if not self.holds(key):
+            if key not in on_host and (disk is None or not disk.contains(key)):
                 break
             keys.append(key)
             parent = hash_preimage(key)

@@ -11,6 +11,7 @@ from test_host_tier import needs_cuda  # the same reason printed when it skips
 from cachesvc.block_manager import BlockManager
 from cachesvc.errors import InvalidArgument, ResourceExhausted
 from cachesvc.host_cache import HostBlockCache
+from cachesvc.host_slots import SMALL_ROW_BYTES
 from cachesvc.slot_lru import SlotLru
 from kvtier.block_hash import chain_preimages, extra_key, pack_token_ids
 
@@ -182,17 +183,19 @@ def test_slot_lru_takes_the_least_recently_used_past_touched_and_removed_places(
 
 
 @pytest.mark.parametrize("max_batch", [9, 1])
-def test_random_operations_keep_the_lru_order_the_victims_and_the_bytes_of_a_plain_model(max_batch):
+@pytest.mark.parametrize("row", [8, SMALL_ROW_BYTES + 8])
+def test_random_operations_keep_the_lru_order_the_victims_and_the_bytes_of_a_plain_model(max_batch, row):
     """offer_rows / offer_many / load / touch / discard / evict / take_slots / release_slots in a
     random order, against a plain OrderedDict model of what the cache holds and in which order:
     the keys held (least recently used first), the victims handed to on_evict and every held
     block's bytes agree after each step. Offers of up to ``max_batch`` blocks (1: Extend's
-    single evictions, keep_rows' one-block path into a full cache)."""
+    single evictions, keep_rows' one-block path into a full cache); rows of ``row`` bytes (both
+    of HostSlots' copies: numpy items, memoryview slices)."""
     import random
     from collections import OrderedDict
 
     rng = random.Random(7)
-    num_slots, row = 6, 8
+    num_slots = 6
     rows = torch.arange(32 * row, dtype=torch.int64).remainder(251).to(torch.uint8).view(32, row)
     victims: list[bytes] = []
     cache = HostBlockCache(num_slots, row, on_evict=lambda k, p, data: victims.append(k))
