@@ -151,11 +151,14 @@ class HostBlockCache:
         (bench/block_manager_ab.py --tiers)."""
         entries, free, n = self._entries, self._free, len(keys)
         room = len(free)
-        if n == 1 and not room and entries.slots and keys[0] not in entries.slots:
-            # One block into a full cache (Extend's evictions): it takes the oldest entry's slot,
-            # no list built.
-            victim, slot = entries.swap_oldest(keys[0])
-            self._evicted((victim,), (slot,))
+        if n == 1 and (room or entries.slots) and keys[0] not in entries.slots:
+            # One block (Extend's evictions): a free slot, else the oldest entry's; no list built.
+            if room:
+                slot = free.pop()  # _claim(1)'s slot
+                entries.add_one(keys[0], slot)
+            else:
+                victim, slot = entries.swap_oldest(keys[0])
+                self._evicted((victim,), (slot,))
             if self.on_change is not None:
                 self.on_change(True, keys, (slot,))
             self.area.copy_row(slot, row_ids[0])

@@ -88,8 +88,9 @@ class HostSlots:
         """
         if self._small:
             dst_items, src_items = self._slots_items, self._rows_items
-            if len(ids) >= GATHER_FROM:
-                dst_items[slots] = src_items[ids]
+            n = len(ids)
+            if n >= GATHER_FROM:  # lists to indices with the type given: cheaper than numpy's guess
+                dst_items[np.fromiter(slots, np.intp, n)] = src_items.take(np.fromiter(ids, np.intp, n))
                 return
             for slot, i in zip(slots, ids, strict=True):
                 dst_items[slot] = src_items[i]

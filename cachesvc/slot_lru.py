@@ -41,6 +41,11 @@ class SlotLru:
         self.slots.update(zip(keys, slots, strict=True))
         self._order += keys
 
+    def add_one(self, key: bytes, slot: int) -> None:
+        """``add([key], [slot])`` without the lists."""
+        self.slots[key] = slot
+        self._order.append(key)
+
     def touch(self, key: bytes) -> None:
         """Make the held ``key`` the most recently used."""
         self._order.append(key)
