@@ -234,7 +234,7 @@ class Router:
         predicted = await self._predictions(candidates, prompt_ids, tenant_salt(tenant, cache_salt))
         figures = [
             NodeFigures(
-                p.device, s.load.outstanding_tokens, s.load.tokens_per_s(), s.inflight, p.host, p.disk
+                p.device, round(s.load.waiting_tokens()), s.load.tokens_per_s(), s.inflight, p.host, p.disk
             )
             for p, s in zip(predicted, candidates, strict=True)
         ]

@@ -42,7 +42,7 @@ class NodeFigures:
     """One candidate node's figures for one request."""
 
     predicted_tokens: int  # leading prompt tokens the node's pool holds (capped as a hit is)
-    outstanding_tokens: int = 0  # work open on the node: uncached prompt + max_tokens, in tokens
+    outstanding_tokens: int = 0  # work open on the node and not done yet (uncached prompt + max_tokens)
     tokens_per_s: float = 1.0  # the node's measured throughput of that work (> 0)
     inflight: int = 0  # requests this gateway has open on the node
     host_tokens: int = 0  # prompt tokens after the pool's that the host cache holds

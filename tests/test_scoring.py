@@ -71,7 +71,7 @@ def test_node_load_counts_open_work_and_measures_throughput_from_finished_work()
     load = NodeLoad(_since=0.0)
     assert load.tokens_per_s() == PRIOR_TOKENS_PER_S and load.queue_s() == 0
     load.opened(3000, now=0.0)
-    assert load.inflight == 1 and load.queue_s() == pytest.approx(3000 / PRIOR_TOKENS_PER_S)
+    assert load.inflight == 1 and load.queue_s(now=0.0) == pytest.approx(3000 / PRIOR_TOKENS_PER_S)
     # Failed or abandoned work leaves the queue without counting as work done.
     load.closed(3000, finished=False, now=0.0)
     assert (load.inflight, load.outstanding_tokens, load.tokens_per_s()) == (0, 0, PRIOR_TOKENS_PER_S)
@@ -87,6 +87,22 @@ def test_node_load_counts_open_work_and_measures_throughput_from_finished_work()
     before = load.tokens_per_s()
     load.opened(10, now=t + 60)
     assert load.tokens_per_s() == pytest.approx(before)
+
+
+def test_the_work_waiting_on_a_node_is_what_its_measured_rate_has_not_got_through() -> None:
+    load = NodeLoad(_since=0.0)
+    load.opened(3000, now=0.0)
+    # 0.5 s at the prior's 2000 tokens/s: 1000 of the 3000 done, 2000 waiting; all done by 1.5 s.
+    assert load.waiting_tokens(now=0.5) == pytest.approx(3000 - 0.5 * PRIOR_TOKENS_PER_S)
+    assert load.waiting_tokens(now=2.0) == 0
+    # A second request opened at 1 s waits behind what is left of the first.
+    load.opened(1000, now=1.0)
+    assert load.waiting_tokens(now=1.0) == pytest.approx(3000 - PRIOR_TOKENS_PER_S + 1000, rel=0.01)
+    # The first one ends: its work leaves the estimate; the second's is left, less what was done.
+    load.closed(3000, finished=True, now=1.0)
+    assert load.outstanding_tokens == 1000 and 0 < load.waiting_tokens(now=1.0) <= 1000
+    load.closed(1000, finished=True, now=1.2)
+    assert load.waiting_tokens(now=5.0) == 0 and load.queue_s(now=5.0) == 0
 
 
 def test_a_host_or_disk_hit_saves_a_fraction_of_a_device_hit() -> None:
