@@ -127,9 +127,12 @@ class EventLog:
     def __init__(self, block_size: int, capacity: int = 65536):
         self.block_size = block_size
         self.capacity = capacity
-        # (first event id, record), oldest first; whole records are dropped, so between
-        # capacity and capacity + one record's events are kept.
-        self._ring: deque[tuple[int, EventRecord]] = deque()
+        # Records oldest first and each one's first event id, side by side (no pair per record:
+        # a kept tuple costs the garbage collector's young generation a pass, about 0.2 µs in
+        # block_manager_ab); whole records are dropped, so between capacity and capacity + one
+        # record's events are kept.
+        self._records: deque[EventRecord] = deque()
+        self._first_ids: deque[int] = deque()
         self._num_kept = 0
         self.last_event_id = 0
         self._changed = asyncio.Event()
@@ -141,15 +144,17 @@ class EventLog:
         """Number and keep `records` (from `BlockManager.take_event_records()`), then wake the watchers."""
         if not records:
             return
-        ring = self._ring
+        kept, first_ids = self._records, self._first_ids
+        kept += records
         next_id = self.last_event_id + 1
         for record in records:
-            ring.append((next_id, record))
+            first_ids.append(next_id)
             next_id += len(record[1])  # num_events, inline: this runs on every RPC
         self._num_kept += next_id - 1 - self.last_event_id
         self.last_event_id = next_id - 1
-        while self._num_kept - num_events(ring[0][1]) >= self.capacity:
-            self._num_kept -= num_events(ring.popleft()[1])
+        while self._num_kept - len(kept[0][1]) >= self.capacity:
+            first_ids.popleft()
+            self._num_kept -= len(kept.popleft()[1])
         # Waking resolves each waiter's future, so clearing right after does not un-wake them.
         self._changed.set()
         self._changed.clear()
@@ -166,8 +171,7 @@ class EventLog:
         """
         if event_id >= self.last_event_id:
             return []
-        ring = self._ring
-        oldest = ring[0][0]
+        oldest = self._first_ids[0]
         if event_id and event_id + 1 < oldest:
             raise EventGap(
                 f"since_event_id {event_id} is older than the oldest kept event {oldest}: the events "
@@ -176,9 +180,10 @@ class EventLog:
             )
         wanted = self.last_event_id - event_id if max_events is None else max_events
         # The record holding event_id + 1: the last one that starts at or before it.
-        at = max(bisect_right(ring, event_id + 1, key=_first_id) - 1, 0)
+        at = max(bisect_right(self._first_ids, event_id + 1) - 1, 0)
         out: list[tuple[int, BlockEvent]] = []
-        for first, record in itertools.islice(ring, at, None):
+        starts = itertools.islice(self._first_ids, at, None)
+        for first, record in zip(starts, itertools.islice(self._records, at, None), strict=True):
             skip = max(event_id + 1 - first, 0)
             events = decode_events(record, self.block_size, skip, skip + wanted - len(out))
             out.extend(zip(itertools.count(first + skip), events))
@@ -189,7 +194,3 @@ class EventLog:
     async def wait(self) -> None:
         """Return when new events arrive."""
         await self._changed.wait()
-
-
-def _first_id(entry: tuple[int, EventRecord]) -> int:
-    return entry[0]

@@ -21,7 +21,6 @@ import torch
 
 from cachesvc.errors import InvalidArgument
 
-
 SMALL_ROW_BYTES = 4096  # rows up to this size are copied as numpy void items (copy_rows)
 GATHER_FROM = 8  # small rows per copy_rows call from which one numpy gather beats a copy per row
 
