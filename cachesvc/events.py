@@ -52,6 +52,20 @@ def tier_kind(stored: bool, medium: str) -> int:
     return (STORED if stored else REMOVED) + 2 * MEDIUMS.index(medium)
 
 
+HOST_REPLACED = 2 * len(MEDIUMS)
+"""The kind of a host-cache record of new blocks that took the slots of as many evicted ones,
+one per eviction batch (``HostBlockCache.on_replace``): ``(HOST_REPLACED, victims + keys,
+slots)``, read as the host's REMOVED record of the victims, then its STORED record of the keys
+(``split_replaced``); one record instead of two per Allocate or Extend that evicts."""
+
+
+def split_replaced(record: EventRecord) -> tuple[EventRecord, EventRecord]:
+    """A HOST_REPLACED record as the host's REMOVED record and STORED record it stands for."""
+    _, keys, slots = record
+    n = len(slots)
+    return (tier_kind(False, "host"), keys[:n], slots), (tier_kind(True, "host"), keys[n:], slots)
+
+
 EventRecord = tuple
 """How the block manager records events on its hot path, without an object per block:
 
@@ -66,8 +80,8 @@ record is ``(tier_kind(stored, medium), keys, block_ids)``: its blocks' index ke
 token bytes``), hashed only when the record is read (``lower_tier_blocks``), so the eviction
 that records it pays no SHA-256; a block's parent is its key's first 32 bytes (the parent's
 hash, or the chain's extra key for a first block), its block id the host slot (-1 on disk,
-which has no block ids). Records hold
-only tuples, bytes, ints and None, so the garbage collector stops tracking them: a log of
+which has no block ids); the host's evictions that make room for new blocks and those blocks
+are one ``HOST_REPLACED`` record. Records hold only tuples, bytes, ints and None, so the garbage collector stops tracking them: a log of
 thousands of them costs no GC time.
 """
 
@@ -82,6 +96,13 @@ def decode_events(
 ) -> list[BlockEvent]:
     """The ``BlockStored`` / ``BlockRemoved`` events an ``EventRecord`` stands for, in order
     (those numbered ``start`` to ``stop`` within the record, by default all)."""
+    if record[0] == HOST_REPLACED:
+        removed, stored = split_replaced(record)
+        n = len(removed[1])
+        stop = 2 * n if stop is None else stop
+        return decode_events(removed, block_size, min(start, n), min(stop, n)) + decode_events(
+            stored, block_size, max(start - n, 0), max(stop - n, 0)
+        )
     medium = MEDIUMS[record[0] >> 1]
     if record[0] > STORED:
         blocks = lower_tier_blocks(record, start, stop)

@@ -37,6 +37,7 @@ from cachesvc.tiers import LowerTier, TierStats
 
 EvictSink = Callable[[bytes, "bytes | None", torch.Tensor], object]
 ChangeSink = Callable[[bool, Sequence[bytes], Sequence[int]], object]
+ReplaceSink = Callable[[Sequence[bytes], Sequence[bytes], Sequence[int]], object]
 
 
 @dataclass(slots=True)
@@ -75,6 +76,10 @@ class HostBlockCache:
         self.on_change: ChangeSink | None = None
         """Called ``(stored, keys, slots)`` as entries enter (True) or leave (False) the cache, once
         per batch, in order (the tier's KV events: ``LowerTiers``)."""
+        self.on_replace: ReplaceSink | None = None
+        """Called ``(victims, keys, slots)`` when ``keep_rows`` evicts ``victims`` and ``keys`` take
+        their ``slots`` (as many of each), instead of ``on_change``'s two calls: one event record
+        per eviction batch. Used only without ``on_evict`` (whose own events come in between)."""
         self._entries = SlotLru()  # key -> slot, least recently used first
         # Parent hashes given by offer_many that are not the key's first 32 bytes (tests, a caller
         # with its own parents); empty on the eviction path, whose parents are their keys' prefix.
@@ -156,11 +161,11 @@ class HostBlockCache:
             if room:
                 slot = free.pop()  # _claim(1)'s slot
                 entries.add_one(keys[0], slot)
+                if self.on_change is not None:
+                    self.on_change(True, keys, (slot,))
             else:
                 victim, slot = entries.swap_oldest(keys[0])
-                self._evicted((victim,), (slot,))
-            if self.on_change is not None:
-                self.on_change(True, keys, (slot,))
+                self._replaced((victim,), keys, (slot,))
             self.area.copy_row(slot, row_ids[0])
             self._counts["stored"] += 1
             return 1
@@ -169,10 +174,15 @@ class HostBlockCache:
             if not entries.slots.keys().isdisjoint(keys):
                 keys, row_ids, _, held = self._skip_held(keys, row_ids, None)
             return held + self._take(keys, row_ids, self.area.copy_rows)
-        slots = self._claim(n) if room else self._evict_lru(n)  # free slots first: none evicted
-        entries.add(keys, slots)
-        if self.on_change is not None:
-            self.on_change(True, keys, slots)
+        if room:  # free slots first: none evicted
+            slots = self._claim(n)
+            entries.add(keys, slots)
+            if self.on_change is not None:
+                self.on_change(True, keys, slots)
+        else:
+            victims, slots = entries.pop_oldest(n)
+            entries.add(keys, slots)
+            self._replaced(victims, keys, slots)
         self.area.copy_rows(slots, row_ids)
         self._counts["stored"] += n
         return n
@@ -370,6 +380,21 @@ class HostBlockCache:
         keys, slots = self._entries.pop_oldest(n)
         self._evicted(keys, slots)
         return slots
+
+    def _replaced(self, victims: Sequence[bytes], keys: Sequence[bytes], slots: Sequence[int]) -> None:
+        """Count and announce ``keys`` taking the ``slots`` of the evicted ``victims`` (their bytes
+        still there): one ``on_replace`` call if it is set and no ``on_evict`` runs between, else
+        ``_evicted`` then ``on_change``."""
+        if self.on_replace is None or self.on_evict is not None:
+            self._evicted(victims, slots)
+            if self.on_change is not None:
+                self.on_change(True, keys, slots)
+            return
+        self._counts["evictions"] += len(victims)
+        if self._parents:
+            for key in victims:
+                self._parents.pop(key, None)
+        self.on_replace(victims, keys, slots)
 
     def _evicted(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
         """Count and announce entries ``keys`` that left their ``slots`` (one on_change call, then

@@ -32,7 +32,7 @@ from collections.abc import Iterable
 import msgpack
 import zmq
 
-from cachesvc.events import REMOVED, STORED, EventRecord, lower_tier_blocks
+from cachesvc.events import HOST_REPLACED, REMOVED, STORED, EventRecord, lower_tier_blocks, split_replaced
 
 log = logging.getLogger("kvtier.cache")
 
@@ -54,6 +54,8 @@ def encode_record(record: EventRecord, block_size: int, medium: str) -> list[lis
     all of them, ``token_ids`` being the tokens of every block in order (as vLLM's does). A lower
     tier's STORED record is a BlockStored per block (each with its own parent).
     """
+    if record[0] == HOST_REPLACED:  # the host's REMOVED record, then its STORED one
+        return [event for half in split_replaced(record) for event in encode_record(half, block_size, medium)]
     medium = ZMQ_MEDIUMS[record[0] >> 1] or medium
     if record[0] > STORED:  # a lower tier's: one BlockStored per block (each names its parent)
         blocks = lower_tier_blocks(record)

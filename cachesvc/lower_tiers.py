@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from cachesvc.disk_records import KEY_PREFIX_BYTES, RecordLayout
 from cachesvc.disk_tier import DiskTier
-from cachesvc.events import EventRecord, tier_kind
+from cachesvc.events import HOST_REPLACED, EventRecord, tier_kind
 from kvtier.block_hash import hash_preimage
 
 if TYPE_CHECKING:  # torch loads only with a pool (the flags are parsed without it: fast --help)
@@ -65,6 +65,8 @@ class LowerTiers:
         self._events: deque[EventRecord] = deque()
         if host is not None:
             host.on_change = self._recorder("host")
+            append = self._events.append  # one record per eviction batch: cachesvc.events.HOST_REPLACED
+            host.on_replace = lambda old, keys, slots: append((HOST_REPLACED, (*old, *keys), tuple(slots)))
         if disk is not None:
             record = self._recorder("disk")
             disk.on_change = lambda stored, key, block_id: record(stored, (key,), (block_id,))

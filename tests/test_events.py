@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from cachesvc.block_manager import BlockManager
-from cachesvc.events import EventGap, EventLog, tier_kind
+from cachesvc.events import HOST_REPLACED, EventGap, EventLog, decode_events, tier_kind
+from cachesvc.host_cache import HostBlockCache
 from cachesvc.kv_events_zmq import encode_record
+from cachesvc.lower_tiers import LowerTiers
 from cachesvc.servicer import event_to_proto
 from kvtier.block_hash import extra_key, hash_full_blocks, hash_preimage, pack_token_ids
 
@@ -131,14 +134,21 @@ def test_watch_events_delivers_events_that_arrive_while_a_batch_is_being_sent() 
     assert asyncio.run(scenario()) == [1, 2, 3, 4]
 
 
-def test_a_lower_tiers_records_hold_keys_and_read_as_events_with_their_medium() -> None:
-    tokens = list(range(3 * BS))
+def chain_keys(tokens: list[int]) -> tuple[list[bytes], list[bytes]]:
+    """The index keys (``parent || token bytes``) and hashes of ``tokens``' full blocks."""
     data = pack_token_ids(tokens)
     keys, parent = [], EXTRA
-    for b in range(3):
+    for b in range(len(tokens) // BS):
         keys.append(parent + data[b * 4 * BS : (b + 1) * 4 * BS])
         parent = hash_preimage(keys[-1])
     hashes = hash_full_blocks(tokens, BS, EXTRA)
+    assert [hash_preimage(k) for k in keys] == hashes
+    return keys, hashes
+
+
+def test_a_lower_tiers_records_hold_keys_and_read_as_events_with_their_medium() -> None:
+    tokens = list(range(3 * BS))
+    keys, hashes = chain_keys(tokens)
     log = EventLog(BS)
     log.extend([
         (tier_kind(True, "host"), tuple(keys), (0, 1, 2)),
@@ -162,4 +172,55 @@ def test_a_lower_tiers_records_hold_keys_and_read_as_events_with_their_medium() 
     ]
     assert encode_record((tier_kind(False, "disk"), (keys[2],), (-1,)), BS, "GPU") == [
         ["BlockRemoved", [hashes[2]], "DISK"]
+    ]
+
+
+def test_a_host_eviction_batch_is_one_record_read_as_its_removals_then_its_stores() -> None:
+    """keep_rows on a full host cache records the victims and the blocks that took their slots as
+    one HOST_REPLACED record; WatchEvents (from any event id) and the ZMQ form read it exactly as
+    the two records it replaces (a cache recording through on_change only)."""
+    tokens = list(range(5 * BS))
+    keys, hashes = chain_keys(tokens)
+    logs = []
+    for one_record in (True, False):
+        tiers = LowerTiers(torch.zeros((8, 16), dtype=torch.uint8), HostBlockCache(2, 16), None)
+        if not one_record:
+            tiers.host.on_replace = None  # the two records: on_change's removals, then its stores
+        tiers.keep([0, 1], keys[:2])  # free slots 0, 1
+        tiers.keep([2, 3], keys[2:4])  # a full cache: keys 0, 1 leave slots 0, 1 to keys 2, 3
+        tiers.keep([4], keys[4:])  # one block: key 2 leaves slot 0 to key 4
+        records = tiers.take_event_records()
+        assert [r[0] == HOST_REPLACED for r in records] == (
+            [False, True, True] if one_record else [False] * 5
+        )
+        log = EventLog(BS)
+        log.extend(records)
+        logs.append((log, records))
+    (log, records), (two_log, two_records) = logs
+    expected = [
+        ("block_stored", hashes[0], 0),
+        ("block_stored", hashes[1], 1),
+        ("block_removed", hashes[0], 0),
+        ("block_removed", hashes[1], 1),
+        ("block_stored", hashes[2], 0),
+        ("block_stored", hashes[3], 1),
+        ("block_removed", hashes[2], 0),
+        ("block_stored", hashes[4], 0),
+    ]
+    for start in range(len(expected) + 1):
+        got = since(log, start)
+        assert got == since(two_log, start)
+        assert [e.event_id for e in got] == list(range(start + 1, len(expected) + 1))
+        read = [(e.WhichOneof("event"), getattr(e, e.WhichOneof("event"))) for e in got]
+        assert [(kind, m.block_hash, m.block_id, m.medium) for kind, m in read] == [
+            (*event, "host") for event in expected[start:]
+        ]
+        for stop in range(start, len(expected) + 1):  # any slice of the log's second record
+            one = decode_events(records[1], BS, max(start - 2, 0), max(stop - 2, 0))
+            two = [e for r in two_records[1:3] for e in decode_events(r, BS)][
+                max(start - 2, 0) : max(stop - 2, 0)
+            ]
+            assert one == two
+    assert [e for r in records for e in encode_record(r, BS, "GPU")] == [
+        e for r in two_records for e in encode_record(r, BS, "GPU")
     ]
