@@ -77,9 +77,8 @@ class HostBlockCache:
         """Called ``(stored, keys, slots)`` as entries enter (True) or leave (False) the cache, once
         per batch, in order (the tier's KV events: ``LowerTiers``)."""
         self.on_replace: ReplaceSink | None = None
-        """Called ``(victims, keys, slots)`` when ``keep_rows`` evicts ``victims`` and ``keys`` take
-        their ``slots`` (as many of each), instead of ``on_change``'s two calls: one event record
-        per eviction batch. Used only without ``on_evict`` (whose own events come in between)."""
+        """Called ``(victims, keys, slots)`` as ``keys`` take the evicted ``victims``' ``slots`` in
+        ``keep_rows`` without ``on_evict``, for ``on_change``'s two calls (one event record)."""
         self._entries = SlotLru()  # key -> slot, least recently used first
         # Parent hashes given by offer_many that are not the key's first 32 bytes (tests, a caller
         # with its own parents); empty on the eviction path, whose parents are their keys' prefix.
@@ -151,9 +150,8 @@ class HostBlockCache:
         (``LowerTiers``): one call per Allocate or Extend that evicts.
 
         The rule (a batch of new keys that fits in the free slots, or, once the cache is full,
-        in the slots of its oldest entries) runs ``_store`` inline: about 4 of the 23 evictions
-        of a lifecycle are single blocks evicted by Extend, where each call layer counts
-        (bench/block_manager_ab.py --tiers)."""
+        in its oldest entries' slots) runs inline: about 4 of the 23 evictions of a lifecycle are
+        single blocks evicted by Extend, where each call layer counts (block_manager_ab --tiers)."""
         entries, free, n = self._entries, self._free, len(keys)
         room = len(free)
         if n == 1 and (room or entries.slots) and keys[0] not in entries.slots:
@@ -382,18 +380,16 @@ class HostBlockCache:
         return slots
 
     def _replaced(self, victims: Sequence[bytes], keys: Sequence[bytes], slots: Sequence[int]) -> None:
-        """Count and announce ``keys`` taking the ``slots`` of the evicted ``victims`` (their bytes
-        still there): one ``on_replace`` call if it is set and no ``on_evict`` runs between, else
-        ``_evicted`` then ``on_change``."""
+        """Count and announce ``keys`` taking the evicted ``victims``' ``slots`` (their bytes still
+        there): ``on_replace``, or without it or with an ``on_evict``, ``_evicted`` and ``on_change``."""
         if self.on_replace is None or self.on_evict is not None:
             self._evicted(victims, slots)
             if self.on_change is not None:
                 self.on_change(True, keys, slots)
             return
         self._counts["evictions"] += len(victims)
-        if self._parents:
-            for key in victims:
-                self._parents.pop(key, None)
+        for key in victims if self._parents else ():
+            self._parents.pop(key, None)
         self.on_replace(victims, keys, slots)
 
     def _evicted(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
