@@ -29,7 +29,7 @@ from kvtier.model_spec import TINY_LLAMA_CONFIG
 from kvtier_cli.stack import LocalStack, start, up_side_by_side, wait_gateway
 
 BS = 16
-SYSTEM_LEN = 16 * BS  # 256 tokens
+SYSTEM_LEN = 24 * BS  # 384 tokens
 QUESTION_LEN = 8
 NUM_SYSTEMS = 12
 ZIPF = 1.0  # popularity exponent over the system prompts
