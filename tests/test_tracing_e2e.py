@@ -152,7 +152,16 @@ def test_each_request_trace_holds_its_own_work_and_otlp_http_gets_the_same(tmp_p
         OTEL_SERVICE_NAME="my-cli",  # a caller's name: the stack's services keep their own
     )
     # 24 blocks of 16 tokens for eight 80-token sequences: some are swapped out and back in.
-    with local_stack(run_dir, cache_args=["--num-blocks", "24"], replicas=1, env=env) as stack:
+    # NOTE: the default "cost" policy swaps or recomputes by the rates the replica measured (on a
+    # loaded machine slow calls make recompute the cheaper move); this test reads the trace of a
+    # swapped request, so it takes the policy that always swaps while the host tier has room.
+    with local_stack(
+        run_dir,
+        cache_args=["--num-blocks", "24"],
+        compute_args=["--preemption-policy", "newest"],
+        replicas=1,
+        env=env,
+    ) as stack:
         out = subprocess.run(
             [sys.executable, "-c", CLIENT, stack.compute_addresses[0], TOKEN],
             cwd=REPO,
