@@ -167,20 +167,17 @@ class HostBlockCache:
             self.area.copy_row(slot, row_ids[0])
             self._counts["stored"] += 1
             return 1
-        if n > (room or len(entries.slots)) or not entries.slots.keys().isdisjoint(keys):
+        fresh = entries.slots.keys().isdisjoint(keys)
+        if n > (room or len(entries.slots)) or not fresh:
             held = 0
-            if not entries.slots.keys().isdisjoint(keys):
+            if not fresh:
                 keys, row_ids, _, held = self._skip_held(keys, row_ids, None)
             return held + self._take(keys, row_ids, self.area.copy_rows)
         if room:  # free slots first: none evicted
-            slots = self._claim(n)
-            entries.add(keys, slots)
-            if self.on_change is not None:
-                self.on_change(True, keys, slots)
-        else:
-            victims, slots = entries.pop_oldest(n)
-            entries.add(keys, slots)
-            self._replaced(victims, keys, slots)
+            return self._store(keys, row_ids, self.area.copy_rows, None)
+        victims, slots = entries.pop_oldest(n)
+        entries.add(keys, slots)
+        self._replaced(victims, keys, slots)
         self.area.copy_rows(slots, row_ids)
         self._counts["stored"] += n
         return n
