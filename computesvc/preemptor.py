@@ -110,10 +110,7 @@ class Preemptor:
             for r in reqs
         ]
         releases = self._releases(reqs)
-        if releases:
-            seqs = await self._call(self.cache.extend(items, commits, releases), reqs)
-        else:
-            seqs = await self._call(self.cache.extend(items, commits), reqs)
+        seqs = await self._call(self.cache.extend(items, commits, releases), reqs)
         mark_committed(reqs)
         released = dict(releases)
         for req, seq in zip(reqs, seqs, strict=True):
