@@ -163,7 +163,7 @@ async def _serve_pool(cfg: CacheConfig, shape: ModelShape, plan: PoolPlan, pool,
     if lower is not None and lower.host is not None:
         # Swap and cached blocks share the host cache's area, swap first (--swap-space is not a
         # second area then): a swap-out evicts cached blocks, LRU first, on to the disk.
-        from cachesvc.host_cache import SwapShare
+        from cachesvc.swap_share import SwapShare
 
         host_tier = SwapShare(lower.host, pool.rows)
     elif cfg.swap_space > 0:

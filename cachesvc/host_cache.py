@@ -33,7 +33,6 @@ import torch
 from cachesvc.errors import InvalidArgument, ResourceExhausted
 from cachesvc.host_slots import HostSlots, flat_bytes
 from cachesvc.slot_lru import SlotLru
-from cachesvc.tiers import LowerTier, TierStats
 
 EvictSink = Callable[[bytes, "bytes | None", torch.Tensor], object]
 ChangeSink = Callable[[bool, Sequence[bytes], Sequence[int]], object]
@@ -325,6 +324,15 @@ class HostBlockCache:
         self._swap_slots.update(taken)
         return taken
 
+    @property
+    def num_swap_slots(self) -> int:
+        """Slots swap holds now."""
+        return len(self._swap_slots)
+
+    def swap_slot_ids(self) -> list[int]:
+        """Swap's slots, ascending (for the invariants)."""
+        return sorted(self._swap_slots)
+
     def release_slots(self, slots: Sequence[int]) -> None:
         """Give swap slots back to the cache."""
         for k, s in enumerate(slots):
@@ -402,46 +410,3 @@ class HostBlockCache:
         elif self._parents:
             for key in keys:
                 self._parents.pop(key, None)
-
-
-class SwapShare(LowerTier):
-    """Swap space as the host cache's area, swap first (issue 22): the swap tier a SequenceTable
-    swaps to when ``--host-cache-gib`` is on. Its slots are ``cache``'s: ``allocate`` takes them
-    with ``take_slots`` (evicting cached blocks, LRU first, on to the disk if there is one),
-    ``release`` gives them back; copies move whole rows of ``pool_rows`` (``[num_blocks,
-    block_bytes]`` uint8), complete when they return."""
-
-    name = "host"
-
-    def __init__(self, cache: HostBlockCache, pool_rows: torch.Tensor) -> None:
-        self.cache = cache
-        self.pool_rows = pool_rows
-        self.block_bytes = cache.block_bytes
-        self.stats = TierStats()
-
-    @property
-    def num_blocks(self) -> int:
-        return self.cache.num_slots
-
-    @property
-    def num_free_blocks(self) -> int:
-        """Slots swap can take now: every slot not swap's already (cached ones are evicted)."""
-        return self.cache.num_slots - len(self.cache._swap_slots)
-
-    def used_slots(self) -> list[int]:
-        """Swap's slots, ascending (for the invariants)."""
-        return sorted(self.cache._swap_slots)
-
-    def allocate(self, num_blocks: int) -> list[int]:
-        return self.cache.take_slots(num_blocks)
-
-    def release(self, ids: list[int]) -> None:
-        self.cache.release_slots(ids)
-
-    def store(self, device_ids: list[int], ids: list[int]) -> None:
-        self.cache.area.copy_in(ids, [self.pool_rows[i] for i in device_ids])
-
-    def load(self, ids: list[int], device_ids: list[int]) -> None:
-        if len(ids) != len(device_ids):
-            raise InvalidArgument(f"len(slots) = {len(ids)} != len(device_ids) = {len(device_ids)}")
-        self.cache.area.copy_out(ids, [self.pool_rows[i] for i in device_ids])

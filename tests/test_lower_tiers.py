@@ -189,9 +189,9 @@ def test_swap_shares_the_host_cache_area_swap_first():
     brings the bytes back and returns the slots to the cache; the invariants hold throughout."""
     from cachesvc.block_manager import BlockManager
     from cachesvc.errors import ResourceExhausted
-    from cachesvc.host_cache import SwapShare
     from cachesvc.lower_tiers import LowerTiers
     from cachesvc.sequences import SequenceTable
+    from cachesvc.swap_share import SwapShare
     from kvtier.sequence_types import AllocateItem
 
     bs, block_bytes = 4, 64
