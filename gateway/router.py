@@ -78,18 +78,25 @@ class Route:
 
 
 class OnNode:
-    """One request open on one node (``Router.opened``): its work counts in the node's load until
-    ``closed`` is called, once."""
+    """One request open on one node (``Router.opened``): its work waits in the node's load until
+    ``started`` (its first token) or ``closed`` is called; ``closed`` is called once."""
 
     def __init__(self, router: Router, state: NodeState, predicted: int, work_tokens: int) -> None:
         self._router, self.state, self.predicted, self.work_tokens = router, state, predicted, work_tokens
+        self._started = False
         state.load.opened(work_tokens)
         router.metrics.node_requests.labels(node=state.name).inc()
+
+    def started(self) -> None:
+        """The request's first token arrived: its prefill no longer waits on the node."""
+        if not self._started:
+            self._started = True
+            self.state.load.started(self.work_tokens)
 
     def closed(self, cached: int | None) -> None:
         """The request ended: with its actual cached prompt tokens (``usage``), or None if it
         did not finish (failed, cancelled, abandoned)."""
-        self.state.load.closed(self.work_tokens, finished=cached is not None)
+        self.state.load.closed(self.work_tokens, finished=cached is not None, started=self._started)
         if cached is not None:
             self._router.record(self.state, self.predicted, cached)
 
@@ -209,9 +216,12 @@ class Router:
         """Leading prompt tokens ``state`` holds on any tier, capped as the cache caps a hit."""
         return index_follower.predicted_hit(state, hashes, prompt_len).total
 
-    async def route(self, prompt_ids: list[int], cache_salt: str = "", tenant: str = "") -> Route:
+    async def route(
+        self, prompt_ids: list[int], cache_salt: str = "", tenant: str = "", request_id: str = ""
+    ) -> Route:
         """Nodes to try for a request, best first (down nodes last). ``cache_salt``: the client's
-        salt, as the request carries it; ``tenant``: whose request it is ("" = the default)."""
+        salt, as the request carries it; ``tenant``: whose request it is ("" = the default);
+        ``request_id``: named in the DEBUG line that explains the decision."""
         if not self.states:
             raise NoNode("no node is known yet (--nodes-dns found no cache pod so far); retry")
         now = time.monotonic()
@@ -234,7 +244,13 @@ class Router:
         predicted = await self._predictions(candidates, prompt_ids, tenant_salt(tenant, cache_salt))
         figures = [
             NodeFigures(
-                p.device, round(s.load.waiting_tokens()), s.load.tokens_per_s(), s.inflight, p.host, p.disk
+                p.device,
+                round(s.load.waiting_tokens()),
+                s.load.tokens_per_s(),
+                s.inflight,
+                p.host,
+                p.disk,
+                s.load.waiting_requests,
             )
             for p, s in zip(predicted, candidates, strict=True)
         ]
@@ -243,12 +259,15 @@ class Router:
         tokens = [predicted[k].total for k in ranking.order] + [0] * len(after)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
-                "route: %d prompt tokens -> %s (%s); %s",
+                "route %s: %d prompt tokens -> %s (%s); %s",
+                request_id,
                 len(prompt_ids),
                 order[0].name,
                 ranking.reason,
                 "; ".join(
-                    f"{s.name}: cached {f.predicted_tokens} (+{f.host_tokens} host, +{f.disk_tokens} disk), queued {f.outstanding_tokens} tokens at "
+                    f"{s.name}: cached {f.predicted_tokens} (+{f.host_tokens} host, +{f.disk_tokens} disk), {f.inflight} in flight "
+                    f"({f.waiting_requests} waiting), "
+                    f"queued {f.outstanding_tokens} tokens at "
                     f"{f.tokens_per_s:.0f}/s, score {ranking.scores[k] * 1000:.1f} ms"
                     for k, (s, f) in enumerate(zip(candidates, figures, strict=True))
                 ),
@@ -289,8 +308,8 @@ class Router:
     def opened(self, state: NodeState, predicted: int, request_tokens: int) -> OnNode:
         """A request is being sent to ``state``'s node: from now its work counts in the node's load
         (requests routed meanwhile see it). ``predicted``: its cached prompt tokens predicted
-        there; ``request_tokens``: its prompt tokens plus its max_tokens, over all its samples.
-        Call ``closed`` on the result when it ends."""
+        there; ``request_tokens``: the prompt tokens it has prefilled, over all its samples.
+        Call ``started`` on the result at its first token and ``closed`` when it ends."""
         return OnNode(self, state, predicted, max(0, request_tokens - predicted))
 
     def record(self, state: NodeState, predicted: int, actual: int) -> None:

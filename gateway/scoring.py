@@ -4,13 +4,20 @@ Nothing here reads a clock, a socket or the router's state; ``rank`` is given, p
 node, what the router knows of it now, and returns the order to try the nodes in and why the
 first one won.
 
-The score of a node is what the request's time to first token would be there, negated:
+The score of a node is the time to first token the request would cost there, negated: its own,
+and what it adds to the requests waiting there for theirs:
 
-    score = saved_s - queue_s - prompt_s
+    score = saved_s - queue_s - prompt_s - shared_s
     saved_s = saved tokens / prefill_tokens_per_s   (prefill the node's cache saves)
     saved tokens = device tokens + HOST_TOKEN_VALUE * host tokens + DISK_TOKEN_VALUE * disk tokens
     queue_s = load_weight * outstanding tokens / the node's tokens_per_s   (work queued ahead)
     prompt_s = prompt tokens / prefill_tokens_per_s             (the whole prefill)
+    shared_s = load_weight * waiting requests * (prompt_s - saved_s)
+
+``shared_s``: a replica prefills every request waiting for its first token in one step, so the
+request's own prefill delays each request already waiting on the node (bench/router.py's dump:
+a cached request routed just before two misses reached its first token with them, 1.3 s later).
+A miss therefore goes where fewer requests wait; a hit, whose prefill is short, barely pays it.
 
 The prefill terms use one rate for every node (the candidates' mean throughput): a throughput
 measured from a few requests is noisy (a replica's first request is slow), and a noisy rate
@@ -42,11 +49,12 @@ class NodeFigures:
     """One candidate node's figures for one request."""
 
     predicted_tokens: int  # leading prompt tokens the node's pool holds (capped as a hit is)
-    outstanding_tokens: int = 0  # work open on the node and not done yet (uncached prompt + max_tokens)
+    outstanding_tokens: int = 0  # prefill waiting on the node (uncached prompt tokens; node_load.py)
     tokens_per_s: float = 1.0  # the node's measured throughput of that work (> 0)
     inflight: int = 0  # requests this gateway has open on the node
     host_tokens: int = 0  # prompt tokens after the pool's that the host cache holds
     disk_tokens: int = 0  # prompt tokens after those that the disk holds
+    waiting_requests: int = 0  # requests on the node still waiting for their first token
 
     @property
     def saved_tokens(self) -> float:
@@ -59,14 +67,16 @@ class NodeFigures:
 @dataclass(frozen=True)
 class Ranking:
     order: list[int]  # indexes into the candidates, best first
-    scores: list[float]  # per candidate (not reordered): minus the expected time to first token, s
+    scores: list[float]  # per candidate (not reordered): minus the time to first tokens it costs, s
     reason: str  # one of REASONS (see rank)
 
 
 def score(node: NodeFigures, prompt_len: int, load_weight: float, prefill_tokens_per_s: float) -> float:
-    """Minus the expected seconds to the first token on ``node`` (module docstring)."""
+    """Minus the expected seconds to first tokens the request costs on ``node``: its own and the
+    waiting requests' (module docstring)."""
     queue_s = load_weight * node.outstanding_tokens / node.tokens_per_s
-    return -(queue_s + (prompt_len - node.saved_tokens) / prefill_tokens_per_s)
+    prefill_s = (prompt_len - node.saved_tokens) / prefill_tokens_per_s
+    return -(queue_s + prefill_s * (1 + load_weight * node.waiting_requests))
 
 
 def rank(nodes: Sequence[NodeFigures], prompt_len: int, load_weight: float, tie: int) -> Ranking:

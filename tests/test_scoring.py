@@ -92,9 +92,9 @@ def test_node_load_counts_open_work_and_measures_throughput_from_finished_work()
 def test_the_work_waiting_on_a_node_is_what_its_measured_rate_has_not_got_through() -> None:
     load = NodeLoad(_since=0.0)
     load.opened(3000, now=0.0)
-    # 0.5 s at the prior's 2000 tokens/s: 1000 of the 3000 done, 2000 waiting; all done by 1.5 s.
+    # 0.5 s at the prior's rate: that much of the 3000 done, the rest waiting; all done by 3000 / rate.
     assert load.waiting_tokens(now=0.5) == pytest.approx(3000 - 0.5 * PRIOR_TOKENS_PER_S)
-    assert load.waiting_tokens(now=2.0) == 0
+    assert load.waiting_tokens(now=3000 / PRIOR_TOKENS_PER_S + 0.5) == 0
     # A second request opened at 1 s waits behind what is left of the first.
     load.opened(1000, now=1.0)
     assert load.waiting_tokens(now=1.0) == pytest.approx(3000 - PRIOR_TOKENS_PER_S + 1000, rel=0.01)
@@ -159,3 +159,35 @@ def test_the_predicted_hit_follows_device_then_host_then_disk_and_is_capped() ->
     # Nothing while the block size is unknown.
     state.block_size = 0
     assert predicted_hit(state, chain, 6 * bs + 1) == PredictedHit()
+
+
+def test_a_request_waits_on_its_node_until_its_first_token_and_its_prefill_sets_the_rate() -> None:
+    load = NodeLoad(_since=0.0)
+    load.opened(600, now=0.0)
+    load.opened(400, now=0.0)
+    assert (load.waiting_requests, load.outstanding_tokens) == (2, 1000)
+    # The first one's first token after 0.5 s: its work leaves the queue while it decodes on.
+    load.started(600, now=0.5)
+    assert (load.inflight, load.waiting_requests, load.outstanding_tokens) == (2, 1, 400)
+    # Its end changes neither the queue nor the rate: its work counted at its first token.
+    rate = load.tokens_per_s()
+    load.closed(600, finished=True, started=True, now=5.0)
+    assert (load.inflight, load.outstanding_tokens) == (1, 400) and load.tokens_per_s() < rate
+    # Time with nothing waiting is not busy time: a minute of decoding only keeps the measured rate.
+    load.started(400, now=5.0)
+    rate = load.tokens_per_s()
+    load.opened(10, now=65.0)
+    assert load.inflight == 2 and load.waiting_tokens(now=65.0) == 10
+    assert load.tokens_per_s() == pytest.approx(rate)
+
+
+def test_a_prefill_pays_for_the_requests_it_would_share_a_step_with() -> None:
+    # A miss (1000 tokens, 1 s) on a node where two requests wait: 1 s of its own + 1 s for each.
+    waited = NodeFigures(0, 0, FAST, waiting_requests=2)
+    assert score(waited, PROMPT, 1.0, FAST) == pytest.approx(-3.0)
+    # A hit there (100 tokens to prefill) costs them little: 0.1 s each.
+    assert score(NodeFigures(900, 0, FAST, waiting_requests=2), PROMPT, 1.0, FAST) == pytest.approx(-0.3)
+    # So a miss goes to the node nobody waits on, though neither has work queued; load weight 0
+    # (prefix only) ignores it.
+    assert rank([waited, NodeFigures(0, 0, FAST)], PROMPT, 1.0, tie=0).order[0] == 1
+    assert score(waited, PROMPT, 0.0, FAST) == pytest.approx(-1.0)
