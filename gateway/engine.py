@@ -335,11 +335,12 @@ class Engine:
             assert self.client is not None, "Engine.start() first"
             return await self._open_on(self.client, jobs, credential)
         try:
-            route = await self.router.route(jobs[0].prompt_ids, jobs[0].request.cache_salt, tenant)
+            first = jobs[0].request
+            route = await self.router.route(jobs[0].prompt_ids, first.cache_salt, tenant, first.request_id)
         except NoNode as e:
             raise no_replica(str(e)) from None
         failure: APIError | None = None
-        work = sum(len(job.prompt_ids) + job.request.sampling.max_tokens for job in jobs)
+        work = sum(len(job.prompt_ids) if job.sample == 0 else 1 for job in jobs)  # samples > 0 hit
         for state, predicted in zip(route.nodes, route.predicted_tokens, strict=True):
             on_node = self.router.opened(state, predicted, work)  # counted now: routing meanwhile sees it
             try:
@@ -352,6 +353,7 @@ class Engine:
                 self.router.mark_down(state)
                 failure = e
                 continue
+            on_node.started()  # every job's first token is in
             streams._on_done = on_node.closed
             return streams
         assert failure is not None
