@@ -19,15 +19,16 @@ The offered load. Each repeat first calibrates the nodes' *capacity*: the reques
 when every request misses (closed loops of cold system prompt + question requests, two open per
 node, the median of three batches; printed), and offers --load x that. A rate measured under
 load is steadier than one cold TTFT (it varied 1.7x between runs on this shared machine), and
-calibrating per repeat keeps the load a fixed multiple of what the machine gives *now*. --load 2
-is the regime issue 25 is about: round-robin hits ~65% of prompt tokens, so its misses alone
-offer ~0.7 of the nodes' all-miss capacity (the "miss load" column), and with hits' own steps on
-top its misses queue behind each other and delay the hits they share a step with; load-aware
-routing hits ~89%, a miss load of ~0.25. At --load 1.25 (the earlier default; ~0.45 miss load)
-round-robin's misses rarely met (miss TTFT 450-600 ms, as alone) and its median request was a
-cached one, as fast as load-aware's: p50 ratios near 1 measured no routing, only that nothing
-queued. Each repeat runs every policy, their order rotated by one per repeat; the table shows
-each repeat and the medians, and the headline is the median of the repeats' ratios.
+calibrating per repeat keeps the load a fixed multiple of what the machine gives *now*. --load
+2.5 is the regime issue 25 is about, where round-robin's misses queue behind each other:
+round-robin hits 61-67% of prompt tokens, so its misses alone offer 0.84-0.99 of the nodes'
+all-miss capacity (the "miss load" column), and the hits that share their prefill steps wait with
+them; load-aware routing hits ~88%, a miss load of ~0.3, and keeps up with the arrivals. Lower,
+the comparison measures only that nothing queues: at --load 2 round-robin's misses barely met
+(their TTFT median ~600 ms, ~570 alone; p50 ratio 0.60x), and at 1.25 (the earlier default)
+round-robin's median request was a cached one, as fast as load-aware's (p50 ratio ~1). Each
+repeat runs every policy, their order rotated by one per repeat; the table shows each repeat and
+the medians, and the headline is the median of the repeats' ratios.
 
 Hit rate comes from usage.cached_tokens, TTFT from the first streamed event, the per-node share
 from the gateway's kvtier_gateway_node_requests_total. Before the first repeat, a probe measures
@@ -35,7 +36,7 @@ on the quiet nodes what a hit saves: TTFT of a system prompt + question sent col
 --dump DIR writes every request's timeline (bench/router_timeline.py: the router's figures at its
 decision, TTFT, predicted and actual hits) and prints load-aware's slowest requests.
 
-    python bench/router.py            # 200 chats of 1-3 turns over 24 system prompts, 3 repeats (~25 min)
+    python bench/router.py            # 200 chats of 1-3 turns over 24 system prompts, 3 repeats (17 min)
     python bench/router.py --quick    # 40 chats over 12 system prompts
 
 Target (issue 25): load-aware TTFT p50 and p90 both <= 0.6x round-robin's, hit rate >= 1.3x
