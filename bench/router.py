@@ -21,9 +21,10 @@ node, the median of three batches; printed), and offers --load x that. A rate me
 load is steadier than one cold TTFT (it varied 1.7x between runs on this shared machine), and
 calibrating per repeat keeps the load a fixed multiple of what the machine gives *now*. --load
 2.5 is the regime issue 25 is about, where round-robin's misses queue behind each other:
-round-robin hits 61-67% of prompt tokens, so its misses alone offer 0.84-0.99 of the nodes'
-all-miss capacity (the "miss load" column), and the hits that share their prefill steps wait with
-them; load-aware routing hits ~88%, a miss load of ~0.3, and keeps up with the arrivals. Lower,
+round-robin hits 57-67% of prompt tokens, so its misses alone offer 0.84-1.10 of the nodes'
+all-miss capacity (the "miss load" column; it fell behind the arrivals in 5 of 6 repeats), and
+the hits that share their prefill steps wait with them; load-aware routing hits ~88%, a miss
+load of ~0.3, and keeps up with the arrivals. Lower,
 the comparison measures only that nothing queues: at --load 2 round-robin's misses barely met
 (their TTFT median ~600 ms, ~570 alone; p50 ratio 0.60x), and at 1.25 (the earlier default)
 round-robin's median request was a cached one, as fast as load-aware's (p50 ratio ~1). Each
