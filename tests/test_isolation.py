@@ -195,8 +195,10 @@ def with_neighbours(address: str, bad: list) -> tuple[list[list[int]], list, int
     return run(scenario(), 120)
 
 
-def assert_greedy(neighbours: list[list[int]], expected: list[list[int]]) -> None:
-    """Each neighbour streamed past the bad requests, every token Hugging Face's greedy one."""
+def assert_neighbours_served(neighbours: list[list[int]], expected: list[list[int]], in_flight: int) -> None:
+    """Every neighbour was streaming while the bad requests came and went (`with_neighbours`' count)
+    and streamed past them, every token Hugging Face's greedy one."""
+    assert in_flight == NUM_NEIGHBOURS, "the neighbours finished before the bad requests: nothing was tested"
     for k, tokens in enumerate(neighbours):
         assert len(tokens) > AFTER_BAD_TOKENS, f"neighbour {k} streamed {len(tokens)} tokens"
         assert tokens == expected[k][: len(tokens)], f"neighbour {k}"
@@ -230,8 +232,7 @@ def test_a_nan_making_temperature_and_non_finite_fields_fail_or_serve_alone(addr
     fields = ["temperature", "top_p", "min_p", "presence_penalty", "repetition_penalty"]
     for result, field in zip(results[1:], fields, strict=True):
         assert_invalid(result, field)
-    assert in_flight == NUM_NEIGHBOURS, "the neighbours finished before the bad requests: nothing was tested"
-    assert_greedy(neighbours, expected)
+    assert_neighbours_served(neighbours, expected, in_flight)
 
 
 def test_a_salt_with_a_nul_fails_alone_and_no_error_carries_another_requests_data(address, expected):
@@ -248,8 +249,7 @@ def test_a_salt_with_a_nul_fails_alone_and_no_error_carries_another_requests_dat
     for k in range(NUM_NEIGHBOURS):
         assert salt_of(k) not in details
     assert "secret" not in details  # not even its own salt is echoed
-    assert in_flight == NUM_NEIGHBOURS, "the neighbours finished before the bad requests: nothing was tested"
-    assert_greedy(neighbours, expected)
+    assert_neighbours_served(neighbours, expected, in_flight)
 
 
 def test_an_oversized_text_prompt_is_refused_before_tokenizing_and_neighbours_carry_on(address, expected):
@@ -265,8 +265,7 @@ def test_an_oversized_text_prompt_is_refused_before_tokenizing_and_neighbours_ca
     assert_invalid(results[0], f"{len(huge)} bytes", f"at most {limit}", "--max-prompt-bytes")
     assert_invalid(results[1], f"{2 * len(just_over)} bytes", f"at most {limit}")
     assert time.monotonic() - started < 60, "a deadline for progress, not a performance target"
-    assert in_flight == NUM_NEIGHBOURS, "the neighbours finished before the bad requests: nothing was tested"
-    assert_greedy(neighbours, expected)
+    assert_neighbours_served(neighbours, expected, in_flight)
 
 
 def test_a_text_prompt_within_the_limit_is_tokenized_and_served(address):
@@ -380,8 +379,7 @@ def test_an_oversized_generate_is_refused_before_parsing_and_the_replica_keeps_s
         assert result.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, result.details()
         assert str(limit) in result.details(), result.details()
     assert_invalid(results[3], f"context is {MAX_MODEL_LEN} tokens")  # a byte per token: too long
-    assert in_flight == NUM_NEIGHBOURS, "the neighbours finished before the bad requests: nothing was tested"
-    assert_greedy(neighbours, expected)
+    assert_neighbours_served(neighbours, expected, in_flight)
 
 
 # ---------------------------------------------------------------- one tenant's request that cannot fit
