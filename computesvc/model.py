@@ -357,7 +357,7 @@ class ModelRunner:
             v_scales=self.v_scales,
             max_seq_len=max(seq_lens),
             max_query_len=max_query_len,
-            write_deadline=self.write_deadline(),
+            write_deadline=self.write_deadline,
         )
 
     def _forward(

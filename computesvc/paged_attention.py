@@ -11,6 +11,7 @@ raises `LeaseExpired` before it writes. computesvc.model builds the batch and ru
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,10 @@ from transformers import AttentionInterface, PreTrainedModel
 from kernels import paged_decode_attention, paged_prefill_attention, write_kv
 
 ATTN_IMPLEMENTATION = "kvtier_paged"
+
+
+def _no_deadline() -> float:
+    return float("inf")
 
 
 @dataclass
@@ -45,8 +50,9 @@ class PagedBatch:
     max_query_len: int
     k_scales: list[torch.Tensor] | None = None
     v_scales: list[torch.Tensor] | None = None
-    # Monotonic time after which this process may no longer hold its blocks (lease fencing).
-    write_deadline: float = float("inf")
+    # The monotonic time after which this process may no longer hold its blocks (lease fencing),
+    # read before every layer's write: a renewal that lands mid-step moves it on.
+    write_deadline: Callable[[], float] = _no_deadline
 
 
 class LeaseExpired(RuntimeError):
@@ -85,8 +91,12 @@ def paged_attention_forward(
     k_cache, v_cache = batch.k_caches[layer], batch.v_caches[layer]
     # NOTE: checked before every layer's write, so a process paused mid-forward (stalled, or
     # SIGSTOPped) past its lease never writes into blocks the cache may have reassigned.
-    if time.monotonic() > batch.write_deadline:
-        raise LeaseExpired(f"lease deadline passed before layer {layer}'s KV write; the step is abandoned")
+    late_s = time.monotonic() - batch.write_deadline()
+    if late_s > 0:
+        raise LeaseExpired(
+            f"lease deadline passed {late_s:.2f}s before layer {layer}'s KV write (no renewal in time); "
+            "the step is abandoned"
+        )
     scales = {}
     if batch.k_scales is not None and batch.v_scales is not None:
         scales = {"k_scale": batch.k_scales[layer], "v_scale": batch.v_scales[layer]}

@@ -244,9 +244,10 @@ class Replica:
         detokenization, a prompt's tokenization, the garbage collector) and its cores are shared
         with the model's forward and other processes; a heartbeat scheduled on the loop then
         goes out late and the service expires a live replica's lease. Margins, with TTL the
-        service's ``--lease-ttl``: a beat every TTL/3 with a deadline of TTL/2 (two can be late
-        or lost before the lease runs out); KV writes only before ``sent + 0.75 TTL`` of the
-        latest renewal (`_renewed`); every successful control call renews too.
+        service's ``--lease-ttl``: a beat every TTL/3 with a deadline of TTL/2, one that ran past
+        its deadline retried at once; KV writes only before ``sent + 0.75 TTL`` of the latest
+        renewal (`_renewed`), read before each layer's write, so a renewal during a long step
+        counts; every successful control call renews too.
         """
         loop = asyncio.get_running_loop()
         while True:

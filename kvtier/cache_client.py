@@ -161,23 +161,25 @@ class CacheClient:
         ``on_renewed(sent_at)`` runs in the thread after each successful heartbeat (``sent_at`` on
         the ``time.monotonic`` clock); ``on_lost(error)`` runs in the thread when a heartbeat fails
         for any reason but its deadline (the service is gone, or no longer knows the lease), and
-        the thread ends. A heartbeat that only ran past its deadline is retried at the next beat.
+        the thread ends. A heartbeat that only ran past its deadline is retried at once.
         ``close_when_done`` closes this client's channel when the thread ends (a client made for
         the heartbeats alone).
         """
         stop = threading.Event()
 
         def beat():
+            wait_s = self.lease_ttl_s / 3
             try:
-                while not stop.wait(self.lease_ttl_s / 3):
+                while not stop.wait(wait_s):
+                    wait_s = self.lease_ttl_s / 3
                     sent_at = time.monotonic()
                     try:
                         self.heartbeat()
                     except grpc.RpcError as e:
                         if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                            log.warning(
-                                "heartbeat ran past its deadline (%s); retrying at the next beat", e.details()
-                            )
+                            # A third of the TTL more would leave too little of it: retry at once.
+                            log.warning("heartbeat ran past its deadline (%s); retrying now", e.details())
+                            wait_s = 0.0
                             continue
                         if on_lost is not None:
                             on_lost(ConnectionError(f"heartbeat: {e.code().name}: {e.details()}"))

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ from computesvc.model import (
     build_tiny_model,
     load_model,
 )
-from computesvc.paged_attention import use_paged_attention
+from computesvc.paged_attention import LeaseExpired, use_paged_attention
 from kvtier.model_spec import TINY_LLAMA_CONFIG, ModelShape
 from kvtier.tokenizer import build_byte_tokenizer
 from kvtier_cli.demo import blocks_per_gib
@@ -189,6 +190,30 @@ def test_writes_land_only_in_the_sequence_blocks_of_the_shared_pool(paged_model)
     assert changed == [3, 9]
     # Block 3 holds tokens 16..19 only: the rest of its slots keep their old contents.
     torch.testing.assert_close(pool[3, :, :, 4:], before[3, :, :, 4:], atol=0, rtol=0)
+
+
+def test_the_lease_fence_reads_the_deadline_before_each_layer_write(paged_model):
+    # A renewal that lands while a long step runs moves the deadline on: the fence reads it before
+    # every layer's write, not once when the step starts; past it, no layer writes.
+    pool = make_pool(paged_model)
+    before = pool.clone()
+    runner = ModelRunner(paged_model, pool, BLOCK_SIZE)
+    reads = []
+
+    def deadline() -> float:
+        reads.append(len(reads))
+        return time.monotonic() + 60.0 if len(reads) == 1 else time.monotonic() - 1.0
+
+    runner.write_deadline = deadline
+    with pytest.raises(LeaseExpired, match=r"lease deadline passed 1\.\d\ds before layer 1's KV write"):
+        runner.prefill([PrefillInput(prompt(20), 0, [9, 3])])
+    assert len(reads) == 2, "one read per layer until the fence stopped the step"
+    written = pool != before
+    assert written[:, 0].any() and not written[:, 1:].any(), "layer 0 wrote, layer 1 (past the deadline) did not"
+
+    runner.write_deadline = lambda: time.monotonic() + 60.0  # renewed: the same step runs whole
+    runner.prefill([PrefillInput(prompt(20), 0, [9, 3])])
+    assert (pool != before)[:, 1:].any()
 
 
 def test_runner_rejects_a_block_table_too_short_for_the_tokens(paged_model):
