@@ -209,7 +209,9 @@ def test_the_lease_fence_reads_the_deadline_before_each_layer_write(paged_model)
         runner.prefill([PrefillInput(prompt(20), 0, [9, 3])])
     assert len(reads) == 2, "one read per layer until the fence stopped the step"
     written = pool != before
-    assert written[:, 0].any() and not written[:, 1:].any(), "layer 0 wrote, layer 1 (past the deadline) did not"
+    assert written[:, 0].any() and not written[:, 1:].any(), (
+        "layer 0 wrote, layer 1 (past the deadline) did not"
+    )
 
     runner.write_deadline = lambda: time.monotonic() + 60.0  # renewed: the same step runs whole
     runner.prefill([PrefillInput(prompt(20), 0, [9, 3])])
