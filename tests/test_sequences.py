@@ -209,6 +209,44 @@ def test_extend_adds_blocks_only_at_boundaries() -> None:
     table.check_invariants()
 
 
+def test_one_sequence_crossing_a_boundary_grows_as_a_batch_does_and_refuses_the_same() -> None:
+    """A single-item Extend that needs blocks takes its own short path (SequenceTable._extend_one);
+    a batch of two takes _extend. Both leave the same tables, LRU order, evictions and events,
+    and a single item the short path cannot serve is refused as the batch path refuses it."""
+    tables = [make_table(num_blocks=8), make_table(num_blocks=8)]
+    for table in tables:  # a cached chain to evict, then two live sequences
+        alloc_commit_free(table, list(range(16)))
+        table.block_manager.take_event_records()
+    sids = [[alloc(t, [5, 6, 7]), alloc(t, [8, 9])] for t in tables]
+    one, batch = tables
+    for num_tokens in (1, 2, 6):  # within the block, then one block more, then two
+        got = [one.extend(LEASE, [(sid, num_tokens)])[0] for sid in sids[0]]
+        assert batch.extend(LEASE, [(sid, num_tokens) for sid in sids[1]]) == got
+    assert [len(v.block_table) for v in got] == [3, 2] and got[0].num_slots == 12
+    assert snapshot(one)[:6] == snapshot(batch)[:6]
+    assert one.block_manager.take_event_records() == batch.block_manager.take_event_records()
+    one.check_invariants()
+
+    before = snapshot(one)
+    free = one.block_manager.num_free_blocks  # 3: the first sequence holds 3 blocks of 8, 3 tokens
+    refused = [
+        (ResourceExhausted, (sids[0][0], 4 * (3 + free + 1) - 3)),  # one block more than free
+        (InvalidArgument, (sids[0][0], 64)),  # past max_model_len
+        (InvalidArgument, (sids[0][1], -1)),
+        (NotFound, (12345, 1)),
+    ]
+    for error, item in refused:
+        with pytest.raises(error):
+            one.extend(LEASE, [item])
+        assert_same(before, snapshot(one))
+    with pytest.raises(PermissionDenied):
+        one.extend(OTHER, [(sids[0][0], 8)])
+    assert_same(before, snapshot(one))
+    one.swap_out(LEASE, [sids[0][1]])
+    with pytest.raises(FailedPrecondition):
+        one.extend(LEASE, [(sids[0][1], 8)])
+
+
 def test_extend_within_slots_still_checks_max_model_len() -> None:
     table = make_table(max_model_len=10)
     sid = alloc(table, [1] * 9)  # 3 blocks = 12 slots, but only 10 tokens allowed
