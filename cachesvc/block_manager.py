@@ -188,6 +188,31 @@ class BlockManager:
             self.on_evict(evicted, keys)
         return ids
 
+    def allocate_one(self) -> int:
+        """``allocate(1)``'s block id, without its lists: the block Extend takes when a sequence
+        crosses a block boundary (once per ``block_size`` decode steps of every sequence)."""
+        queue = self.free_queue
+        if not queue.num_free:
+            self.allocate(1)  # raises ResourceExhausted
+        block = queue.pop_acquire_one()
+        key = block.index_key
+        if key is None:
+            return block.block_id
+        # Evicted, as in allocate.
+        block_id, block_hash = block.block_id, block.block_hash
+        self.num_evictions += 1
+        if self.copies and key in self.copies:
+            self._drop_copy_or_promote(block, key)
+            block.block_hash = block.index_key = None
+            return block_id
+        del self.prefix_index[key]
+        block.block_hash = block.index_key = None
+        if self.record_events:
+            self._events.append((REMOVED, (block_hash,), (block_id,)))
+        if self.on_evict is not None:
+            self.on_evict([block_id], [key])
+        return block_id
+
     def _drop_copy_or_promote(self, block: Block, key: bytes) -> None:
         """``block`` carries content that other blocks hold too: if it is the indexed one, a copy
         takes its index entry; else it leaves the copies."""

@@ -126,6 +126,18 @@ class FreeBlockQueue:
         self.num_free -= n
         return cached
 
+    def pop_acquire_one(self) -> Block:
+        """``pop_acquire_n(1, ...)`` without its lists: the head block, unlinked, with ref_cnt 1.
+        Needs ``num_free >= 1``."""
+        head = self.head
+        block = head.next_free
+        nxt = block.next_free
+        head.next_free = nxt
+        nxt.prev_free = head
+        block.ref_cnt = 1
+        self.num_free -= 1
+        return block
+
     def release(self, blocks: list[Block], block_ids: Sequence[int]) -> int:
         """Drop one reference on ``blocks[i]`` per ``i`` in ``block_ids``, in order; return how
         many reached 0.

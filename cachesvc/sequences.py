@@ -268,7 +268,10 @@ class SequenceTable:
         bm = self.block_manager
         if more > bm.free_queue.num_free:
             return self._extend(lease_id, items)  # raises ResourceExhausted
-        table += bm.allocate(more)
+        if more == 1:
+            table.append(bm.allocate_one())
+        else:
+            table += bm.allocate(more)
         seq.room = min(len(table) * bs, self.max_model_len)  # room(), inline
         seq.cached_blocks = None
         return [self._blocks_of(seq)]

@@ -271,6 +271,39 @@ def test_duplicate_content_stays_findable_while_any_copy_lives() -> None:
     bm.check_invariants([[0, 1, 2, 3]])
 
 
+def test_allocate_one_takes_evicts_and_reports_exactly_as_allocate_of_one() -> None:
+    """Extend's one-block path (``allocate_one``) against ``allocate(1)`` on a twin with the same
+    history: a chain, a duplicate block (a copy), unpublished blocks; block by block until the
+    pool runs dry, the same ids, evictions, events, eviction-hook calls, index and copies."""
+    twins = [BlockManager(num_blocks=8, block_size=4), BlockManager(num_blocks=8, block_size=4)]
+    hooked: list[list] = [[], []]
+    for bm, calls in zip(twins, hooked, strict=True):
+        bm.on_evict = lambda ids, keys, calls=calls: calls.append((list(ids), list(keys)))
+        table = bm.allocate(5)
+        publish_chain(bm, table[:3], list(range(12)))
+        bm.publish(table[3], None, [0, 1, 2, 3], EXTRA)  # the chain's first block again: a copy
+        bm.free([table[4], *table[3::-1]])  # the unpublished block to the head, the rest behind
+        bm.take_events()
+    single, batch = twins
+    taken = []
+    while batch.num_free_blocks:
+        got = single.allocate_one()
+        assert [got] == batch.allocate(1)
+        taken.append(got)
+        assert single.take_events() == batch.take_events()
+        assert hooked[0] == hooked[1] and single.num_evictions == batch.num_evictions
+        assert single.free_block_ids() == batch.free_block_ids()
+        assert (
+            single.prefix_index.keys() == batch.prefix_index.keys()
+            and single.copies.keys() == batch.copies.keys()
+        )
+        single.check_invariants([[i] for i in taken])
+    assert single.num_evictions == 4 and len(hooked[0]) == 3  # the copy's eviction hands its hash on
+    with pytest.raises(ResourceExhausted, match="need 1 blocks but only 0 of 8 are free"):
+        single.allocate_one()
+    single.check_invariants([[i] for i in taken])
+
+
 def test_reset_prefix_cache_drops_copies_too() -> None:
     bm = BlockManager(num_blocks=2, block_size=4)
     a, b = bm.allocate(2)
