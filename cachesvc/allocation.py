@@ -4,6 +4,9 @@
 weighed against the limits) and ``plan_extend`` (each sequence checked and the blocks it needs
 counted) are phase 1 of ``SequenceTable.allocate`` / ``extend``: they read and change nothing,
 so a refused call leaves the cache as it was. Each check is written once, next to its message.
+Two steps that do take blocks live here too, beside the checks they rely on: ``grow_one`` (an
+Extend of one sequence across a block boundary, checked and done in one go, or left to the full
+path) and ``promote_lower_hits`` (Allocate's phase 3 with lower tiers).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import TYPE_CHECKING
 from cachesvc.block_manager import BlockManager
 from cachesvc.errors import InvalidArgument
 from cachesvc.limits import TenantLimits
-from cachesvc.records import Sequence
+from cachesvc.records import DEVICE, Sequence
 from cachesvc.validation import ExtraKeys, check_batch, check_unique, owned, pack_checked
 from kvtier.block_hash import BlockHash
 from kvtier.sequence_types import AllocateItem, ExtendItem
@@ -86,6 +89,38 @@ def plan_allocate(
     if track:
         limits.check(lease_id, held_by_tenant, sum(held_by_tenant.values()))
     return plans, touched, total_new
+
+
+def grow_one(
+    seq: Sequence, lease_id: str, num_tokens: int, bm: BlockManager, limits: TenantLimits, max_model_len: int
+) -> bool:
+    """Extend of one sequence asking ``num_tokens`` more than it has room for: once per
+    ``block_size`` decode steps a step crosses a block boundary. A device sequence of the lease
+    under no limits, within ``max_model_len``, with the blocks free, gets them here (``plan_extend``
+    and ``SequenceTable._extend`` without their lists): True. Anything else changes nothing and
+    returns False for the full path, which checks and refuses."""
+    need = len(seq.token_ids) + num_tokens
+    if not (
+        seq.lease_id == lease_id
+        and num_tokens >= 0
+        and need <= max_model_len
+        and seq.location == DEVICE
+        and not limits.limited
+        and not limits.contested()
+    ):
+        return False
+    bs = bm.block_size
+    table = seq.block_table
+    more = (need + bs - 1) // bs - len(table)
+    if more > bm.free_queue.num_free:
+        return False
+    if more == 1:
+        table.append(bm.allocate_one())
+    else:
+        table += bm.allocate(more)
+    seq.room = min(len(table) * bs, max_model_len)  # SequenceTable.room(), inline
+    seq.cached_blocks = None
+    return True
 
 
 def promote_lower_hits(

@@ -17,7 +17,7 @@ from __future__ import annotations
 from functools import partial
 from typing import TYPE_CHECKING
 
-from cachesvc.allocation import lookup_tiers, plan_allocate, plan_extend, promote_lower_hits
+from cachesvc.allocation import grow_one, lookup_tiers, plan_allocate, plan_extend, promote_lower_hits
 from cachesvc.block_manager import BlockManager
 from cachesvc.errors import NotFound, ResourceExhausted
 from cachesvc.fencing import Fencing
@@ -235,7 +235,8 @@ class SequenceTable:
                 return self._extend(lease_id, items)  # raises NotFound
             if seq.lease_id == lease_id and 0 <= num_tokens <= seq.room - len(seq.token_ids):
                 return [seq.cached_blocks or self._blocks_of(seq)]
-            return self._extend_one(lease_id, items, seq, num_tokens)
+            if grow_one(seq, lease_id, num_tokens, self.block_manager, self.limits, self.max_model_len):
+                return [self._blocks_of(seq)]  # crossed a block boundary (cachesvc.allocation)
         elif commits or releases:
             checked = self._check_commit(lease_id, commits) if commits else []
             freeing = self.releasing.check(lease_id, releases, commits)
@@ -243,38 +244,6 @@ class SequenceTable:
             self._apply_commit(checked, commits)
             self.releasing.apply(freeing)
         return self._extend(lease_id, items)
-
-    def _extend_one(
-        self, lease_id: str, items: list[ExtendItem], seq: Sequence, num_tokens: int
-    ) -> list[SequenceBlocks]:
-        """``_extend`` of ``items``, one item: ``seq`` asking ``num_tokens`` more than it has room
-        for. Once per block_size decode steps the step crosses a block boundary: without limits
-        to weigh, one device sequence of the lease grows here (``_extend`` without its lists);
-        anything else, an error included, takes ``_extend``."""
-        need = len(seq.token_ids) + num_tokens
-        limits = self.limits
-        if not (
-            seq.lease_id == lease_id
-            and num_tokens >= 0
-            and need <= self.max_model_len
-            and seq.location == DEVICE
-            and not limits.limited
-            and not limits.contested()
-        ):
-            return self._extend(lease_id, items)
-        bs = self.block_size
-        table = seq.block_table
-        more = (need + bs - 1) // bs - len(table)
-        bm = self.block_manager
-        if more > bm.free_queue.num_free:
-            return self._extend(lease_id, items)  # raises ResourceExhausted
-        if more == 1:
-            table.append(bm.allocate_one())
-        else:
-            table += bm.allocate(more)
-        seq.room = min(len(table) * bs, self.max_model_len)  # room(), inline
-        seq.cached_blocks = None
-        return [self._blocks_of(seq)]
 
     def _extend(
         self, lease_id: str, items: list[ExtendItem], pending: dict[int, int] | None = None

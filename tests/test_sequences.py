@@ -210,7 +210,7 @@ def test_extend_adds_blocks_only_at_boundaries() -> None:
 
 
 def test_one_sequence_crossing_a_boundary_grows_as_a_batch_does_and_refuses_the_same() -> None:
-    """A single-item Extend that needs blocks takes its own short path (SequenceTable._extend_one);
+    """A single-item Extend that needs blocks takes its own short path (allocation.grow_one);
     a batch of two takes _extend. Both leave the same tables, LRU order, evictions and events,
     and a single item the short path cannot serve is refused as the batch path refuses it."""
     tables = [make_table(num_blocks=8), make_table(num_blocks=8)]
