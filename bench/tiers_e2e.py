@@ -82,10 +82,11 @@ def run_stack(work: Path, model: str, lower: str, rounds: int) -> list[dict[str,
     from kvtier.compute_client import ComputeClient
     from kvtier_cli.stack import LocalStack
 
+    # The disk stack has no host cache (on by default): evictions go straight to the disk.
     tier_flags = (
         ["--host-cache-gib", "1"]
         if lower == "host"
-        else ["--disk-path", str(work / "disk"), "--disk-gib", "1"]
+        else ["--host-cache-gib", "0", "--disk-path", str(work / "disk"), "--disk-gib", "1"]
     )
     # A 2,000-token prefill takes seconds on a busy CPU: a lease outlives it.
     cache_args = [

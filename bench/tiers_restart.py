@@ -97,7 +97,9 @@ def main(argv: list[str] | None = None) -> None:
     work = Path(tempfile.mkdtemp(prefix="kvtier-bench-restart-"))
     requests = workload(args, ModelShape.tiny().vocab_size)
     cache_args = ["--backend", "cpu-shm", "--block-size", str(BS), "--num-blocks", str(args.pool_blocks)]
-    cache_args += ["--swap-space", "0", "--lease-ttl", "60", "--disk-path", str(work / "disk")]
+    # No host cache (on by default): evictions go straight to the disk, the tier under test.
+    cache_args += ["--swap-space", "0", "--host-cache-gib", "0", "--lease-ttl", "60"]
+    cache_args += ["--disk-path", str(work / "disk")]
     env = {**os.environ, "KVTIER_TOKEN": TOKEN}
     stack = LocalStack(
         work / "run", cache_args=[*cache_args, "--log-level", "WARNING"], num_replicas=0, env=env
@@ -121,6 +123,8 @@ def main(argv: list[str] | None = None) -> None:
         f"(Zipf {args.zipf}), a {args.pool_blocks}-block pool, disk tier only; {elapsed:.1f} s"
     )
     print(f"SIGKILL with {queued} blocks in the write queue; {records} records indexed after the restart")
+    if not records:
+        raise SystemExit("no record was indexed after the restart: the disk tier was never written")
     print(f"hit rate before the restart {before:.3f}, after {after:.3f}")
     print(
         f"headline: after SIGKILL + restart with the same --disk-path, hit rate {after / before:.2f} of before (target >= 0.9)"
