@@ -107,6 +107,7 @@ def run_policy(args: argparse.Namespace, policy: str, jobs: list[Job]) -> dict:
     }
     keys.write_text(json.dumps({"tenants": tenants}))
     cache_args = ["--num-blocks", str(args.num_blocks), "--swap-space", "0.05", "--tenant-quotas", str(keys)]
+    cache_args += ["--host-cache-gib", "0"]  # else swap takes the host cache's slots, not 0.05 GiB
     compute_args = ["--api-keys", str(keys), "--preemption-policy", policy]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "KVTIER_"))}
     env.update(KVTIER_RUN_DIR=str(run_dir), KVTIER_TOKEN="bench-" + secrets.token_hex(8))

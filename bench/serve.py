@@ -172,6 +172,8 @@ async def run_kvtier(
             *model_args,
             *("--backend", "cpu-shm", "--dtype", "float32"),
             *("--num-blocks", str(num_blocks), "--swap-space", "0", "--log-level", "WARNING"),
+            # The same KV budget as the baselines: the pool alone, no host cache (on by default).
+            *("--host-cache-gib", "0"),
         ],
         [
             *model_args,
