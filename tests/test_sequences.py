@@ -228,9 +228,9 @@ def test_one_sequence_crossing_a_boundary_grows_as_a_batch_does_and_refuses_the_
     one.check_invariants()
 
     before = snapshot(one)
-    free = one.block_manager.num_free_blocks  # 3: the first sequence holds 3 blocks of 8, 3 tokens
+    free = one.block_manager.num_free_blocks  # 3 of 8: the sequences hold 3 and 2 blocks
     refused = [
-        (ResourceExhausted, (sids[0][0], 4 * (3 + free + 1) - 3)),  # one block more than free
+        (ResourceExhausted, (sids[0][0], 4 * (3 + free + 1) - 3)),  # its 3 tokens grow past its blocks + free
         (InvalidArgument, (sids[0][0], 64)),  # past max_model_len
         (InvalidArgument, (sids[0][1], -1)),
         (NotFound, (12345, 1)),
