@@ -229,9 +229,13 @@ class CacheNode:
 
     async def reap_leases_forever(self) -> None:
         # NOTE: leases are also checked lazily on every call, so this only bounds how long a dead
-        # client's blocks stay referenced: at most a quarter TTL past expiry.
+        # client's blocks stay referenced: at most a quarter TTL past expiry. Its steady looks at
+        # the clock are what lets the lease table tell a stall of this process (credited to every
+        # lease: cachesvc.leases) from clients that went quiet.
+        period_s = self.leases.ttl_s / 4
+        self.leases.watch_stalls(period_s)
         while True:
-            await asyncio.sleep(self.leases.ttl_s / 4)
+            await asyncio.sleep(period_s)
             self.release_expired_leases()
 
     # ------------------------------------------------------------ sequences

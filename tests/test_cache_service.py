@@ -541,6 +541,44 @@ def test_tcp_with_tls_serves_a_client_that_trusts_the_certificate_and_refuses_pl
         plain.close()
 
 
+def test_a_stall_of_the_service_costs_no_heartbeating_client_its_lease(tmp_path):
+    # SIGSTOP (a VM pause, a starved process) the cache service for three TTLs: the heartbeats
+    # of a live client wait in its socket meanwhile, so the stall is given back to every lease
+    # (cachesvc.leases) and that client keeps its lease; a client that went silent still expires.
+    with cache_service(tmp_path, "--num-blocks", "16", "--lease-ttl", "1") as svc:
+        live = CacheClient.connect(svc.address, TOKEN, timeout_s=0.5)
+        silent = CacheClient.connect(svc.address, TOKEN, timeout_s=5.0)
+        lost: list[Exception] = []
+        renewed: list[float] = []
+        try:
+            live.attach("live")
+            (seq,) = live.allocate([[1, 2, 3]]).sequences
+            stop_beating = live.start_heartbeat_thread(renewed.append, lost.append)
+            silent.attach("silent")  # never heartbeats
+            svc.proc.send_signal(signal.SIGSTOP)
+            try:
+                time.sleep(3.0)  # the stall being injected: three TTLs
+            finally:
+                svc.proc.send_signal(signal.SIGCONT)
+            resumed = time.monotonic()
+            wait_until(lambda: lost or any(t > resumed for t in renewed), 20.0, "a heartbeat after the stall")
+            assert not lost, f"the live client lost its lease: {lost}"
+            assert "stood still for" in svc.log(), svc.log()[-2000:]
+            live.extend([(seq.sequence_id, 1)])  # its sequence is still its own
+            # The silent lease had under a TTL left when the stall began: it runs out after all.
+            stats = wait_until(
+                lambda: (s := live.get_stats()).num_expired_leases == 1 and s,
+                20.0,
+                "the silent lease's expiry",
+            )
+            assert sorted(lease.client_name for lease in stats.leases) == ["live"]
+            assert stats.num_sequences == 1 and not lost
+            stop_beating.set()
+        finally:
+            live.close()
+            silent.close()
+
+
 def test_successful_control_calls_renew_the_lease_without_heartbeats(tmp_path):
     # A replica whose heartbeats are late but whose calls succeed is alive: each call renews.
     with cache_service(tmp_path, "--num-blocks", "16", "--lease-ttl", "1") as svc:
