@@ -546,8 +546,9 @@ def test_a_stall_of_the_service_costs_no_heartbeating_client_its_lease(tmp_path)
     # of a live client wait in its socket meanwhile, so the stall is given back to every lease
     # (cachesvc.leases) and that client keeps its lease; a client that went silent still expires.
     with cache_service(tmp_path, "--num-blocks", "16", "--lease-ttl", "1") as svc:
-        live = CacheClient.connect(svc.address, TOKEN, timeout_s=0.5)
-        silent = CacheClient.connect(svc.address, TOKEN, timeout_s=5.0)
+        # A heartbeat sent during the stall waits in the socket and is served when it ends.
+        live = CacheClient.connect(svc.address, TOKEN, timeout_s=10.0)
+        silent = CacheClient.connect(svc.address, TOKEN, timeout_s=10.0)
         lost: list[Exception] = []
         renewed: list[float] = []
         try:
