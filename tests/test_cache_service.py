@@ -392,6 +392,9 @@ def test_every_rpc_rejects_bad_input_with_a_clear_status_and_changes_no_state(cl
     client.commit([(seq.sequence_id, [], 10)])
     swapped = _alloc(client, [[4] * 20])[0]
     client.swap_out([swapped.sequence_id])
+    # Earlier tests' clients leave their leases to run out; one expiring mid-loop is a change of
+    # state no call made: wait until this client's lease is the only one.
+    wait_until(lambda: len(client.get_stats().leases) == 1, 30.0, "earlier tests' leases to run out")
     for name, call, code, fragment in _bad_calls(client, seq.sequence_id, swapped.sequence_id, 64):
         before = stats_without_clock(client.get_stats())
         try:

@@ -52,6 +52,7 @@ BOS = TINY_LLAMA_CONFIG["bos_token_id"]
 MAX_MODEL_LEN = TINY_LLAMA_CONFIG["max_position_embeddings"]
 BS = 16
 LEASE_TTL_S = 2.0  # tests/servers.py local_stack's default
+REPLICAS = ["compute-0", "compute-1"]  # the shared stack's lease holders
 # Small enough that 64 concurrent requests wait for blocks at admission (backpressure).
 # Fenced blocks of a killed or frozen replica's lease come back after 15 s, within the module.
 POOL = ["--num-blocks", "128", "--swap-space", "0.01", "--fence-hold-s", "15"]
@@ -479,7 +480,13 @@ def test_64_client_processes_for_20s_beside_two_cpu_burners_get_no_errors_and_ke
     # processes) keeps its lease; the run also leaves the block manager consistent.
     num_clients, duration_s = 64, 20.0
     spec = LoadSpec(stack.compute_addresses, TOKEN, duration_s)
-    before = cache_stats(stack)
+    # A lease an earlier test left to run out (its "probe" client closed without renewing) must
+    # be gone before the count is taken: its expiry is not the load's doing.
+    before = wait_until(
+        lambda: (s := cache_stats(stack)) and sorted(x.client_name for x in s.leases) == REPLICAS and s,
+        30.0,
+        "the leases of earlier tests' clients to run out",
+    )
     ctx = multiprocessing.get_context("spawn")
     procs, go, results = start_clients(ctx, spec, num_clients)
     with StatsSampler(stack.cache_address) as sampler, cpu_burners(2):
@@ -507,7 +514,7 @@ def test_64_client_processes_for_20s_beside_two_cpu_burners_get_no_errors_and_ke
 
     stats = wait_until(lambda: released_everything(stack), 40.0, "every sequence released after the load")
     assert stats.num_blocks_free == stats.num_blocks_total
-    assert sorted(lease.client_name for lease in stats.leases) == ["compute-0", "compute-1"]
+    assert sorted(lease.client_name for lease in stats.leases) == REPLICAS
     assert all(
         lease.num_sequences == lease.num_blocks == lease.num_host_blocks == 0 for lease in stats.leases
     )
