@@ -24,4 +24,4 @@ ENV PATH=/opt/kvtier/.venv/bin:$PATH \
 # gRPC (cache 50051, compute 50052) and Prometheus metrics (9400).
 EXPOSE 50051 50052 9400
 ENTRYPOINT ["/opt/kvtier/.venv/bin/python", "-m"]
-CMD ["cachesvc", "--help"]
+CMD ["kvtier.cachesvc", "--help"]

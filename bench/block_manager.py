@@ -37,20 +37,16 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from cachesvc.block_manager import BlockManager  # noqa: E402
-from cachesvc.events import EventLog  # noqa: E402
-from cachesvc.free_queue import Block, FreeBlockQueue  # noqa: E402
-from cachesvc.sequences import SequenceTable  # noqa: E402
 from kvtier.block_hash import extra_key, hash_full_blocks, pack_token_ids  # noqa: E402
+from kvtier.cachesvc.block_manager import BlockManager  # noqa: E402
+from kvtier.cachesvc.events import EventLog  # noqa: E402
+from kvtier.cachesvc.free_queue import Block, FreeBlockQueue  # noqa: E402
+from kvtier.cachesvc.sequences import SequenceTable  # noqa: E402
 from kvtier.sequence_types import AllocateItem  # noqa: E402
 
 VOCAB = 50257

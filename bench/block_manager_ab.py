@@ -41,9 +41,8 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
-from bench.block_manager import FINGERPRINT, VOCAB, Runner, Trace, make_trace, parse_args, salts  # noqa: E402
+from block_manager import FINGERPRINT, VOCAB, Runner, Trace, make_trace, parse_args, salts  # noqa: E402
 
 PACKAGES = ("cachesvc", "kvtier")
 PHASES = ("allocate", "extend", "commit", "free", "events")

@@ -27,7 +27,6 @@ import functools
 import math
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,8 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import kernels  # noqa: E402
+from kvtier import kernels  # noqa: E402
 
 # Peak DRAM bandwidth in GB/s by device name (substring match, first hit wins: GH200 before H200).
 PEAK_BANDWIDTH_GBS = {
@@ -374,7 +372,7 @@ def main(argv: list[str] | None = None) -> None:
 def sweep_configs(args: argparse.Namespace, device: torch.device, scale: float) -> None:
     """Time the decode kernel under each launch config at batch 64, context 4096 (the headline
     point), against the shipped `launch_config`, so a device run says which one to ship."""
-    from kernels import decode_attention
+    from kvtier.kernels import decode_attention
 
     case = make_case(args, 64, 4096, device)
     head_dim_pad = max(16, 1 << (args.head_dim - 1).bit_length())

@@ -42,7 +42,6 @@ import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 from gpu_stack_hf import (  # noqa: E402
@@ -229,7 +228,7 @@ async def kvtier_serve(addresses: list[str], prompts: list[list[int]], max_token
 
 
 def start_stack(a: argparse.Namespace, model_dir: Path, run_dir: Path):
-    from kvtier_cli.stack import LocalStack
+    from kvtier.cli.stack import LocalStack
 
     stack = LocalStack(
         run_dir,

@@ -76,7 +76,7 @@ def runner_greedy_fp32(
     """The model runner's Triton path (in process) in float32: prefill, then one decode a token."""
     import torch
 
-    from computesvc.model import ModelRunner, PrefillInput, load_model
+    from kvtier.computesvc.model import ModelRunner, PrefillInput, load_model
 
     loaded = load_model(model_dir, dtype="float32", device=device)  # on cuda: checks free memory first
     cfg = loaded.model.config

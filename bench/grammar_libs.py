@@ -24,8 +24,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 SCHEMA = {
     "type": "object",
     "properties": {

@@ -48,8 +48,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 TOKEN = "bench-http-token"
 VOCAB = 4096  # the benchmark model's vocabulary (logits width)
 
@@ -265,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def local_stack(run_dir: Path, model: Path, args: argparse.Namespace):
     """The stack under test (not started): cache service, args.replicas replicas, the gateway."""
-    from kvtier_cli.stack import LocalStack
+    from kvtier.cli.stack import LocalStack
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     env.update(KVTIER_TOKEN=TOKEN, PYTHONUNBUFFERED="1")

@@ -10,9 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def floor_app(num_events: int):
@@ -51,7 +48,7 @@ def serve_floor(num_events: int) -> None:
     import uvicorn
     import uvloop
 
-    from gateway.__main__ import bind, url_of
+    from kvtier.gateway.__main__ import bind, url_of
 
     sock = bind("127.0.0.1", 0)
     print(url_of(sock), flush=True)

@@ -187,7 +187,7 @@ def mask_cost(vocab: int, max_tokens: int, batch: int, steps: int = 50) -> dict[
     constrained by the run's schema ({constrained rows: seconds})."""
     import torch
 
-    from computesvc.structured_output import Grammars, advance, mask_logits
+    from kvtier.computesvc.structured_output import Grammars, advance, mask_logits
     from kvtier.structured_output import Constraint
     from kvtier.tokenizer import build_byte_tokenizer
 

@@ -37,11 +37,13 @@ from pathlib import Path
 import torch
 from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from computesvc.model import ModelRunner, PrefillInput, build_tiny_model, seed_weights  # noqa: E402
-from computesvc.paged_attention import ATTN_IMPLEMENTATION, paged_attention_forward, use_paged_attention  # noqa: E402
 from kvtier import kv_dtypes  # noqa: E402
+from kvtier.computesvc.model import ModelRunner, PrefillInput, build_tiny_model, seed_weights  # noqa: E402
+from kvtier.computesvc.paged_attention import (  # noqa: E402
+    ATTN_IMPLEMENTATION,
+    paged_attention_forward,
+    use_paged_attention,
+)
 from kvtier.model_spec import TINY_LLAMA_CONFIG, ModelShape  # noqa: E402
 from kvtier.pool import pool_shape, private_pool  # noqa: E402
 

@@ -22,14 +22,11 @@ import multiprocessing
 import os
 import queue
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 KEY = "sk-bench-oversized"
 SMALL = {"model": "kvtier-tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0}
@@ -49,7 +46,7 @@ def main() -> int:
     args = ap.parse_args()
     samples = 5 if args.quick else 20
 
-    from kvtier_cli.stack import LocalStack
+    from kvtier.cli.stack import LocalStack
 
     run = Path(tempfile.mkdtemp(prefix="kvtier-bench-oversized-"))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "KVTIER_"))}

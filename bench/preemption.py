@@ -27,16 +27,13 @@ import os
 import random
 import re
 import secrets
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from kvtier.cli.stack import LocalStack  # noqa: E402
 from kvtier.compute_client import ComputeClient  # noqa: E402
-from kvtier_cli.stack import LocalStack  # noqa: E402
 
 KEYS = {"bulk": "sk-bulk-" + secrets.token_hex(12), "acme": "sk-acme-" + secrets.token_hex(12)}
 

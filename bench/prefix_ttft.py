@@ -26,8 +26,6 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 SYSTEM_TOKENS = 1000
 QUESTION_TOKENS = 32
 
@@ -75,7 +73,7 @@ def main() -> int:
     if args.quick:
         args.requests = 4
 
-    from kvtier_cli.stack import LocalStack
+    from kvtier.cli.stack import LocalStack
 
     work = Path(tempfile.mkdtemp(prefix="kvtier-bench-ttft-"))
     model = args.model or str(make_model_dir(work / "model"))

@@ -12,7 +12,7 @@ arrivals); a chat's turns run one after another. Each pool holds --pool-share of
 system-prompt set (blocks of every system prompt; the requests in flight take their blocks from
 it too), so round-robin, which sends every prompt to both nodes, evicts prompts it will want
 again, while kv-aware routing partitions the set and each node keeps its part. One gateway per
-policy (`python -m gateway --node ... --routing P`), each with its own cache_salt so no policy
+policy (`python -m kvtier.gateway --node ... --routing P`), each with its own cache_salt so no policy
 reuses another's blocks; the pools are shared, in policy order.
 
 The offered load. Each repeat first calibrates the nodes' *capacity*: the requests/s they serve
@@ -57,9 +57,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.router_client import CALIBRATION_PER_NODE, Result, calibrate, one, probe  # noqa: E402
+from router_client import CALIBRATION_PER_NODE, Result, calibrate, one, probe  # noqa: E402
 
 BS = 16
 MIN_IN_FLIGHT = 4  # prompts a pool must hold at once
@@ -201,7 +199,7 @@ def pool_blocks(args: argparse.Namespace) -> int:
 
 def start_nodes(args: argparse.Namespace, work: Path, model: str, env: dict) -> list:
     """Two nodes (a cache service and one replica each), serving."""
-    from kvtier_cli.stack import LocalStack, up_side_by_side
+    from kvtier.cli.stack import LocalStack, up_side_by_side
 
     num_blocks = pool_blocks(args)
     cache_args = [
@@ -247,7 +245,7 @@ def calibrated_rate(
 ) -> float:
     """Calibrate the nodes' capacity now (and, the first time, probe what a hit saves) through a
     gateway of its own; record it in ``out`` and return the requests/s to offer."""
-    from kvtier_cli.stack import start, wait_gateway
+    from kvtier.cli.stack import start, wait_gateway
 
     argv = gateway_argv(model, nodes, "kv-aware", 0.0, False)
     gateway = wait_gateway(start(f"gateway-calibrate-{len(out['repeats'])}", "gateway", argv, "", work, env))
@@ -267,7 +265,7 @@ def measure(args: argparse.Namespace, stacks: list, model: str, env: dict, work:
     drift does not favour one). Returns {"probe": (cold, warm ms), "calibrations": [[req/s]],
     "rates": [req/s offered], "repeats": [{policy: figures}]}."""
     from bench import router_timeline
-    from kvtier_cli.stack import start, wait_gateway
+    from kvtier.cli.stack import start, wait_gateway
 
     chats = workload(args)
     nodes = []
@@ -394,7 +392,7 @@ def rows_order(rep: int) -> list[str]:
 
 def main() -> int:
     args = parse_args()
-    from bench.models import random_llama_dir
+    from models import random_llama_dir
 
     started = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="kvtier-bench-router-"))

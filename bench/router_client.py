@@ -31,7 +31,7 @@ class Result:
 
 
 async def one(http, url: str, prompt: list[int], max_tokens: int, salt: str) -> Result:
-    from bench.http_api import JSON_HEADERS, completion_body
+    from http_api import JSON_HEADERS, completion_body
 
     body = json.dumps(completion_body(prompt, max_tokens, salt)).encode()
     t0 = time.perf_counter()

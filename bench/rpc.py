@@ -31,8 +31,6 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 OPS = ("health", "alloc1", "alloc64", "extend64", "free64", "free1")
 
 
@@ -160,7 +158,7 @@ def main() -> int:
     if args.quick:
         args.clients, args.seconds = [1, 8], 1.0
 
-    from kvtier_cli.stack import LocalStack
+    from kvtier.cli.stack import LocalStack
 
     token = "bench-token"
     run_dir = Path(tempfile.mkdtemp(prefix="kvtier-bench-rpc-"))

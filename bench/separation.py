@@ -31,16 +31,14 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from cachesvc.block_manager import BlockManager  # noqa: E402
-from cachesvc.errors import ResourceExhausted  # noqa: E402
-from cachesvc.sequences import SequenceTable  # noqa: E402
-from computesvc.cache_port import NoFreeBlocks, SequenceBlocks  # noqa: E402
-from computesvc.model import ModelRunner, load_model  # noqa: E402
-from computesvc.request import Request  # noqa: E402
-from computesvc.sampling import SamplingParams  # noqa: E402
-from computesvc.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from kvtier.cachesvc.block_manager import BlockManager  # noqa: E402
+from kvtier.cachesvc.errors import ResourceExhausted  # noqa: E402
+from kvtier.cachesvc.sequences import SequenceTable  # noqa: E402
+from kvtier.computesvc.cache_port import NoFreeBlocks, SequenceBlocks  # noqa: E402
+from kvtier.computesvc.model import ModelRunner, load_model  # noqa: E402
+from kvtier.computesvc.request import Request  # noqa: E402
+from kvtier.computesvc.sampling import SamplingParams  # noqa: E402
+from kvtier.computesvc.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 
 
 class InProcessCache:
@@ -140,10 +138,10 @@ def make_scheduler(loaded, pool: torch.Tensor, cache, block_size: int) -> Schedu
 
 
 async def run_remote(loaded, args, num_blocks: int) -> dict:
-    from computesvc.remote_cache import RemoteCache
     from kvtier.cache_client import CacheClient
+    from kvtier.cli.stack import LocalStack
+    from kvtier.computesvc.remote_cache import RemoteCache
     from kvtier.pool import attach_pool
-    from kvtier_cli.stack import LocalStack
 
     token = "bench-token"
     run_dir = Path(tempfile.mkdtemp(prefix="kvtier-bench-sep-"))

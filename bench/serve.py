@@ -51,7 +51,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from baselines import ContinuousBatchingServer, MemorySample, PreallocatedServer, Reply  # noqa: E402
@@ -145,7 +144,7 @@ def load_baseline_model(model_dir: str | None):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from computesvc.model import build_tiny_model
+    from kvtier.computesvc.model import build_tiny_model
 
     if model_dir is None:
         model = build_tiny_model(seed=0)
@@ -159,8 +158,8 @@ async def run_kvtier(
     cfg: BenchConfig, shape: WorkloadShape, num_blocks: int, burst: list[RequestSpec]
 ) -> dict:
     from kvtier.cache_client import CacheClient
+    from kvtier.cli.stack import LocalStack
     from kvtier.compute_client import ComputeClient
-    from kvtier_cli.stack import LocalStack
 
     token = "bench-serve-token"
     run_dir = Path(tempfile.mkdtemp(prefix="kvtier-bench-serve-"))

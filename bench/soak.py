@@ -39,14 +39,13 @@ from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))  # the load client lives with the tests that also use it
 
 import grpc  # noqa: E402
 from clients.generate_load import LoadSpec, collect, start_clients  # noqa: E402
 
 from kvtier.cache_client import CacheClient  # noqa: E402
-from kvtier_cli.stack import LocalStack, wait_serving  # noqa: E402
+from kvtier.cli.stack import LocalStack, wait_serving  # noqa: E402
 
 POOL = ["--num-blocks", "192", "--swap-space", "0.01"]
 

@@ -21,8 +21,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -59,7 +57,7 @@ def _best(fn, sync, repeats: int) -> float:
 def run(args: argparse.Namespace) -> dict:
     import torch
 
-    from cachesvc.host_tier import HostTier
+    from kvtier.cachesvc.host_tier import HostTier
 
     device = args.device
     if device == "auto":

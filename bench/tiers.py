@@ -42,12 +42,9 @@ import argparse
 import hashlib
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 MODEL = dict(
     hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2, intermediate_size=1408, vocab_size=4096
@@ -125,9 +122,9 @@ def tiers(keys: list[bytes], pool, disk_path: Path, repeats: int) -> dict:
     """Store and load times of the host cache and the disk tier for ``keys`` (pool blocks 0..n-1)."""
     import torch
 
-    from cachesvc.disk_records import RecordLayout, file_name, record_bytes
-    from cachesvc.disk_tier import DiskTier
-    from cachesvc.host_cache import HostBlockCache
+    from kvtier.cachesvc.disk_records import RecordLayout, file_name, record_bytes
+    from kvtier.cachesvc.disk_tier import DiskTier
+    from kvtier.cachesvc.host_cache import HostBlockCache
 
     n = len(keys)
     block_bytes = pool[0].numel() * pool.element_size()
@@ -187,10 +184,10 @@ class Replay:
     def __init__(self, pool_blocks: int, block_bytes: int, host_slots: int = 0, disk=None) -> None:
         import torch
 
-        from cachesvc.block_manager import BlockManager
-        from cachesvc.host_cache import HostBlockCache
-        from cachesvc.lower_tiers import LowerTiers
         from kvtier.block_hash import extra_key
+        from kvtier.cachesvc.block_manager import BlockManager
+        from kvtier.cachesvc.host_cache import HostBlockCache
+        from kvtier.cachesvc.lower_tiers import LowerTiers
 
         self.manager = BlockManager(pool_blocks, BLOCK_SIZE)
         self.rows = torch.zeros((pool_blocks, block_bytes), dtype=torch.uint8)
@@ -246,8 +243,8 @@ class Replay:
 
 def hit_rates(prompts: list[list[int]], pool_blocks: int, block_bytes: int, disk_path: Path) -> dict:
     """Prefix hit rate (blocks hit / prompt blocks) per system, and after reopening the disk."""
-    from cachesvc.disk_records import RecordLayout, record_bytes
-    from cachesvc.disk_tier import DiskTier
+    from kvtier.cachesvc.disk_records import RecordLayout, record_bytes
+    from kvtier.cachesvc.disk_tier import DiskTier
 
     shape = (
         MODEL["num_layers"],

@@ -31,7 +31,6 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from prefix_ttft import make_model_dir, ttfts  # noqa: E402
 
@@ -79,8 +78,8 @@ def wait_for_disk(stack) -> None:
 
 
 def run_stack(work: Path, model: str, lower: str, rounds: int) -> list[dict[str, float]]:
+    from kvtier.cli.stack import LocalStack
     from kvtier.compute_client import ComputeClient
-    from kvtier_cli.stack import LocalStack
 
     # The disk stack has no host cache (on by default): evictions go straight to the disk.
     tier_flags = (

@@ -2,7 +2,7 @@
 the cache service is SIGKILLed and restarted with the same ``--disk-path``, against the rate
 before the restart.
 
-A real ``python -m cachesvc`` (cpu-shm pool of ``--pool-blocks`` blocks, no host cache, the disk
+A real ``python -m kvtier.cachesvc`` (cpu-shm pool of ``--pool-blocks`` blocks, no host cache, the disk
 tier on ``--disk-path``) and a leased client that allocates, commits and frees each prompt, as a
 replica would (no model: the hit rate is the cache's). The workload is ``--prompts`` distinct
 prompts of ``--blocks`` full blocks (+ 1 token), a working set 4x the pool by default, each
@@ -25,12 +25,9 @@ import argparse
 import os
 import random
 import signal
-import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 TOKEN = "bench-token"
 BS = 16
@@ -90,8 +87,8 @@ def disk_tier(address: str):
 
 
 def main(argv: list[str] | None = None) -> None:
+    from kvtier.cli.stack import LocalStack, wait_serving
     from kvtier.model_spec import ModelShape
-    from kvtier_cli.stack import LocalStack, wait_serving
 
     args = parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="kvtier-bench-restart-"))

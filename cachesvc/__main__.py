@@ -1,4 +1,4 @@
-"""`python -m cachesvc`: flags -> pool, block manager, sequences, leases -> gRPC server."""
+"""`python -m kvtier.cachesvc`: flags -> pool, block manager, sequences, leases -> gRPC server."""
 
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ import shutil
 import sys
 from dataclasses import dataclass, replace
 
-from cachesvc.block_manager import BlockManager
-from cachesvc.config import GIB, CacheConfig, parse_config
-from cachesvc.leases import LeaseTable
-from cachesvc.node import CacheNode
-from cachesvc.sequences import SequenceTable
-from cachesvc.servicer import CacheServicer
-from cachesvc.wire_limits import request_limits, request_scans
 from kvtier import auth, kv_dtypes, telemetry
 from kvtier.api import cache_pb2_grpc
+from kvtier.cachesvc.block_manager import BlockManager
+from kvtier.cachesvc.config import GIB, CacheConfig, parse_config
+from kvtier.cachesvc.leases import LeaseTable
+from kvtier.cachesvc.node import CacheNode
+from kvtier.cachesvc.sequences import SequenceTable
+from kvtier.cachesvc.servicer import CacheServicer
+from kvtier.cachesvc.wire_limits import request_limits, request_scans
 from kvtier.cuda_pool import require_cuda
 from kvtier.grpc_server import (
     AddressInUse,
@@ -155,7 +155,7 @@ def human_bytes(n: float) -> str:
 async def _serve_pool(cfg: CacheConfig, shape: ModelShape, plan: PoolPlan, pool, token: str) -> None:
     # NOTE: imported here, not at the top: it imports torch (seconds), which `--help` and a flag
     # error need not wait for; by now create_pool has imported torch anyway.
-    from cachesvc.host_tier import HostTier
+    from kvtier.cachesvc.host_tier import HostTier
 
     # Whole blocks as bytes ([num_blocks, block_bytes] uint8): a quantized block's scales travel
     # with its codes, and every dtype swaps as one memcpy per block.
@@ -163,7 +163,7 @@ async def _serve_pool(cfg: CacheConfig, shape: ModelShape, plan: PoolPlan, pool,
     if lower is not None and lower.host is not None:
         # Swap and cached blocks share the host cache's area, swap first (--swap-space is not a
         # second area then): a swap-out evicts cached blocks, LRU first, on to the disk.
-        from cachesvc.swap_share import SwapShare
+        from kvtier.cachesvc.swap_share import SwapShare
 
         host_tier = SwapShare(lower.host, pool.rows)
     elif cfg.swap_space > 0:
@@ -204,7 +204,7 @@ async def _serve_pool(cfg: CacheConfig, shape: ModelShape, plan: PoolPlan, pool,
     )
     metrics = None
     if cfg.metrics_port is not None:
-        from cachesvc.metrics import CacheMetrics
+        from kvtier.cachesvc.metrics import CacheMetrics
         from kvtier.metrics import serve_metrics
 
         metrics = CacheMetrics()
@@ -259,8 +259,8 @@ def build_lower_tiers(cfg: CacheConfig, pool):
     """The prefix cache's host cache and disk tier from the flags (cachesvc/lower_tiers.py), or
     None; a disk record must match this pool's model, block size, dtype and block shape to be
     served. ValueError (a bad flag, an unusable --disk-path) stops the service."""
-    from cachesvc import lower_tiers
-    from cachesvc.disk_records import RecordLayout
+    from kvtier.cachesvc import lower_tiers
+    from kvtier.cachesvc.disk_records import RecordLayout
 
     spec = pool.spec
     layout = RecordLayout(
@@ -276,7 +276,7 @@ def build_lower_tiers(cfg: CacheConfig, pool):
 def host_cache_choice(cfg: CacheConfig) -> str:
     """The host cache's size and why, for the startup log: the flag as given, or the default
     (auto: min(AUTO_MAX_GIB, AUTO_SHARE x the memory available), with which bound chose it)."""
-    from cachesvc.lower_tiers import AUTO_MAX_GIB, AUTO_SHARE
+    from kvtier.cachesvc.lower_tiers import AUTO_MAX_GIB, AUTO_SHARE
 
     size = human_bytes(int(cfg.host_cache_gib * GIB))
     if not cfg.host_cache_default:
@@ -307,7 +307,7 @@ def start_kv_events(cfg: CacheConfig, node: CacheNode, backend: str):
         return None
     import zmq
 
-    from cachesvc.kv_events_zmq import KvEventsPublisher
+    from kvtier.cachesvc.kv_events_zmq import KvEventsPublisher
 
     try:
         publisher = KvEventsPublisher(
@@ -336,7 +336,7 @@ async def refresh_metrics(node: CacheNode, metrics, period_s: float = 1.0) -> No
         await asyncio.sleep(period_s)
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m cachesvc") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m kvtier.cachesvc") -> int:
     cfg = parse_config(argv, prog)
     logging.basicConfig(
         level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr

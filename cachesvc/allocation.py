@@ -14,16 +14,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from cachesvc.block_manager import BlockManager
-from cachesvc.errors import InvalidArgument
-from cachesvc.limits import TenantLimits
-from cachesvc.records import DEVICE, Sequence
-from cachesvc.validation import ExtraKeys, check_batch, check_unique, owned, pack_checked
 from kvtier.block_hash import BlockHash
+from kvtier.cachesvc.block_manager import BlockManager
+from kvtier.cachesvc.errors import InvalidArgument
+from kvtier.cachesvc.limits import TenantLimits
+from kvtier.cachesvc.records import DEVICE, Sequence
+from kvtier.cachesvc.validation import ExtraKeys, check_batch, check_unique, owned, pack_checked
 from kvtier.sequence_types import AllocateItem, ExtendItem
 
 if TYPE_CHECKING:
-    from cachesvc.lower_tiers import LowerTiers
+    from kvtier.cachesvc.lower_tiers import LowerTiers
 
 
 @dataclass(slots=True)

@@ -26,9 +26,6 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 
-from cachesvc.errors import InvalidArgument, ResourceExhausted
-from cachesvc.events import REMOVED, STORED, BlockEvent, EventRecord, decode_events
-from cachesvc.free_queue import Block, FreeBlockQueue, OverFreed
 from kvtier.block_hash import (
     BlockHash,
     InvalidHashInput,
@@ -37,6 +34,9 @@ from kvtier.block_hash import (
     iter_block_bytes,
     pack_token_ids,
 )
+from kvtier.cachesvc.errors import InvalidArgument, ResourceExhausted
+from kvtier.cachesvc.events import REMOVED, STORED, BlockEvent, EventRecord, decode_events
+from kvtier.cachesvc.free_queue import Block, FreeBlockQueue, OverFreed
 
 
 class BlockManager:

@@ -6,9 +6,9 @@ import argparse
 import os
 from dataclasses import asdict, dataclass
 
-from cachesvc import lower_tiers
 from kvtier import __version__
 from kvtier.auth import default_cache_address
+from kvtier.cachesvc import lower_tiers
 from kvtier.kv_dtypes import KV_CACHE_DTYPE_CHOICES
 
 GIB = 1 << 30
@@ -67,7 +67,7 @@ class CacheConfig:
         return " ".join(f"{k}={v}" for k, v in asdict(self).items())
 
 
-def build_parser(prog: str = "python -m cachesvc") -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m kvtier.cachesvc") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
         description=(
@@ -279,7 +279,7 @@ def build_parser(prog: str = "python -m cachesvc") -> argparse.ArgumentParser:
     return p
 
 
-def parse_config(argv: list[str] | None = None, prog: str = "python -m cachesvc") -> CacheConfig:
+def parse_config(argv: list[str] | None = None, prog: str = "python -m kvtier.cachesvc") -> CacheConfig:
     parser = build_parser(prog)
     # None survives parsing only when --host-cache-gib is not given: then the default, auto.
     args = parser.parse_args(argv, argparse.Namespace(host_cache_gib=None))

@@ -23,7 +23,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cachesvc.disk_records import SUFFIX, BadRecord, RecordLayout, decode, decode_head, head_bytes_needed
+from kvtier.cachesvc.disk_records import (
+    SUFFIX,
+    BadRecord,
+    RecordLayout,
+    decode,
+    decode_head,
+    head_bytes_needed,
+)
 
 log = logging.getLogger("kvtier.cache")
 

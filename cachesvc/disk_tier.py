@@ -37,9 +37,17 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from pathlib import Path
 
-from cachesvc.disk_records import BadRecord, RecordLayout, check_key, decode, encode, file_name, record_bytes
-from cachesvc.disk_scan import read_file, scan
 from kvtier.auth import UntrustedPath, check_private_dir
+from kvtier.cachesvc.disk_records import (
+    BadRecord,
+    RecordLayout,
+    check_key,
+    decode,
+    encode,
+    file_name,
+    record_bytes,
+)
+from kvtier.cachesvc.disk_scan import read_file, scan
 
 log = logging.getLogger("kvtier.cache")
 
@@ -230,7 +238,7 @@ class DiskTier:
         """``load`` into one pool block ``dst_view`` (a contiguous tensor of ``block_bytes``); False on a miss."""
         import torch
 
-        from cachesvc.host_slots import copy_block
+        from kvtier.cachesvc.host_slots import copy_block
 
         payload = self.load(key)
         if payload is None:

@@ -12,9 +12,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cachesvc.disk_records import KEY_PREFIX_BYTES
-from cachesvc.errors import CacheError
 from kvtier.block_hash import BlockHash, hash_preimage, unpack_block
+from kvtier.cachesvc.disk_records import KEY_PREFIX_BYTES
+from kvtier.cachesvc.errors import CacheError
 
 
 @dataclass(slots=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from cachesvc.block_manager import BlockManager
+    from kvtier.cachesvc.block_manager import BlockManager
 
 
 class Fencing:

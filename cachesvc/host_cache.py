@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
-from cachesvc.errors import InvalidArgument, ResourceExhausted
-from cachesvc.host_slots import HostSlots, flat_bytes
-from cachesvc.slot_lru import SlotLru
+from kvtier.cachesvc.errors import InvalidArgument, ResourceExhausted
+from kvtier.cachesvc.host_slots import HostSlots, flat_bytes
+from kvtier.cachesvc.slot_lru import SlotLru
 
 EvictSink = Callable[[bytes, "bytes | None", torch.Tensor], object]
 ChangeSink = Callable[[bool, Sequence[bytes], Sequence[int]], object]

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from cachesvc.errors import InvalidArgument
+from kvtier.cachesvc.errors import InvalidArgument
 
 SMALL_ROW_BYTES = 4096  # rows up to this size are copied as numpy void items (copy_rows)
 GATHER_FROM = 8  # small rows per copy_rows call from which one numpy gather beats a copy per row

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from cachesvc.errors import InvalidArgument, ResourceExhausted
-from cachesvc.tiers import LowerTier, TierStats
+from kvtier.cachesvc.errors import InvalidArgument, ResourceExhausted
+from kvtier.cachesvc.tiers import LowerTier, TierStats
 
 
 class HostTier(LowerTier):

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from cachesvc.block_manager import BlockManager
-from cachesvc.fencing import Fencing
-from cachesvc.limits import TenantLimits
-from cachesvc.records import DEVICE, PLACEHOLDER_BLOCK, Sequence
-from cachesvc.tiers import Tier
 from kvtier.block_hash import pack_token_ids
+from kvtier.cachesvc.block_manager import BlockManager
+from kvtier.cachesvc.fencing import Fencing
+from kvtier.cachesvc.limits import TenantLimits
+from kvtier.cachesvc.records import DEVICE, PLACEHOLDER_BLOCK, Sequence
+from kvtier.cachesvc.tiers import Tier
 
 
 class TableView(Protocol):

@@ -32,7 +32,14 @@ from collections.abc import Iterable
 import msgpack
 import zmq
 
-from cachesvc.events import HOST_REPLACED, REMOVED, STORED, EventRecord, lower_tier_blocks, split_replaced
+from kvtier.cachesvc.events import (
+    HOST_REPLACED,
+    REMOVED,
+    STORED,
+    EventRecord,
+    lower_tier_blocks,
+    split_replaced,
+)
 
 log = logging.getLogger("kvtier.cache")
 

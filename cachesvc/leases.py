@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cachesvc.errors import InvalidArgument, LeaseExpired
+from kvtier.cachesvc.errors import InvalidArgument, LeaseExpired
 
 log = logging.getLogger(__name__)
 

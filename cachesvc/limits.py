@@ -34,11 +34,11 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from cachesvc.errors import ExceedsLimit, ResourceExhausted, TenantLimit
+from kvtier.cachesvc.errors import ExceedsLimit, ResourceExhausted, TenantLimit
 
 if TYPE_CHECKING:
-    from cachesvc.block_manager import BlockManager
-    from cachesvc.records import Sequence
+    from kvtier.cachesvc.block_manager import BlockManager
+    from kvtier.cachesvc.records import Sequence
 
 # A tenant refused an Allocate for lack of free blocks while another tenant holds blocks counts
 # as waiting this long (its replica retries admission every step, so one still waiting is seen

@@ -18,15 +18,15 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from cachesvc.disk_records import KEY_PREFIX_BYTES, RecordLayout
-from cachesvc.disk_tier import DiskTier
-from cachesvc.events import HOST_REPLACED, EventRecord, tier_kind
 from kvtier.block_hash import hash_preimage
+from kvtier.cachesvc.disk_records import KEY_PREFIX_BYTES, RecordLayout
+from kvtier.cachesvc.disk_tier import DiskTier
+from kvtier.cachesvc.events import HOST_REPLACED, EventRecord, tier_kind
 
 if TYPE_CHECKING:  # torch loads only with a pool (the flags are parsed without it: fast --help)
     import torch
 
-    from cachesvc.host_cache import HostBlockCache
+    from kvtier.cachesvc.host_cache import HostBlockCache
 
 WRITE_POLICIES = ("evict", "through")
 
@@ -295,7 +295,7 @@ def from_args(args: argparse.Namespace, pool_rows: torch.Tensor, layout: RecordL
     block_bytes = pool_rows.shape[1]
     host = None
     if args.host_cache_gib:
-        from cachesvc.host_cache import HostBlockCache
+        from kvtier.cachesvc.host_cache import HostBlockCache
 
         host = HostBlockCache.from_budget(
             int(args.host_cache_gib * 2**30), block_bytes, device=pool_rows.device

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Info
 from kvtier.metrics import CACHE_RPC_BUCKETS, RpcLatency, VllmAliases
 
 if TYPE_CHECKING:
-    from cachesvc.node import CacheSnapshot
+    from kvtier.cachesvc.node import CacheSnapshot
 
 
 # The unary RPCs (proto/kvtier/v1/cache.proto), labelled (method, OK) from the start.

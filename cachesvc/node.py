@@ -12,11 +12,11 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
-from cachesvc.errors import FailedPrecondition, InvalidArgument
-from cachesvc.events import EventLog
-from cachesvc.leases import Lease, LeaseTable
-from cachesvc.records import DEVICE
-from cachesvc.sequences import SequenceTable
+from kvtier.cachesvc.errors import FailedPrecondition, InvalidArgument
+from kvtier.cachesvc.events import EventLog
+from kvtier.cachesvc.leases import Lease, LeaseTable
+from kvtier.cachesvc.records import DEVICE
+from kvtier.cachesvc.sequences import SequenceTable
 from kvtier.sequence_types import AllocateItem, CommitItem, ExtendItem, PrefixQuery, SequenceBlocks
 
 log = logging.getLogger("kvtier.cache")

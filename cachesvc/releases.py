@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from cachesvc.records import PLACEHOLDER_BLOCK
-from cachesvc.validation import release_sequences
+from kvtier.cachesvc.records import PLACEHOLDER_BLOCK
+from kvtier.cachesvc.validation import release_sequences
 
 if TYPE_CHECKING:
-    from cachesvc.block_manager import BlockManager
-    from cachesvc.limits import TenantLimits
-    from cachesvc.records import CacheStats, Sequence
+    from kvtier.cachesvc.block_manager import BlockManager
+    from kvtier.cachesvc.limits import TenantLimits
+    from kvtier.cachesvc.records import CacheStats, Sequence
     from kvtier.sequence_types import CommitItem, ReleaseItem
 
 

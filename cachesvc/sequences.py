@@ -1,11 +1,9 @@
 """The table of live sequences and the batched operations the cache service's RPCs map onto.
 
-The cache service keeps, per sequence, its token ids, block table, computed tokens and the tier
-its blocks are on (a ``cachesvc.records.Sequence``): that is what lets any replica continue any
-sequence. ``SequenceTable`` owns the records and the lifecycle and is composed of collaborators,
-each built here with what it reads and testable alone: ``TenantLimits`` (quotas, fair share),
-``Fencing`` (expired leases' open blocks), the tiers and ``Swapping`` (``cachesvc.tiers``,
-``cachesvc.swap``), and the checks of each call (``cachesvc.validation``, ``cachesvc.allocation``).
+Per sequence: token ids, block table, computed tokens and the tier its blocks are on (a
+``records.Sequence``): what lets any replica continue any sequence. ``SequenceTable`` owns the
+records and the lifecycle, composed of collaborators each testable alone: ``TenantLimits``,
+``Fencing``, the tiers and ``Swapping``, and each call's checks (``validation``, ``allocation``).
 
 Every batched method is all or nothing: (1) validate every item, (2) check capacity for the
 whole batch, (3) mutate. Phases 1 and 2 touch no state (not LRU order, not stats), so a raised
@@ -17,21 +15,21 @@ from __future__ import annotations
 from functools import partial
 from typing import TYPE_CHECKING
 
-from cachesvc.allocation import grow_one, lookup_tiers, plan_allocate, plan_extend, promote_lower_hits
-from cachesvc.block_manager import BlockManager
-from cachesvc.errors import NotFound, ResourceExhausted
-from cachesvc.fencing import Fencing
-from cachesvc.invariants import check_table
-from cachesvc.limits import TenantLimits
-from cachesvc.records import DEVICE, CacheStats, Sequence
-from cachesvc.releases import Releasing
-from cachesvc.swap import Swapping
-from cachesvc.tiers import DeviceTier, LowerTier
-from cachesvc.validation import ExtraKeys, check_batch, check_unique, commit_sequences, key_queries, owned
+from kvtier.cachesvc import validation as checks
+from kvtier.cachesvc.allocation import grow_one, lookup_tiers, plan_allocate, plan_extend, promote_lower_hits
+from kvtier.cachesvc.block_manager import BlockManager
+from kvtier.cachesvc.errors import NotFound, ResourceExhausted
+from kvtier.cachesvc.fencing import Fencing
+from kvtier.cachesvc.invariants import check_table
+from kvtier.cachesvc.limits import TenantLimits
+from kvtier.cachesvc.records import DEVICE, CacheStats, Sequence
+from kvtier.cachesvc.releases import Releasing
+from kvtier.cachesvc.swap import Swapping
+from kvtier.cachesvc.tiers import DeviceTier, LowerTier
 from kvtier.sequence_types import AllocateItem, CommitItem, ExtendItem, PrefixQuery, SequenceBlocks
 
 if TYPE_CHECKING:
-    from cachesvc.lower_tiers import LowerTiers
+    from kvtier.cachesvc.lower_tiers import LowerTiers
     from kvtier.sequence_types import ReleaseItem
 
 
@@ -71,7 +69,7 @@ class SequenceTable:
         self._sequences: dict[int, Sequence] = {}
         self._by_lease: dict[str, dict[int, Sequence]] = {}
         self._next_sequence_id = 1
-        self._extra_keys = ExtraKeys(model_fingerprint)
+        self._extra_keys = checks.ExtraKeys(model_fingerprint)
         self.limits = TenantLimits(
             block_manager,
             self._sequences,
@@ -95,7 +93,7 @@ class SequenceTable:
         # sequences. Bound once: it runs every decode step. (Extend's growing path calls
         # plan_extend directly: binding four bounds there cost more than loading them.)
         bounds = (self._sequences, self.block_size, max_model_len)
-        self._check_commit = partial(commit_sequences, *bounds, vocab_size, max_batch)
+        self._check_commit = partial(checks.commit_sequences, *bounds, vocab_size, max_batch)
         self.releasing = Releasing(self._sequences, block_manager, self.limits, self.stats, max_batch)
 
     # ------------------------------------------------------------------ reading
@@ -145,7 +143,7 @@ class SequenceTable:
         ``len(token_ids) + num_lookahead_tokens`` tokens. Hits of ALL items are taken before any
         new block is allocated, so a later item's allocation never evicts an earlier item's hit.
         """
-        check_batch(len(items), self.max_batch)
+        checks.check_batch(len(items), self.max_batch)
         plans, touched, total_new = plan_allocate(
             lease_id,
             items,
@@ -328,12 +326,10 @@ class SequenceTable:
         """
         checked = self._check_commit(lease_id, commits) if commits else []
         if len(sequence_ids) > self.max_batch:
-            check_batch(len(sequence_ids), self.max_batch)
-        seqs = [
-            owned(self._sequences, lease_id, k, sid, on_device=None) for k, sid in enumerate(sequence_ids)
-        ]
+            checks.check_batch(len(sequence_ids), self.max_batch)
+        seqs = [checks.owned(self._sequences, lease_id, k, sid, None) for k, sid in enumerate(sequence_ids)]
         if len(seqs) > 1:
-            check_unique(sequence_ids)
+            checks.check_unique(sequence_ids)
         if commits:
             self._apply_commit(checked, commits)
         if len(seqs) == 1:  # a finished request's Free
@@ -390,7 +386,9 @@ class SequenceTable:
         ``below`` list, per item ``(host tokens, disk tokens)`` of the chain past the device hit
         are appended to it (what Allocate would promote, uncapped).
         """
-        keyed = key_queries(items, self._extra_keys, self.vocab_size, self.max_model_len, self.max_batch)
+        keyed = checks.key_queries(
+            items, self._extra_keys, self.vocab_size, self.max_model_len, self.max_batch
+        )
         bm = self.block_manager
         bs = self.block_size
         if below is not None and self.lower_tiers is not None:
@@ -407,9 +405,9 @@ class SequenceTable:
         first (what the sequences computed since the last call), all or nothing.
         """
         checked = self._check_commit(lease_id, commits) if commits else []
-        check_batch(len(sequence_ids), self.max_batch)
-        seqs = [owned(self._sequences, lease_id, k, sid) for k, sid in enumerate(sequence_ids)]
-        check_unique(sequence_ids)
+        checks.check_batch(len(sequence_ids), self.max_batch)
+        seqs = [checks.owned(self._sequences, lease_id, k, sid) for k, sid in enumerate(sequence_ids)]
+        checks.check_unique(sequence_ids)
         self.swapping.check_out(sum(seq.num_blocks for seq in seqs))
         if commits:
             self._apply_commit(checked, commits)
@@ -419,11 +417,12 @@ class SequenceTable:
         """Move swapped sequences back to fresh device blocks. Returns ``(blocks, num_blocks,
         num_bytes)``; ``blocks`` carry the new block tables. Committed full blocks are published again.
         """
-        check_batch(len(sequence_ids), self.max_batch)
+        checks.check_batch(len(sequence_ids), self.max_batch)
         seqs = [
-            owned(self._sequences, lease_id, k, sid, on_device=False) for k, sid in enumerate(sequence_ids)
+            checks.owned(self._sequences, lease_id, k, sid, on_device=False)
+            for k, sid in enumerate(sequence_ids)
         ]
-        check_unique(sequence_ids)
+        checks.check_unique(sequence_ids)
         total = sum(len(seq.tier_slots) for seq in seqs)
         if self.limits.contested():  # the fair share: swapping in takes device blocks too
             by_tenant: dict[str, int] = {}

@@ -13,7 +13,9 @@ from dataclasses import asdict, fields
 
 import grpc
 
-from cachesvc.errors import (
+from kvtier import status
+from kvtier.api import cache_pb2, cache_pb2_grpc
+from kvtier.cachesvc.errors import (
     CacheError,
     ExceedsLimit,
     FailedPrecondition,
@@ -24,17 +26,15 @@ from cachesvc.errors import (
     ResourceExhausted,
     TenantLimit,
 )
-from cachesvc.events import BlockEvent, BlockRemoved, EventGap
-from cachesvc.node import CacheNode, CacheSnapshot
-from cachesvc.validation import (
+from kvtier.cachesvc.events import BlockEvent, BlockRemoved, EventGap
+from kvtier.cachesvc.node import CacheNode, CacheSnapshot
+from kvtier.cachesvc.validation import (
     MAX_LEASE_ID_BYTES,
     MAX_NAME_BYTES,
     check_batch,
     check_item_sizes,
     check_text,
 )
-from kvtier import status
-from kvtier.api import cache_pb2, cache_pb2_grpc
 from kvtier.pool import PoolSpec
 from kvtier.sequence_types import (
     AllocateItem,

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from cachesvc.errors import ResourceExhausted
-from cachesvc.records import PLACEHOLDER_BLOCK
-from cachesvc.tiers import DeviceTier, LowerTier, Tier, copy_blocks
+from kvtier.cachesvc.errors import ResourceExhausted
+from kvtier.cachesvc.records import PLACEHOLDER_BLOCK
+from kvtier.cachesvc.tiers import DeviceTier, LowerTier, Tier, copy_blocks
 
 if TYPE_CHECKING:
-    from cachesvc.records import CacheStats, Sequence
+    from kvtier.cachesvc.records import CacheStats, Sequence
 
 
 class Swapping:

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from cachesvc.errors import InvalidArgument
-from cachesvc.tiers import LowerTier, TierStats
+from kvtier.cachesvc.errors import InvalidArgument
+from kvtier.cachesvc.tiers import LowerTier, TierStats
 
 if TYPE_CHECKING:
     import torch
 
-    from cachesvc.host_cache import HostBlockCache
+    from kvtier.cachesvc.host_cache import HostBlockCache
 
 
 class SwapShare(LowerTier):

@@ -26,10 +26,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from cachesvc.errors import InvalidArgument
+from kvtier.cachesvc.errors import InvalidArgument
 
 if TYPE_CHECKING:
-    from cachesvc.block_manager import BlockManager
+    from kvtier.cachesvc.block_manager import BlockManager
 
 
 @dataclass(slots=True)

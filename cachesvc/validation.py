@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from cachesvc.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
-from cachesvc.records import DEVICE, Sequence
 from kvtier.block_hash import InvalidHashInput, extra_key, pack_nonnegative_ids, pack_token_ids
+from kvtier.cachesvc.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from kvtier.cachesvc.records import DEVICE, Sequence
 from kvtier.sequence_types import CommitItem, PrefixQuery, ReleaseItem
 
 # Cached extra keys per (tenant_salt, adapter_id); cleared when it grows past this many entries

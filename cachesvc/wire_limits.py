@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from cachesvc.validation import MAX_NAME_BYTES, MAX_SALT_BYTES
 from kvtier.api import cache_pb2
+from kvtier.cachesvc.validation import MAX_NAME_BYTES, MAX_SALT_BYTES
 
 SERVICE = "/kvtier.v1.CacheService/"
 # Calls that carry token lists (max_batch items of up to max_model_len tokens each).

@@ -1,4 +1,4 @@
-"""`python -m computesvc`: attach to the cache service, load the model, serve Generate."""
+"""`python -m kvtier.computesvc`: attach to the cache service, load the model, serve Generate."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from computesvc.config import ComputeConfig, parse_config
+from kvtier.computesvc.config import ComputeConfig, parse_config
 
 # NOTE: the model stack (torch, transformers) is imported after the flags are parsed, so
 # `--help` and flag errors answer at once.
@@ -57,16 +57,16 @@ def load_credentials(cfg: ComputeConfig) -> tuple[str, dict | None]:
 
 
 async def serve(cfg: ComputeConfig, token: str, credentials: dict | None = None) -> None:
-    from computesvc.replica import Replica
-    from computesvc.servicer import ComputeServicer
     from kvtier import telemetry
     from kvtier.api import compute_pb2_grpc
+    from kvtier.computesvc.replica import Replica
+    from kvtier.computesvc.servicer import ComputeServicer
     from kvtier.grpc_server import start_server, wait_for_termination
 
     telemetry.setup_tracing("kvtier-compute")
     metrics = None
     if cfg.metrics_port is not None:
-        from computesvc.metrics import ComputeMetrics
+        from kvtier.computesvc.metrics import ComputeMetrics
         from kvtier.metrics import serve_metrics
 
         metrics = ComputeMetrics()
@@ -119,7 +119,7 @@ def report_attachment(replica, health) -> None:
         report(False)
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m computesvc") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m kvtier.computesvc") -> int:
     cfg = parse_config(argv, prog)
     logging.basicConfig(
         level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m computesvc") -> i
         return 2
     import torch
 
-    from computesvc.replica import IncompatiblePool
+    from kvtier.computesvc.replica import IncompatiblePool
     from kvtier.grpc_server import AddressInUse
     from kvtier.pool import PoolUnavailable
 

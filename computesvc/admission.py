@@ -19,12 +19,12 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Collection
 from typing import TYPE_CHECKING
 
-from computesvc.cache_port import ExceedsLimit, NoFreeBlocks, SequenceBlocks
-from computesvc.request import Request
-from computesvc.token_emitter import TokenEmitter
+from kvtier.computesvc.cache_port import ExceedsLimit, NoFreeBlocks, SequenceBlocks
+from kvtier.computesvc.request import Request
+from kvtier.computesvc.token_emitter import TokenEmitter
 
 if TYPE_CHECKING:
-    from computesvc.scheduler import SchedulerConfig
+    from kvtier.computesvc.scheduler import SchedulerConfig
 
 log = logging.getLogger("kvtier.compute")
 

@@ -46,7 +46,7 @@ class ComputeConfig:
         return None if self.activation_reserve_gib is None else int(self.activation_reserve_gib * (1 << 30))
 
 
-def build_parser(prog: str = "python -m computesvc") -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m kvtier.computesvc") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
         description=(
@@ -180,7 +180,7 @@ def build_parser(prog: str = "python -m computesvc") -> argparse.ArgumentParser:
     return p
 
 
-def parse_config(argv: list[str] | None = None, prog: str = "python -m computesvc") -> ComputeConfig:
+def parse_config(argv: list[str] | None = None, prog: str = "python -m kvtier.computesvc") -> ComputeConfig:
     cfg = ComputeConfig(**vars(build_parser(prog).parse_args(argv)))
     for flag in ("max_num_seqs", "max_num_batched_tokens", "lookahead_blocks", "threads"):
         if getattr(cfg, flag) < 1:

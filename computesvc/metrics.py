@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from computesvc.preemption import REASONS, RECOMPUTE, SWAP
+from kvtier.computesvc.preemption import REASONS, RECOMPUTE, SWAP
 from kvtier.metrics import COMPUTE_RPC_BUCKETS, RpcLatency, VllmAliases
 
 # Bucket bounds in seconds.

@@ -29,8 +29,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from computesvc.paged_attention import ATTN_IMPLEMENTATION, PagedBatch, use_paged_attention
 from kvtier import kv_dtypes
+from kvtier.computesvc.paged_attention import ATTN_IMPLEMENTATION, PagedBatch, use_paged_attention
 from kvtier.generation_config import GENERATION_CONFIG, describe, read_generation_defaults
 from kvtier.memory_plan import check_replica_fits, model_needs
 from kvtier.model_spec import TINY_LLAMA_CONFIG, ModelShape

@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING
 
 from opentelemetry import trace
 
-from computesvc.preemption import RECOMPUTE, SWAP, Decision
-from computesvc.request import Request, Status
 from kvtier import telemetry
+from kvtier.computesvc.preemption import RECOMPUTE, SWAP, Decision
+from kvtier.computesvc.request import Request, Status
 
 if TYPE_CHECKING:
-    from computesvc.metrics import ComputeMetrics
+    from kvtier.computesvc.metrics import ComputeMetrics
 
 log = logging.getLogger("kvtier.compute")
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from computesvc.request import Request
+    from kvtier.computesvc.request import Request
 
 REPLACEMENT = "\ufffd"
 

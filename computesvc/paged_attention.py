@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 
-from kernels import paged_decode_attention, paged_prefill_attention, write_kv
+from kvtier.kernels import paged_decode_attention, paged_prefill_attention, write_kv
 
 ATTN_IMPLEMENTATION = "kvtier_paged"
 

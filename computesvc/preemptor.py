@@ -15,15 +15,15 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-from computesvc.cache_port import BlockCache, ExtendItem, NoFreeBlocks, ReleaseItem, TenantLimited
-from computesvc.observer import SchedulerObserver
-from computesvc.preemption import SWAP, Candidate, Ledger, Pressure, backoff_s, choose_victim
-from computesvc.request import Request, Status, commit_items, mark_committed
-from computesvc.window import blocks_behind, release_window
+from kvtier.computesvc.cache_port import BlockCache, ExtendItem, NoFreeBlocks, ReleaseItem, TenantLimited
+from kvtier.computesvc.observer import SchedulerObserver
+from kvtier.computesvc.preemption import SWAP, Candidate, Ledger, Pressure, backoff_s, choose_victim
+from kvtier.computesvc.request import Request, Status, commit_items, mark_committed
+from kvtier.computesvc.window import blocks_behind, release_window
 
 if TYPE_CHECKING:
-    from computesvc.model import ModelRunner
-    from computesvc.scheduler import SchedulerConfig
+    from kvtier.computesvc.model import ModelRunner
+    from kvtier.computesvc.scheduler import SchedulerConfig
 
 
 class Preemptor:

@@ -14,7 +14,9 @@ from collections.abc import Callable
 
 import grpc
 
-from computesvc.cache_port import (
+from kvtier import status
+from kvtier.cache_client import CacheClient, sequence_blocks
+from kvtier.computesvc.cache_port import (
     AllocateItem,
     CacheUnavailable,
     CommitItem,
@@ -25,8 +27,6 @@ from computesvc.cache_port import (
     SequenceBlocks,
     TenantLimited,
 )
-from kvtier import status
-from kvtier.cache_client import CacheClient, sequence_blocks
 
 
 class RemoteCache:

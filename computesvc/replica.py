@@ -16,15 +16,15 @@ from collections.abc import Callable
 
 import grpc
 
-from computesvc.cache_port import CacheUnavailable
-from computesvc.config import ComputeConfig
-from computesvc.model import LoadedModel, ModelRunner, load_model
-from computesvc.observer import MetricsObserver, SchedulerObserver
-from computesvc.remote_cache import RemoteCache
-from computesvc.request import Request
-from computesvc.scheduler import Scheduler, SchedulerConfig
 from kvtier.api_keys import ApiKeys
 from kvtier.cache_client import CacheClient
+from kvtier.computesvc.cache_port import CacheUnavailable
+from kvtier.computesvc.config import ComputeConfig
+from kvtier.computesvc.model import LoadedModel, ModelRunner, load_model
+from kvtier.computesvc.observer import MetricsObserver, SchedulerObserver
+from kvtier.computesvc.remote_cache import RemoteCache
+from kvtier.computesvc.request import Request
+from kvtier.computesvc.scheduler import Scheduler, SchedulerConfig
 from kvtier.kv_dtypes import weights_dtype
 from kvtier.model_spec import ModelShape
 from kvtier.pool import PoolSpec, attach_pool
@@ -99,7 +99,7 @@ class Replica:
                 if time.monotonic() + delay > deadline:
                     raise ConnectionError(
                         f"cannot reach the cache service at {self.cfg.cache} after {timeout_s:.0f}s "
-                        f"({e.details()}); is it running? (kvtier cache / python -m cachesvc)"
+                        f"({e.details()}); is it running? (kvtier cache / python -m kvtier.cachesvc)"
                     ) from None
                 log.warning("cache service at %s not reachable yet; retrying in %.1fs", self.cfg.cache, delay)
                 await asyncio.sleep(delay)

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 import torch
 from opentelemetry import trace
 
-from computesvc.output import TextState
-from computesvc.sampling import PenaltyState, SamplingParams, TokenLogprob
-from computesvc.structured_output import GrammarState
+from kvtier.computesvc.output import TextState
+from kvtier.computesvc.sampling import PenaltyState, SamplingParams, TokenLogprob
+from kvtier.computesvc.structured_output import GrammarState
 from kvtier.sequence_types import CommitItem
 
 

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from computesvc.admission import Admission
-from computesvc.cache_port import (
+from kvtier.computesvc.admission import Admission
+from kvtier.computesvc.cache_port import (
     AllocateItem,
     BlockCache,
     CacheUnavailable,
@@ -42,13 +42,13 @@ from computesvc.cache_port import (
     NoFreeBlocks,
     SequenceBlocks,
 )
-from computesvc.model import ModelRunner, PrefillInput
-from computesvc.observer import SchedulerObserver
-from computesvc.paged_attention import LeaseExpired
-from computesvc.preemption import Ledger
-from computesvc.preemptor import Preemptor
-from computesvc.request import Request, Status, commit_items, mark_committed
-from computesvc.token_emitter import TokenEmitter
+from kvtier.computesvc.model import ModelRunner, PrefillInput
+from kvtier.computesvc.observer import SchedulerObserver
+from kvtier.computesvc.paged_attention import LeaseExpired
+from kvtier.computesvc.preemption import Ledger
+from kvtier.computesvc.preemptor import Preemptor
+from kvtier.computesvc.request import Request, Status, commit_items, mark_committed
+from kvtier.computesvc.token_emitter import TokenEmitter
 
 log = logging.getLogger("kvtier.compute")
 

@@ -9,18 +9,18 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from opentelemetry import trace
 
-from computesvc.admission import RequestRefused
-from computesvc.cache_port import CacheUnavailable, ExceedsLimit, NoFreeBlocks
-from computesvc.replica import Replica
-from computesvc.request import Request, StepOutput, new_request_id
-from computesvc.sampling import SamplingParams
-from computesvc.scheduler import StepFailed
-from computesvc.structured_output import Grammars, GrammarState
-from computesvc.token_emitter import RequestFailed
 from kvtier import sampling_schema, status, structured_output
 from kvtier.api import compute_pb2, compute_pb2_grpc
 from kvtier.api_keys import tenant_salt
 from kvtier.call_guard import caller
+from kvtier.computesvc.admission import RequestRefused
+from kvtier.computesvc.cache_port import CacheUnavailable, ExceedsLimit, NoFreeBlocks
+from kvtier.computesvc.replica import Replica
+from kvtier.computesvc.request import Request, StepOutput, new_request_id
+from kvtier.computesvc.sampling import SamplingParams
+from kvtier.computesvc.scheduler import StepFailed
+from kvtier.computesvc.structured_output import Grammars, GrammarState
+from kvtier.computesvc.token_emitter import RequestFailed
 from kvtier.sampling_schema import MAX_CACHE_SALT_BYTES, PROMPT_BYTES_PER_TOKEN, resolve_max_tokens
 
 log = logging.getLogger("kvtier.compute")

@@ -16,11 +16,11 @@ import time
 
 import torch
 
-from computesvc.observer import SchedulerObserver
-from computesvc.output import OutputProcessor
-from computesvc.request import Request, Status, StepOutput
-from computesvc.sampling import PenaltyState, Sampler, position_seed
-from computesvc.structured_output import advance, mask_logits
+from kvtier.computesvc.observer import SchedulerObserver
+from kvtier.computesvc.output import OutputProcessor
+from kvtier.computesvc.request import Request, Status, StepOutput
+from kvtier.computesvc.sampling import PenaltyState, Sampler, position_seed
+from kvtier.computesvc.structured_output import advance, mask_logits
 
 log = logging.getLogger("kvtier.compute")
 

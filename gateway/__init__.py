@@ -3,5 +3,5 @@
 The gateway owns no model weights and no KV memory: it renders and tokenizes prompts, checks the
 request against the model's context, and forwards each completion to the compute replicas as a
 `Generate` stream (`kvtier.compute_client.ComputeClient`, with failover). Run it with
-`python -m gateway` or `kvtier serve`; `kvtier up` starts one beside the stack.
+`python -m kvtier.gateway` or `kvtier serve`; `kvtier up` starts one beside the stack.
 """

@@ -1,4 +1,4 @@
-"""`python -m gateway` (= `kvtier serve`): the OpenAI-compatible HTTP API in front of compute replicas."""
+"""`python -m kvtier.gateway` (= `kvtier serve`): the OpenAI-compatible HTTP API in front of compute replicas."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import logging
 import socket
 import sys
 
-from gateway.config import GatewayConfig, parse_config
+from kvtier.gateway.config import GatewayConfig, parse_config
 
 # NOTE: the model stack (transformers, and torch under it) loads after the flags are parsed, so
 # `--help` and flag errors answer at once.
@@ -35,10 +35,10 @@ def url_of(sock: socket.socket) -> str:
 async def serve(cfg: GatewayConfig) -> None:
     import uvicorn
 
-    from gateway.app import create_app
-    from gateway.model import load_served_model
     from kvtier import auth
     from kvtier.api_keys import ApiKeys
+    from kvtier.gateway.app import create_app
+    from kvtier.gateway.model import load_served_model
 
     token = auth.load_token(cfg.token_file)
     keys = None
@@ -54,8 +54,8 @@ async def serve(cfg: GatewayConfig) -> None:
     model = load_served_model(cfg.model, cfg.served_model_name)
     router = metrics = None
     if cfg.nodes_dns is not None or (cfg.nodes is not None and len(cfg.nodes) > 1):
-        from gateway.metrics import GatewayMetrics
-        from gateway.router import Router
+        from kvtier.gateway.metrics import GatewayMetrics
+        from kvtier.gateway.router import Router
 
         node_token = auth.load_token(cfg.token_file)  # the router reads the caches: infrastructure
         if node_token is None:
@@ -112,7 +112,7 @@ def _have(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m gateway") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m kvtier.gateway") -> int:
     cfg = parse_config(argv, prog)
     logging.basicConfig(
         level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr

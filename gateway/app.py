@@ -16,13 +16,14 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import kvtier
-from gateway import errors
-from gateway.engine import Engine, Streams, usage_of
-from gateway.errors import APIError, bad_request, unsupported
-from gateway.limits import BodyLimit, check_fields, check_model, max_body_bytes, off_loop
-from gateway.metrics import GatewayMetrics
-from gateway.model import ServedModel
-from gateway.protocol import (
+from kvtier.api_keys import ApiKeys
+from kvtier.gateway import errors
+from kvtier.gateway.engine import Engine, Streams, usage_of
+from kvtier.gateway.errors import APIError, bad_request, unsupported
+from kvtier.gateway.limits import BodyLimit, check_fields, check_model, max_body_bytes, off_loop
+from kvtier.gateway.metrics import GatewayMetrics
+from kvtier.gateway.model import ServedModel
+from kvtier.gateway.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatCompletionRequest,
@@ -34,12 +35,11 @@ from gateway.protocol import (
     ModelList,
     _SamplingRequest,
 )
-from gateway.router import Router
-from gateway.streaming import ChatEvents, CompletionEvents, Events
-from gateway.structured_output import constraint_of, with_param
-from gateway.tokenize import tokenize_routes
-from gateway.tools import DEFAULT_PARSER, ToolChatEvents, ToolOutput, ToolPlan, plan_tools
-from kvtier.api_keys import ApiKeys
+from kvtier.gateway.router import Router
+from kvtier.gateway.streaming import ChatEvents, CompletionEvents, Events
+from kvtier.gateway.structured_output import constraint_of, with_param
+from kvtier.gateway.tokenize import tokenize_routes
+from kvtier.gateway.tools import DEFAULT_PARSER, ToolChatEvents, ToolOutput, ToolPlan, plan_tools
 
 log = logging.getLogger("kvtier.gateway")
 

@@ -7,7 +7,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from gateway.discovery import Node, NodeFileError, load_node_file, parse_dns_flag, parse_node_flag
+from kvtier.gateway.discovery import Node, NodeFileError, load_node_file, parse_dns_flag, parse_node_flag
 
 TINY_MODEL_NAME = "kvtier-tiny"
 
@@ -55,7 +55,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def build_parser(prog: str = "python -m gateway") -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m kvtier.gateway") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
         description=(
@@ -170,7 +170,7 @@ def build_parser(prog: str = "python -m gateway") -> argparse.ArgumentParser:
     return p
 
 
-def parse_config(argv: list[str] | None = None, prog: str = "python -m gateway") -> GatewayConfig:
+def parse_config(argv: list[str] | None = None, prog: str = "python -m kvtier.gateway") -> GatewayConfig:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     if args.api_key is None:
@@ -189,7 +189,7 @@ def parse_config(argv: list[str] | None = None, prog: str = "python -m gateway")
         raise SystemExit(f"--routing-load-weight must be >= 0, got {args.routing_load_weight}")
     if args.compute is None:  # the local stack's replicas, and its model unless --model says
         from kvtier import auth
-        from kvtier_cli.stack_file import running_stack
+        from kvtier.cli.stack_file import running_stack
 
         stack = running_stack(auth.run_dir())
         if stack is None:

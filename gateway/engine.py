@@ -26,14 +26,14 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.errors import APIError, bad_request, from_grpc, no_replica
-from gateway.logprobs import LogprobFormatter
-from gateway.model import ServedModel
-from gateway.protocol import ChatCompletionRequest, Usage, _SamplingRequest
-from gateway.router import NodeState, NoNode, Router
 from kvtier import auth, structured_output
 from kvtier.api import compute_pb2
 from kvtier.compute_client import RECONNECT, ComputeClient
+from kvtier.gateway.errors import APIError, bad_request, from_grpc, no_replica
+from kvtier.gateway.logprobs import LogprobFormatter
+from kvtier.gateway.model import ServedModel
+from kvtier.gateway.protocol import ChatCompletionRequest, Usage, _SamplingRequest
+from kvtier.gateway.router import NodeState, NoNode, Router
 from kvtier.sampling_schema import ContextLengthError, resolve_max_tokens
 from kvtier.structured_output import Constraint
 

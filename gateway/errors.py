@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
-from gateway.protocol import ErrorInfo, ErrorResponse
+from kvtier.gateway.protocol import ErrorInfo, ErrorResponse
 from kvtier.sampling_schema import FIELDS
 from kvtier.status import CACHE_UNAVAILABLE, EXCEEDS_LIMIT, reason_of
 

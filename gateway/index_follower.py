@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from gateway.discovery import Node
-from gateway.node_load import NodeLoad
 from kvtier.block_hash import BlockHash
 from kvtier.cache_client import CacheClient
+from kvtier.gateway.discovery import Node
+from kvtier.gateway.node_load import NodeLoad
 
 log = logging.getLogger("kvtier.gateway.router")
 

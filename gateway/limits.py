@@ -13,10 +13,10 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from gateway.errors import INVALID_REQUEST, APIError, bad_request
-from gateway.model import ServedModel
-from gateway.protocol import ChatCompletionRequest, _SamplingRequest
 from kvtier import sampling_schema
+from kvtier.gateway.errors import INVALID_REQUEST, APIError, bad_request
+from kvtier.gateway.model import ServedModel
+from kvtier.gateway.protocol import ChatCompletionRequest, _SamplingRequest
 from kvtier.sampling_schema import BY_NAME, FIELDS, MAX_CACHE_SALT_BYTES, PROMPT_BYTES_PER_TOKEN
 
 MIN_BODY_BYTES = 1 << 20  # the body limit is at least this (a batch of short prompts, a long chat)

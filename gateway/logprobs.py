@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gateway.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 from kvtier.api import compute_pb2
+from kvtier.gateway.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 
 
 class LogprobFormatter:

@@ -32,8 +32,11 @@ import random
 import time
 from dataclasses import dataclass
 
-from gateway import index_follower
-from gateway.discovery import (
+from kvtier.api_keys import tenant_salt
+from kvtier.block_hash import BlockHash, extra_key, hash_full_blocks
+from kvtier.cache_client import CacheClient
+from kvtier.gateway import index_follower
+from kvtier.gateway.discovery import (
     Node,
     NodeFileError,
     NoNode,
@@ -42,12 +45,9 @@ from gateway.discovery import (
     parse_node_flag,
     rediscover_forever,
 )
-from gateway.index_follower import DOWN_S, STATS_TIMEOUT_S, NodeState
-from gateway.metrics import GatewayMetrics
-from gateway.scoring import NodeFigures, rank
-from kvtier.api_keys import tenant_salt
-from kvtier.block_hash import BlockHash, extra_key, hash_full_blocks
-from kvtier.cache_client import CacheClient
+from kvtier.gateway.index_follower import DOWN_S, STATS_TIMEOUT_S, NodeState
+from kvtier.gateway.metrics import GatewayMetrics
+from kvtier.gateway.scoring import NodeFigures, rank
 
 __all__ = [
     "DOWN_S",

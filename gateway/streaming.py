@@ -7,10 +7,10 @@ from collections.abc import AsyncIterator
 
 from pydantic import BaseModel
 
-from gateway.engine import Choice, Engine, Job, Streams, usage_of
-from gateway.errors import APIError
-from gateway.metrics import GatewayMetrics
-from gateway.protocol import (
+from kvtier.gateway.engine import Choice, Engine, Job, Streams, usage_of
+from kvtier.gateway.errors import APIError
+from kvtier.gateway.metrics import GatewayMetrics
+from kvtier.gateway.protocol import (
     ChatChunkChoice,
     ChatCompletionChunk,
     ChunkTemplate,

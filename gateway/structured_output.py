@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from gateway.errors import APIError, bad_request
+from kvtier.gateway.errors import APIError, bad_request
 from kvtier.structured_output import CHOICE, GRAMMAR, JSON_OBJECT, REGEX, Constraint
 
 # vLLM's guided_* fields and structured_outputs' keys -> the constraint kind they set.

@@ -14,10 +14,10 @@ from collections.abc import Callable
 from fastapi import APIRouter
 from fastapi.responses import Response
 
-from gateway.errors import bad_request
-from gateway.limits import check_fields, check_model, off_loop
-from gateway.model import ServedModel
-from gateway.protocol import (
+from kvtier.gateway.errors import bad_request
+from kvtier.gateway.limits import check_fields, check_model, off_loop
+from kvtier.gateway.model import ServedModel
+from kvtier.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,

@@ -23,9 +23,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.errors import bad_request
-from gateway.protocol import ChatChunkChoice, ChatCompletionChunk, DeltaMessage
-from gateway.streaming import ChatEvents, sse
+from kvtier.gateway.errors import bad_request
+from kvtier.gateway.protocol import ChatChunkChoice, ChatCompletionChunk, DeltaMessage
+from kvtier.gateway.streaming import ChatEvents, sse
 from kvtier.structured_output import Constraint
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"

@@ -1,6 +1,6 @@
 """kvtier's paged-attention kernels and the one dispatcher the model code calls.
 
-    from kernels import paged_decode_attention, paged_prefill_attention, write_kv, backend
+    from kvtier.kernels import paged_decode_attention, paged_prefill_attention, write_kv, backend
 
 Where the work runs (`backend(device)` says which):
 - "triton": tensors on a CUDA device -> the Triton kernels (decode_attention.py, kv_write.py,
@@ -30,8 +30,8 @@ import os
 
 import torch
 
-from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv_ref
 from kvtier import kv_dtypes
+from kvtier.kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv_ref
 
 __all__ = ["backend", "paged_decode_attention", "paged_prefill_attention", "write_kv"]
 
@@ -96,7 +96,7 @@ def paged_decode_attention(
         return paged_decode_attention_ref(
             q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, window
         )
-    from kernels import decode_attention
+    from kvtier.kernels import decode_attention
 
     return decode_attention.paged_decode_attention(
         _contiguous_last(q),
@@ -156,7 +156,7 @@ def paged_prefill_attention(
         return paged_prefill_attention_ref(
             q, k_cache, v_cache, block_tables, cu_query_lens, seq_lens, scale, k_scale, v_scale, window
         )
-    from kernels import prefill_attention
+    from kvtier.kernels import prefill_attention
 
     return prefill_attention.paged_prefill_attention(
         _contiguous_last(q),
@@ -204,7 +204,7 @@ def write_kv(
     if backend(k.device) == "torch":
         write_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return
-    from kernels import kv_write
+    from kvtier.kernels import kv_write
 
     kv_write.write_kv(
         _contiguous_last(k),

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.online_softmax import attend_span, load_rows, log_sum_exp, scale_operands, store_rows
+from kvtier.kernels.online_softmax import attend_span, load_rows, log_sum_exp, scale_operands, store_rows
 
 # NOTE: a split shorter than this reads too little KV to pay for its partial write + reduce.
 MIN_SPLIT_TOKENS = 256

@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.online_softmax import scale_operands
 from kvtier import kv_dtypes
+from kvtier.kernels.online_softmax import scale_operands
 
 
 @triton.jit

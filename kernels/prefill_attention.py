@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.online_softmax import attend_span, load_rows, scale_operands, store_rows
+from kvtier.kernels.online_softmax import attend_span, load_rows, scale_operands, store_rows
 
 # The window of full attention: q_pos - _NO_WINDOW is below 0 for any int32 position.
 _NO_WINDOW = 2**31 - 1

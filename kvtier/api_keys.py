@@ -17,7 +17,7 @@ The file is JSON::
 Tenant names are 1 to 64 characters of ``[A-Za-z0-9._-]``. Each key is at least 16 characters
 without whitespace, unique over the whole file, and never the node token. ``max_blocks`` (optional,
 >= 1) is the most KV blocks the tenant's live sequences may hold in the cache service
-(``python -m cachesvc --tenant-quotas FILE`` reads it from the same file). Unknown fields are
+(``python -m kvtier.cachesvc --tenant-quotas FILE`` reads it from the same file). Unknown fields are
 errors, so a typo never silently drops a limit.
 
 A presented key is looked up by its SHA-256 digest in a dict: the time a lookup takes does not

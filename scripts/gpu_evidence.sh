@@ -144,8 +144,8 @@ PYTEST=("$PY" -m pytest -o addopts="" -p no:cacheprovider -q -rA)
 if [ "$DRY" = 1 ]; then
     log "gpu_evidence DRY RUN ($PY): the steps' wiring, nothing measured"
     step bash-syntax 30 "$OUT/dry-bash.log" bash -n "$0"
-    step help-cachesvc 60 "$OUT/dry-cachesvc.log" "$PY" -m cachesvc --help
-    step help-computesvc 60 "$OUT/dry-computesvc.log" "$PY" -m computesvc --help
+    step help-cachesvc 60 "$OUT/dry-cachesvc.log" "$PY" -m kvtier.cachesvc --help
+    step help-computesvc 60 "$OUT/dry-computesvc.log" "$PY" -m kvtier.computesvc --help
     step help-gpu-stack 60 "$OUT/dry-gpu-stack.log" "$PY" bench/gpu_stack.py --help
     step help-swap 60 "$OUT/dry-swap.log" "$PY" bench/swap.py --help
     step help-decode 90 "$OUT/dry-decode.log" "$PY" bench/decode_attention.py --help

@@ -19,12 +19,17 @@ import hypothesis.stateful  # noqa: F401
 import hypothesis.strategies  # noqa: F401
 import pytest
 
+# NOTE: before any test module imports transformers: `python -m pytest` in the repository root
+# puts the root on sys.path, where our `kernels/` folder would shadow Hugging Face's `kernels`
+# (transformers imports it). Importing kvtier takes the checkout root off (kvtier/__init__.py).
+import kvtier  # noqa: F401
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A local Hugging Face model directory holding the built-in tiny Llama (seed 0) and its
     byte tokenizer: config.json, model.safetensors, tokenizer.json, as a downloaded model has."""
-    from computesvc.model import build_tiny_model
+    from kvtier.computesvc.model import build_tiny_model
     from kvtier.tokenizer import build_byte_tokenizer
 
     path = tmp_path_factory.mktemp("tiny-llama")
@@ -40,7 +45,7 @@ def edge_gateway(tmp_path_factory: pytest.TempPathFactory):
     structured outputs: they only send requests, and none depends on what another cached."""
     from servers import EDGE_API_KEY, child_env, device_only
 
-    from kvtier_cli.stack import LocalStack
+    from kvtier.cli.stack import LocalStack
 
     run_dir = tmp_path_factory.mktemp("edge-gateway")
     with LocalStack(

@@ -1,4 +1,4 @@
-"""Start kvtier services as real subprocesses for tests (through kvtier_cli.stack), each in its own run dir."""
+"""Start kvtier services as real subprocesses for tests (through kvtier.cli.stack), each in its own run dir."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from kvtier.cache_client import CacheClient
+from kvtier.cli.stack import LocalStack, Process, start
 from kvtier.compute_client import ComputeClient
-from kvtier_cli.stack import LocalStack, Process, start
 
 REPO = Path(__file__).resolve().parent.parent
 TOKEN = "test-token-0123456789"
@@ -35,7 +35,7 @@ def child_env(run_dir: Path, **extra: str) -> dict[str, str]:
 
 @contextmanager
 def cache_service(run_dir: Path, *args: str, env: dict[str, str] | None = None):
-    """A `python -m cachesvc` subprocess on a Unix socket in `run_dir` (lease ttl 1 s and no host
+    """A `python -m kvtier.cachesvc` subprocess on a Unix socket in `run_dir` (lease ttl 1 s and no host
     cache unless given)."""
     args = device_only(args) + ([] if "--lease-ttl" in args else ["--lease-ttl", "1"])
     stack = LocalStack(run_dir, cache_args=args, num_replicas=0, env=env or child_env(run_dir))

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from cachesvc.block_manager import BlockManager
-from cachesvc.errors import InvalidArgument, ResourceExhausted
-from cachesvc.events import BlockRemoved, BlockStored
-from cachesvc.free_queue import Block, FreeBlockQueue
 from kvtier.block_hash import InvalidHashInput, extra_key, hash_block, hash_full_blocks, pack_token_ids
+from kvtier.cachesvc.block_manager import BlockManager
+from kvtier.cachesvc.errors import InvalidArgument, ResourceExhausted
+from kvtier.cachesvc.events import BlockRemoved, BlockStored
+from kvtier.cachesvc.free_queue import Block, FreeBlockQueue
 
 ROOT = Path(__file__).resolve().parent.parent
 EXTRA = extra_key("model-fp", "salt", "adapter")

@@ -18,10 +18,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from cachesvc.block_manager import BlockManager
-from cachesvc.errors import CacheError, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
-from cachesvc.host_tier import HostTier
-from cachesvc.sequences import SequenceTable
+from kvtier.cachesvc.block_manager import BlockManager
+from kvtier.cachesvc.errors import CacheError, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from kvtier.cachesvc.host_tier import HostTier
+from kvtier.cachesvc.sequences import SequenceTable
 from kvtier.sequence_types import AllocateItem
 
 BS = 4

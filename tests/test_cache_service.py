@@ -433,13 +433,13 @@ def test_an_unknown_lease_carries_the_lease_expired_reason_and_an_unknown_sequen
 
 
 def test_help_explains_every_flag():
-    from cachesvc.config import build_parser
+    from kvtier.cachesvc.config import build_parser
 
     parser = build_parser()
     for action in parser._actions:
         assert action.help, f"flag {action.option_strings} has no help text"
     out = subprocess.run(
-        [sys.executable, "-m", "cachesvc", "--help"], cwd=REPO, capture_output=True, text=True
+        [sys.executable, "-m", "kvtier.cachesvc", "--help"], cwd=REPO, capture_output=True, text=True
     )
     assert out.returncode == 0
     for flag in ("--num-blocks", "--block-size", "--swap-space", "--model", "--lease-ttl", "--token-file"):
@@ -480,7 +480,15 @@ def test_cuda_backend_without_a_gpu_refuses_to_start_with_a_plain_reason(tmp_pat
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the cuda backend starts here (covered by test_pool_cuda.py)")
     result = subprocess.run(
-        [sys.executable, "-m", "cachesvc", "--backend", "cuda", "--listen", f"unix://{tmp_path}/c.sock"],
+        [
+            sys.executable,
+            "-m",
+            "kvtier.cachesvc",
+            "--backend",
+            "cuda",
+            "--listen",
+            f"unix://{tmp_path}/c.sock",
+        ],
         cwd=REPO,
         env=child_env(tmp_path),
         capture_output=True,

@@ -10,8 +10,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from cachesvc.metrics import CacheMetrics
 from kvtier.auth import bearer
+from kvtier.cachesvc.metrics import CacheMetrics
 from kvtier.grpc_server import start_server
 
 TOKEN = "guard-token"

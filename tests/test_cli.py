@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 from servers import TOKEN, child_env
 
-from kvtier_cli.stack import Process, wait_gateway
+from kvtier.cli.stack import Process, wait_gateway
 
 REPO = Path(__file__).resolve().parent.parent
 KVTIER = str(Path(sys.executable).parent / "kvtier")
@@ -82,7 +82,7 @@ def test_serve_help_explains_every_flag():
         assert flag in out, flag
     assert "OpenAI-compatible" in out and "KVTIER_API_KEY" in out and "(default: 8000)" in out
     # Usage names the command the user typed; a flag without a value shows no "(default: True)".
-    assert out.startswith("usage: kvtier serve ") and "python -m gateway" not in out
+    assert out.startswith("usage: kvtier serve ") and "python -m kvtier.gateway" not in out
     assert "(default: True)" not in out and "(default: False)" not in out
     for command in ("cache", "compute"):
         bad = subprocess.run([KVTIER, command, "--no-such-flag"], capture_output=True, text=True, timeout=60)
@@ -164,7 +164,7 @@ def test_a_cache_service_started_without_the_flag_keeps_a_share_of_host_memory(t
     swap space, so the host area is the host cache's alone) reports a host tier in GetStats, and
     its log names the size it chose and why; the pool line's host area is that size."""
     from kvtier.cache_client import CacheClient
-    from kvtier_cli.stack import LocalStack
+    from kvtier.cli.stack import LocalStack
 
     stack = LocalStack(
         tmp_path,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier_cli.stack_file import STACK_FILE
+from kvtier.cli.stack_file import STACK_FILE
 
 REPO = Path(__file__).resolve().parent.parent
 KVTIER = str(Path(sys.executable).parent / "kvtier")
@@ -131,7 +131,11 @@ def test_kvtier_stats_without_a_stack_or_a_token_is_one_line(tmp_path):
 def test_every_entry_point_has_a_version():
     from kvtier import __version__
 
-    for argv in ([KVTIER], [sys.executable, "-m", "cachesvc"], [sys.executable, "-m", "computesvc"]):
+    for argv in (
+        [KVTIER],
+        [sys.executable, "-m", "kvtier.cachesvc"],
+        [sys.executable, "-m", "kvtier.computesvc"],
+    ):
         out = subprocess.run([*argv, "--version"], capture_output=True, text=True, timeout=60, check=True)
         assert out.stdout.strip().endswith(__version__), out.stdout
 

@@ -210,7 +210,7 @@ def test_two_nodes_two_pools_with_their_own_replicas(services, profile: str):
 def test_one_gateway_routes_across_both_nodes(services, profile: str):
     gateway = services[GATEWAYS[profile]]
     command = gateway["command"]
-    assert command[0] == "gateway"
+    assert command[0] == "kvtier.gateway"
     assert flag(command, "routing") == "kv-aware"
     assert flag(command, "host") == "0.0.0.0"
     listen = int(flag(command, "port"))
@@ -320,7 +320,7 @@ def test_prometheus_targets_are_services_on_their_metrics_ports(services):
                 assert name in services, f"{job['job_name']}: {name} is not a compose service"
                 assert str(sd["port"]) in services[name]["expose"]
                 command = services[name]["command"]
-                port = flag(command, "port" if command[0] == "gateway" else "metrics-port")
+                port = flag(command, "port" if command[0] == "kvtier.gateway" else "metrics-port")
                 assert int(port) == sd["port"], name
                 discovered.add(name)
     assert discovered == set(CACHE_SERVICES + COMPUTE_SERVICES + tuple(GATEWAYS.values()))
@@ -374,7 +374,7 @@ def test_dockerignore_keeps_what_setup_needs_and_drops_the_host_venv():
 
 
 @pytest.mark.parametrize(
-    ("module", "names"), [("cachesvc", CACHE_SERVICES), ("computesvc", COMPUTE_SERVICES)]
+    ("module", "names"), [("kvtier.cachesvc", CACHE_SERVICES), ("kvtier.computesvc", COMPUTE_SERVICES)]
 )
 def test_compose_commands_parse_with_the_service_flag_parser(services, module: str, names: tuple[str, ...]):
     try:
@@ -400,11 +400,11 @@ def unparsed_gateway_flags(command: list[str]) -> set[str]:
     """Flags of a gateway command that gateway/config.py does not know (the router's are let
     through while it does not know --routing); a bad value of a known flag raises
     argparse.ArgumentError."""
-    from gateway.config import build_parser
+    from kvtier.gateway.config import build_parser
 
     parser = build_parser()
     parser.exit_on_error = False
-    assert command[0] == "gateway"
+    assert command[0] == "kvtier.gateway"
     _, unknown = parser.parse_known_args(command[1:])
     unknown_flags = {arg.split("=", 1)[0] for arg in unknown if arg.startswith("-")}
     if any("--routing" in action.option_strings for action in parser._actions):
@@ -421,7 +421,7 @@ def test_router_flags_are_the_documented_ones():
 @pytest.mark.parametrize("name", GATEWAYS.values())
 def test_gateway_command_parses_with_the_gateway_flag_parser(services, name: str):
     unknown = unparsed_gateway_flags(services[name]["command"])
-    assert not unknown, f"{name}: not flags of python -m gateway: {unknown}"
+    assert not unknown, f"{name}: not flags of python -m kvtier.gateway: {unknown}"
 
 
 # ---------------------------------------------------------------- the health probe the files use

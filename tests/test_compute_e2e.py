@@ -38,11 +38,11 @@ from servers import (
     wait_until,
 )
 
-from computesvc.config import build_parser
-from computesvc.model import build_tiny_model
+from kvtier.cli.stack import LocalStack, wait_serving
 from kvtier.compute_client import Completion, ComputeClient
+from kvtier.computesvc.config import build_parser
+from kvtier.computesvc.model import build_tiny_model
 from kvtier.model_spec import TINY_LLAMA_CONFIG
-from kvtier_cli.stack import LocalStack, wait_serving
 
 SEED = 0
 BLOCK = 16
@@ -499,7 +499,7 @@ def test_recompute_preemption_without_swap_space_keeps_output_equal_to_generate(
 
 
 class ComputeStarts:
-    """`python -m computesvc` runs that must end on their own, started all at once: each pays
+    """`python -m kvtier.computesvc` runs that must end on their own, started all at once: each pays
     several seconds of imports, so they overlap rather than queue."""
 
     def __init__(self, run_dir: Path):
@@ -509,7 +509,7 @@ class ComputeStarts:
     def start(self, name: str, *args: str) -> None:
         listen = ["--listen", f"unix://{self.run_dir / f'{name}.sock'}"] if args else []
         self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "computesvc", *listen, *args],
+            [sys.executable, "-m", "kvtier.computesvc", *listen, *args],
             env=child_env(self.run_dir),
             cwd=REPO,
             stdout=subprocess.PIPE,

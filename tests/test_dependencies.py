@@ -1,6 +1,6 @@
 """The dependency rule of docs/architecture.md (section 2), checked on the imports themselves.
 
-Every import statement of every module of the six packages is parsed with ``ast`` (lazy imports
+Every import statement of every module of kvtier's six packages is parsed with ``ast`` (lazy imports
 inside functions and type-only ones under ``TYPE_CHECKING`` included: both are dependencies a
 reader has to follow), never grepped. The cache service's order is read from the document's own
 list, so the document and the code cannot drift apart silently.
@@ -15,30 +15,59 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("kvtier", "cachesvc", "computesvc", "kernels", "gateway", "kvtier_cli")
+# Package -> its folder. Everything installs under `kvtier.` (pyproject's package-dir); the
+# design's folders keep their places. `kvtier` is the shared core: kvtier/ less cli/ and api/.
+FOLDERS = {
+    "kvtier": "kvtier",
+    "kvtier.cachesvc": "cachesvc",
+    "kvtier.computesvc": "computesvc",
+    "kvtier.kernels": "kernels",
+    "kvtier.gateway": "gateway",
+    "kvtier.cli": "kvtier/cli",
+}
+PACKAGES = tuple(FOLDERS)
 # Package -> the packages of ours it may import (itself always allowed).
 ALLOWED = {
     "kvtier": set(),
-    "cachesvc": {"kvtier"},
-    "computesvc": {"kvtier", "kernels"},
-    "kernels": {"kvtier"},  # the dtype table (kvtier.kv_dtypes) alone; see below
-    "gateway": {"kvtier", "kvtier_cli"},
-    "kvtier_cli": {"kvtier"},
+    "kvtier.cachesvc": {"kvtier"},
+    "kvtier.computesvc": {"kvtier", "kvtier.kernels"},
+    "kvtier.kernels": {"kvtier"},  # the dtype table (kvtier.kv_dtypes) alone; see below
+    "kvtier.gateway": {"kvtier", "kvtier.cli"},
+    "kvtier.cli": {"kvtier"},
 }
 # Modules that may import gRPC / protobuf / the generated stubs, per service.
 WIRE = {
-    "cachesvc": {"servicer", "__main__", "wire_limits"},
-    "computesvc": {"servicer", "__main__"},
+    "kvtier.cachesvc": {"servicer", "__main__", "wire_limits"},
+    "kvtier.computesvc": {"servicer", "__main__"},
 }
 # gRPC (but not the stubs) is also imported by a replica's clients of the cache service.
-GRPC = {"cachesvc": WIRE["cachesvc"], "computesvc": WIRE["computesvc"] | {"remote_cache", "replica"}}
+GRPC = {
+    "kvtier.cachesvc": WIRE["kvtier.cachesvc"],
+    "kvtier.computesvc": WIRE["kvtier.computesvc"] | {"remote_cache", "replica"},
+}
+
+
+def package_of(name: str) -> str | None:
+    """The package of ours a dotted module name belongs to (the longest prefix), or None."""
+    hits = [p for p in PACKAGES if name == p or name.startswith(p + ".")]
+    return max(hits, key=len) if hits else None
+
+
+def dotted_package(path: Path, root: Path = ROOT) -> str:
+    """The dotted package a file under ``root`` is imported as (its folder mapped by FOLDERS)."""
+    folder = path.relative_to(root).parent.as_posix()
+    for package, where in sorted(FOLDERS.items(), key=lambda kv: -len(kv[1])):
+        if folder == where or folder.startswith(where + "/"):
+            rest = folder[len(where) :].strip("/")
+            return ".".join([package, *rest.split("/")]) if rest else package
+    return folder.replace("/", ".")
 
 
 def imported(path: Path, root: Path = ROOT) -> set[str]:
     """Every module name ``path`` imports: ``import a.b`` -> a.b; ``from a import b`` -> a and
     a.b (b may be a module). Relative imports are resolved against the file's package."""
     names: set[str] = set()
-    package = ".".join(path.relative_to(root).parent.parts)
+    package = dotted_package(path, root)
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
@@ -53,7 +82,10 @@ def imported(path: Path, root: Path = ROOT) -> set[str]:
 
 
 def modules(package: str) -> list[Path]:
-    return sorted(p for p in (ROOT / package).rglob("*.py") if "api" not in p.relative_to(ROOT).parts[1:-1])
+    folder = ROOT / FOLDERS[package]
+    if package == "kvtier":  # the core: its own modules, not the cli or the generated stubs
+        return sorted(folder.glob("*.py"))
+    return sorted(folder.rglob("*.py"))
 
 
 def in_package(name: str, package: str) -> bool:
@@ -65,8 +97,8 @@ def test_packages_import_only_the_packages_below_them():
     for package in PACKAGES:
         for path in modules(package):
             for name in imported(path):
-                top = name.split(".")[0]
-                if top in PACKAGES and top != package and top not in ALLOWED[package]:
+                owner = package_of(name)
+                if owner and owner != package and owner not in ALLOWED[package]:
                     wrong.append(f"{path.relative_to(ROOT)} imports {name}")
     assert not wrong, "imports against the dependency rule:\n" + "\n".join(sorted(wrong))
 
@@ -80,13 +112,17 @@ def offending(package: str, bad) -> list[str]:
 
 def test_kernels_take_only_the_dtype_table_from_kvtier():
     wrong = offending(
-        "kernels",
-        lambda n: in_package(n, "kvtier") and n != "kvtier" and not in_package(n, "kvtier.kv_dtypes"),
+        "kvtier.kernels",
+        lambda n: (
+            package_of(n) not in (None, "kvtier.kernels")
+            and n != "kvtier"
+            and not in_package(n, "kvtier.kv_dtypes")
+        ),
     )
     assert not wrong, "\n".join(wrong)
 
 
-@pytest.mark.parametrize("service", ["cachesvc", "computesvc"])
+@pytest.mark.parametrize("service", ["kvtier.cachesvc", "kvtier.computesvc"])
 def test_only_a_service_s_wire_modules_import_grpc_protobuf_and_the_stubs(service):
     wrong = []
     for path in modules(service):
@@ -116,30 +152,36 @@ def documented_cache_order() -> list[str]:
 
 def test_each_cache_service_module_imports_only_those_above_it_in_the_document():
     order = documented_cache_order()
-    present = {p.stem for p in modules("cachesvc")} - {"__init__"}
+    present = {p.stem for p in modules("kvtier.cachesvc")} - {"__init__"}
     assert present <= set(order), (
         f"cachesvc modules missing from docs/architecture.md's list: {sorted(present - set(order))}"
     )
     rank = {name: i for i, name in enumerate(order)}
     wrong = []
-    for path in modules("cachesvc"):
+    for path in modules("kvtier.cachesvc"):
         if path.stem == "__init__":
             continue
         for name in imported(path):
             parts = name.split(".")
-            if parts[0] == "cachesvc" and len(parts) > 1 and rank.get(parts[1], -1) >= rank[path.stem]:
-                wrong.append(f"cachesvc/{path.stem}.py imports cachesvc.{parts[1]}, listed at or below it")
+            if (
+                parts[:2] == ["kvtier", "cachesvc"]
+                and len(parts) > 2
+                and rank.get(parts[2], -1) >= rank[path.stem]
+            ):
+                wrong.append(
+                    f"cachesvc/{path.stem}.py imports kvtier.cachesvc.{parts[2]}, listed at or below it"
+                )
     assert not wrong, "\n".join(sorted(set(wrong)))
 
 
 def test_cache_and_compute_services_never_import_each_other():
-    wrong = offending("cachesvc", lambda n: in_package(n, "computesvc"))
-    wrong += offending("computesvc", lambda n: in_package(n, "cachesvc"))
+    wrong = offending("kvtier.cachesvc", lambda n: in_package(n, "kvtier.computesvc"))
+    wrong += offending("kvtier.computesvc", lambda n: in_package(n, "kvtier.cachesvc"))
     assert not wrong, "\n".join(wrong)
 
 
 def test_the_gateway_imports_nothing_from_computesvc():
-    wrong = offending("gateway", lambda n: in_package(n, "computesvc"))
+    wrong = offending("kvtier.gateway", lambda n: in_package(n, "kvtier.computesvc"))
     assert not wrong, "\n".join(wrong)
 
 
@@ -153,14 +195,14 @@ def test_the_parser_sees_every_kind_of_import(tmp_path):
         "import grpc.aio\n"
         "from . import errors\n"
         "from .records import Sequence\n"
-        "if TYPE_CHECKING:\n    from cachesvc.sequences import SequenceTable\n"
+        "if TYPE_CHECKING:\n    from kvtier.cachesvc.sequences import SequenceTable\n"
         "def f():\n    from kvtier.api import cache_pb2\n"
     )
     names = imported(path, tmp_path)
     assert {
         "grpc.aio",
-        "cachesvc.errors",
-        "cachesvc.records",
-        "cachesvc.sequences",
+        "kvtier.cachesvc.errors",
+        "kvtier.cachesvc.records",
+        "kvtier.cachesvc.sequences",
         "kvtier.api.cache_pb2",
     } <= names

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from cachesvc.disk_records import RecordLayout, file_name, record_bytes
-from cachesvc.disk_tier import DiskPathError, DiskTier
 from kvtier.auth import UntrustedPath
 from kvtier.block_hash import pack_token_ids
+from kvtier.cachesvc.disk_records import RecordLayout, file_name, record_bytes
+from kvtier.cachesvc.disk_tier import DiskPathError, DiskTier
 
 LAYOUT = RecordLayout("model-a", 16, "float32", (2, 2, 16, 2, 8), 4096)  # 2 layers, 2 KV heads, head_dim 8
 FLUSH_S = 60.0  # a deadline for the writer's progress, not a speed target
@@ -223,9 +223,9 @@ def test_an_unwritable_directory_is_a_startup_error(tmp_path):
         path.chmod(0o500)
         code = f"""
 import os, sys
-sys.path.insert(0, {str(Path(__file__).parents[1])!r})
-from tests.test_disk_tier import open_tier
-from cachesvc.disk_tier import DiskPathError
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from test_disk_tier import open_tier
+from kvtier.cachesvc.disk_tier import DiskPathError
 os.setgid(65534); os.setuid(65534)  # after the imports: the interpreter is under root's home
 try:
     open_tier({str(path)!r})
@@ -261,7 +261,7 @@ def test_a_directory_that_fails_later_disables_the_tier_without_a_crash(tmp_path
 WRITER = """
 import sys
 sys.path.insert(0, {root!r})
-from tests.test_disk_tier import key_of, open_tier, payload_of
+from test_disk_tier import key_of, open_tier, payload_of
 tier = open_tier({path!r}, blocks=100_000, queue_blocks=8)
 i = 0
 while True:

@@ -7,13 +7,13 @@ import asyncio
 import pytest
 import torch
 
-from cachesvc.block_manager import BlockManager
-from cachesvc.events import HOST_REPLACED, EventGap, EventLog, decode_events, tier_kind
-from cachesvc.host_cache import HostBlockCache
-from cachesvc.kv_events_zmq import encode_record
-from cachesvc.lower_tiers import LowerTiers
-from cachesvc.servicer import event_to_proto
 from kvtier.block_hash import extra_key, hash_full_blocks, hash_preimage, pack_token_ids
+from kvtier.cachesvc.block_manager import BlockManager
+from kvtier.cachesvc.events import HOST_REPLACED, EventGap, EventLog, decode_events, tier_kind
+from kvtier.cachesvc.host_cache import HostBlockCache
+from kvtier.cachesvc.kv_events_zmq import encode_record
+from kvtier.cachesvc.lower_tiers import LowerTiers
+from kvtier.cachesvc.servicer import event_to_proto
 
 BS = 4
 EXTRA = extra_key("model-fp")
@@ -98,11 +98,11 @@ def test_watch_events_delivers_events_that_arrive_while_a_batch_is_being_sent() 
     # The servicer's stream, driven by hand over real domain objects: it is suspended at a
     # `yield` (gRPC sending) when a commit publishes more blocks, and nothing is published after
     # that. The new events must still come, without waiting for a later publish.
-    from cachesvc.leases import LeaseTable
-    from cachesvc.node import CacheNode
-    from cachesvc.sequences import SequenceTable
-    from cachesvc.servicer import CacheServicer
     from kvtier.api import cache_pb2
+    from kvtier.cachesvc.leases import LeaseTable
+    from kvtier.cachesvc.node import CacheNode
+    from kvtier.cachesvc.sequences import SequenceTable
+    from kvtier.cachesvc.servicer import CacheServicer
     from kvtier.pool import PoolSpec
     from kvtier.sequence_types import AllocateItem
 

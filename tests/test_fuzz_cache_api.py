@@ -38,11 +38,11 @@ from hypothesis.stateful import (
 )
 from servers import TOKEN, cache_service, stats_without_clock
 
-from cachesvc.records import PLACEHOLDER_BLOCK
-from cachesvc.wire_limits import request_limits
 from kvtier.api import cache_pb2
 from kvtier.auth import bearer, grpc_target
 from kvtier.cache_client import CacheClient
+from kvtier.cachesvc.records import PLACEHOLDER_BLOCK
+from kvtier.cachesvc.wire_limits import request_limits
 
 NUM_BLOCKS = 24
 MAX_BATCH = 4

@@ -18,11 +18,11 @@ import openai
 import pytest
 from servers import TOKEN, ModuleLoop, cache_stats, child_env, greedy_request, wait_until
 
-from gateway.engine import Job, Streams
 from kvtier.api import compute_pb2
+from kvtier.cli.stack import LocalStack, start_gateway
 from kvtier.compute_client import ComputeClient
+from kvtier.gateway.engine import Job, Streams
 from kvtier.model_spec import TINY_LLAMA_CONFIG
-from kvtier_cli.stack import LocalStack, start_gateway
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from gateway.protocol import (
+from kvtier.gateway.protocol import (
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -187,7 +187,7 @@ def test_a_replica_status_becomes_the_http_status_a_client_can_act_on(code, deta
     import grpc
     from grpc.aio import AioRpcError, Metadata
 
-    from gateway.errors import from_grpc
+    from kvtier.gateway.errors import from_grpc
 
     error = from_grpc(AioRpcError(getattr(grpc.StatusCode, code), Metadata(), Metadata(), details))
     assert error.status == status
@@ -209,7 +209,7 @@ def test_a_replica_refusal_names_the_request_field_at_fault(details, param) -> N
     import grpc
     from grpc.aio import AioRpcError, Metadata
 
-    from gateway.errors import from_grpc
+    from kvtier.gateway.errors import from_grpc
 
     error = from_grpc(AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, Metadata(), Metadata(), details))
     assert (error.status, error.info.param, error.info.message) == (400, param, details)

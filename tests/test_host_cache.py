@@ -8,12 +8,12 @@ import pytest
 import torch
 from test_host_tier import needs_cuda  # the same reason printed when it skips
 
-from cachesvc.block_manager import BlockManager
-from cachesvc.errors import InvalidArgument, ResourceExhausted
-from cachesvc.host_cache import HostBlockCache
-from cachesvc.host_slots import SMALL_ROW_BYTES
-from cachesvc.slot_lru import SlotLru
 from kvtier.block_hash import chain_preimages, extra_key, pack_token_ids
+from kvtier.cachesvc.block_manager import BlockManager
+from kvtier.cachesvc.errors import InvalidArgument, ResourceExhausted
+from kvtier.cachesvc.host_cache import HostBlockCache
+from kvtier.cachesvc.host_slots import SMALL_ROW_BYTES
+from kvtier.cachesvc.slot_lru import SlotLru
 
 SHAPE = (8, 2, 2, 16, 2, 8)  # pool: 8 blocks of [2 layers, K/V, 16 tokens, 2 heads, head_dim 8]
 

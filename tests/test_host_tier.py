@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cachesvc.host_tier import HostTier, slot_runs
+from kvtier.cachesvc.host_tier import HostTier, slot_runs
 
 
 def test_slot_runs_split_ids_into_consecutive_runs():

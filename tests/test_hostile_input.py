@@ -2,7 +2,7 @@
 and leave no memory behind, unread WatchEvents streams hold no copy of the event log and are
 capped, long strings are refused, and a stream of refused calls does not starve a heartbeat.
 
-Real `python -m cachesvc` processes over a Unix socket; the service's memory is its resident set
+Real `python -m kvtier.cachesvc` processes over a Unix socket; the service's memory is its resident set
 (VmRSS in /proc/<pid>/status). Bounds (tiny model: vocab 258, max_model_len 1024; max_batch 1024):
 
 - Allocate / Commit / LookupPrefix take at most ~4.9 MB (cachesvc.wire_limits.request_limits),
@@ -26,17 +26,17 @@ import grpc
 import pytest
 from servers import TOKEN, cache_service, wait_until
 
-from cachesvc.block_manager import BlockManager
-from cachesvc.events import REMOVED, STORED, EventLog
-from cachesvc.leases import LeaseTable
-from cachesvc.node import CacheNode
-from cachesvc.sequences import SequenceTable
-from cachesvc.servicer import CacheServicer
-from cachesvc.wire_limits import request_limits, request_scans
 from kvtier.api import cache_pb2, cache_pb2_grpc
 from kvtier.auth import bearer
 from kvtier.block_hash import pack_token_ids
 from kvtier.cache_client import CacheClient, open_channel
+from kvtier.cachesvc.block_manager import BlockManager
+from kvtier.cachesvc.events import REMOVED, STORED, EventLog
+from kvtier.cachesvc.leases import LeaseTable
+from kvtier.cachesvc.node import CacheNode
+from kvtier.cachesvc.sequences import SequenceTable
+from kvtier.cachesvc.servicer import CacheServicer
+from kvtier.cachesvc.wire_limits import request_limits, request_scans
 from kvtier.grpc_server import start_server
 
 MIB = 1 << 20

@@ -19,16 +19,16 @@ import pytest
 import torch
 from servers import TOKEN, ModuleLoop, cache_service, greedy_request, local_stack
 
-from computesvc.__main__ import GENERATE_FIELDS_BYTES, TOKEN_ID_BYTES
-from computesvc.admission import RequestRefused
-from computesvc.model import ModelRunner, build_tiny_model, load_model
-from computesvc.remote_cache import RemoteCache
-from computesvc.request import Request
-from computesvc.sampling import NonFiniteLogits, Sampler, SamplingParams
-from computesvc.scheduler import Scheduler
-from computesvc.servicer import MAX_CACHE_SALT_BYTES, PROMPT_BYTES_PER_TOKEN
 from kvtier.cache_client import CacheClient
 from kvtier.compute_client import Completion, ComputeClient
+from kvtier.computesvc.__main__ import GENERATE_FIELDS_BYTES, TOKEN_ID_BYTES
+from kvtier.computesvc.admission import RequestRefused
+from kvtier.computesvc.model import ModelRunner, build_tiny_model, load_model
+from kvtier.computesvc.remote_cache import RemoteCache
+from kvtier.computesvc.request import Request
+from kvtier.computesvc.sampling import NonFiniteLogits, Sampler, SamplingParams
+from kvtier.computesvc.scheduler import Scheduler
+from kvtier.computesvc.servicer import MAX_CACHE_SALT_BYTES, PROMPT_BYTES_PER_TOKEN
 from kvtier.model_spec import TINY_LLAMA_CONFIG
 from kvtier.pool import attach_pool
 
@@ -102,7 +102,7 @@ def test_validate_refuses_values_that_would_overflow_or_cost_without_bound(field
 
 
 def test_a_failed_step_tells_its_requests_nothing_of_one_requests_item():
-    from computesvc.scheduler import _public
+    from kvtier.computesvc.scheduler import _public
 
     item = ValueError(
         "cache service refused the call: INVALID_ARGUMENT: items[3]: cache_salt 'tenant-b-secret\0'"

@@ -227,7 +227,7 @@ def test_gateway_probes_are_http_on_its_port():
     # compute would restart every gateway too.
     assert paths["readinessProbe"] == "/health"
     assert paths["livenessProbe"] != "/health"
-    from gateway.app import ENDPOINTS
+    from kvtier.gateway.app import ENDPOINTS
 
     assert set(paths.values()) <= ENDPOINTS
 
@@ -352,14 +352,14 @@ def test_compute_names_itself_by_its_generate_address():
 
 def test_gateway_and_service_commands_parse_with_their_flag_parsers():
     unknown = unparsed_gateway_flags(container("gateway")["args"])
-    assert not unknown, f"not flags of python -m gateway: {unknown}"
-    from cachesvc.config import build_parser as cache_parser
-    from computesvc.config import build_parser as compute_parser
+    assert not unknown, f"not flags of python -m kvtier.gateway: {unknown}"
+    from kvtier.cachesvc.config import build_parser as cache_parser
+    from kvtier.computesvc.config import build_parser as compute_parser
 
     for role, parser in (("cache", cache_parser()), ("compute", compute_parser())):
         parser.exit_on_error = False
         args = container(role)["args"]
-        assert args[0] == {"cache": "cachesvc", "compute": "computesvc"}[role]
+        assert args[0] == {"cache": "kvtier.cachesvc", "compute": "kvtier.computesvc"}[role]
         _, left = parser.parse_known_args(args[1:])
         assert left == [], f"{role}: {left}"
 
@@ -466,7 +466,7 @@ def test_hpa_scales_compute_on_a_metric_the_replicas_export():
     name = metric["pods"]["metric"]["name"]
     from prometheus_client import CollectorRegistry
 
-    from computesvc.metrics import ComputeMetrics
+    from kvtier.computesvc.metrics import ComputeMetrics
 
     exported = {m.name for m in ComputeMetrics(CollectorRegistry()).registry.collect()}
     assert name in exported, f"{name} is not a compute replica metric ({sorted(exported)})"

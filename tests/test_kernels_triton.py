@@ -31,8 +31,8 @@ from test_kernels import (  # noqa: E402
     poison_before_windows,
 )
 
-import kernels  # noqa: E402
-from kernels.reference import (  # noqa: E402
+from kvtier import kernels  # noqa: E402
+from kvtier.kernels.reference import (  # noqa: E402
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
     write_kv_ref,
@@ -111,7 +111,7 @@ def test_triton_decode_matches_reference_with_and_without_splits(case):
 )
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_triton_decode_splits_long_contexts_on_its_own(dtype):
-    from kernels.decode_attention import _num_sms, choose_num_splits
+    from kvtier.kernels.decode_attention import _num_sms, choose_num_splits
 
     lens = [16384, 9000, 1]
     batch = make_paged_batch(lens, 8, 128, 16, dtype, DEVICE)
@@ -191,9 +191,9 @@ def test_dispatcher_routes_to_triton_and_keeps_its_names():
     kernels.write_kv(k, k, batch.k_cache, batch.v_cache, slot)
     assert torch.equal(batch.k_cache[int(slot) // 16, 2], k[0])
     # The kernel submodules are imported by now; they must not shadow the exported functions.
-    assert "kernels.kv_write" in sys.modules and "kernels.decode_attention" in sys.modules
-    assert kernels.write_kv.__module__ == "kernels"
-    assert kernels.paged_decode_attention.__module__ == "kernels"
+    assert "kvtier.kernels.kv_write" in sys.modules and "kvtier.kernels.decode_attention" in sys.modules
+    assert kernels.write_kv.__module__ == "kvtier.kernels"
+    assert kernels.paged_decode_attention.__module__ == "kvtier.kernels"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)

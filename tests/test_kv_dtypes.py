@@ -50,7 +50,7 @@ def test_block_bytes_count_the_scales():
 
 
 def test_the_cache_service_refuses_a_dtype_the_device_cannot_do_naming_the_flag(monkeypatch, caplog):
-    from cachesvc.__main__ import main
+    from kvtier.cachesvc.__main__ import main
 
     # An Ampere GPU: Triton's fp8 conversions need compute capability 8.9.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -19,9 +19,9 @@ import pytest
 import zmq
 from servers import TOKEN, cache_service
 
-from cachesvc.config import parse_config
 from kvtier.block_hash import extra_key, hash_full_blocks
 from kvtier.cache_client import CacheClient
+from kvtier.cachesvc.config import parse_config
 
 BS = 16
 TOPIC = b"kv@test-pod@tiny"

@@ -17,8 +17,8 @@ import torch
 from servers import ModuleLoop
 from test_kernels import HEAD_LAYOUT_IDS, HEAD_LAYOUTS, PagedBatch, make_paged_batch
 
-import kernels
-from kernels.reference import quantize_ref
+from kvtier import kernels
+from kvtier.kernels.reference import quantize_ref
 
 LOOP = ModuleLoop()
 
@@ -170,7 +170,7 @@ def test_quality_on_the_seeded_test_model_stays_within_bounds():
 
 
 def test_the_runner_refuses_a_pool_it_cannot_read_naming_both_dtypes():
-    from computesvc.model import ModelRunner, build_tiny_model, use_paged_attention
+    from kvtier.computesvc.model import ModelRunner, build_tiny_model, use_paged_attention
     from kvtier.pool import pool_shape, private_pool
 
     model = build_tiny_model(0)
@@ -186,7 +186,7 @@ def test_the_runner_refuses_a_pool_it_cannot_read_naming_both_dtypes():
 
 
 def test_the_host_tier_swaps_a_quantized_block_with_its_scales():
-    from cachesvc.host_tier import HostTier
+    from kvtier.cachesvc.host_tier import HostTier
     from kvtier.pool import ShmPool, pool_shape
 
     pool = ShmPool.create(pool_shape(4, 2, 16, 2, 16), "fp8_e4m3")

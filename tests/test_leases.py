@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from cachesvc.errors import LeaseExpired
-from cachesvc.leases import LeaseTable
+from kvtier.cachesvc.errors import LeaseExpired
+from kvtier.cachesvc.leases import LeaseTable
 
 TTL = 1.0
 PERIOD = TTL / 4  # what the cache node's reaper watches with
@@ -52,7 +52,7 @@ def test_a_stall_of_the_service_is_given_back_to_every_lease(caplog):
     table.watch_stalls(PERIOD)
     beating, silent = table.open("beating"), table.open("silent")
     clock.run(0.5, looks=table)
-    with caplog.at_level(logging.WARNING, logger="cachesvc.leases"):
+    with caplog.at_level(logging.WARNING, logger="kvtier.cachesvc.leases"):
         clock.t += 3.0  # SIGSTOP: nothing looks at the clock for three TTLs
         # The heartbeat queued in the socket meanwhile is served first, and finds its lease alive.
         table.renew(beating.lease_id)

@@ -14,7 +14,7 @@ from kvtier.healthcheck import check
 def start_cache(run_dir, listen: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess:
     """Run a cache service that is expected to refuse to start; it must exit by itself."""
     return subprocess.run(
-        [sys.executable, "-m", "cachesvc", "--listen", listen, "--num-blocks", "8"],
+        [sys.executable, "-m", "kvtier.cachesvc", "--listen", listen, "--num-blocks", "8"],
         cwd=REPO,
         env=child_env(run_dir),
         capture_output=True,
@@ -79,7 +79,7 @@ def test_a_blank_token_is_refused_at_start(tmp_path):
     env = child_env(tmp_path)
     env["KVTIER_TOKEN"] = "   "
     refused = subprocess.run(
-        [sys.executable, "-m", "cachesvc", "--num-blocks", "8"],
+        [sys.executable, "-m", "kvtier.cachesvc", "--num-blocks", "8"],
         cwd=REPO,
         env=env,
         capture_output=True,

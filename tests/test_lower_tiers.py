@@ -10,8 +10,8 @@ import pytest
 import torch
 from test_disk_tier import FLUSH_S, LAYOUT, key_of, open_tier, payload_of
 
-from cachesvc.disk_records import file_name
-from cachesvc.host_cache import HostBlockCache
+from kvtier.cachesvc.disk_records import file_name
+from kvtier.cachesvc.host_cache import HostBlockCache
 
 
 def test_host_cache_evictions_reach_the_disk_byte_exact(tmp_path):
@@ -31,7 +31,7 @@ def test_host_cache_evictions_reach_the_disk_byte_exact(tmp_path):
 
 
 def lower_tiers(tmp_path: Path, host_slots: int, policy: str = "evict", min_hits: int = 0):
-    from cachesvc.lower_tiers import LowerTiers
+    from kvtier.cachesvc.lower_tiers import LowerTiers
 
     pool = torch.stack([torch.frombuffer(bytearray(payload_of(i)), dtype=torch.uint8) for i in range(8)])
     host = HostBlockCache(host_slots, LAYOUT.block_bytes) if host_slots else None
@@ -83,7 +83,7 @@ def test_write_through_puts_every_kept_block_on_disk_and_a_bad_record_stops_a_pr
 def test_lower_tier_flags(tmp_path):
     import argparse
 
-    from cachesvc.lower_tiers import add_arguments, from_args
+    from kvtier.cachesvc.lower_tiers import add_arguments, from_args
 
     ap = argparse.ArgumentParser()
     add_arguments(ap)
@@ -133,7 +133,7 @@ def test_blocks_evicted_under_pressure_come_back_from_host_and_disk_byte_exact(t
     reason="no CUDA device: the tiers under a device pool are tested on the GPU machine",
 )
 def test_a_cuda_pool_keeps_and_promotes_through_pinned_host_memory_and_disk(tmp_path):
-    from cachesvc.lower_tiers import LowerTiers
+    from kvtier.cachesvc.lower_tiers import LowerTiers
 
     rows = torch.stack(
         [torch.frombuffer(bytearray(payload_of(i)), dtype=torch.uint8) for i in range(8)]
@@ -153,10 +153,10 @@ def test_allocate_promotes_a_chain_from_the_host_and_a_refused_allocate_changes_
     """SequenceTable with a host cache: the hook keeps evicted blocks, Allocate promotes a prompt's
     chain past its device hit (capped below the last token) and counts it cached; an Allocate the
     pool cannot hold promotes nothing and leaves the host cache as it was."""
-    from cachesvc.block_manager import BlockManager
-    from cachesvc.errors import ResourceExhausted
-    from cachesvc.lower_tiers import LowerTiers
-    from cachesvc.sequences import SequenceTable
+    from kvtier.cachesvc.block_manager import BlockManager
+    from kvtier.cachesvc.errors import ResourceExhausted
+    from kvtier.cachesvc.lower_tiers import LowerTiers
+    from kvtier.cachesvc.sequences import SequenceTable
     from kvtier.sequence_types import AllocateItem
 
     bs, block_bytes = 4, 64
@@ -187,11 +187,11 @@ def test_allocate_promotes_a_chain_from_the_host_and_a_refused_allocate_changes_
 def test_swap_shares_the_host_cache_area_swap_first():
     """SwapShare: a swap-out takes host slots by evicting cached blocks (on to the disk), a swap-in
     brings the bytes back and returns the slots to the cache; the invariants hold throughout."""
-    from cachesvc.block_manager import BlockManager
-    from cachesvc.errors import ResourceExhausted
-    from cachesvc.lower_tiers import LowerTiers
-    from cachesvc.sequences import SequenceTable
-    from cachesvc.swap_share import SwapShare
+    from kvtier.cachesvc.block_manager import BlockManager
+    from kvtier.cachesvc.errors import ResourceExhausted
+    from kvtier.cachesvc.lower_tiers import LowerTiers
+    from kvtier.cachesvc.sequences import SequenceTable
+    from kvtier.cachesvc.swap_share import SwapShare
     from kvtier.sequence_types import AllocateItem
 
     bs, block_bytes = 4, 64
@@ -230,7 +230,7 @@ def test_swap_shares_the_host_cache_area_swap_first():
 def test_host_cache_gib_auto_is_a_share_of_the_memory_available_capped(tmp_path):
     import argparse
 
-    from cachesvc.lower_tiers import AUTO_MAX_GIB, add_arguments, auto_host_cache_gib
+    from kvtier.cachesvc.lower_tiers import AUTO_MAX_GIB, add_arguments, auto_host_cache_gib
 
     meminfo = tmp_path / "meminfo"
     cgroup = tmp_path / "cgroup"

@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from cachesvc.__main__ import device_pool_plan
-from cachesvc.config import parse_config
+from kvtier.cachesvc.__main__ import device_pool_plan
+from kvtier.cachesvc.config import parse_config
 from kvtier.memory_plan import (
     GIB,
     MIB,
@@ -136,7 +136,7 @@ def test_replica_that_fits_gets_the_figures_for_its_log():
 
 
 def test_weights_from_safetensors_headers_match_the_model(tiny_model_dir):
-    from computesvc.model import build_tiny_model
+    from kvtier.computesvc.model import build_tiny_model
 
     model = build_tiny_model(seed=0)
     params = sum(p.numel() for p in model.parameters())
@@ -216,7 +216,7 @@ def test_cache_service_flags_are_checked(argv, message, capsys):
 
 
 def test_replica_refuses_before_loading_weights(monkeypatch, tiny_model_dir):
-    from computesvc import model as model_mod
+    from kvtier.computesvc import model as model_mod
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index=None: (10 * MIB, 80 * GIB))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "Fake GPU")
@@ -239,7 +239,7 @@ def test_real_device_plan_and_replica_check():
         pytest.skip(
             "no CUDA device: the real free-memory check runs on the GPU machine (scripts/gpu_evidence.sh)"
         )
-    from computesvc.model import check_device_memory
+    from kvtier.computesvc.model import check_device_memory
 
     free, total = torch.cuda.mem_get_info(0)
     p = device_pool_plan(parse_config([]), "bfloat16", 1 << 20, "cuda:0", total=total, free=free)
@@ -249,7 +249,7 @@ def test_real_device_plan_and_replica_check():
 
 
 def _fake_device(monkeypatch, free: int, total: int) -> None:
-    import cachesvc.__main__ as cache_main
+    import kvtier.cachesvc.__main__ as cache_main
 
     monkeypatch.setattr(cache_main, "require_cuda", lambda: None)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index=None: (free, total))
@@ -257,7 +257,7 @@ def _fake_device(monkeypatch, free: int, total: int) -> None:
 
 
 def test_plan_pool_on_cuda_sizes_the_pool_and_logs_the_block(monkeypatch, caplog, tiny_model_dir):
-    from cachesvc.__main__ import model_shape, plan_pool
+    from kvtier.cachesvc.__main__ import model_shape, plan_pool
 
     _fake_device(monkeypatch, free=15 * GIB, total=16 * GIB)
     cfg = parse_config(["--backend", "cuda", "--model", str(tiny_model_dir), "--activation-reserve-gib", "1"])
@@ -270,7 +270,7 @@ def test_plan_pool_on_cuda_sizes_the_pool_and_logs_the_block(monkeypatch, caplog
 
 
 def test_cache_service_refuses_to_start_when_the_plan_leaves_no_pool(monkeypatch, caplog):
-    from cachesvc.__main__ import main
+    from kvtier.cachesvc.__main__ import main
 
     _fake_device(monkeypatch, free=2 * GIB, total=4 * GIB)
     argv = ["--backend", "cuda", "--activation-reserve-gib", "1", "--listen", "unix:///nonexistent/x.sock"]
@@ -286,7 +286,7 @@ def test_cache_service_refuses_to_start_when_the_plan_leaves_no_pool(monkeypatch
 
 
 def test_kvtier_up_tells_the_cache_service_how_many_replicas_share_its_device():
-    from kvtier_cli.cli import _service_args, build_parser
+    from kvtier.cli.cli import _service_args, build_parser
 
     for argv, replicas in (
         (["up"], 2),
@@ -304,8 +304,8 @@ def test_a_replica_passes_its_activation_reserve_to_the_pre_load_check(monkeypat
 
     from servers import TOKEN, cache_service
 
-    from computesvc import replica as replica_mod
-    from computesvc.config import parse_config as compute_config
+    from kvtier.computesvc import replica as replica_mod
+    from kvtier.computesvc.config import parse_config as compute_config
 
     assert compute_config([]).activation_reserve_bytes() is None  # estimated from the shape
     with pytest.raises(SystemExit, match="--activation-reserve-gib must be >= 0"):

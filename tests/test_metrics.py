@@ -11,11 +11,11 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from cachesvc.metrics import CacheMetrics
-from cachesvc.node import CacheSnapshot, LeaseSnapshot, TierSnapshot
-from computesvc.metrics import ComputeMetrics
 from kvtier.auth import bearer
+from kvtier.cachesvc.metrics import CacheMetrics
+from kvtier.cachesvc.node import CacheSnapshot, LeaseSnapshot, TierSnapshot
 from kvtier.call_guard import CallGuard
+from kvtier.computesvc.metrics import ComputeMetrics
 from kvtier.metrics import start_metrics_server
 
 

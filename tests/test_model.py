@@ -20,16 +20,16 @@ import pytest
 import torch
 from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from computesvc.model import (
+from kvtier.cli.demo import blocks_per_gib
+from kvtier.computesvc.model import (
     ModelRunner,
     PrefillInput,
     build_tiny_model,
     load_model,
 )
-from computesvc.paged_attention import LeaseExpired, use_paged_attention
+from kvtier.computesvc.paged_attention import LeaseExpired, use_paged_attention
 from kvtier.model_spec import TINY_LLAMA_CONFIG, ModelShape
 from kvtier.tokenizer import build_byte_tokenizer
-from kvtier_cli.demo import blocks_per_gib
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 64
@@ -419,7 +419,7 @@ def test_load_model_without_a_dir_builds_the_seeded_tiny_model():
 def test_tiny_model_and_fingerprints_are_identical_in_a_fresh_process(tiny_model_dir):
     script = f"""
 import hashlib, torch
-from computesvc.model import build_tiny_model
+from kvtier.computesvc.model import build_tiny_model
 from kvtier.model_spec import ModelShape
 weights = b"".join(t.numpy().tobytes() for _, t in sorted(build_tiny_model(seed=0).state_dict().items()))
 print(hashlib.sha256(weights).hexdigest(), ModelShape.tiny(0).fingerprint,

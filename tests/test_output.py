@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from computesvc.output import CONTEXT_TOKENS, WINDOW_TOKENS, OutputProcessor
-from computesvc.request import Request
-from computesvc.sampling import SamplingParams
+from kvtier.computesvc.output import CONTEXT_TOKENS, WINDOW_TOKENS, OutputProcessor
+from kvtier.computesvc.request import Request
+from kvtier.computesvc.sampling import SamplingParams
 from kvtier.tokenizer import build_byte_tokenizer
 
 TOKENIZER = build_byte_tokenizer()

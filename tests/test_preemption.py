@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from computesvc.preemption import (
+from kvtier.computesvc.preemption import (
     FORCED,
     POOL,
     RECOMPUTE,
@@ -159,10 +159,10 @@ def test_an_unknown_policy_is_refused_naming_the_choices():
 def test_metrics_count_preemptions_by_reason_and_mode_from_zero():
     from opentelemetry import trace
 
-    from computesvc.metrics import ComputeMetrics
-    from computesvc.observer import MetricsObserver
-    from computesvc.request import Request
-    from computesvc.sampling import SamplingParams
+    from kvtier.computesvc.metrics import ComputeMetrics
+    from kvtier.computesvc.observer import MetricsObserver
+    from kvtier.computesvc.request import Request
+    from kvtier.computesvc.sampling import SamplingParams
 
     metrics = ComputeMetrics()
 

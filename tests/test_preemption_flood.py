@@ -20,9 +20,9 @@ import grpc
 import pytest
 from servers import ModuleLoop, cache_stats, child_env, greedy_request, local_stack, wait_until
 
-from gateway.errors import from_grpc
 from kvtier import status
 from kvtier.compute_client import ComputeClient
+from kvtier.gateway.errors import from_grpc
 
 pytestmark = [pytest.mark.timeout(600)]
 

@@ -17,14 +17,14 @@ import grpc
 import pytest
 from servers import TOKEN, ModuleLoop, cache_service
 
-from computesvc.model import ModelRunner, load_model
-from computesvc.observer import SchedulerObserver
-from computesvc.remote_cache import RemoteCache
-from computesvc.request import Request
-from computesvc.sampling import SamplingParams
-from computesvc.scheduler import Scheduler, SchedulerConfig
 from kvtier import status
 from kvtier.cache_client import CacheClient
+from kvtier.computesvc.model import ModelRunner, load_model
+from kvtier.computesvc.observer import SchedulerObserver
+from kvtier.computesvc.remote_cache import RemoteCache
+from kvtier.computesvc.request import Request
+from kvtier.computesvc.sampling import SamplingParams
+from kvtier.computesvc.scheduler import Scheduler, SchedulerConfig
 from kvtier.pool import attach_pool
 from kvtier.sequence_types import AllocateItem
 

@@ -43,10 +43,10 @@ from servers import TOKEN, ModuleLoop, cache_service, cache_stats, greedy_reques
 from kvtier.api import compute_pb2_grpc
 from kvtier.auth import bearer, grpc_target
 from kvtier.cache_client import CacheClient
+from kvtier.cli.stack import LocalStack, wait_serving
 from kvtier.compute_client import ComputeClient
 from kvtier.model_spec import TINY_LLAMA_CONFIG
 from kvtier.pool import attach_pool
-from kvtier_cli.stack import LocalStack, wait_serving
 
 BOS = TINY_LLAMA_CONFIG["bos_token_id"]
 MAX_MODEL_LEN = TINY_LLAMA_CONFIG["max_position_embeddings"]

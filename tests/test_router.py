@@ -12,10 +12,10 @@ import httpx
 import pytest
 from servers import TOKEN, ModuleLoop, cache_service, child_env, tls_cache_service
 
-from gateway.router import Node, NodeFileError, Router, load_node_file, parse_node_flag
 from kvtier.cache_client import AllocateItem, CacheClient
+from kvtier.cli.stack import LocalStack, start, wait_gateway
+from kvtier.gateway.router import Node, NodeFileError, Router, load_node_file, parse_node_flag
 from kvtier.model_spec import ModelShape
-from kvtier_cli.stack import LocalStack, start, wait_gateway
 
 BS = 16
 LOOP = ModuleLoop()
@@ -259,7 +259,7 @@ def test_dns_rediscovery_adds_and_drops_nodes_as_pods_come_and_go(two_caches) ->
     """What each DNS pass does (Router.set_dns_nodes): a new cache pod becomes a node that is
     followed at once, a gone one is dropped; with none, a request gets a clear 'no node' error."""
     a, b = two_caches
-    from gateway.router import NoNode
+    from kvtier.gateway.router import NoNode
 
     async def check() -> None:
         router = Router([], TOKEN, FINGERPRINT, dns=("unused:1", "unused:2"))

@@ -17,8 +17,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from servers import REPO, cache_stats, child_env, wait_until
 
+from kvtier.cli.stack import LocalStack, start, up_side_by_side, wait_gateway
 from kvtier.model_spec import TINY_LLAMA_CONFIG
-from kvtier_cli.stack import LocalStack, start, up_side_by_side, wait_gateway
 
 BS = 16
 SYSTEM_LEN = 6 * BS  # six full blocks per system prompt
@@ -259,7 +259,7 @@ def test_a_malformed_node_file_is_a_clear_error_and_an_unreachable_node_is_not_f
     bad = tmp_path / "nodes.json"
     bad.write_text(json.dumps({"nodes": [{"name": "a", "cache": "unix:///nowhere.sock"}]}))
     out = subprocess.run(
-        [sys.executable, "-m", "gateway", "--node-file", str(bad)],
+        [sys.executable, "-m", "kvtier.gateway", "--node-file", str(bad)],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -25,8 +25,8 @@ import httpx
 import pytest
 from servers import child_env
 
+from kvtier.cli.stack import LocalStack, start, up_side_by_side, wait_gateway
 from kvtier.model_spec import TINY_LLAMA_CONFIG
-from kvtier_cli.stack import LocalStack, start, up_side_by_side, wait_gateway
 
 BS = 16
 SYSTEM_LEN = 24 * BS  # 384 tokens
@@ -75,7 +75,7 @@ def model_dir(tmp_path_factory):
     """A seeded-random Llama of MODEL_SHAPE and the byte tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from computesvc.model import seed_weights
+    from kvtier.computesvc.model import seed_weights
     from kvtier.tokenizer import build_byte_tokenizer
 
     path = tmp_path_factory.mktemp("router-zipf-model")

@@ -2,7 +2,7 @@
 
 Whoever can write the run directory can move a socket aside and take the token from the next
 client, or plant a token file for the service to adopt. Checked here, through the real service
-process (`python -m cachesvc`) and the real client code:
+process (`python -m kvtier.cachesvc`) and the real client code:
 
 - a run directory owned by another user (`nobody`), or writable by group or others, is refused
   by the service (exit 2, a message naming the path, owner, mode and the fix) and by a client
@@ -31,9 +31,9 @@ from servers import child_env
 
 from kvtier import auth
 from kvtier.cache_client import CacheClient
+from kvtier.cli.stack_file import running_stack, stop_stack
 from kvtier.compute_client import ComputeClient
 from kvtier.grpc_server import bind
-from kvtier_cli.stack_file import running_stack, stop_stack
 
 NOBODY = pwd.getpwnam("nobody").pw_uid
 needs_root = pytest.mark.skipif(os.getuid() != 0, reason="giving a directory to another user needs root")
@@ -51,12 +51,20 @@ def run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def start_cache(run_dir: Path, with_token: bool) -> subprocess.CompletedProcess:
-    """`python -m cachesvc` on a socket in `run_dir`, to completion (these all refuse to start)."""
+    """`python -m kvtier.cachesvc` on a socket in `run_dir`, to completion (these all refuse to start)."""
     env = child_env(run_dir)
     if not with_token:
         del env["KVTIER_TOKEN"]
     return subprocess.run(
-        [sys.executable, "-m", "cachesvc", "--listen", f"unix://{run_dir}/cache.sock", "--num-blocks", "4"],
+        [
+            sys.executable,
+            "-m",
+            "kvtier.cachesvc",
+            "--listen",
+            f"unix://{run_dir}/cache.sock",
+            "--num-blocks",
+            "4",
+        ],
         env=env,
         capture_output=True,
         text=True,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from computesvc.sampling import PenaltyState, Sampler, SamplingParams, apply_penalties
+from kvtier.computesvc.sampling import PenaltyState, Sampler, SamplingParams, apply_penalties
 
 VOCAB = 50
 

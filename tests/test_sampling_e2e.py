@@ -19,11 +19,11 @@ import pytest
 import torch
 from servers import TOKEN, ModuleLoop, cache_stats, child_env
 
-from computesvc.model import build_tiny_model
+from kvtier.cli.stack import LocalStack
 from kvtier.compute_client import Completion, ComputeClient
+from kvtier.computesvc.model import build_tiny_model
 from kvtier.model_spec import TINY_LLAMA_CONFIG
 from kvtier.tokenizer import build_byte_tokenizer
-from kvtier_cli.stack import LocalStack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from computesvc.sampling import SamplingParams
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from kvtier.api import compute_pb2
 from kvtier.compute_client import ComputeClient
+from kvtier.computesvc.sampling import SamplingParams
+from kvtier.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from kvtier.sampling_schema import BY_NAME, FIELDS, ContextLengthError, resolve_max_tokens
 
 

@@ -15,12 +15,12 @@ import asyncio
 
 from servers import TOKEN, ModuleLoop, cache_service
 
-from computesvc.model import ModelRunner, load_model
-from computesvc.remote_cache import RemoteCache
-from computesvc.request import Request
-from computesvc.sampling import SamplingParams
-from computesvc.scheduler import Scheduler
 from kvtier.cache_client import CacheClient
+from kvtier.computesvc.model import ModelRunner, load_model
+from kvtier.computesvc.remote_cache import RemoteCache
+from kvtier.computesvc.request import Request
+from kvtier.computesvc.sampling import SamplingParams
+from kvtier.computesvc.scheduler import Scheduler
 from kvtier.model_spec import TINY_LLAMA_CONFIG
 from kvtier.pool import attach_pool
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.discovery import Node
-from gateway.index_follower import NodeState, PredictedHit, capped, predicted_hit
-from gateway.node_load import PRIOR_TOKENS_PER_S, NodeLoad
-from gateway.scoring import DISK_TOKEN_VALUE, HOST_TOKEN_VALUE, NodeFigures, rank, score
+from kvtier.gateway.discovery import Node
+from kvtier.gateway.index_follower import NodeState, PredictedHit, capped, predicted_hit
+from kvtier.gateway.node_load import PRIOR_TOKENS_PER_S, NodeLoad
+from kvtier.gateway.scoring import DISK_TOKEN_VALUE, HOST_TOKEN_VALUE, NodeFigures, rank, score
 
 PROMPT = 1000  # tokens
 FAST = 1000.0  # tokens of work per second

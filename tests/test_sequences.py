@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from cachesvc.block_manager import BlockManager
-from cachesvc.errors import (
+from kvtier.cachesvc.block_manager import BlockManager
+from kvtier.cachesvc.errors import (
     CacheError,
     FailedPrecondition,
     InvalidArgument,
@@ -16,8 +16,8 @@ from cachesvc.errors import (
     PermissionDenied,
     ResourceExhausted,
 )
-from cachesvc.host_tier import HostTier
-from cachesvc.sequences import SequenceTable
+from kvtier.cachesvc.host_tier import HostTier
+from kvtier.cachesvc.sequences import SequenceTable
 from kvtier.sequence_types import AllocateItem
 
 BS = 4

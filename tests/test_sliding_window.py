@@ -28,9 +28,9 @@ from test_model import (
 )
 from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-import kernels
-from computesvc.model import ModelRunner, seed_weights
-from computesvc.paged_attention import use_paged_attention
+from kvtier import kernels
+from kvtier.computesvc.model import ModelRunner, seed_weights
+from kvtier.computesvc.paged_attention import use_paged_attention
 from kvtier.model_spec import TINY_LLAMA_CONFIG
 
 WINDOW = 24  # tokens: 1.5 blocks, so windows start mid-block

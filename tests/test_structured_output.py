@@ -18,7 +18,7 @@ import pytest
 import torch
 from servers import EDGE_API_KEY
 
-from computesvc.structured_output import Grammars, advance, choice_grammar, mask_logits
+from kvtier.computesvc.structured_output import Grammars, advance, choice_grammar, mask_logits
 from kvtier.model_spec import TINY_LLAMA_CONFIG
 from kvtier.structured_output import MAX_CONSTRAINT_BYTES, Constraint, from_proto, to_proto
 from kvtier.tokenizer import build_byte_tokenizer

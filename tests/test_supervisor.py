@@ -1,4 +1,4 @@
-"""kvtier_cli/supervisor.py: what `kvtier up` does when a service it started exits. Real
+"""kvtier.cli/supervisor.py: what `kvtier up` does when a service it started exits. Real
 processes (a tiny script standing for a service), real exits and signals."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import time
 import pytest
 from servers import child_env
 
-from kvtier_cli.stack import start
-from kvtier_cli.supervisor import GiveUp, Supervisor
+from kvtier.cli.stack import start
+from kvtier.cli.supervisor import GiveUp, Supervisor
 
 SCRIPT = """import sys, time
 print("flaky service starting", flush=True)

@@ -23,19 +23,19 @@ import pytest
 import torch
 from servers import TOKEN, ModuleLoop, cache_service, child_env, greedy_request, wait_until
 
-from cachesvc.block_manager import BlockManager
-from cachesvc.errors import ExceedsLimit, ResourceExhausted
-from cachesvc.host_tier import HostTier
-from cachesvc.limits import fair_shares
-from cachesvc.sequences import SequenceTable
 from kvtier import status
 from kvtier.api import cache_pb2
 from kvtier.api_keys import ApiKeys, ApiKeysError, ClientKeys, tenant_salt
 from kvtier.auth import bearer, grpc_target
 from kvtier.cache_client import AllocateItem, CacheClient
+from kvtier.cachesvc.block_manager import BlockManager
+from kvtier.cachesvc.errors import ExceedsLimit, ResourceExhausted
+from kvtier.cachesvc.host_tier import HostTier
+from kvtier.cachesvc.limits import fair_shares
+from kvtier.cachesvc.sequences import SequenceTable
+from kvtier.cli.stack import LocalStack, start_gateway
 from kvtier.compute_client import ComputeClient
 from kvtier.sequence_types import AllocateItem as TableItem
-from kvtier_cli.stack import LocalStack, start_gateway
 
 pytestmark = [pytest.mark.timeout(600)]
 
@@ -337,7 +337,7 @@ def test_a_bad_api_keys_file_stops_kvtier_up_and_the_compute_service_at_once(tmp
     assert "is the node token" in compute.stderr
     duplicate = tmp_path / "dup.json"
     duplicate.write_text(json.dumps({"tenants": {"a": {"keys": [ACME_KEY]}, "b": {"keys": [ACME_KEY]}}}))
-    up = run("kvtier_cli.cli", "up", "--api-keys", str(duplicate))
+    up = run("kvtier.cli.cli", "up", "--api-keys", str(duplicate))
     assert up.returncode != 0 and "already a key of tenant 'a'" in up.stderr, up.stderr
     assert not (tmp_path / "stack.json").exists() and not list(tmp_path.glob("*.sock"))
 

@@ -14,14 +14,14 @@ import torch
 from servers import TOKEN, ModuleLoop, cache_service, cache_stats, greedy_request, local_stack, wait_until
 from test_kv_events_zmq import decode, free_port, replay
 
-from cachesvc.disk_records import file_name
 from kvtier.api import cache_pb2
 from kvtier.block_hash import extra_key, hash_preimage, pack_token_ids
 from kvtier.cache_client import AllocateItem, CacheClient
+from kvtier.cachesvc.disk_records import file_name
+from kvtier.cli.stack import wait_serving
 from kvtier.compute_client import ComputeClient
 from kvtier.model_spec import ModelShape
 from kvtier.pool import attach_pool
-from kvtier_cli.stack import wait_serving
 
 BS = 16
 SHAPE = ModelShape.tiny()

@@ -6,15 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cachesvc.block_manager import BlockManager
-from cachesvc.errors import ExceedsLimit, InvalidArgument, ResourceExhausted
-from cachesvc.fencing import Fencing
-from cachesvc.host_tier import HostTier
-from cachesvc.limits import TenantLimits
-from cachesvc.records import DEVICE, CacheStats, Sequence
-from cachesvc.swap import Swapping
-from cachesvc.tiers import DeviceTier, copy_blocks
 from kvtier.block_hash import extra_key, hash_full_blocks, hash_preimage, pack_token_ids
+from kvtier.cachesvc.block_manager import BlockManager
+from kvtier.cachesvc.errors import ExceedsLimit, InvalidArgument, ResourceExhausted
+from kvtier.cachesvc.fencing import Fencing
+from kvtier.cachesvc.host_tier import HostTier
+from kvtier.cachesvc.limits import TenantLimits
+from kvtier.cachesvc.records import DEVICE, CacheStats, Sequence
+from kvtier.cachesvc.swap import Swapping
+from kvtier.cachesvc.tiers import DeviceTier, copy_blocks
 
 BS = 4
 

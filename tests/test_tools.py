@@ -9,9 +9,9 @@ import json
 import jsonschema
 import pytest
 
-from gateway.config import build_parser
-from gateway.errors import APIError
-from gateway.tools import PARSERS, HermesParser, Llama3JsonParser, ToolOutput, ToolPlan, plan_tools
+from kvtier.gateway.config import build_parser
+from kvtier.gateway.errors import APIError
+from kvtier.gateway.tools import PARSERS, HermesParser, Llama3JsonParser, ToolOutput, ToolPlan, plan_tools
 
 WEATHER = {
     "type": "function",

@@ -173,7 +173,7 @@ def test_each_request_trace_holds_its_own_work_and_otlp_http_gets_the_same(tmp_p
         assert out.returncode == 0, out.stderr
         # `kvtier generate` finds the stack in the run dir; its spans go to the file only.
         cli = subprocess.run(
-            [sys.executable, "-m", "kvtier_cli.cli", "generate", "Once upon a time", "--max-tokens", "20"],
+            [sys.executable, "-m", "kvtier.cli.cli", "generate", "Once upon a time", "--max-tokens", "20"],
             cwd=REPO,
             env=child_env(run_dir, KVTIER_TRACE_FILE=str(spans_file), OTEL_SERVICE_NAME="my-cli"),
             capture_output=True,

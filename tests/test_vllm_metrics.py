@@ -26,10 +26,10 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from servers import REPO, TOKEN, local_stack, wait_until
 
-from cachesvc.metrics import CacheMetrics
-from computesvc.metrics import ComputeMetrics
 from kvtier.cache_client import CacheClient
+from kvtier.cachesvc.metrics import CacheMetrics
 from kvtier.compute_client import ComputeClient
+from kvtier.computesvc.metrics import ComputeMetrics
 from kvtier.metrics import TINY_MODEL_NAME, metrics_host, serve_metrics
 
 URL = re.compile(r"Prometheus metrics on http://127\.0\.0\.1:(\d+)/metrics \(also under vllm: names\)")

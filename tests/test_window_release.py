@@ -12,10 +12,10 @@ import pytest
 import torch
 from test_sequences import BS, LEASE, OTHER, alloc, assert_same, fill_pattern, make_table, snapshot
 
-from cachesvc.block_manager import BlockManager
-from cachesvc.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
-from cachesvc.records import PLACEHOLDER_BLOCK
-from cachesvc.sequences import SequenceTable
+from kvtier.cachesvc.block_manager import BlockManager
+from kvtier.cachesvc.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from kvtier.cachesvc.records import PLACEHOLDER_BLOCK
+from kvtier.cachesvc.sequences import SequenceTable
 from kvtier.sequence_types import ReleaseItem
 
 PROMPT = list(range(1, 15))  # 14 tokens: blocks 0-2 full, block 3 holds two

@@ -19,13 +19,13 @@ from servers import TOKEN, ModuleLoop, child_env, greedy_request, stats_without_
 from test_model import prompt
 from test_sliding_window import WINDOW, windowed_model
 
-from cachesvc.records import PLACEHOLDER_BLOCK
-from computesvc.window import blocks_behind, release_window
 from kvtier.cache_client import CacheClient
+from kvtier.cachesvc.records import PLACEHOLDER_BLOCK
+from kvtier.cli.stack import LocalStack
 from kvtier.compute_client import ComputeClient
+from kvtier.computesvc.window import blocks_behind, release_window
 from kvtier.model_spec import TINY_LLAMA_CONFIG
 from kvtier.tokenizer import build_byte_tokenizer
-from kvtier_cli.stack import LocalStack
 
 BLOCK = 16  # tokens per block: the window (24) starts mid-block
 LOOKAHEAD_BLOCKS = 1  # the scheduler's default

@@ -9,8 +9,8 @@
     kvtier down                       # stop the stack `kvtier up` runs, from another shell
     kvtier cache --help / kvtier compute --help
 
-The services run as their own processes (`python -m cachesvc`, `python -m computesvc`,
-`python -m gateway`); this module starts them and never imports them.
+The services run as their own processes (`python -m kvtier.cachesvc`, `python -m kvtier.computesvc`,
+`python -m kvtier.gateway`); this module starts them and never imports them.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 
 from kvtier import __version__, auth
-from kvtier_cli.stats import cmd_stats
+from kvtier.cli.stats import cmd_stats
 
-PASSTHROUGH = {"cache": "cachesvc", "compute": "computesvc", "serve": "gateway"}
+PASSTHROUGH = {"cache": "kvtier.cachesvc", "compute": "kvtier.computesvc", "serve": "kvtier.gateway"}
 
 
 def _passthrough(command: str, argv: list[str]) -> int:
@@ -78,8 +78,8 @@ def _service_args(args) -> tuple[list[str], list[str], list[str]]:
 
 def _stack(args) -> tuple[object, dict]:
     """A running stack in the run dir, or a new one (returned so the caller stops it)."""
-    from kvtier_cli.stack import LocalStack, MultiNodeStack
-    from kvtier_cli.stack_file import recorded_stack, running_stack
+    from kvtier.cli.stack import LocalStack, MultiNodeStack
+    from kvtier.cli.stack_file import recorded_stack, running_stack
 
     run_dir = auth.run_dir()
     info = running_stack(run_dir)
@@ -143,7 +143,7 @@ def _stop_on_signals() -> None:
 
 
 def cmd_up(args) -> int:
-    from kvtier_cli.supervisor import GiveUp, Supervisor
+    from kvtier.cli.supervisor import GiveUp, Supervisor
 
     if args.nodes < 1:
         raise SystemExit(f"--nodes must be >= 1, got {args.nodes}")
@@ -192,7 +192,7 @@ def cmd_up(args) -> int:
 
 def cmd_down(args) -> int:
     """Stop the stack `kvtier up` runs in the run directory, from any shell."""
-    from kvtier_cli.stack_file import stop_stack
+    from kvtier.cli.stack_file import stop_stack
 
     run_dir = auth.run_dir()
     stopped = stop_stack(run_dir, timeout_s=args.timeout)
@@ -240,7 +240,7 @@ def cmd_generate(args) -> int:
     from kvtier import telemetry
 
     _stop_on_signals()
-    # Before any channel is made; the services it may start keep their own names (kvtier_cli.stack).
+    # Before any channel is made; the services it may start keep their own names (kvtier.cli.stack).
     try:
         telemetry.setup_tracing("kvtier-cli")
     except ValueError as e:  # an OTLP protocol we do not speak
@@ -256,7 +256,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from kvtier_cli.demo import print_kv_dtypes, print_summary, run_demo
+    from kvtier.cli.demo import print_kv_dtypes, print_summary, run_demo
 
     if args.kv_dtypes:
         print_kv_dtypes(args.model, args.block_size)
@@ -340,17 +340,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser(
-        "cache", help="run the cache service (python -m cachesvc; see kvtier cache --help)", add_help=False
+        "cache",
+        help="run the cache service (python -m kvtier.cachesvc; see kvtier cache --help)",
+        add_help=False,
     )
     sub.add_parser(
         "compute",
-        help="run a compute replica (python -m computesvc; see kvtier compute --help)",
+        help="run a compute replica (python -m kvtier.computesvc; see kvtier compute --help)",
         add_help=False,
     )
 
     sub.add_parser(
         "serve",
-        help="run the OpenAI-compatible HTTP gateway (python -m gateway; see kvtier serve --help)",
+        help="run the OpenAI-compatible HTTP gateway (python -m kvtier.gateway; see kvtier serve --help)",
         add_help=False,
     )
 

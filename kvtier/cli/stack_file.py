@@ -19,7 +19,7 @@ from kvtier.auth import check_private_dir
 from kvtier.healthcheck import check
 
 if TYPE_CHECKING:
-    from kvtier_cli.stack import LocalStack, MultiNodeStack, Process
+    from kvtier.cli.stack import LocalStack, MultiNodeStack, Process
 
 STACK_FILE = "stack.json"
 METRICS_URL = re.compile(r"Prometheus metrics on (http://\S+/metrics)")

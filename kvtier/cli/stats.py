@@ -36,7 +36,7 @@ def caches_to_ask(cache: str | None) -> dict[str, str]:
     stack recorded in the run directory, else the local stack's one cache service."""
     if cache:
         return {"cache": cache}
-    from kvtier_cli.stack_file import recorded_stack
+    from kvtier.cli.stack_file import recorded_stack
 
     info = recorded_stack(auth.run_dir())
     if info and info.get("nodes"):

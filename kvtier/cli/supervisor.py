@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvtier_cli.stack import Process
+from kvtier.cli.stack import Process
 
 FAST_FAILURE_S = 15.0  # an exit this soon after a start is a fast failure (seconds)
 MAX_FAST_FAILURES = 5  # fast failures in a row before giving up

@@ -4,7 +4,7 @@ processes, and stop it.
 Used by `kvtier up` / `kvtier demo`, by the tests and by the benchmarks: every service is a
 real process on a Unix socket in one run directory, ready once its gRPC health service says
 SERVING; the gateway listens on TCP and is ready once its GET /health answers 200. The stack file
-a started stack writes, and finding or stopping a stack from another process: kvtier_cli.stack_file.
+a started stack writes, and finding or stopping a stack from another process: kvtier.cli.stack_file.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from pathlib import Path
 import grpc
 
 from kvtier.auth import create_token_file, ensure_run_dir
+from kvtier.cli.stack_file import STACK_FILE, write_stack_file
 from kvtier.healthcheck import check
-from kvtier_cli.stack_file import STACK_FILE, write_stack_file
 
 # Each service's own trace name (as in docker-compose.yml and deploy/k8s): the one the caller's
 # OTEL_SERVICE_NAME (`kvtier generate`'s, a test client's) would otherwise give every process.
@@ -83,9 +83,10 @@ def wait_serving(p: Process, deadline_s: float = 120.0) -> None:
 def start(
     name: str, module: str, args: list[str], address: str, run_dir: Path, env: dict[str, str]
 ) -> Process:
-    """Start `python -m module args` with its output in run_dir/name.log (not yet waited on)."""
+    """Start `python -m kvtier.<module> args` (module: cachesvc, computesvc or gateway) with its
+    output in run_dir/name.log (not yet waited on)."""
     log_path = run_dir / f"{name}.log"
-    command = [sys.executable, "-m", module, *args]
+    command = [sys.executable, "-m", f"kvtier.{module}", *args]
     env = {**env, "OTEL_SERVICE_NAME": SERVICE_NAMES.get(module, module)}
     return Process(name, _popen(command, env, log_path, "w"), address, log_path, command, env)
 
@@ -107,7 +108,7 @@ GATEWAY_URL = re.compile(r"serving the OpenAI API on (http://\S+)")
 def spawn_gateway(
     compute: list[str], args: list[str], run_dir: Path, env: dict[str, str], port: int = 0
 ) -> Process:
-    """Start `python -m gateway` in front of `compute` on 127.0.0.1:port (0 = a free one); not
+    """Start `python -m kvtier.gateway` in front of `compute` on 127.0.0.1:port (0 = a free one); not
     yet waited on (`wait_gateway`). Its Process.address becomes the base URL once it listens."""
     argv = ["--host", "127.0.0.1", "--port", str(port), "--compute", *compute, *args]
     return start("gateway", "gateway", argv, "", run_dir, env)
