@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from kvtier.cachesvc.errors import ResourceExhausted
 from kvtier.cachesvc.records import PLACEHOLDER_BLOCK
-from kvtier.cachesvc.tiers import DeviceTier, LowerTier, Tier, copy_blocks
+from kvtier.cachesvc.tiers import DeviceTier, LowerTier, SlotTier, copy_blocks
 
 if TYPE_CHECKING:
     from kvtier.cachesvc.records import CacheStats, Sequence
@@ -27,7 +27,7 @@ class Swapping:
         self.device = device
         self.swap_tier = swap_tier
         self.stats = stats
-        self.tiers: dict[str, Tier] = {device.name: device}
+        self.tiers: dict[str, SlotTier] = {device.name: device}
         if swap_tier is not None:
             self.tiers[swap_tier.name] = swap_tier
 
