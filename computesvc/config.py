@@ -107,10 +107,11 @@ def build_parser(prog: str = "python -m kvtier.computesvc") -> argparse.Argument
     p.add_argument(
         "--preemption-policy",
         default="cost",
-        choices=["cost", "newest"],
+        choices=["cost", "newest", "newest-recompute"],
         help="which running sequence gives way when the pool has no room: cost = the cheapest to bring "
         "back, swapped or recomputed, the refused tenant's own first, guarded against thrash "
-        "(computesvc/preemption.py); newest = the newest, swapped out (the old rule, for comparison)",
+        "(computesvc/preemption.py); newest = the newest, swapped out (the old rule); newest-recompute "
+        "= the newest, freed to recompute (vLLM's rule); the last two are for comparison",
     )
     p.add_argument(
         "--max-prompt-bytes",

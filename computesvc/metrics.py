@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvtier.computesvc.preemption import REASONS, RECOMPUTE, SWAP
+from kvtier.computesvc.preemption import REASONS, RECOMPUTE, RECOMPUTE_BECAUSE, SWAP
 from kvtier.metrics import COMPUTE_RPC_BUCKETS, RpcLatency, VllmAliases
 
 # Bucket bounds in seconds.
@@ -56,6 +56,14 @@ class ComputeMetrics(RpcLatency):
             ["reason", "mode"],
             registry=r,
         )
+        self.preemptions_recomputed = Counter(
+            f"{p}_preemptions_recomputed",
+            "Sequences preempted by freeing them to recompute, by why not a swap (cheaper: the cost "
+            "model's choice; tenant, forced, host_full: a swap was not allowed; host_refused: the host "
+            "tier refused the swap chosen; policy: newest-recompute never swaps).",
+            ["because"],
+            registry=r,
+        )
         self.preemptions_deferred = Counter(
             f"{p}_preemptions_deferred",
             "Times no sequence was preempted because every candidate was guarded against thrash "
@@ -69,6 +77,8 @@ class ComputeMetrics(RpcLatency):
             self.preemptions.labels(kind)
             for reason in REASONS:
                 self.preemptions_by_reason.labels(reason, kind)
+        for because in RECOMPUTE_BECAUSE:
+            self.preemptions_recomputed.labels(because)
         for method in CACHE_METHODS:
             self.cache_calls.labels(method)
         for reason in FINISH_REASONS:

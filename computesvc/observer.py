@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from opentelemetry import trace
 
 from kvtier import telemetry
-from kvtier.computesvc.preemption import RECOMPUTE, SWAP, Decision
+from kvtier.computesvc.preemption import RECOMPUTE, RECOMPUTE_BECAUSE, SWAP, Decision
 from kvtier.computesvc.request import Request, Status
 
 if TYPE_CHECKING:
@@ -49,10 +49,18 @@ class SchedulerStats:
     preemptions_recompute: int = 0
     # (reason, mode) -> preemptions (computesvc.preemption's REASONS; mode as done, not as chosen).
     preemptions_by_reason: dict[tuple[str, str], int] = field(default_factory=dict)
+    # Why each victim freed to recompute was not swapped out (computesvc.preemption's RECOMPUTE_BECAUSE).
+    recomputed_because: dict[str, int] = field(default_factory=dict)
     preemptions_deferred: int = 0  # times every candidate was guarded and the refused ones waited
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     generated_tokens: int = 0
+
+
+def recompute_because(decision: Decision) -> str:
+    """Why the victim of `decision` was freed rather than swapped out (a RECOMPUTE_BECAUSE key):
+    the decision's own reason, or the host tier's refusal of the swap it chose."""
+    return decision.because if decision.mode == RECOMPUTE else "host_refused"
 
 
 def _links(reqs: Iterable[Request]) -> list[trace.Link]:
@@ -269,10 +277,14 @@ class SchedulerObserver:
         self.stats.preemptions_by_reason[key] = self.stats.preemptions_by_reason.get(key, 0) + 1
         if swapped_bytes is None:
             self.stats.preemptions_recompute += 1
+            because = recompute_because(decision)
+            self.stats.recomputed_because[because] = self.stats.recomputed_because.get(because, 0) + 1
             span.set_attribute("kvtier.preemption", "recompute")
-            why = "cheaper than a swap" if decision.mode == RECOMPUTE else "host tier full"
             log.info(
-                "preempted request %s (%s): will recompute (%s)", victim.request_id, decision.reason, why
+                "preempted request %s (%s): will recompute (%s)",
+                victim.request_id,
+                decision.reason,
+                RECOMPUTE_BECAUSE[because],
             )
         else:
             self.stats.preemptions_swap += 1
@@ -355,6 +367,8 @@ class MetricsObserver(SchedulerObserver):
         mode = RECOMPUTE if swapped_bytes is None else SWAP
         self.metrics.preemptions.labels(mode).inc()
         self.metrics.preemptions_by_reason.labels(decision.reason, mode).inc()
+        if swapped_bytes is None:
+            self.metrics.preemptions_recomputed.labels(recompute_because(decision)).inc()
 
     def on_preemption_deferred(self, candidates: int) -> None:
         super().on_preemption_deferred(candidates)

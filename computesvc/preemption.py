@@ -32,8 +32,12 @@ sequences come back only once the pool has refused no room for `min_resident_ste
 (`Ledger.settled`), and a victim freed to recompute holds its tenant's admissions back for
 `backoff_s` (doubling with its preemptions) or until one of the tenant's sequences finishes.
 
-`policy="newest"` is the scheduler's old rule (vLLM's): the newest candidate, swapped out,
-with no guards, for comparison (bench/preemption.py).
+`policy="newest"` is the scheduler's old rule: the newest candidate, swapped out, with no
+guards; `policy="newest-recompute"` is vLLM's (v1): the newest, always freed to recompute. Both
+are there for comparison (bench/preemption.py).
+
+Each decision says why a victim freed to recompute was not swapped (`Decision.because`, a key
+of RECOMPUTE_BECAUSE): the replica's INFO line prints it and metrics count by it.
 """
 
 from __future__ import annotations
@@ -43,12 +47,23 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-POLICIES = ("cost", "newest")
+POLICIES = ("cost", "newest", "newest-recompute")
 SWAP, RECOMPUTE = "swap", "recompute"
 # Reasons a preemption happens (metrics label): the pool had no room for the step; a tenant's
 # own quota or share refused it; every candidate was guarded and none could run.
 POOL, TENANT, FORCED = "pool", "tenant", "forced"
 REASONS = (POOL, TENANT, FORCED)
+# Why a victim was freed to recompute rather than swapped out: key (metrics label, `because`) ->
+# the words of the replica's INFO line. Only "cheaper" is the cost model's choice; the others
+# say what ruled the swap out.
+RECOMPUTE_BECAUSE = {
+    "cheaper": "cheaper than a swap",
+    "tenant": "swap not allowed: tenant quota",  # a quota counts the host tier's blocks too
+    "forced": "swap not allowed: forced",  # a guarded victim swapped out would come straight back
+    "host_full": "swap not allowed: host tier full",  # the last SwapOut was refused
+    "host_refused": "the host tier refused the swap",  # a swap was chosen; its SwapOut was refused
+    "policy": "the policy never swaps",  # newest-recompute (vLLM's rule)
+}
 
 # Priors until the replica has measured its own figures (a CPU prefill of a small model; a
 # host-memory copy with an RPC around it), and how fast measurements replace them.
@@ -181,12 +196,14 @@ class Decision:
     fairness: float = 1.0
     candidates: int = 0  # how many were weighed (after the guards)
     guarded: int = 0  # how many the guards passed over
+    because: str = ""  # mode RECOMPUTE: why not a swap (a key of RECOMPUTE_BECAUSE)
 
     def attributes(self) -> dict[str, object]:
         return {
             "kvtier.preemption.policy": self.policy,
             "kvtier.preemption.mode": self.mode,
             "kvtier.preemption.reason": self.reason,
+            "kvtier.preemption.because": self.because,
             "kvtier.preemption.tenant": self.victim.tenant,
             "kvtier.preemption.cost_s": self.cost_s,
             "kvtier.preemption.recompute_s": self.recompute_s,
@@ -220,16 +237,18 @@ def fairness(candidates: Sequence[Candidate]) -> dict[str, float]:
     return {t: (share / n if n > share else 1.0) for t, n in held.items()}
 
 
-def _priced(c: Candidate, rates: Rates, can_swap: bool, block_bytes: int, weight: float) -> Decision:
-    """`c`'s cost, in the cheaper mode it may be preempted in (reason and counts left for the caller)."""
+def _priced(c: Candidate, rates: Rates, no_swap: str, block_bytes: int, weight: float) -> Decision:
+    """`c`'s cost, in the cheaper mode it may be preempted in; `no_swap`: why a swap is ruled out
+    (a RECOMPUTE_BECAUSE key), "" when it is allowed (reason and counts left for the caller)."""
     recompute_s = rates.call_s + c.computed_tokens / rates.prefill_tokens_per_s
     swap_s = 2 * (rates.call_s + c.num_blocks * block_bytes / rates.swap_bytes_per_s)
     done = c.generated_tokens / max(1, c.generated_tokens + c.remaining_tokens)
     progress_s = rates.decode_step_s * c.generated_tokens * done
-    mode = SWAP if can_swap and swap_s < recompute_s else RECOMPUTE
+    mode = SWAP if not no_swap and swap_s < recompute_s else RECOMPUTE
     move_s = swap_s if mode == SWAP else recompute_s
     cost_s = (move_s + progress_s) * weight
-    return Decision(c, mode, POOL, "cost", cost_s, recompute_s, swap_s, progress_s, weight)
+    because = "" if mode == SWAP else no_swap or "cheaper"
+    return Decision(c, mode, POOL, "cost", cost_s, recompute_s, swap_s, progress_s, weight, because=because)
 
 
 def choose_victim(
@@ -239,10 +258,13 @@ def choose_victim(
     or every one is guarded while another can still run). See the module docstring."""
     if not candidates:
         return None
-    if policy == "newest":
+    if policy in ("newest", "newest-recompute"):
         newest = max(candidates, key=lambda c: c.arrival)
-        mode = SWAP if pressure.host_has_room else RECOMPUTE
-        return Decision(newest, mode, POOL, policy, candidates=len(candidates))
+        if policy == "newest-recompute":
+            mode, because = RECOMPUTE, "policy"
+        else:
+            mode, because = (SWAP, "") if pressure.host_has_room else (RECOMPUTE, "host_full")
+        return Decision(newest, mode, POOL, policy, candidates=len(candidates), because=because)
     if policy != "cost":
         raise ValueError(f"preemption policy {policy!r} is not one of {POLICIES}")
     reason = POOL
@@ -257,12 +279,12 @@ def choose_victim(
         if c.resident_steps >= pressure.min_resident_steps and c.preemptions < pressure.max_preemptions
     ]
     guarded = len(pool) - len(free)
-    can_swap = pressure.host_has_room and reason != TENANT
+    no_swap = "tenant" if reason == TENANT else "" if pressure.host_has_room else "host_full"
     if not free:
         if pressure.can_wait:
             return None
-        free, reason, can_swap = pool, FORCED, False
+        free, reason, no_swap = pool, FORCED, "forced"
     weights = fairness(candidates)
-    priced = [_priced(c, rates, can_swap, pressure.block_bytes, weights[c.tenant]) for c in free]
+    priced = [_priced(c, rates, no_swap, pressure.block_bytes, weights[c.tenant]) for c in free]
     best = min(priced, key=lambda d: (d.cost_s, -d.victim.arrival))
     return dataclasses.replace(best, reason=reason, candidates=len(free), guarded=guarded)

@@ -6,6 +6,9 @@ blocks are 16 tokens of 8 KiB, unless a test says otherwise.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+
 import pytest
 
 from kvtier.computesvc.preemption import (
@@ -97,6 +100,50 @@ def test_a_tenants_own_limit_preempts_only_its_own_sequences_and_frees_them():
     assert choose_victim([cheap_other, evil], RATES, PRESSURE).victim.key == "acme"
 
 
+def test_the_info_line_says_why_a_cheaper_swap_was_not_made_and_metrics_count_it(caplog):
+    from kvtier.computesvc.metrics import ComputeMetrics
+    from kvtier.computesvc.observer import MetricsObserver
+    from kvtier.computesvc.request import Request
+    from kvtier.computesvc.sampling import SamplingParams
+
+    long = seq("long", 4000, tenant="evil")  # its swap (8 ms) is far cheaper than its recompute (0.2 s)
+    tenant = choose_victim([long], RATES, Pressure(block_bytes=8192, refused_tenant="evil"))
+    forced = choose_victim([dataclasses.replace(long, preemptions=3)], RATES, PRESSURE)
+    host_full = choose_victim([long], RATES, Pressure(block_bytes=8192, host_has_room=False))
+    cheaper = choose_victim([seq("short", 16)], RATES, PRESSURE)
+    vllm = choose_victim([long], RATES, PRESSURE, policy="newest-recompute")
+    swapped = choose_victim([long], RATES, PRESSURE)
+    assert all(d.swap_s < d.recompute_s for d in (tenant, forced, host_full, swapped))
+    assert [d.because for d in (tenant, forced, host_full, cheaper, vllm)] == [
+        "tenant", "forced", "host_full", "cheaper", "policy"
+    ]  # fmt: skip
+    assert swapped.mode == SWAP and swapped.because == ""
+    metrics = ComputeMetrics()
+    observer = MetricsObserver(metrics)
+    with caplog.at_level(logging.INFO, logger="kvtier.compute"):
+        for k, decision in enumerate((tenant, forced, host_full, cheaper, vllm, swapped)):
+            victim = Request(f"v{k}", [1, 2, 3], SamplingParams(max_tokens=4), tenant="evil")
+            with observer.preempt_span(victim, decision) as span:
+                observer.on_preempted(span, victim, None, decision)  # the last: a SwapOut refused
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("preempted request")]
+    assert lines == [
+        "preempted request v0 (tenant): will recompute (swap not allowed: tenant quota)",
+        "preempted request v1 (forced): will recompute (swap not allowed: forced)",
+        "preempted request v2 (pool): will recompute (swap not allowed: host tier full)",
+        "preempted request v3 (pool): will recompute (cheaper than a swap)",
+        "preempted request v4 (pool): will recompute (the policy never swaps)",
+        "preempted request v5 (pool): will recompute (the host tier refused the swap)",
+    ]
+    assert observer.stats.recomputed_because == {
+        "tenant": 1, "forced": 1, "host_full": 1, "cheaper": 1, "policy": 1, "host_refused": 1
+    }  # fmt: skip
+    for because in ("tenant", "cheaper", "host_refused"):
+        value = metrics.registry.get_sample_value(
+            "kvtier_compute_preemptions_recomputed_total", {"because": because}
+        )
+        assert value == 1, because
+
+
 def test_guards_pass_over_a_sequence_just_swapped_in_or_preempted_too_often():
     just_in = seq("just_in", 16, resident_steps=1)
     worn = seq("worn", 32, preemptions=3)
@@ -152,7 +199,7 @@ def test_a_freed_victims_tenant_backs_off_doubling_up_to_a_cap():
 
 
 def test_an_unknown_policy_is_refused_naming_the_choices():
-    with pytest.raises(ValueError, match=r"'oldest' is not one of \('cost', 'newest'\)"):
+    with pytest.raises(ValueError, match=r"'oldest' is not one of \('cost', 'newest', 'newest-recompute'\)"):
         choose_victim([seq("a", 16)], RATES, PRESSURE, policy="oldest")
 
 

@@ -143,17 +143,24 @@ def test_preemptions_per_request_are_bounded_and_swapped_in_sequences_stay_a_whi
     assert all(len(tokens) == 150 for tokens in outputs.values())
 
 
-def test_a_tenants_quota_preempts_only_its_own_sequences(service, loaded):
+def test_a_tenants_quota_preempts_only_its_own_sequences(service, loaded, caplog):
     # evil (quota 20 blocks) sends 5 long requests, then acme 2; the pool (48) holds acme's 2
     # and evil's quota, so only evil's quota ever refuses room.
     load = [(f"evil{k}", "evil", prompt(k), 120) for k in range(5)]
     load += [(f"acme{k}", "acme", prompt(50 + k), 120) for k in range(2)]
-    outputs, cost = run_load(service, loaded, "cost", load)
+    with caplog.at_level(logging.INFO, logger="kvtier.compute"):
+        outputs, cost = run_load(service, loaded, "cost", load)
     print("cost:", cost.preempted)
     assert cost.preempted, "evil's quota never refused room: raise its load"
     assert all(tenant == "evil" for _, tenant, *_ in cost.preempted), cost.preempted
     # Its quota counts the host tier too: freeing (recompute) gives evil room, a swap would not.
     assert all(mode == "recompute" for *_, mode, _ in cost.preempted), cost.preempted
+    # And the replica's log says so, not that a recompute was cheaper than a swap.
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("preempted request")]
+    assert len(lines) == len(cost.preempted), lines
+    assert all(
+        line.endswith("(tenant): will recompute (swap not allowed: tenant quota)") for line in lines
+    ), lines
     quiet, _ = run_load(service, loaded, "cost", load[5:])
     assert {rid: outputs[rid] for rid in quiet} == quiet
     assert all(len(tokens) == 120 for tokens in outputs.values())
