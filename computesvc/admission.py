@@ -9,6 +9,12 @@ ExceedsLimit itself). A head that finds no room fails at once when it can never 
 (ExceedsLimit), or once it has waited `admit_timeout_s` with nothing running, and it never holds
 up other tenants: the oldest request of another tenant may still fit. The scheduler
 (computesvc.scheduler) decides when admission runs and starts what it admits.
+
+A tenant whose own quota or share refused an Allocate (TenantLimited) is held back: its
+requests are not sent again until one of its sequences here finishes (the scheduler lifts the
+hold) or `quota_retry_s` passes (its blocks may be held by other replicas): 0.05 s, doubling
+with each refusal in a row, at most 0.5 s. Retrying every step cost everyone: a refused call or
+two per decode step, and every step four times slower.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Collection
 from typing import TYPE_CHECKING
 
-from kvtier.computesvc.cache_port import ExceedsLimit, NoFreeBlocks, SequenceBlocks
+from kvtier.computesvc.cache_port import ExceedsLimit, NoFreeBlocks, SequenceBlocks, TenantLimited
 from kvtier.computesvc.request import Request
 from kvtier.computesvc.token_emitter import TokenEmitter
 
@@ -28,6 +34,18 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvtier.compute")
 
+# How long a tenant refused by its own limit waits before its requests are sent again (unless one
+# of its sequences here finishes first): doubling with each refusal in a row, capped. The cap
+# bounds how late a request sees blocks its tenant freed on another replica.
+QUOTA_RETRY_S = 0.05
+MAX_QUOTA_RETRY_S = 0.5
+
+
+def quota_retry_s(refusals: int) -> float:
+    """Seconds a tenant waits after its own limit refused its Allocate `refusals` times in a row
+    (1, 2, ...): 0.05 s, 0.1 s, 0.2 s, 0.4 s, then 0.5 s."""
+    return min(MAX_QUOTA_RETRY_S, QUOTA_RETRY_S * 2 ** max(0, refusals - 1))
+
 
 class RequestRefused(Exception):
     """The cache service refused this request's own item of a batched call (INVALID_ARGUMENT)."""
@@ -35,7 +53,10 @@ class RequestRefused(Exception):
 
 class Admission:
     """Admits from a waiting queue. allocate: one traced Allocate for a batch of requests (their
-    blocks, in order); start: `req` got its blocks and runs; emitter: ends the requests that fail."""
+    blocks, in order); start: `req` got its blocks and runs; emitter: ends the requests that fail;
+    held_back: the scheduler's tenant -> until when (monotonic s) it is not admitted, where a
+    tenant refused by its own limit is put (the scheduler lifts it when one of its sequences
+    finishes)."""
 
     def __init__(
         self,
@@ -43,11 +64,20 @@ class Admission:
         allocate: Callable[[list[Request]], Awaitable[list[SequenceBlocks]]],
         start: Callable[[Request, SequenceBlocks], None],
         emitter: TokenEmitter,
+        held_back: dict[str, float],
     ):
         self.config = config
         self.allocate = allocate
         self.start = start
         self.emitter = emitter
+        self.held_back = held_back
+        self._refusals: dict[str, int] = {}  # tenant -> its own limit's refusals in a row
+
+    def _hold(self, tenant: str) -> None:
+        """`tenant`'s own limit refused its Allocate: send none of its requests for a while."""
+        refusals = self._refusals[tenant] = self._refusals.get(tenant, 0) + 1
+        until = time.monotonic() + quota_retry_s(refusals)
+        self.held_back[tenant] = max(self.held_back.get(tenant, 0.0), until)
 
     async def admit(
         self, waiting: deque[Request], running: list[Request], held_back: Collection[str] = ()
@@ -69,6 +99,13 @@ class Admission:
             try:
                 seqs = await self.allocate(batch)
                 break
+            except TenantLimited as e:
+                if len(batch) == 1:
+                    self._hold(e.tenant)
+                    self._expire_stuck(waiting, running, batch[0], e)
+                    await self._admit_another_tenant(waiting, running, {e.tenant, *held_back})
+                    return
+                batch = self._without_refused(batch, e.tenant)
             except NoFreeBlocks as e:
                 if isinstance(e, ExceedsLimit) and len(batch) > 1:
                     # One item can never fit (the cache tests that before room): find it.
@@ -87,9 +124,24 @@ class Admission:
                     return
                 batch, seqs = await self._allocate_one_by_one(waiting, batch)
                 break
-        for req, seq in zip(batch, seqs, strict=True):
+        self._started(waiting, batch, seqs)
+
+    def _started(self, waiting: deque[Request], admitted: list[Request], seqs: list[SequenceBlocks]) -> None:
+        for req, seq in zip(admitted, seqs, strict=True):
             waiting.remove(req)
+            self._refusals.pop(req.tenant, None)
             self.start(req, seq)
+
+    def _without_refused(self, batch: list[Request], tenant: str) -> list[Request]:
+        """The batch to try after `tenant`'s own limit refused `batch`: with only the first of
+        its requests when it had several (one may still fit), else without it (then held back)."""
+        mine = [r for r in batch if r.tenant == tenant]
+        if len(mine) > 1:
+            return [r for r in batch if r.tenant != tenant or r is mine[0]]
+        if mine:
+            self._hold(tenant)
+            return [r for r in batch if r.tenant != tenant]
+        return batch[: len(batch) // 2]  # (a tenant not in the call: as if the pool refused it)
 
     async def _admit_another_tenant(
         self, waiting: deque[Request], running: list[Request], passed_over: Collection[str]
@@ -106,10 +158,12 @@ class Admission:
             return
         try:
             (seq,) = await self.allocate([other])
+        except TenantLimited as e:
+            self._hold(e.tenant)
+            return
         except (NoFreeBlocks, ValueError):
             return  # it waits its turn (a refused item is failed when it reaches the head)
-        waiting.remove(other)
-        self.start(other, seq)
+        self._started(waiting, [other], [seq])
 
     async def _allocate_one_by_one(
         self, waiting: deque[Request], batch: list[Request]

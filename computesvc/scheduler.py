@@ -108,7 +108,6 @@ class Scheduler:
         self.block_size = cache.block_size
         self.observer = observer or SchedulerObserver()
         self.emitter = TokenEmitter(tokenizer, eos_token_ids, self.observer)
-        self.admission = Admission(self.config, self._allocate, self._start, self.emitter)
         # Called when the cache service is lost (the replica re-attaches); default: fail in-flight requests.
         self.on_cache_lost: Callable[[Exception], None] = self.fail_all
         self.waiting: deque[Request] = deque()
@@ -116,11 +115,13 @@ class Scheduler:
         self.swapped: deque[Request] = deque()
         # What the cost model remembers: measured rates, preemptions, swap-ins, host-tier room.
         self.ledger = Ledger()
-        # Tenants whose own limit preempted one of their sequences -> until when (monotonic s)
-        # their waiting requests are not admitted, unless one of their running sequences
-        # finishes first (else the preempted one comes straight back and the tenant's sequences
-        # take turns without finishing; its quota may be held by other replicas).
+        # Tenants whose own limit preempted one of their sequences or refused their Allocate ->
+        # until when (monotonic s) their waiting requests are not admitted, unless one of their
+        # sequences here finishes first (else the preempted one comes straight back and the
+        # tenant's sequences take turns without finishing, or a refused request is retried every
+        # step; its quota may be held by other replicas).
         self.held_back: dict[str, float] = {}
+        self.admission = Admission(self.config, self._allocate, self._start, self.emitter, self.held_back)
         self.preemptor = Preemptor(
             config=self.config,
             observer=self.observer,
@@ -265,6 +266,7 @@ class Scheduler:
             await self._call(self.cache.free([r.sequence_id for r in gone]), gone)
             for r in gone:
                 r.status = Status.FINISHED
+                self.held_back.pop(r.tenant, None)  # its blocks are free: its tenant may fit again
             # Drop only what was freed: a request aborted while the free was awaited still holds
             # its sequence, so it stays (running or swapped) and the next step frees it.
             freed = {id(r) for r in gone}

@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import time
 
 import grpc
 import pytest
@@ -19,6 +20,7 @@ from servers import TOKEN, ModuleLoop, cache_service
 
 from kvtier import status
 from kvtier.cache_client import CacheClient
+from kvtier.computesvc.admission import MAX_QUOTA_RETRY_S
 from kvtier.computesvc.model import ModelRunner, load_model
 from kvtier.computesvc.observer import SchedulerObserver
 from kvtier.computesvc.remote_cache import RemoteCache
@@ -64,11 +66,11 @@ def service(tmp_path_factory):
         yield svc
 
 
-def run_load(service, loaded, policy: str, requests, stop=None, config=None, later=None):
+def run_load(service, loaded, policy: str, requests, stop=None, config=None, later=None, observer=None):
     """Run `requests` ((id, tenant, prompt, max_tokens), added in order; those in `later`, id ->
     step, at that step) to the end on one scheduler with `policy` (and `config`'s other
     fields), or until `stop(recorder)` (then every sequence is freed): their outputs by id,
-    and the recorder."""
+    and the recorder (`observer`, else a new Recorder)."""
     later = later or {}
 
     async def scenario():
@@ -76,7 +78,7 @@ def run_load(service, loaded, policy: str, requests, stop=None, config=None, lat
         await client.attach_async(f"load-{policy}", loaded.shape.fingerprint)
         pool = attach_pool(client.pool)
         beat = asyncio.ensure_future(client.heartbeat_forever())
-        recorder = Recorder()
+        recorder = observer or Recorder()
         scheduler = Scheduler(
             ModelRunner(loaded.model, pool.tensor, client.pool.block_size),
             RemoteCache(client),
@@ -201,3 +203,76 @@ def test_a_quota_refusal_names_its_tenant_and_preempts_only_it_though_it_holds_l
         elsewhere.free([s.sequence_id for s in held.sequences])
     finally:
         elsewhere.close()
+
+
+class AllocateRecorder(Recorder):
+    """Also: when each Allocate and Free was called (step, monotonic s), and when each request was
+    admitted (the Allocates made by then)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.allocates: list[float] = []
+        self.free_steps: list[int] = []
+        self.admitted: dict[str, tuple[int, int, float]] = {}  # id -> (step, Allocates so far, when)
+
+    def on_cache_call(self, method: str) -> None:
+        super().on_cache_call(method)
+        if method == "allocate":
+            self.allocates.append(time.monotonic())
+        elif method == "free":
+            self.free_steps.append(self.stats.steps)
+
+    def on_admitted(self, req, num_cached_tokens: int) -> None:
+        super().on_admitted(req, num_cached_tokens)
+        self.admitted[req.request_id] = (self.stats.steps, len(self.allocates), time.monotonic())
+
+
+def test_a_request_waiting_on_its_tenants_quota_is_not_retried_every_step(service, loaded):
+    # evil0 (192 + 60 tokens: 17 blocks at most) holds most of evil's 20-block quota, so evil1
+    # (128 tokens: 9 blocks) waits until evil0 finishes, while acme0 decodes beside them. Each
+    # refused Allocate costs every sequence a step's time: the wait must not send one a step.
+    load = [("evil0", "evil", prompt(0, 192), 60), ("acme0", "acme", prompt(1), 150)]
+    load.append(("evil1", "evil", prompt(2, 128), 8))
+    recorder = AllocateRecorder()
+    outputs, _ = run_load(service, loaded, "cost", load, later={"evil1": 1}, observer=recorder)
+    assert not recorder.preempted, recorder.preempted
+    assert all(len(outputs[rid]) == n for rid, _, _, n in load), {k: len(v) for k, v in outputs.items()}
+    admitted_step, allocates, admitted_at = recorder.admitted["evil1"]
+    # The first Allocate admitted evil0 and acme0; the last one evil1; those between were refused.
+    refused = allocates - 2
+    waited_s = admitted_at - recorder.allocates[1]
+    print(f"evil1 waited {waited_s:.2f}s: {refused} Allocates refused over {admitted_step} steps")
+    assert recorder.admitted["evil0"][0] == recorder.admitted["acme0"][0] == 1
+    # Retried after 0.05 s, doubling up to 0.5 s (computesvc.admission.quota_retry_s), not each step.
+    assert refused <= 5 + 2 * waited_s, (refused, waited_s, admitted_step)
+    # ... and admitted at the step after evil0 finished and freed its blocks (the first Free).
+    assert admitted_step == recorder.free_steps[0] + 1, (admitted_step, recorder.free_steps)
+
+
+def test_a_tenant_waiting_on_blocks_another_replica_holds_is_retried_at_a_bounded_interval(service, loaded):
+    # Another lease holds 14 of evil's 20 blocks, so evil0 (128 tokens: 9 blocks) waits while
+    # acme0 decodes; that lease frees them at step 40. Nothing here tells this scheduler: its
+    # retries, at most MAX_QUOTA_RETRY_S apart, find the room.
+    elsewhere = CacheClient.connect(service.address, TOKEN, timeout_s=10.0)
+    freed_at: list[float] = []
+    try:
+        elsewhere.attach("elsewhere")
+        held = elsewhere.allocate([AllocateItem([7] * (16 * 14), tenant_salt="e", tenant="evil")])
+
+        def free_at_step_40(rec) -> bool:
+            if rec.stats.steps >= 40 and not freed_at:
+                elsewhere.free([s.sequence_id for s in held.sequences])
+                freed_at.append(time.monotonic())
+            return False
+
+        load = [("acme0", "acme", prompt(1), 150), ("evil0", "evil", prompt(2, 128), 8)]
+        recorder = AllocateRecorder()
+        outputs, _ = run_load(service, loaded, "cost", load, stop=free_at_step_40, observer=recorder)
+    finally:
+        elsewhere.close()
+    assert all(len(outputs[rid]) == n for rid, _, _, n in load)
+    step, allocates, admitted_at = recorder.admitted["evil0"]
+    late_s = admitted_at - freed_at[0]
+    print(f"evil0 admitted at step {step}, {late_s:.2f}s after the free, {allocates - 2} Allocates refused")
+    assert step > 40 and late_s < MAX_QUOTA_RETRY_S + 1.0, (step, late_s)
+    assert allocates - 2 <= 5 + 2 * (admitted_at - recorder.allocates[0]), allocates
