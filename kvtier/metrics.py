@@ -8,7 +8,8 @@ with ``start_metrics_server(port, metrics.registry)`` and times every RPC throug
 
 Names follow Prometheus conventions: ``kvtier_`` prefix, the unit in the name (``_seconds``,
 ``_bytes``, ``_blocks``, ``_tokens``), ``_total`` on counters (added by prometheus-client).
-Every registry also carries the ``process_*`` series (``ProcessCollector``). With
+Every registry also carries the ``process_*`` series (``ProcessCollector``); no counter or
+histogram exports a ``_created`` series. With
 ``--vllm-metrics`` a service adds a ``VllmAliases`` collector: the series a vLLM dashboard reads,
 again under vLLM's ``vllm:`` names with a ``model_name`` label, collected from the same metric
 objects at scrape time (one source, nothing updated twice).
@@ -22,9 +23,21 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
-from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+    start_http_server,
+)
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
+
+# NOTE: no ``_created`` sample per counter and histogram child (``kvtier_cache_evictions_created``
+# beside ``kvtier_cache_evictions_total``): dashboards never read them and they double the series
+# count. vLLM turns them off the same way. prometheus-client's setting is process-wide, and every
+# process that serves metrics (cache, compute, gateway) imports this module first.
+disable_created_metrics()
 
 # Bucket bounds in seconds.
 # fmt: off

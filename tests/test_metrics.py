@@ -235,3 +235,19 @@ def test_call_guard_times_each_rpc_with_its_status_code():
         count("kvtier_cache_rpc_duration_seconds_count", {"method": "Count", "code": "UNAUTHENTICATED"}) == 1
     )
     assert count("kvtier_cache_rpc_duration_seconds_sum", {"method": "Check", "code": "OK"}) < 1.0
+
+
+def test_no_service_exposes_created_series():
+    """Counters and histograms export no ``_created`` sample (vLLM turns them off): every
+    service's registry, scraped as Prometheus would, after each kind of metric moved."""
+    from kvtier.gateway.metrics import GatewayMetrics
+
+    cache, compute, gateway = CacheMetrics(), ComputeMetrics(), GatewayMetrics()
+    cache.update(stats())
+    compute.time_to_first_token.observe(0.03)
+    compute.observe_rpc("Generate", 1.5, "OK")
+    gateway.requests.labels("/v1/completions", "200").inc()
+    for metrics in (cache, compute, gateway):
+        port = start_metrics_server(0, metrics.registry, addr="127.0.0.1")
+        created = [name for name, _ in scrape(port) if name.endswith("_created")]
+        assert created == [], created
