@@ -39,4 +39,16 @@ if ! command -v promtool >/dev/null 2>&1 && [ ! -x .venv/bin/promtool ] && comma
     fi
     rm -rf "$tmp"
 fi
+# buf, for `buf lint` / `buf breaking` of proto/ in tests/test_proto_contract.py: npm's
+# @bufbuild/buf (one static binary) under .buf/, pinned; nothing is installed system-wide.
+BUF_VERSION=1.75.0
+if [ "$(.buf/node_modules/.bin/buf --version 2>/dev/null)" != "$BUF_VERSION" ]; then
+    if command -v npm >/dev/null 2>&1; then
+        npm install -s --prefix .buf --no-save --no-audit --no-fund "@bufbuild/buf@$BUF_VERSION" >/dev/null \
+            || echo "npm could not install @bufbuild/buf@$BUF_VERSION: tests/test_proto_contract.py will fail" >&2
+    else
+        echo "npm not found: buf (npm's @bufbuild/buf) is not installed and tests/test_proto_contract.py will" \
+            "fail; install Node.js/npm, or put buf $BUF_VERSION on PATH" >&2
+    fi
+fi
 echo "kvtier is set up in .venv ($($VPY -c 'import torch; print("torch", torch.__version__)'))"
