@@ -1,4 +1,4 @@
-"""kvtier.cli/supervisor.py: what `kvtier up` does when a service it started exits. Real
+"""kvtier/cli/supervisor.py: what `kvtier up` does when a service it started exits. Real
 processes (a tiny script standing for a service), real exits and signals."""
 
 from __future__ import annotations
