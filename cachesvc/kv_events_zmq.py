@@ -7,10 +7,17 @@ the cache service as they would to a vLLM engine. The wire format (docs/architec
 
 - PUB, multipart ``[topic, seq (8 bytes, big-endian), payload]``, one message per batch; ``seq``
   counts batches from 0, with a gap only where batches were dropped (queue full).
-- ``payload`` is msgpack of ``[ts, events, data_parallel_rank]``, each event a positional array
-  led by its tag: ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
-  lora_id, medium, lora_name]``, ``["BlockRemoved", block_hashes, medium]``,
-  ``["AllBlocksCleared"]`` (vLLM's msgspec structs with ``array_like=True``).
+- ``payload`` is msgpack of ``[ts, events, data_parallel_rank]`` (an array), each event a map
+  tagged by its ``type``, as vLLM's msgspec ``KVCacheEvent`` structs encode (``tag=True``,
+  ``omit_defaults=True``; what llm-d, Dynamo and SGLang read): ``{"type": "BlockStored",
+  "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+  "lora_name"[, "extra_keys"]}``, ``{"type": "BlockRemoved", "block_hashes", "medium"}``,
+  ``{"type": "AllBlocksCleared"}``. ``--kv-events-format array`` sends each event as the
+  positional array of older releases (``array_like=True``): ``["BlockStored", block_hashes,
+  parent_block_hash, token_ids, block_size, lora_id, medium, lora_name[, extra_keys]]``, ...
+- A chain's first block carries its tenant salt as vLLM carries a request's ``cache_salt``:
+  ``extra_keys`` holds one entry per block of the event, ``[salt]`` for the chain's first
+  block and None for the others; an unsalted event has no ``extra_keys``.
 - ROUTER (``--kv-events-replay-endpoint``): a DEALER sends ``[b"", start_seq (8 bytes BE)]`` and
   gets ``[b"", seq, payload]`` for every kept batch with ``seq >= start_seq``, then
   ``[b"", seq = -1 (8 bytes BE, signed), b""]``.
@@ -27,7 +34,7 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import msgpack
 import zmq
@@ -40,6 +47,7 @@ from kvtier.cachesvc.events import (
     lower_tier_blocks,
     split_replaced,
 )
+from kvtier.media import MEDIA
 
 log = logging.getLogger("kvtier.cache")
 
@@ -49,36 +57,84 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _STOP = object()
 
 
-ZMQ_MEDIUMS = (None, "CPU", "DISK")
+ZMQ_MEDIUMS = tuple(m.kv_event_medium for m in MEDIA)
 """vLLM's medium per ``events.MEDIUMS`` entry; the device's is the publisher's (GPU, or CPU for a CPU pool)."""
 
 
-def encode_record(record: EventRecord, block_size: int, medium: str) -> list[list]:
-    """The vLLM events (positional lists, tag first) one EventRecord stands for; ``medium`` is
-    the device's (a host or disk tier's record says CPU or DISK).
+FORMATS = ("map", "array")
+"""``--kv-events-format``: tagged maps (vLLM today), or positional arrays (older releases)."""
+
+SaltOf = Callable[[bytes], str | None]
+"""A chain's tenant salt from its extra key (``ExtraKeys.salt_of``); None for anything else."""
+
+
+def block_stored(
+    hashes: list, parent: bytes | None, token_ids: list[int], block_size: int, medium: str, salt: str | None
+) -> dict:
+    """vLLM's BlockStored as a tagged map, its fields in vLLM's order; ``salt`` (of a run that
+    starts its chain) becomes the first block's extra key."""
+    # lora_id (deprecated in vLLM) and lora_name: adapters enter our chain through its root
+    # (extra_key), so neither is needed to read the hashes; both stay None.
+    event = {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": token_ids,
+        "block_size": block_size,
+        "lora_id": None,
+        "medium": medium,
+        "lora_name": None,
+    }
+    if salt:
+        event["extra_keys"] = [[salt]] + [None] * (len(hashes) - 1)
+    return event
+
+
+def block_removed(hashes: list, medium: str) -> dict:
+    """vLLM's BlockRemoved as a tagged map."""
+    return {"type": "BlockRemoved", "block_hashes": hashes, "medium": medium}
+
+
+def as_array(event: dict) -> list:
+    """An event in the positional form of vLLM's ``array_like`` structs: tag, then the fields in
+    order (a map holds exactly the fields that form sends: trailing defaults are left out)."""
+    return list(event.values())
+
+
+def encode_record(
+    record: EventRecord, block_size: int, medium: str, salt_of: SaltOf | None = None
+) -> list[dict]:
+    """The vLLM events (tagged maps) one EventRecord stands for; ``medium`` is the device's (a
+    host or disk tier's record names its own). ``salt_of`` names a chain's tenant salt from its
+    extra key (None: no salts in the events).
 
     A device STORED record is a run of consecutive blocks of one chain: one BlockStored carries
     all of them, ``token_ids`` being the tokens of every block in order (as vLLM's does). A lower
     tier's STORED record is a BlockStored per block (each with its own parent).
     """
     if record[0] == HOST_REPLACED:  # the host's REMOVED record, then its STORED one
-        return [event for half in split_replaced(record) for event in encode_record(half, block_size, medium)]
+        halves = split_replaced(record)
+        return [event for half in halves for event in encode_record(half, block_size, medium, salt_of)]
     medium = ZMQ_MEDIUMS[record[0] >> 1] or medium
     if record[0] > STORED:  # a lower tier's: one BlockStored per block (each names its parent)
         blocks = lower_tier_blocks(record)
         if record[0] & 1 == REMOVED:
-            return [["BlockRemoved", [h for h, _, _, _ in blocks], medium]]
-        return [
-            ["BlockStored", [h], p, _token_ids(t, 1, block_size), block_size, None, medium, None]
-            for h, p, _, t in blocks
-        ]
+            return [block_removed([h for h, _, _, _ in blocks], medium)]
+        events = []
+        for h, prefix, _, t in blocks:
+            # A key's prefix is its parent's hash, or the chain's extra key for a first block.
+            salt = salt_of(prefix) if salt_of is not None else None
+            parent = None if salt is not None else prefix
+            events.append(block_stored([h], parent, _token_ids(t, 1, block_size), block_size, medium, salt))
+        return events
     if record[0] & 1 == REMOVED:
-        return [["BlockRemoved", list(record[1]), medium]]
-    _, hashes, _block_ids, token_bytes, parent = record
+        return [block_removed(list(record[1]), medium)]
+    _, hashes, _block_ids, token_bytes, parent = record[:5]
+    # A device record's sixth item is its chain's extra key (cachesvc.events).
+    root = parent is None and salt_of is not None and len(record) > 5
+    salt = salt_of(record[5]) if root else None
     token_ids = _token_ids(token_bytes, len(hashes), block_size)
-    # lora_id (deprecated in vLLM) and lora_name: adapters enter our chain through its root
-    # (extra_key), so neither is needed to read the hashes; both stay None.
-    return [["BlockStored", list(hashes), parent, token_ids, block_size, None, medium, None]]
+    return [block_stored(list(hashes), parent, token_ids, block_size, medium, salt)]
 
 
 def _token_ids(token_bytes: bytes, num_blocks: int, block_size: int) -> list[int]:
@@ -87,7 +143,7 @@ def _token_ids(token_bytes: bytes, num_blocks: int, block_size: int) -> list[int
 
 
 def encode_batch(ts: float, events: list, data_parallel_rank: int | None = 0) -> bytes:
-    """msgpack of a KVEventBatch: ``[ts, events, data_parallel_rank]``."""
+    """msgpack of a KVEventBatch: ``[ts, events, data_parallel_rank]`` (an array in both formats)."""
     return msgpack.packb([ts, events, data_parallel_rank], use_bin_type=True)
 
 
@@ -96,7 +152,8 @@ class KvEventsPublisher:
 
     ``__call__(records)`` is an ``EventLog`` sink: it runs on the service's asyncio loop and only
     enqueues. A daemon thread owns both sockets: it encodes, numbers, sends and keeps the newest
-    ``buffer_batches`` payloads for replay.
+    ``buffer_batches`` payloads for replay. ``event_format`` is one of FORMATS; ``salt_of``
+    (called from that thread) names the tenant salt of a chain's extra key.
     """
 
     # NOTE: a thread with a queue, as vLLM's publisher has, rather than NOBLOCK sends on the
@@ -112,12 +169,18 @@ class KvEventsPublisher:
         replay_endpoint: str | None = None,
         topic: str = "kv-events",
         medium: str = "GPU",
+        event_format: str = "map",
+        salt_of: SaltOf | None = None,
         buffer_batches: int = 10_000,
         max_queue: int = 100_000,
         hwm: int = 100_000,
     ) -> None:
+        if event_format not in FORMATS:
+            raise ValueError(f"KV event format {event_format!r}: one of {', '.join(FORMATS)}")
         self.block_size = block_size
         self.medium = medium
+        self.array = event_format == "array"
+        self.salt_of = salt_of
         self.topic = topic.encode("utf-8")
         self.num_dropped = 0  # batches refused because the queue was full
         self._queue: queue.Queue = queue.Queue(max_queue)
@@ -141,7 +204,7 @@ class KvEventsPublisher:
         self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT) if self._replay else None
         # A new service holds no block: consumers that knew an earlier one here start over.
-        self._queue.put((time.time(), [["AllBlocksCleared"]]))
+        self._queue.put((time.time(), [{"type": "AllBlocksCleared"}]))
         self._thread = threading.Thread(target=self._run, name="kv-events-zmq", daemon=True)
         self._thread.start()
 
@@ -179,11 +242,11 @@ class KvEventsPublisher:
         # A record is an EventRecord (kind int first) or, for the startup batch, an event already.
         events = []
         for record in records:
-            if isinstance(record[0], str):
+            if isinstance(record, dict):
                 events.append(record)
             else:
-                events += encode_record(record, self.block_size, self.medium)
-        return encode_batch(ts, events)
+                events += encode_record(record, self.block_size, self.medium, self.salt_of)
+        return encode_batch(ts, [as_array(e) for e in events] if self.array else events)
 
     def _run(self) -> None:
         try:

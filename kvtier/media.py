@@ -38,6 +38,9 @@ MEDIA: tuple[Medium, ...] = (
     Medium("device", 0, 0.0, None),
     Medium("host", 1, 0.2, "CPU"),
     Medium("disk", 2, 0.3, "DISK"),
+    # Mooncake Store across nodes (cachesvc.shared_tier): a network fetch, priced from
+    # bench/shared_tier.py's store-vs-recompute TTFT; below the node's own media.
+    Medium("shared", 3, 0.4, "SHARED"),
 )
 """Every medium, by rank. A row's position is its rank (``kvtier.cachesvc.events`` numbers event
 kinds by it)."""

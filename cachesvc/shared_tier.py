@@ -1,0 +1,246 @@
+"""The shared tier: published blocks in Mooncake Store, so a prefix computed on any node hits on every node.
+
+A ``Tier`` (``cachesvc.tiers``) of medium ``shared`` (``kvtier.media``: ranked below the disk,
+priced below the host cache and above recompute). It holds nothing itself: its blocks are
+objects in the store, reached through ``cachesvc.store_client.StoreClient``, whose every call is
+bounded and whose circuit breaker turns a store that is down, slow or full into misses (the node
+serves from its own tiers and recomputes; one WARNING; it comes back on its own).
+
+One block is one object:
+
+- **its name** is the block's full identity: ``kvtier/<model fingerprint, 16 hex>/<digest>``
+  where the digest is SHA-256 over the pool's layout (model fingerprint, block size, dtype,
+  block shape, block bytes: ``disk_records.RecordLayout``) and the block's prefix-index key
+  (``parent-or-extra || token ids``; the chain's root mixes in the model, the tenant's salt and
+  the adapter: ``kvtier.block_hash``). Two tenants' blocks, or two models', never share a name.
+- **its bytes** are a disk record (``cachesvc.disk_records``: magic and version, msgpack header
+  with the layout, the parent hash and the key, the payload, a blake2b-256 checksum). A load
+  checks all of it (``disk_records.decode``) before one byte reaches the pool: a damaged object,
+  or another model's object under a colliding name, is a miss, counted as ``bad_objects``.
+
+Writes: ``submit_store`` copies each block's bytes out of the pool row before it returns and
+queues the object; the store client's writer puts it. The store evicts on its own (its
+master's watermark, LRU by lease); this tier evicts nothing. Policy (``--shared-tier-policy``):
+``evict`` takes what the node's own lowest tier evicts (the stack's order); ``through`` also
+takes the device's evictions of blocks hit at least ``--shared-tier-min-hits`` times.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import warnings
+from collections import OrderedDict, deque
+from collections.abc import Container, Sequence
+from typing import TYPE_CHECKING
+
+from kvtier.cachesvc.disk_records import KEY_PREFIX_BYTES, BadRecord, RecordLayout, decode, encode, file_name
+from kvtier.cachesvc.events import tier_kind
+from kvtier.cachesvc.store_client import StoreClient
+from kvtier.cachesvc.tiers import Blocks, Job, JobResult, Lookup, Tier, TierCounts
+from kvtier.media import medium
+
+if TYPE_CHECKING:
+    from kvtier.cachesvc.events import EventRecord
+
+log = logging.getLogger("kvtier.cache")
+
+POLICIES = ("evict", "through")
+KNOWN_KEYS = 65536  # keys this node knows the store held when last asked (the cheap ``held`` view)
+OBJECT_PREFIX = "kvtier"
+
+
+def object_name(layout: RecordLayout, key: bytes) -> str:
+    """The store's name for the block whose prefix-index key is ``key`` in a pool of ``layout``."""
+    digest = hashlib.sha256()
+    for part in (
+        layout.model_fingerprint,
+        str(layout.block_size),
+        layout.dtype,
+        ",".join(map(str, layout.shape)),
+        str(layout.block_bytes),
+    ):
+        digest.update(part.encode() + b"\0")
+    digest.update(key)
+    return f"{OBJECT_PREFIX}/{layout.model_fingerprint[:16]}/{digest.hexdigest()}"
+
+
+def encode_object(layout: RecordLayout, key: bytes, payload) -> list[bytes]:
+    """The object's parts (head + meta, payload, checksum), the payload copied (the pool row may
+    be overwritten once the caller returns)."""
+    head, body, checksum = encode(layout, key, key[:KEY_PREFIX_BYTES], payload)
+    return [head, bytes(body), checksum]
+
+
+def decode_object(layout: RecordLayout, key: bytes, data: bytes) -> memoryview:
+    """The payload of object ``data`` fetched for ``key``, after every check; BadRecord otherwise."""
+    return decode(layout, data, file_name(key), key)[1]
+
+
+class SharedTier(Tier):
+    """Blocks of this pool's ``layout`` in Mooncake Store through ``client`` (module docstring)."""
+
+    medium = medium("shared")
+
+    def __init__(
+        self, client: StoreClient, layout: RecordLayout, *, policy: str = "evict", min_hits: int = 0
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"--shared-tier-policy {policy!r} is not one of {POLICIES}")
+        if min_hits < 0:
+            raise ValueError(f"--shared-tier-min-hits = {min_hits} must be >= 0")
+        self.client = client
+        self.layout = layout
+        self.block_bytes = layout.block_bytes
+        self.write_through = policy == "through"
+        self.min_hits = min_hits
+        # Keys the store held when this node last asked or wrote them, most recent last: the
+        # cheap ``held`` view (a hint: a load still checks the store and the object).
+        self._known: OrderedDict[bytes, None] = OrderedDict()
+        self._epoch = client.breaker.epoch  # the store's objects may be gone after it was down
+        self._results: list[JobResult] = []
+        self._events: deque = deque()
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(("hits", "promotions", "stored", "skipped", "bad_objects", "misses"), 0)
+
+    # -- lookups ----------------------------------------------------------------------------------
+
+    def lookup(self, key: bytes) -> Lookup:
+        found = self.client.exists([object_name(self.layout, key)])
+        if not found or not found[0]:
+            return Lookup.MISS
+        self._remember([key])
+        return Lookup.HIT
+
+    def lookup_chain(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` the store holds: one bounded batch call (0 when it is down)."""
+        if not keys:
+            return 0
+        found = self.client.exists([object_name(self.layout, k) for k in keys])
+        if found is None:
+            return 0
+        n = found.index(False) if False in found else len(found)
+        self._remember(keys[:n])
+        return n
+
+    def held(self) -> Container[bytes]:
+        if self._epoch != self.client.breaker.epoch:  # the store was down: it may have restarted empty
+            self._epoch = self.client.breaker.epoch
+            with self._lock:
+                self._known.clear()
+        return self._known
+
+    def _remember(self, keys: Sequence[bytes]) -> None:
+        known = self._known
+        with self._lock:
+            for key in keys:
+                known[key] = None
+                known.move_to_end(key)
+            while len(known) > KNOWN_KEYS:
+                known.popitem(last=False)
+
+    # -- stores -----------------------------------------------------------------------------------
+
+    def submit_store(self, job: Job) -> Blocks | None:
+        """Queue the blocks as objects (their bytes copied now); a block the client cannot take
+        (the store down, the queue full) is skipped and counted. Evicts nothing."""
+        blocks = job.blocks
+        rows = blocks.rows
+        stored: list[bytes] = []
+        known = self.held()
+        for key, row_id in zip(blocks.keys, blocks.row_ids, strict=True):
+            if key in known:
+                continue  # the store has it (another node's, or ours): no second write
+            parts = encode_object(self.layout, key, _row_bytes(rows[row_id]))
+            if self.client.put(object_name(self.layout, key), parts):
+                stored.append(key)
+            else:
+                self._counts["skipped"] += 1
+        if stored:
+            self._counts["stored"] += len(stored)
+            self._remember(stored)
+            self._events.append((tier_kind(True, self.medium.name), tuple(stored), (-1,) * len(stored)))
+        self._results.append(JobResult(job.job_id, len(blocks)))
+        return None
+
+    # -- loads ------------------------------------------------------------------------------------
+
+    def submit_load(self, job: Job) -> None:
+        """Fetch the job's keys in one bounded batch; copy the leading run that passes every check."""
+        blocks = job.blocks
+        names = [object_name(self.layout, k) for k in blocks.keys]
+        objects = self.client.get(names) if names else []
+        n = 0
+        for key, row_id, data in zip(blocks.keys, blocks.row_ids, objects or (), strict=False):
+            if not data:
+                self._forget(key)
+                self._counts["misses"] += 1
+                break
+            try:
+                payload = decode_object(self.layout, key, data)
+            except BadRecord as e:
+                self._counts["bad_objects"] += 1
+                self._forget(key)
+                log.warning("shared tier: object %s refused (%s); recomputing it", names[n], e)
+                break
+            _copy_into(blocks.rows[row_id], payload)
+            n += 1
+        self._counts["hits"] += n
+        self._counts["promotions"] += n
+        self._results.append(JobResult(job.job_id, n))
+
+    def finished_jobs(self, timeout_s: float = 0.0) -> list[JobResult]:
+        results, self._results = self._results, []
+        return results
+
+    def discard(self, key: bytes) -> bool:
+        """Forget ``key`` here (the object stays in the store: other nodes may read it)."""
+        return self._forget(key)
+
+    def _forget(self, key: bytes) -> bool:
+        with self._lock:
+            if key not in self._known:
+                return False
+            del self._known[key]
+            return True
+
+    def take_events(self) -> list[EventRecord]:
+        events = self._events
+        return [events.popleft() for _ in range(len(events))]
+
+    def counts(self) -> TierCounts:
+        c = self._counts
+        store = self.client.stats()
+        return TierCounts(
+            blocks=len(self._known),
+            bytes=len(self._known) * self.block_bytes,
+            hits=c["hits"],
+            promotions=c["promotions"],
+            stored=store["writes"],
+            skipped=c["skipped"] + store["dropped_writes"] + store["failed_writes"],
+            queue_depth=store["queue_depth"],
+            extra={**store, "bad_objects": c["bad_objects"], "misses": c["misses"], "queued": c["stored"]},
+        )
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _row_bytes(row) -> memoryview:
+    """One row (``[block_bytes]`` uint8 tensor) as a memoryview (a device row copied to the host)."""
+    return memoryview((row.cpu() if row.is_cuda else row).numpy())
+
+
+def _copy_into(row, payload: memoryview) -> None:
+    """Copy a checked payload into one row (a uint8 tensor, host or device)."""
+    import numpy as np
+
+    if not row.is_cuda:
+        row.numpy()[:] = np.frombuffer(payload, np.uint8)
+        return
+    import torch
+
+    with warnings.catch_warnings():  # the fetched object is read-only bytes; it is only read
+        warnings.simplefilter("ignore", UserWarning)
+        row.copy_(torch.frombuffer(payload, dtype=torch.uint8))

@@ -1,0 +1,349 @@
+"""A Mooncake Store client whose every call is bounded: the shared tier's only way to the store.
+
+Mooncake's Python client (``mooncake.store.MooncakeDistributedStore``, from the
+``mooncake-transfer-engine-non-cuda`` wheel: the ``kvtier[mooncake]`` extra) blocks in C++: with
+its master down a get or a put waits about 4 s for the connection to fail, and ``setup`` retries
+for 90 s. So nothing here calls it on the caller's thread:
+
+- ``connect`` runs ``setup`` on a thread of its own and retries it until it succeeds (the node
+  starts, serves and recomputes meanwhile);
+- reads (``exists``, ``get``) run on one reader thread and the caller waits at most
+  ``timeout_s``; a read still running past that is abandoned (its result is dropped) and the
+  tier counts as down;
+- writes (``put``) go onto a bounded queue that one writer thread drains; a full queue drops
+  the object (counted), so a caller never waits for a write.
+
+``Breaker`` is the circuit breaker around all three: a failed or late call opens it (one
+WARNING naming the cause), calls made while it is open answer at once (a miss, a dropped write),
+and every ``probe_s`` one probe read is tried off the caller's thread; when it answers, the
+breaker closes (one INFO line) and the tier serves again. No request waits on a dead store.
+
+The client is imported lazily (``connect``), so kvtier runs without the wheel when the shared
+tier is off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+log = logging.getLogger("kvtier.cache")
+
+SCHEME = "mooncake"
+DEFAULT_MASTER_PORT = 50051  # mooncake_master's --rpc_port default
+DEFAULT_METADATA_PORT = 8080  # mooncake_master's --http_metadata_server_port default
+PROBE_KEY = "kvtier-probe"  # a key no object has: the probe asks whether it exists
+
+
+class StoreUnavailable(RuntimeError):
+    """The store cannot be used (its client is not installed, or the URL is wrong); names why."""
+
+
+@dataclass(frozen=True)
+class StoreAddress:
+    """Where the store is: its master's RPC address and its metadata server's URL."""
+
+    master: str  # host:port of mooncake_master's RPC
+    metadata: str  # http://host:port/metadata (the master's built-in HTTP metadata server)
+
+    @classmethod
+    def parse(cls, url: str, metadata: str = "") -> StoreAddress:
+        """``mooncake://HOST[:PORT]`` (port default 50051); ``metadata`` default
+        ``http://HOST:8080/metadata``. ValueError naming the value otherwise."""
+        parts = urlsplit(url)
+        if parts.scheme != SCHEME or not parts.hostname or parts.path not in ("", "/"):
+            raise ValueError(f"--shared-tier {url!r} is not mooncake://HOST[:PORT]")
+        try:
+            port = parts.port or DEFAULT_MASTER_PORT
+        except ValueError:
+            raise ValueError(f"--shared-tier {url!r}: the port is not a number in 1..65535") from None
+        host = parts.hostname
+        if not metadata:
+            metadata = f"http://{host}:{DEFAULT_METADATA_PORT}/metadata"
+        elif urlsplit(metadata).scheme not in ("http", "https"):
+            raise ValueError(f"--shared-tier-metadata {metadata!r} is not an http:// URL")
+        return cls(f"{host}:{port}", metadata)
+
+
+class Breaker:
+    """Closed (calls go to the store) or open (they answer at once); ``clock`` is monotonic seconds."""
+
+    def __init__(self, probe_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.probe_s = probe_s
+        self.clock = clock
+        self.open = True  # until the client connects
+        self.reason = "not connected yet"
+        self.opened_at = clock()
+        self.times_opened = 0
+        self.epoch = 0  # times it closed: what a caller knew of the store before may be gone
+        self._warned = False  # a WARNING was logged since the breaker last closed
+
+    def trip(self, reason: str) -> None:
+        """Open the breaker (a WARNING the first time: the node serves from its own tiers)."""
+        if not self.open:
+            self.times_opened += 1
+        if not self._warned:
+            self._warned = True
+            log.warning(
+                "shared tier: %s; serving from this node's tiers and recomputing (probing every %g s)",
+                reason,
+                self.probe_s,
+            )
+        self.open, self.reason, self.opened_at = True, reason, self.clock()
+
+    def close(self) -> None:
+        if self.open:
+            log.info("shared tier: the store answers again (%s before)", self.reason)
+            self.epoch += 1
+        self.open, self.reason, self._warned = False, "", False
+
+    def probe_due(self) -> bool:
+        """Whether an open breaker should try the store again now (and restarts its wait)."""
+        if self.open and self.clock() - self.opened_at >= self.probe_s:
+            self.opened_at = self.clock()
+            return True
+        return False
+
+
+class StoreClient:
+    """Bounded calls on one Mooncake Store client (module docstring).
+
+    ``segment_bytes``: the memory this process lends the store (0: it only reads and writes;
+    the store's memory is its store servers'). ``buffer_bytes``: the client's local transfer
+    buffer. ``timeout_s``: the longest a caller waits for a read. ``queue_objects``: writes
+    waiting for the writer; more are dropped.
+    """
+
+    def __init__(
+        self,
+        address: StoreAddress,
+        *,
+        segment_bytes: int = 0,
+        buffer_bytes: int = 64 << 20,
+        timeout_s: float = 0.5,
+        probe_s: float = 5.0,
+        queue_objects: int = 256,
+        hostname: str = "",
+    ) -> None:
+        if timeout_s <= 0 or probe_s <= 0 or queue_objects <= 0 or segment_bytes < 0 or buffer_bytes <= 0:
+            raise ValueError(
+                f"shared tier timeout {timeout_s} s, probe {probe_s} s, queue {queue_objects}, "
+                f"segment {segment_bytes} B, buffer {buffer_bytes} B: each must be > 0 (segment >= 0)"
+            )
+        self.address = address
+        self.segment_bytes = segment_bytes
+        self.buffer_bytes = buffer_bytes
+        self.timeout_s = timeout_s
+        self.queue_objects = queue_objects
+        self.hostname = hostname or _local_hostname(address.master)
+        self.breaker = Breaker(probe_s)
+        self.counts = dict.fromkeys(("timeouts", "errors", "dropped_writes", "failed_writes", "writes"), 0)
+        self._store = None
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-store-read")
+        self._reading: Future | None = None  # the read in flight (one at a time)
+        self._queue: deque[tuple[str, list]] = deque()
+        self._writing = False  # the writer holds an object it took off the queue
+        self._cond = threading.Condition()
+        self._closed = False
+        self._writer = threading.Thread(target=self._write_loop, name="kvtier-store-write", daemon=True)
+
+    # -- connecting ---------------------------------------------------------------------------
+
+    def connect(self) -> None:
+        """Start connecting in the background (StoreUnavailable at once if the client is missing)."""
+        os.environ.setdefault("GLOG_minloglevel", "2")  # the C++ client's INFO lines: not ours to print
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as e:
+            raise StoreUnavailable(
+                f"--shared-tier needs Mooncake Store's client ({e}); install kvtier[mooncake] "
+                "(and the Debian packages libibverbs1 librdmacm1): scripts/setup.sh does both"
+            ) from None
+        threading.Thread(
+            target=self._connect_loop,
+            args=(MooncakeDistributedStore,),
+            name="kvtier-store-setup",
+            daemon=True,
+        ).start()
+
+    def _connect_loop(self, store_class) -> None:
+        while not self._closed:
+            store = store_class()
+            rc = store.setup(
+                self.hostname,
+                self.address.metadata,
+                self.segment_bytes,
+                self.buffer_bytes,
+                "tcp",
+                "",
+                self.address.master,
+            )
+            if rc == 0:
+                self._store = store
+                self._writer.start()
+                log.info(
+                    "shared tier: connected to mooncake://%s (metadata %s, lending %d MiB)",
+                    self.address.master,
+                    self.address.metadata,
+                    self.segment_bytes >> 20,
+                )
+                self.breaker.close()
+                return
+            self.breaker.trip(f"cannot connect to the store's master {self.address.master} (setup: {rc})")
+            time.sleep(self.breaker.probe_s)
+
+    @property
+    def connected(self) -> bool:
+        return self._store is not None
+
+    @property
+    def available(self) -> bool:
+        """Whether calls go to the store now; an open breaker past its wait sends one probe."""
+        if self._store is None:
+            return False
+        if self.breaker.open and self.breaker.probe_due() and self._idle():
+            self._reading = self._reader.submit(self._probe)
+        return not self.breaker.open
+
+    def _idle(self) -> bool:
+        return self._reading is None or self._reading.done()
+
+    def _probe(self) -> None:
+        if self._store.is_exist(PROBE_KEY) >= 0:
+            self.breaker.close()
+
+    # -- reads ----------------------------------------------------------------------------------
+
+    def exists(self, keys: Sequence[str]) -> list[bool] | None:
+        """Whether each of ``keys`` is in the store, or None (down, late: counted as a miss)."""
+        codes = self._read(self._store_exists, list(keys), "exists")
+        if codes is None or any(c < 0 for c in codes):
+            if codes is not None:
+                self._fail("errors", f"exists answered {min(codes)}")
+            return None
+        return [c == 1 for c in codes]
+
+    def get(self, keys: Sequence[str]) -> list[bytes] | None:
+        """The objects under ``keys`` (``b""`` for one the store does not hold), or None."""
+        return self._read(self._store_get, list(keys), "get")
+
+    def _store_exists(self, keys: list[str]) -> list[int]:
+        return self._store.batch_is_exist(keys)
+
+    def _store_get(self, keys: list[str]) -> list[bytes]:
+        return self._store.get_batch(keys)
+
+    def _read(self, call, keys: list[str], what: str):
+        if not keys or not self.available:
+            return None
+        if not self._idle():  # an earlier read is still stuck in the store
+            self._fail("timeouts", f"a {what} waits behind a read still running after {self.timeout_s} s")
+            return None
+        self._reading = future = self._reader.submit(call, keys)
+        try:
+            return future.result(self.timeout_s)
+        except FutureTimeout:
+            self._fail("timeouts", f"a {what} of {len(keys)} objects took over {self.timeout_s} s")
+        except Exception as e:  # the client's own errors: a miss, never the caller's failure
+            self._fail("errors", f"{what} failed: {e}")
+        return None
+
+    def _fail(self, count: str, reason: str) -> None:
+        self.counts[count] += 1
+        self.breaker.trip(reason)
+
+    # -- writes ---------------------------------------------------------------------------------
+
+    def put(self, key: str, parts: list) -> bool:
+        """Queue one object (``parts``: bytes-like, stored one after another); False if dropped."""
+        if not self.available or self._closed:
+            return False
+        with self._cond:
+            if len(self._queue) >= self.queue_objects:
+                self.counts["dropped_writes"] += 1
+                return False
+            self._queue.append((key, parts))
+            self._cond.notify()
+        return True
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                key, parts = self._queue.popleft()
+                self._writing = True
+            try:
+                self._put(key, parts)
+            finally:
+                self._writing = False
+
+    def _put(self, key: str, parts: list) -> None:
+        if self.breaker.open:
+            self.counts["dropped_writes"] += 1
+            return
+        started = time.monotonic()
+        try:
+            rc = self._store.put_parts(key, *parts)
+        except Exception as e:  # noqa: BLE001 - reported as the tier down
+            rc = f"{type(e).__name__}: {e}"
+        took = time.monotonic() - started
+        if rc == 0:
+            self.counts["writes"] += 1
+        else:
+            # The store full (no segment has room) or unreachable: writes stop until a probe
+            # answers; reads may still hit what it holds.
+            self.counts["failed_writes"] += 1
+            self.breaker.trip(f"a put failed ({rc}) after {took:.2f} s")
+
+    def wait_written(self, deadline_s: float = 10.0) -> bool:
+        """Wait until the write queue is empty (tests, benchmarks and shutdown); False at the deadline."""
+        deadline = time.monotonic() + deadline_s
+        while (self._queue or self._writing) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not (self._queue or self._writing)
+
+    def stats(self) -> dict:
+        return {
+            **self.counts,
+            "available": not self.breaker.open,
+            "times_down": self.breaker.times_opened,
+            "queue_depth": self.queue_depth,
+        }
+
+    def close(self) -> None:
+        """Write what the queue holds (a few seconds at most), then stop the threads."""
+        if self._store is not None and not self.breaker.open:
+            self.wait_written(5.0)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._reader.shutdown(wait=False, cancel_futures=True)
+
+
+def _local_hostname(master: str) -> str:
+    """The address this process offers the store's transfer engine: 127.0.0.1 beside a local
+    master, else this host's name (``MC_LOCAL_HOSTNAME`` or ``KVTIER_STORE_HOSTNAME`` overrides)."""
+    explicit = os.environ.get("KVTIER_STORE_HOSTNAME")
+    if explicit:
+        return explicit
+    host = master.rsplit(":", 1)[0]
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    import socket
+
+    return socket.gethostname()
