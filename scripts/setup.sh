@@ -23,7 +23,17 @@ extra=cuda
 if [ "$($VPY -c 'import torch; print((torch.version.cuda or "12").split(".")[0])')" = "13" ]; then
     extra=cuda13
 fi
-$VPY -m pip install -q -e ".[dev,$extra]"
+# Mooncake Store (the shared tier, kvtier[mooncake]) loads libibverbs and librdmacm even over TCP.
+if [ "$( (ldconfig -p 2>/dev/null || true) | grep -cE 'lib(ibverbs|rdmacm)\.so\.1 ')" -lt 2 ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        (apt-get update -q && apt-get install -y -q libibverbs1 librdmacm1) >/dev/null \
+            || echo "apt-get could not install libibverbs1 librdmacm1: the shared tier cannot load Mooncake Store" >&2
+    else
+        echo "libibverbs1 / librdmacm1 missing and not installable here (needs root and apt-get): the shared" \
+            "tier (--shared-tier, tests/test_shared_tier.py) cannot load Mooncake Store; install them" >&2
+    fi
+fi
+$VPY -m pip install -q -e ".[dev,$extra,mooncake]"
 $VPY -m kvtier.protogen --check >/dev/null 2>&1 || $VPY -m kvtier.protogen
 # promtool, for `promtool check metrics` in tests/test_vllm_metrics.py (which skips, saying so,
 # without it): on Debian, the prometheus package unpacked into .venv/bin (promtool is one static
