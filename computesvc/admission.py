@@ -12,7 +12,7 @@ up other tenants: the oldest request of another tenant may still fit. The schedu
 
 A tenant whose own quota or share refused an Allocate (TenantLimited) is held back: its
 requests are not sent again until one of its sequences here finishes (the scheduler lifts the
-hold) or `quota_retry_s` passes (its blocks may be held by other replicas): 0.05 s, doubling
+hold) or a while passes (its blocks may be held by other replicas): 0.05 s, doubling
 with each refusal in a row, at most 0.5 s. Retrying every step cost everyone: a refused call or
 two per decode step, and every step four times slower.
 """
@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable, Collection
 from typing import TYPE_CHECKING
 
 from kvtier.computesvc.cache_port import ExceedsLimit, NoFreeBlocks, SequenceBlocks, TenantLimited
+from kvtier.computesvc.preemption import backoff_s
 from kvtier.computesvc.request import Request
 from kvtier.computesvc.token_emitter import TokenEmitter
 
@@ -39,12 +40,6 @@ log = logging.getLogger("kvtier.compute")
 # bounds how late a request sees blocks its tenant freed on another replica.
 QUOTA_RETRY_S = 0.05
 MAX_QUOTA_RETRY_S = 0.5
-
-
-def quota_retry_s(refusals: int) -> float:
-    """Seconds a tenant waits after its own limit refused its Allocate `refusals` times in a row
-    (1, 2, ...): 0.05 s, 0.1 s, 0.2 s, 0.4 s, then 0.5 s."""
-    return min(MAX_QUOTA_RETRY_S, QUOTA_RETRY_S * 2 ** max(0, refusals - 1))
 
 
 class RequestRefused(Exception):
@@ -76,7 +71,7 @@ class Admission:
     def _hold(self, tenant: str) -> None:
         """`tenant`'s own limit refused its Allocate: send none of its requests for a while."""
         refusals = self._refusals[tenant] = self._refusals.get(tenant, 0) + 1
-        until = time.monotonic() + quota_retry_s(refusals)
+        until = time.monotonic() + backoff_s(refusals, QUOTA_RETRY_S, MAX_QUOTA_RETRY_S)
         self.held_back[tenant] = max(self.held_back.get(tenant, 0.0), until)
 
     async def admit(

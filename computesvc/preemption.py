@@ -78,10 +78,11 @@ BACKOFF_S = 0.05
 MAX_BACKOFF_S = 2.0
 
 
-def backoff_s(preemptions: int) -> float:
-    """Seconds a tenant waits for admission after its own limit preempted a sequence for the
-    `preemptions`-th time (1, 2, ...): 0.05 s, 0.1 s, 0.2 s, ... up to 2 s."""
-    return min(MAX_BACKOFF_S, BACKOFF_S * 2 ** max(0, preemptions - 1))
+def backoff_s(times: int, first_s: float = BACKOFF_S, cap_s: float = MAX_BACKOFF_S) -> float:
+    """Seconds a tenant waits for admission after its own limit preempted a sequence (or, with
+    admission's figures, refused its Allocate) for the `times`-th time in a row (1, 2, ...):
+    `first_s`, doubling, at most `cap_s` (0.05 s, 0.1 s, 0.2 s, ... up to 2 s by default)."""
+    return min(cap_s, first_s * 2 ** max(0, times - 1))
 
 
 @dataclass

@@ -39,10 +39,15 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     # A restarted cache service is reached again within ~1 s however long it was away (gRPC's
     # default backoff grows to 120 s: 14 s to notice a cache back after a 66 s outage).
+    # NOTE: not grpc.min_reconnect_backoff_ms: gRPC reads it as the minimum connect timeout (20 s
+    # by default), so 100 ms there failed a new connection to a service that took longer to send
+    # its HTTP/2 SETTINGS (a stall, a loaded machine): "connection attempt timed out before
+    # receiving SETTINGS frame". Backoff starts at initial_reconnect_backoff_ms without it.
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+# A heartbeat that failed is tried again this soon (seconds), until its lease would have run out.
+HEARTBEAT_RETRY_S = 0.1
 
 
 def allocate_fields(item: AllocateItem) -> dict:
@@ -111,7 +116,9 @@ class CacheClient:
         return self.channel.close()
 
     def _call(self, method, request):
-        return method(request, metadata=self.metadata, timeout=self.timeout_s)
+        # The requests this call serves, when the caller traces them (telemetry.for_requests).
+        metadata = telemetry.request_metadata(self.metadata)
+        return method(request, metadata=metadata, timeout=self.timeout_s)
 
     # ------------------------------------------------------------ leases
 
@@ -155,35 +162,40 @@ class CacheClient:
         *,
         close_when_done: bool = False,
     ) -> threading.Event:
-        """Sync channels: renew the lease every third of its TTL from a daemon thread, until the
+        """Sync channels: renew the lease from a daemon thread, at once (which opens the channel
+        while the service is known to answer) and then every third of its TTL, until the
         returned event is set or the lease is lost.
 
         ``on_renewed(sent_at)`` runs in the thread after each successful heartbeat (``sent_at`` on
-        the ``time.monotonic`` clock); ``on_lost(error)`` runs in the thread when a heartbeat fails
-        for any reason but its deadline (the service is gone, or no longer knows the lease), and
-        the thread ends. A heartbeat that only ran past its deadline is retried at once.
+        the ``time.monotonic`` clock). A heartbeat that failed, whatever its status, is tried
+        again every ``HEARTBEAT_RETRY_S`` on the same channel while the lease may still be alive
+        (a TTL since the last renewal sent): a service that stood still for less than that
+        (SIGSTOP, a loaded machine) costs nothing, since it gives a stall back to every lease.
+        ``on_lost(error)`` runs in the thread, and the thread ends, when the service says the
+        lease is gone (NOT_FOUND) or the lease ran out with every retry failing.
         ``close_when_done`` closes this client's channel when the thread ends (a client made for
         the heartbeats alone).
         """
         stop = threading.Event()
 
         def beat():
-            wait_s = self.lease_ttl_s / 3
+            wait_s, renewed_at = 0.0, time.monotonic()
             try:
                 while not stop.wait(wait_s):
-                    wait_s = self.lease_ttl_s / 3
                     sent_at = time.monotonic()
                     try:
                         self.heartbeat()
                     except grpc.RpcError as e:
-                        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                            # A third of the TTL more would leave too little of it: retry at once.
-                            log.warning("heartbeat ran past its deadline (%s); retrying now", e.details())
-                            wait_s = 0.0
-                            continue
-                        if on_lost is not None:
-                            on_lost(ConnectionError(f"heartbeat: {e.code().name}: {e.details()}"))
-                        return
+                        error = f"heartbeat: {e.code().name}: {e.details()}"
+                        left_s = renewed_at + self.lease_ttl_s - time.monotonic()
+                        if e.code() == grpc.StatusCode.NOT_FOUND or left_s <= 0:
+                            if on_lost is not None:
+                                on_lost(ConnectionError(error))
+                            return
+                        log.warning("%s; retrying (the lease has %.2fs left)", error, left_s)
+                        wait_s = min(HEARTBEAT_RETRY_S, left_s)
+                        continue
+                    wait_s, renewed_at = self.lease_ttl_s / 3, sent_at
                     if on_renewed is not None:
                         on_renewed(sent_at)
             finally:

@@ -37,9 +37,11 @@ log = logging.getLogger("kvtier.client")
 
 # NOTE: gRPC's default reconnect backoff (1 s growing to 120 s) keeps a restarted replica looking
 # dead for seconds; during a rolling restart the client would then run out of live replicas.
+# Not grpc.min_reconnect_backoff_ms: gRPC reads it as the minimum connect timeout (20 s by
+# default), and 100 ms there failed a fresh client's first requests to a busy replica
+# ("connection attempt timed out before receiving SETTINGS frame").
 RECONNECT = [
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 500),
 ]
 # A ping every 5 s on each connection, also between calls. grpc's own threads answer pings, so a

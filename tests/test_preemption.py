@@ -196,6 +196,8 @@ def test_the_ledger_counts_preemptions_and_steps_since_a_swap_in():
 def test_a_freed_victims_tenant_backs_off_doubling_up_to_a_cap():
     assert [backoff_s(n) for n in (1, 2, 3)] == [0.05, 0.1, 0.2]
     assert backoff_s(20) == 2.0
+    # Admission's hold on a tenant its own quota refused: 0.05 s doubling up to 0.5 s.
+    assert [backoff_s(n, 0.05, 0.5) for n in (1, 4, 5, 9)] == [0.05, 0.4, 0.5, 0.5]
 
 
 def test_an_unknown_policy_is_refused_naming_the_choices():

@@ -243,7 +243,7 @@ def test_a_request_waiting_on_its_tenants_quota_is_not_retried_every_step(servic
     waited_s = admitted_at - recorder.allocates[1]
     print(f"evil1 waited {waited_s:.2f}s: {refused} Allocates refused over {admitted_step} steps")
     assert recorder.admitted["evil0"][0] == recorder.admitted["acme0"][0] == 1
-    # Retried after 0.05 s, doubling up to 0.5 s (computesvc.admission.quota_retry_s), not each step.
+    # Retried after 0.05 s, doubling up to 0.5 s (computesvc.admission.QUOTA_RETRY_S), not each step.
     assert refused <= 5 + 2 * waited_s, (refused, waited_s, admitted_step)
     # ... and admitted at the step after evil0 finished and freed its blocks (the first Free).
     assert admitted_step == recorder.free_steps[0] + 1, (admitted_step, recorder.free_steps)
