@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 
 from kvtier import __version__
 from kvtier.auth import default_cache_address
-from kvtier.cachesvc import lower_tiers
+from kvtier.cachesvc import lower_tiers, shared_tier
 from kvtier.kv_dtypes import KV_CACHE_DTYPE_CHOICES
 
 GIB = 1 << 30
@@ -62,6 +62,12 @@ class CacheConfig:
     disk_write_policy: str
     disk_write_queue: int
     offload_min_hits: int
+    shared_tier: str  # mooncake://MASTER:PORT, or "" (off): cachesvc/shared_tier.py
+    shared_tier_metadata: str
+    shared_tier_segment_gib: float
+    shared_tier_timeout_s: float
+    shared_tier_policy: str
+    shared_tier_min_hits: int
 
     def describe(self) -> str:
         return " ".join(f"{k}={v}" for k, v in asdict(self).items())
@@ -169,6 +175,9 @@ def build_parser(prog: str = "python -m kvtier.cachesvc") -> argparse.ArgumentPa
         p.add_argument_group(
             "lower tiers", "the prefix cache below the pool: host memory, then disk (issue 22)"
         )
+    )
+    shared_tier.add_arguments(
+        p.add_argument_group("shared tier", "published blocks in Mooncake Store, shared by every node (issue 34)")
     )
     # A service keeps a share of host memory for the prefixes its pool evicts (issue 22): auto,
     # resolved at parse time (parse_config), and cheap until used (the host cache's slots are

@@ -27,6 +27,7 @@ takes the device's evictions of blocks hit at least ``--shared-tier-min-hits`` t
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import logging
 import threading
@@ -37,7 +38,7 @@ from typing import TYPE_CHECKING
 
 from kvtier.cachesvc.disk_records import KEY_PREFIX_BYTES, BadRecord, RecordLayout, decode, encode, file_name
 from kvtier.cachesvc.events import tier_kind
-from kvtier.cachesvc.store_client import StoreClient
+from kvtier.cachesvc.store_client import StoreAddress, StoreClient
 from kvtier.cachesvc.tiers import Blocks, Job, JobResult, Lookup, Tier, TierCounts
 from kvtier.media import medium
 
@@ -99,6 +100,7 @@ class SharedTier(Tier):
         # cheap ``held`` view (a hint: a load still checks the store and the object).
         self._known: OrderedDict[bytes, None] = OrderedDict()
         self._epoch = client.breaker.epoch  # the store's objects may be gone after it was down
+        self._view = _StoreView(self)
         self._results: list[JobResult] = []
         self._events: deque = deque()
         self._lock = threading.Lock()
@@ -125,6 +127,12 @@ class SharedTier(Tier):
         return n
 
     def held(self) -> Container[bytes]:
+        """Keys the store holds, asked as the stack walks a chain: what this node knows it held
+        (it wrote it, or a lookup found it), else one bounded question to the store per key (a
+        miss ends the walk, so a prompt the store lacks costs one; the breaker open: none)."""
+        return self._view
+
+    def _known_now(self) -> OrderedDict[bytes, None]:
         if self._epoch != self.client.breaker.epoch:  # the store was down: it may have restarted empty
             self._epoch = self.client.breaker.epoch
             with self._lock:
@@ -132,7 +140,7 @@ class SharedTier(Tier):
         return self._known
 
     def _remember(self, keys: Sequence[bytes]) -> None:
-        known = self._known
+        known = self._known_now()
         with self._lock:
             for key in keys:
                 known[key] = None
@@ -142,13 +150,13 @@ class SharedTier(Tier):
 
     # -- stores -----------------------------------------------------------------------------------
 
-    def submit_store(self, job: Job) -> Blocks | None:
+    def submit_store(self, blocks: Blocks, pass_down: bool = False) -> Blocks | None:
         """Queue the blocks as objects (their bytes copied now); a block the client cannot take
-        (the store down, the queue full) is skipped and counted. Evicts nothing."""
-        blocks = job.blocks
+        (the store down, the queue full) is skipped and counted. Evicts nothing (the store
+        evicts on its own), so nothing is passed down."""
         rows = blocks.rows
         stored: list[bytes] = []
-        known = self.held()
+        known = self._known_now()
         for key, row_id in zip(blocks.keys, blocks.row_ids, strict=True):
             if key in known:
                 continue  # the store has it (another node's, or ours): no second write
@@ -161,7 +169,6 @@ class SharedTier(Tier):
             self._counts["stored"] += len(stored)
             self._remember(stored)
             self._events.append((tier_kind(True, self.medium.name), tuple(stored), (-1,) * len(stored)))
-        self._results.append(JobResult(job.job_id, len(blocks)))
         return None
 
     # -- loads ------------------------------------------------------------------------------------
@@ -227,6 +234,19 @@ class SharedTier(Tier):
         self.client.close()
 
 
+class _StoreView:
+    """``SharedTier.held()``: ``key in view`` as its docstring says."""
+
+    __slots__ = ("tier",)
+
+    def __init__(self, tier: SharedTier) -> None:
+        self.tier = tier
+
+    def __contains__(self, key: object) -> bool:
+        tier = self.tier
+        return key in tier._known_now() or (tier.client.available and tier.lookup(key) is Lookup.HIT)
+
+
 def _row_bytes(row) -> memoryview:
     """One row (``[block_bytes]`` uint8 tensor) as a memoryview (a device row copied to the host)."""
     return memoryview((row.cpu() if row.is_cuda else row).numpy())
@@ -244,3 +264,49 @@ def _copy_into(row, payload: memoryview) -> None:
     with warnings.catch_warnings():  # the fetched object is read-only bytes; it is only read
         warnings.simplefilter("ignore", UserWarning)
         row.copy_(torch.frombuffer(payload, dtype=torch.uint8))
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The shared tier's flags (off unless ``--shared-tier`` is given)."""
+    ap.add_argument(
+        "--shared-tier", default="", metavar="mooncake://MASTER:PORT",
+        help="Mooncake Store's master (RPC port, 50051 by default): published blocks go there when this "
+        "node's own tiers evict them and are fetched from there on a miss, by any node; off when empty",
+    )  # fmt: skip
+    ap.add_argument(
+        "--shared-tier-metadata", default="", metavar="URL",
+        help="the store's metadata server (default: the master's built-in one, http://MASTER:8080/metadata)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--shared-tier-segment-gib", type=float, default=0.0,
+        help="memory this node lends the store (GiB); 0: the store's memory is its store servers' "
+        "(a node that dies then takes no object with it)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--shared-tier-timeout-s", type=float, default=0.5,
+        help="the longest a request waits on the store (a lookup or a fetch); past it the fetch is a miss, "
+        "the tier is off until a probe answers, and the prefix is recomputed: keep it below a prompt's prefill",
+    )  # fmt: skip
+    ap.add_argument(
+        "--shared-tier-policy", choices=POLICIES, default="evict",
+        help="evict: a block goes to the store when this node's lowest tier evicts it; through: also as soon "
+        "as the device evicts it, if it was hit --shared-tier-min-hits times",
+    )  # fmt: skip
+    ap.add_argument("--shared-tier-min-hits", type=int, default=0, help="see --shared-tier-policy through")
+
+
+def build(args: argparse.Namespace, pool_rows, layout: RecordLayout) -> SharedTier | None:
+    """The shared tier ``--shared-tier`` asks for (connecting in the background), or None;
+    ValueError naming a bad flag, StoreUnavailable without Mooncake's client."""
+    if not args.shared_tier:
+        return None
+    if args.shared_tier_segment_gib < 0:
+        raise ValueError(f"--shared-tier-segment-gib = {args.shared_tier_segment_gib} must be >= 0")
+    client = StoreClient(
+        StoreAddress.parse(args.shared_tier, args.shared_tier_metadata),
+        segment_bytes=int(args.shared_tier_segment_gib * 2**30),
+        timeout_s=args.shared_tier_timeout_s,
+    )
+    tier = SharedTier(client, layout, policy=args.shared_tier_policy, min_hits=args.shared_tier_min_hits)
+    client.connect()
+    return tier

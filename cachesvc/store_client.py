@@ -43,8 +43,9 @@ DEFAULT_METADATA_PORT = 8080  # mooncake_master's --http_metadata_server_port de
 PROBE_KEY = "kvtier-probe"  # a key no object has: the probe asks whether it exists
 
 
-class StoreUnavailable(RuntimeError):
-    """The store cannot be used (its client is not installed, or the URL is wrong); names why."""
+class StoreUnavailable(ValueError):
+    """The store cannot be used (its client is not installed); names why. A ValueError: the
+    service's ``main`` reports it as "cannot start: ..." as it does a bad flag."""
 
 
 @dataclass(frozen=True)

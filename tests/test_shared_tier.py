@@ -72,8 +72,9 @@ def rows(n: int, seed: int) -> torch.Tensor:
 
 
 def store_blocks(tier: SharedTier, keys: list[bytes], src: torch.Tensor) -> None:
-    assert tier.submit_store(Job(1, Blocks(keys, src, list(range(len(keys)))))) is None  # evicts nothing
-    assert [r.job_id for r in tier.finished_jobs()] == [1]
+    assert (
+        tier.submit_store(Blocks(keys, src, list(range(len(keys)))), pass_down=True) is None
+    )  # evicts nothing
     assert tier.client.wait_written(30.0), tier.client.stats()
 
 
