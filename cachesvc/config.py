@@ -177,7 +177,9 @@ def build_parser(prog: str = "python -m kvtier.cachesvc") -> argparse.ArgumentPa
         )
     )
     shared_tier.add_arguments(
-        p.add_argument_group("shared tier", "published blocks in Mooncake Store, shared by every node (issue 34)")
+        p.add_argument_group(
+            "shared tier", "published blocks in Mooncake Store, shared by every node (issue 34)"
+        )
     )
     # A service keeps a share of host memory for the prefixes its pool evicts (issue 22): auto,
     # resolved at parse time (parse_config), and cheap until used (the host cache's slots are
