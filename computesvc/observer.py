@@ -10,7 +10,8 @@ oldest request in flight and linked to every request they served. Each request's
 its `Generate` server span) has its share: a `prefill` span (an event a chunk), `decode` spans (an
 event a step; a new span after a preemption or every `DECODE_EVENTS_PER_SPAN` steps) and a
 `cache.<Method>` span for every cache call made for it (whichever call carried its commit), each
-linked to the batched span that did the work.
+linked to the batched span that did the work; the cache service's span for its share of the call
+is that span's child (``telemetry.for_requests``).
 """
 
 from __future__ import annotations
@@ -227,7 +228,8 @@ class SchedulerObserver:
                 attributes["kvtier.commit_tokens"] = req.num_computed - req.num_committed
             opened.append(self._request_span(name, req, step, **attributes))
         try:
-            yield
+            with telemetry.for_requests(opened):  # the RPC names them: the cache traces each
+                yield
         except BaseException as e:
             for span in opened:
                 span.set_status(trace.StatusCode.ERROR, f"{type(e).__name__}: {e}")

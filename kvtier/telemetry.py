@@ -27,7 +27,11 @@ are empty and channels are plain, so a disabled deployment pays nothing per RPC.
 
 Context crosses process boundaries in W3C ``traceparent`` metadata (the API's default global
 propagator), so client -> compute -> cache is one trace when every hop uses the interceptors and
-channels below. Spans still queued are exported by ``shutdown_tracing()``, which both services
+channels below. A batched call made for many requests (one Allocate for a step's new sequences)
+has one ``traceparent``, the step's; it also carries each request's own span in
+``kvtier-request-traceparents`` (``for_requests``, ``request_metadata``), and the server records
+a span per request in that request's trace around its handler (``aio_server_interceptors``):
+opening one request's trace shows the cache calls made for it, on both sides. Spans still queued are exported by ``shutdown_tracing()``, which both services
 call on their way out (and atexit runs). Wiring into a grpc.aio service::
 
     telemetry.setup_tracing("kvtier-cache")          # before the server and channels are built
@@ -38,16 +42,25 @@ call on their way out (and atexit runs). Wiring into a grpc.aio service::
 from __future__ import annotations
 
 import atexit
+import contextlib
+import contextvars
 import os
 import threading
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import grpc
 from opentelemetry import trace
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 TRACE_FILE_ENV = "KVTIER_TRACE_FILE"
 TRACE_HEARTBEATS_ENV = "KVTIER_TRACE_HEARTBEATS"
 PROTOCOLS = ("grpc", "http/protobuf")
+REQUEST_CONTEXTS_KEY = "kvtier-request-traceparents"
+"""Call metadata: comma-separated W3C traceparents of the requests a batched call serves."""
+MAX_REQUEST_CONTEXTS = 64
+"""At most this many per call (about 3.6 KB of metadata, under gRPC's 8 KB default limit); the
+requests past it keep their client-side span, linked to the step that made the call."""
 
 
 class _TracingState:
@@ -193,6 +206,9 @@ def _grpc_filter() -> Any:
 def aio_server_interceptors() -> list:
     """Interceptors for ``grpc.aio.server(interceptors=...)``: [] while tracing is off.
 
+    The OTel interceptor's server span is the call's; inside it, ``_RequestSpans`` records a span
+    per request the call serves, in that request's trace (``request_metadata``).
+
     NOTE: the OTel aio interceptor iterates server-streaming handlers with ``async for``, so a
     streaming RPC (e.g. ``Generate``) must be written as an async generator (``yield``), not with
     ``context.write``.
@@ -201,7 +217,96 @@ def aio_server_interceptors() -> list:
         return []
     from opentelemetry.instrumentation.grpc import aio_server_interceptor
 
-    return [aio_server_interceptor(filter_=_grpc_filter())]
+    # The first interceptor is the outermost: its server span is current in the second's wrapper.
+    return [aio_server_interceptor(filter_=_grpc_filter()), _RequestSpans()]
+
+
+# ---------------------------------------------------------------- a batched call's requests
+
+_requests: contextvars.ContextVar[tuple[trace.SpanContext, ...]] = contextvars.ContextVar(
+    "kvtier_requests", default=()
+)
+_propagator = TraceContextTextMapPropagator()
+
+
+@contextlib.contextmanager
+def for_requests(spans: Iterable[trace.Span]) -> Iterator[None]:
+    """While open, calls made through ``request_metadata`` name ``spans`` (one per request the
+    call serves: its span around the call) as the requests they serve."""
+    contexts = tuple(c for s in spans if (c := s.get_span_context()).is_valid and c.trace_flags.sampled)
+    token = _requests.set(contexts[:MAX_REQUEST_CONTEXTS])
+    try:
+        yield
+    finally:
+        _requests.reset(token)
+
+
+def request_metadata(metadata: tuple) -> tuple:
+    """``metadata`` plus the ``REQUEST_CONTEXTS_KEY`` entry of the open ``for_requests`` (as is
+    outside one, and always while tracing is off)."""
+    contexts = _requests.get()
+    if not contexts:
+        return metadata
+    parents = []
+    for context in contexts:
+        carrier: dict[str, str] = {}
+        _propagator.inject(carrier, trace.set_span_in_context(trace.NonRecordingSpan(context)))
+        parents.append(carrier["traceparent"])
+    return (*metadata, (REQUEST_CONTEXTS_KEY, ",".join(parents)))
+
+
+class _RequestSpans(grpc.aio.ServerInterceptor):
+    """A unary call carrying ``REQUEST_CONTEXTS_KEY``: a span named after its method in each
+    request's trace, child of that request's client-side span, around the handler; each linked to
+    the call's own server span, which links back to every one."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        metadata = handler_call_details.invocation_metadata or ()
+        value = next((v for k, v in metadata if k == REQUEST_CONTEXTS_KEY), None)
+        if handler is None or handler.unary_unary is None or not value:
+            return handler
+        behavior, method = handler.unary_unary, handler_call_details.method
+        parents = value.split(",")[:MAX_REQUEST_CONTEXTS]
+
+        async def traced(request, context):
+            with _spans_in_request_traces(method, parents):
+                return await behavior(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            traced,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+@contextlib.contextmanager
+def _spans_in_request_traces(name: str, parents: list[str]) -> Iterator[None]:
+    call = trace.get_current_span()
+    links = [trace.Link(call.get_span_context())] if call.get_span_context().is_valid else []
+    spans = []
+    for parent in parents:
+        context = _propagator.extract({"traceparent": parent})
+        if not trace.get_current_span(context).get_span_context().is_valid:
+            continue  # not a traceparent: nothing to hang a span on
+        span = tracer("kvtier.grpc").start_span(
+            name,
+            context=context,
+            kind=trace.SpanKind.SERVER,
+            links=links,
+            attributes={"rpc.system": "grpc", "kvtier.batch_size": len(parents)},
+        )
+        call.add_link(span.get_span_context())
+        spans.append(span)
+    try:
+        yield
+    except BaseException as e:
+        for span in spans:
+            span.set_status(trace.StatusCode.ERROR, f"{type(e).__name__}: {e}")
+        raise
+    finally:
+        for span in spans:
+            span.end()
 
 
 def server_interceptors() -> list:

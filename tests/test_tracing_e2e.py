@@ -92,7 +92,9 @@ class Trace:
 def check_request_trace(t: Trace, server: dict, completion_tokens: int) -> None:
     """`server` (a Generate server span) has its request's own spans under it: one prefill, decode
     spans with an event per decode step, and a span for each cache call made for it, each linked
-    to the step that made the real RPC (whose cache-service span is its child)."""
+    to the step that made the real RPC (whose cache-service span is its child) and parent of the
+    cache service's span for this request's share of that call: the request's trace holds its
+    cache calls on both sides, however many requests each call served."""
     rid = server["attributes"]["kvtier.request_id"]
     # (The steps it parented, as the oldest request in flight, are its children too.)
     own = [s for s in t.children(server) if s["name"] != "scheduler.step"]
@@ -113,6 +115,16 @@ def check_request_trace(t: Trace, server: dict, completion_tokens: int) -> None:
             assert rpc and t.service(rpc[0]) == "kvtier-compute", (rid, method)
             (served,) = t.children(rpc[0])
             assert t.service(served) == "kvtier-cache"
+            # The cache service's span for this request, in this request's trace, linked to the
+            # server span of the batched RPC (a child of the step's client span), and back.
+            (share,) = t.children(call)
+            assert t.service(share) == "kvtier-cache", (rid, method)
+            assert share["name"] == f"/kvtier.v1.CacheService/{method}", share["name"]
+            assert share["context"]["trace_id"] == server["context"]["trace_id"]
+            (batch,) = t.linked(share)
+            assert t.service(batch) == "kvtier-cache" and t.parent(t.parent(batch)) is step, (rid, method)
+            assert share["context"]["span_id"] in {link["context"]["span_id"] for link in batch["links"]}
+            assert share["status"]["status_code"] == call["status"]["status_code"], (rid, method)
     # The prompt's commit: its own Commit call after the prefill; every later token's rides on an
     # Extend, SwapOut or Free, and each token with KV (all but the last sampled) is committed once
     # (a refused call, an Extend that found no room, applies none of its commits).
