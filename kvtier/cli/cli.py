@@ -99,9 +99,11 @@ def _stack(args) -> tuple[object, dict]:
         "gateway_port": getattr(args, "gateway_port", 0),
         "model": args.model,
     }
-    if num_nodes > 1:
-        stack = MultiNodeStack(run_dir, num_nodes, **common)
+    shared_gib = getattr(args, "shared_tier", 0.0)
+    if num_nodes > 1 or shared_gib:
+        stack = MultiNodeStack(run_dir, num_nodes, shared_tier_gib=shared_gib, **common)
         what = f"{num_nodes} nodes, each a cache service (its own pool) + {args.replicas} compute replicas"
+        what += f", sharing a {shared_gib:g} GiB Mooncake Store" if shared_gib else ""
     else:
         stack = LocalStack(run_dir, **common)
         what = f"cache service + {args.replicas} compute replicas"
@@ -306,19 +308,10 @@ def _stack_flags(p: argparse.ArgumentParser) -> None:
         "(default: auto, as a hand-started `kvtier cache`)",
     )
     p.add_argument(
-        "--num-blocks",
-        type=int,
-        default=2048,
-        help="KV blocks in each cache service's pool (default: 2048; a hand-started `kvtier cache` "
-        "sizes its pool from memory)",
-    )
-    p.add_argument(
-        "--block-size",
-        type=int,
-        default=16,
-        choices=(8, 16, 32, 64),
-        help="tokens per KV block (default: 16)",
-    )
+        "--num-blocks", type=int, default=2048,
+        help="KV blocks in each cache service's pool (default: 2048; a hand-started `kvtier cache` sizes its pool from memory)",
+    )  # fmt: skip
+    p.add_argument("--block-size", type=int, default=16, choices=(8, 16, 32, 64), help="tokens per KV block (default: 16)")  # fmt: skip
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together per replica")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per replica (default: 1)")
     p.add_argument(
@@ -379,6 +372,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="nodes to start, each a cache service with its own pool (standing for one GPU) and "
         "--replicas replicas; with more than one, the gateway routes across them (KV-aware)",
     )
+    up.add_argument(
+        "--shared-tier", nargs="?", type=float, const=1.0, default=0.0, metavar="GIB",
+        help="start Mooncake Store (mooncake_master + a store server of GIB GiB, 1 if not given; kvtier[mooncake]) "
+        "beside the nodes, every node's cache service using it as its shared tier",
+    )  # fmt: skip
     up.add_argument(
         "--routing",
         choices=("kv-aware", "round-robin", "random"),

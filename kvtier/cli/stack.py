@@ -309,8 +309,10 @@ class MultiNodeStack:
     gateway_args: list[str] | None = None
     gateway_port: int = 8000
     model: str | None = None
+    shared_tier_gib: float = 0.0  # > 0: a Mooncake Store of this many GiB beside the nodes (shared tier)
     nodes: list[LocalStack] = field(default_factory=list)
     gateway: Process | None = None
+    store: object | None = None  # kvtier.cli.store_master.StoreMaster, with shared_tier_gib
 
     def _env(self) -> dict[str, str]:
         env = dict(self.env if self.env is not None else os.environ)
@@ -340,10 +342,16 @@ class MultiNodeStack:
     def up(self) -> MultiNodeStack:
         ensure_run_dir(self.run_dir)
         env = self._env()
+        cache_args = self.cache_args
+        if self.shared_tier_gib:  # the store first: every node's cache service points at it
+            from kvtier.cli.store_master import StoreMaster
+
+            self.store = StoreMaster(self.run_dir, self.shared_tier_gib, env=env).up()
+            cache_args = [*cache_args, *self.store.node_flags()]
         self.nodes = [
             LocalStack(
                 self.run_dir / f"node-{i}",
-                self.cache_args,
+                cache_args,
                 self.compute_args,
                 self.num_replicas,
                 env,
@@ -391,13 +399,17 @@ class MultiNodeStack:
 
     @property
     def processes(self) -> list[Process]:
-        return [p for node in self.nodes for p in node.processes] + ([self.gateway] if self.gateway else [])
+        store = self.store.processes if self.store is not None else []
+        nodes = [p for node in self.nodes for p in node.processes]
+        return [*store, *nodes, *([self.gateway] if self.gateway else [])]
 
     def down(self) -> None:
         if self.gateway is not None:
             self.gateway.stop()
         for node in self.nodes:
             node.down()
+        if self.store is not None:
+            self.store.down()
         (self.run_dir / STACK_FILE).unlink(missing_ok=True)
 
     def __enter__(self) -> MultiNodeStack:
