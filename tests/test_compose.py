@@ -464,3 +464,26 @@ def test_healthcheck_exits_zero_only_when_serving(health_server):
 def test_healthcheck_fails_fast_when_nothing_listens(tmp_path: Path):
     down = probe(f"unix://{tmp_path}/absent.sock", "--timeout", "1")
     assert down.returncode == 1 and "UNAVAILABLE" in down.stderr
+
+
+def test_every_cache_points_at_the_mooncake_master_and_the_store_server_lends_it_memory(services):
+    """The shared tier (issue 34): every node's cache service names the master's RPC port and its
+    built-in metadata server; the store server registers with the same two; no store port is
+    published outside the compose network (none of them authenticates)."""
+    master, store = services["mooncake-master"]["command"], services["mooncake-store"]["command"]
+    rpc = f"mooncake-master:{flag(master, 'rpc_port')}"
+    metadata = f"http://mooncake-master:{flag(master, 'http_metadata_server_port')}/metadata"
+    assert flag(master, "enable_http_metadata_server") == "true"
+    assert services["mooncake-master"]["entrypoint"][0].endswith("/.venv/bin/mooncake_master")
+    assert services["mooncake-store"]["entrypoint"][0].endswith("/.venv/bin/mooncake_client")
+    assert flag(store, "master_server_address") == rpc and flag(store, "metadata_server") == metadata
+    assert re.fullmatch(r"\d+GB", flag(store, "global_segment_size"))
+    for cache in CACHE_SERVICES:
+        command = services[cache]["command"]
+        assert flag(command, "shared-tier") == f"mooncake://{rpc}", cache
+        assert flag(command, "shared-tier-metadata") == metadata, cache
+        # Not a dependency: the cache starts (and recomputes) while the store is not up yet.
+        assert services[cache]["depends_on"]["mooncake-master"]["condition"] == "service_started", cache
+    for name in ("mooncake-master", "mooncake-store"):
+        assert "ports" not in services[name], name
+        assert services[name]["restart"] == "unless-stopped" and services[name]["healthcheck"]["test"], name
