@@ -12,6 +12,11 @@ and sets the logits of every token the grammar does not allow next to -inf, in t
 a batch without constrained requests pays one list scan, and the unconstrained rows of a mixed
 batch are copied, never masked. End-of-sequence is among the allowed tokens only where the
 grammar accepts the output so far. `accept` then moves each matcher past its sampled token.
+
+Every constrained row's mask is also ANDed with the tokens that keep its bytes well-formed UTF-8
+(computesvc.utf8_mask): xgrammar's character classes admit surrogates and overlong forms on
+byte-level and byte-fallback vocabularies, and no grammar, mode or schema may emit them. A row
+left without any token (a grammar that allows only ill-formed bytes there) fails its request.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any
 
 import torch
 
+from kvtier.computesvc.utf8_mask import ACCEPT, Utf8Mask
 from kvtier.structured_output import CHOICE, GRAMMAR, JSON_OBJECT, JSON_SCHEMA, REGEX, Constraint
 
 log = logging.getLogger("kvtier.compute")
@@ -35,19 +41,28 @@ _XGR_PREFIX = re.compile(r"^\[[^\]]*\] \S+:\d+: ")
 
 
 class GrammarState:
-    """One request's position in its grammar: the xgrammar matcher and whether it has finished
-    (accepted end-of-sequence; nothing is masked after that)."""
+    """One request's position in its grammar: the xgrammar matcher, where its bytes are in a
+    UTF-8 character (`utf8`, a utf8_mask state), whether it has finished (accepted
+    end-of-sequence; nothing is masked after that), and why no token was allowed (`stuck`)."""
 
-    def __init__(self, matcher: Any):
+    def __init__(self, matcher: Any, utf8: Utf8Mask):
         self.matcher = matcher
+        self.utf8_mask = utf8
+        self.utf8 = ACCEPT
         self.finished = False
+        self.stuck: str | None = None
 
     def accept(self, token: int) -> bool:
         """Move past `token` (just sampled from the masked logits): False if the grammar refuses
-        it, which the mask makes impossible unless the row's sampling failed."""
+        it or it breaks UTF-8, which the mask makes impossible unless the row's sampling failed."""
         if self.finished:
             return True
+        utf8 = self.utf8_mask.next_state(self.utf8, token)
+        if utf8 < 0:
+            return False
         ok = bool(self.matcher.accept_token(token))
+        if ok:
+            self.utf8 = utf8
         self.finished = ok and self.matcher.is_terminated()
         return ok
 
@@ -64,6 +79,7 @@ class Grammars:
         self.vocab_size = vocab_size
         self._eos = list(eos_token_ids)
         self._compiler: Any = None
+        self._utf8: Utf8Mask | None = None
         self._lock = threading.Lock()  # one vocabulary scan even when two requests come at once
 
     def _compiler_of(self) -> Any:
@@ -77,6 +93,9 @@ class Grammars:
                 self._compiler = xgrammar.GrammarCompiler(
                     info, max_threads=1, cache_enabled=True, cache_limit_bytes=GRAMMAR_CACHE_BYTES
                 )
+                # The bytes xgrammar matches for each token (byte-level and byte-fallback decoded).
+                specials = [*info.special_token_ids, *info.stop_token_ids]
+                self._utf8 = Utf8Mask(info.decoded_vocab, specials, self.vocab_size)
             return self._compiler
 
     def compile(self, constraint: Constraint) -> Any:
@@ -109,7 +128,8 @@ class Grammars:
         earlier attempt delivered; ValueError if the grammar refuses them)."""
         import xgrammar
 
-        state = GrammarState(xgrammar.GrammarMatcher(self.compile(constraint)))
+        grammar = self.compile(constraint)
+        state = GrammarState(xgrammar.GrammarMatcher(grammar), self._utf8)
         for i, token in enumerate(output_token_ids):
             if not state.accept(token):
                 raise ValueError(
@@ -121,7 +141,8 @@ class Grammars:
 def mask_logits(logits: torch.Tensor, states: list[GrammarState | None]) -> torch.Tensor:
     """`logits` [num_seqs, vocab] with each constrained row's disallowed tokens at -inf: a new
     tensor when some row is constrained (the input stays the raw logits, for logprobs), the same
-    tensor when none is. `states[i]`: row i's grammar (None = unconstrained)."""
+    tensor when none is. `states[i]`: row i's grammar (None = unconstrained). A row whose grammar
+    allows no well-formed token gets its state's `stuck` set (`advance` fails it)."""
     rows = [i for i, s in enumerate(states) if s is not None and not s.finished]
     if not rows:
         return logits
@@ -134,6 +155,11 @@ def mask_logits(logits: torch.Tensor, states: list[GrammarState | None]) -> torc
         matchers[0].fill_next_token_bitmask(bitmask, rows[0])
     else:
         _batch_matcher().batch_fill_next_token_bitmask(matchers, bitmask, indices=rows)
+    utf8 = states[rows[0]].utf8_mask
+    for row in utf8.restrict(bitmask, rows, [states[i].utf8 for i in rows]):
+        states[
+            row
+        ].stuck = "the request's grammar allows no token here that keeps the output well-formed UTF-8"
     out = logits.float().clone() if logits.dtype != torch.float32 else logits.clone()
     if out.device.type != "cpu":
         bitmask = bitmask.to(out.device, non_blocking=True)
@@ -181,15 +207,18 @@ def bounded_strings(schema: Any) -> Any:
 
 
 def choice_grammar(choices: tuple[str, ...]) -> str:
-    """An EBNF grammar whose language is exactly `choices` (each a JSON-escaped string literal,
-    which xgrammar's EBNF reads)."""
-    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+    """An EBNF grammar whose language is exactly `choices`: each a JSON string literal, which
+    xgrammar's EBNF reads, with non-ASCII characters as themselves (an escaped character past
+    U+FFFF would be two \\u surrogate escapes, which xgrammar encodes as two surrogates)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
 def advance(states: list[GrammarState | None], tokens: list[int], failed: dict[int, str]) -> dict[int, str]:
     """Move each constrained request past its sampled token; {row: why} for the rows whose token
     the grammar refused (added to `failed`, whose rows are skipped)."""
     for i, (state, token) in enumerate(zip(states, tokens, strict=True)):
-        if state is not None and i not in failed and not state.accept(token):
+        if state is not None and state.stuck:
+            failed[i] = state.stuck
+        elif state is not None and i not in failed and not state.accept(token):
             failed[i] = f"the sampled token {token} does not match the request's grammar"
     return failed
