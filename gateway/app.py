@@ -17,10 +17,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import kvtier
 from kvtier.api_keys import ApiKeys
-from kvtier.gateway import errors
+from kvtier.gateway import errors, limits
 from kvtier.gateway.engine import Engine, Streams, usage_of
 from kvtier.gateway.errors import APIError, bad_request, unsupported
-from kvtier.gateway.limits import BodyLimit, check_fields, check_model, max_body_bytes, off_loop
+from kvtier.gateway.limits import BodyLimit, check_fields, check_model, off_loop
 from kvtier.gateway.metrics import GatewayMetrics
 from kvtier.gateway.model import ServedModel
 from kvtier.gateway.protocol import (
@@ -39,7 +39,14 @@ from kvtier.gateway.router import Router
 from kvtier.gateway.streaming import ChatEvents, CompletionEvents, Events
 from kvtier.gateway.structured_output import constraint_of, with_param
 from kvtier.gateway.tokenize import tokenize_routes
-from kvtier.gateway.tools import DEFAULT_PARSER, ToolChatEvents, ToolOutput, ToolPlan, plan_tools
+from kvtier.gateway.tools import (
+    DEFAULT_PARSER,
+    ToolChatEvents,
+    ToolOutput,
+    ToolPlan,
+    calls_for_template,
+    plan_tools,
+)
 
 log = logging.getLogger("kvtier.gateway")
 
@@ -100,12 +107,14 @@ def create_app(
     router: Router | None = None,
     metrics: GatewayMetrics | None = None,
     tool_call_parser: str = DEFAULT_PARSER,
+    max_body_bytes: int | None = None,
 ) -> FastAPI:
     """`api_key`: the one key /v1 requests need (calls go on with the node `token`). `keys`:
     client API keys per tenant (kvtier.api_keys); each request's own key is checked here and
     forwarded to Generate, so the replica charges that key's tenant and no node token is needed.
     `router`: route each request to one node's replicas (gateway.router). `tool_call_parser`:
-    how tool calls are read from the output under tool_choice auto (gateway.tools.PARSERS)."""
+    how tool calls are read from the output under tool_choice auto (gateway.tools.PARSERS).
+    `max_body_bytes`: the largest request body (None: gateway.limits.max_body_bytes of the model)."""
     engine = Engine(addresses, model, max_n, token, forward_keys=keys is not None, router=router)
     metrics = metrics if metrics is not None else GatewayMetrics()  # the router's counters live there too
 
@@ -120,7 +129,8 @@ def create_app(
     app = FastAPI(title="kvtier gateway", version=kvtier.__version__, lifespan=lifespan)
     app.state.engine, app.state.metrics = engine, metrics
     errors.install(app)
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes(model))  # inside MetricsAndLogs: counted
+    body_limit = max_body_bytes or limits.max_body_bytes(model)
+    app.add_middleware(BodyLimit, max_bytes=body_limit)  # inside MetricsAndLogs: counted
     app.add_middleware(MetricsAndLogs, metrics=metrics)
 
     api = OpenAIRoutes(engine, model, metrics, tool_call_parser)
@@ -343,7 +353,7 @@ def chat_prompt(req: ChatCompletionRequest, model: ServedModel, tools: list[dict
                     code="unsupported_parameter",
                 )
             content = "\n".join(part.text or "" for part in content)
-        messages.append({"role": m.role, "content": content or ""} | _tool_fields(m))
+        messages.append({"role": m.role, "content": content or ""} | _tool_fields(m, i))
     kwargs = (req.chat_template_kwargs or {}) | ({"tools": tools} if tools else {})
     try:
         return model.render_chat(messages, req.add_generation_prompt, kwargs)
@@ -351,9 +361,12 @@ def chat_prompt(req: ChatCompletionRequest, model: ServedModel, tools: list[dict
         raise bad_request(f"the chat template cannot render these messages: {e}", param="messages") from e
 
 
-def _tool_fields(message) -> dict:
-    """An assistant message's `tool_calls` and a tool message's `tool_call_id` and `name`, for the template."""
+def _tool_fields(message, i: int) -> dict:
+    """An assistant message's `tool_calls` (arguments as objects) and a tool message's
+    `tool_call_id` and `name`, for the template; `i`: the message's index, named in errors."""
     extra = {k: v for k, v in (message.model_extra or {}).items() if k in ("tool_calls", "tool_call_id")}
+    if extra.get("tool_calls") is not None:
+        extra["tool_calls"] = calls_for_template(extra["tool_calls"], f"messages.{i}.tool_calls")
     return extra | ({"name": message.name} if message.name else {})
 
 

@@ -78,6 +78,32 @@ def _call_of(obj: Any) -> ToolCall | None:
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
+def calls_for_template(calls: Any, param: str) -> list[dict]:
+    """An assistant message's `tool_calls` as chat templates read them: each function's
+    `arguments` an object parsed from its JSON text (Hermes, Qwen 2.5 and Llama 3.1 templates
+    render `arguments | tojson`; vLLM and SGLang pass objects too), unset or "" as {}. A 400 naming
+    `param` (the message's `tool_calls`) for calls that are not objects with a `function` object,
+    or arguments that are not JSON."""
+    if not isinstance(calls, list):
+        raise bad_request(f"{param} must be a list of tool calls", param=param)
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            raise bad_request(f"{param}.{j} must be an object with a 'function' object", param=f"{param}.{j}")
+        args = function.get("arguments")
+        if isinstance(args, str) and args.strip():
+            try:
+                args = json.loads(args)
+            except ValueError as e:
+                where = f"{param}.{j}.function.arguments"
+                raise bad_request(f"{where} is not valid JSON ({e})", param=where) from None
+        elif not args:
+            args = {}
+        out.append(call | {"function": function | {"arguments": args}})
+    return out
+
+
 # --- parsers of model output (tool_choice auto) --------------------------------------------------
 
 

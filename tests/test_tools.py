@@ -1,13 +1,17 @@
 """Tool calls in the gateway (gateway.tools): the parsers on scripted model output, the plans of
-tool_choice, and the streamed deltas adding up to the whole response. End-to-end tool calls
-against a running stack are in tests/test_structured_output.py (they share its stack)."""
+tool_choice, the streamed deltas adding up to the whole response, and an assistant's tool calls
+reaching a Hermes-style chat template as objects (a second gateway on conftest's `edge_gateway`
+replicas). End-to-end tool calls are in tests/test_structured_output.py (they share its stack)."""
 
 from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
+import openai
 import pytest
+from servers import EDGE_API_KEY
 
 from kvtier.gateway.config import build_parser
 from kvtier.gateway.errors import APIError
@@ -166,3 +170,106 @@ def test_bad_tools_are_400s_naming_the_field(tools, choice, param):
     with pytest.raises(APIError) as e:
         plan_tools(tools, choice)
     assert e.value.status == 400 and e.value.info.param == param
+
+
+# --- tool calls in a conversation, through a Hermes-style chat template ---------------------------
+
+# How Hermes, Qwen 2.5 and Llama 3.1 templates write an assistant's calls and a tool's answer.
+HERMES_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant\n"
+    "{% for tc in m.tool_calls %}<tool_call>\n"
+    '{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}\n'
+    "</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+ARGUMENTS = '{"city": "Zürich"}'
+SECOND_TURN = [
+    {"role": "user", "content": "Weather?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": ARGUMENTS}}
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+]
+
+
+@pytest.fixture(scope="module")
+def hermes_gateway(edge_gateway, tmp_path_factory):
+    """A second gateway in front of conftest's `edge_gateway` replicas, whose model directory (the
+    tiny model's config and byte tokenizer) carries HERMES_TEMPLATE as its chat template."""
+    from servers import child_env
+
+    from kvtier.cli.stack import start_gateway
+    from kvtier.model_spec import TINY_LLAMA_CONFIG
+    from kvtier.tokenizer import build_byte_tokenizer
+
+    model_dir = tmp_path_factory.mktemp("hermes-model")
+    (model_dir / "config.json").write_text(json.dumps({"model_type": "llama", **TINY_LLAMA_CONFIG}))
+    tokenizer = build_byte_tokenizer()
+    tokenizer.chat_template = HERMES_TEMPLATE
+    tokenizer.save_pretrained(model_dir)
+    run_dir = tmp_path_factory.mktemp("hermes-gateway")
+    args = ["--model", str(model_dir), "--served-model-name", "kvtier-tiny", "--api-key", EDGE_API_KEY]
+    gateway = start_gateway(edge_gateway.compute_addresses, args, run_dir, child_env(run_dir))
+    try:
+        yield gateway.address
+    finally:
+        gateway.stop()
+
+
+def _post(url: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(url + path, json=body, headers={"authorization": f"Bearer {EDGE_API_KEY}"}, timeout=120)
+
+
+@pytest.mark.slow
+def test_a_templates_tool_call_arguments_are_an_object_not_a_json_string(hermes_gateway):
+    reply = _post(hermes_gateway, "/tokenize", {"messages": SECOND_TURN, "tools": [WEATHER]})
+    assert reply.status_code == 200, reply.text
+    ids = reply.json()["tokens"]
+    text = _post(hermes_gateway, "/detokenize", {"tokens": ids}).json()["prompt"]
+    # `arguments | tojson` of the object; of the string it was, it would be "{\"city\": ...}".
+    assert '{"name": "get_weather", "arguments": {"city": "Zürich"}}' in text, text
+    assert "<tool_response>\nsunny\n</tool_response>" in text
+    # The second turn: the same rendering reaches the replica.
+    client = openai.OpenAI(base_url=f"{hermes_gateway}/v1", api_key=EDGE_API_KEY, max_retries=0, timeout=120)
+    second = client.chat.completions.create(
+        model="kvtier-tiny", messages=SECOND_TURN, tools=[WEATHER], max_tokens=4, temperature=0
+    )
+    assert second.usage.prompt_tokens == len(ids)
+    assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("calls", "param"),
+    [
+        ([{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}],
+         "messages.1.tool_calls.0.function.arguments"),
+        (["not a call"], "messages.1.tool_calls.0"),
+        ({"function": {}}, "messages.1.tool_calls"),
+    ],
+)  # fmt: skip
+def test_tool_calls_a_template_cannot_read_are_400s_naming_them(hermes_gateway, calls, param):
+    messages = [SECOND_TURN[0], {"role": "assistant", "content": None, "tool_calls": calls}]
+    for path in ("/tokenize", "/v1/chat/completions"):
+        reply = _post(hermes_gateway, path, {"model": "kvtier-tiny", "messages": messages, "max_tokens": 2})
+        assert reply.status_code == 400, reply.text
+        assert reply.json()["error"]["param"] == param, reply.text
+
+
+@pytest.mark.slow
+def test_tool_call_arguments_already_an_object_or_empty_render_as_objects(hermes_gateway):
+    calls = [
+        {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}},
+        {"id": "b", "type": "function", "function": {"name": "get_time", "arguments": ""}},
+    ]
+    messages = [SECOND_TURN[0], {"role": "assistant", "content": None, "tool_calls": calls}]
+    ids = _post(hermes_gateway, "/tokenize", {"messages": messages}).json()["tokens"]
+    text = _post(hermes_gateway, "/detokenize", {"tokens": ids}).json()["prompt"]
+    assert '"arguments": {"city": "Oslo"}}' in text and '{"name": "get_time", "arguments": {}}' in text
