@@ -77,8 +77,9 @@ async def serve(cfg: GatewayConfig) -> None:
         for node in cfg.nodes:
             log.info("node %s: cache %s, replicas %s", node.name, node.cache, " ".join(node.compute))
     app = create_app(
-        cfg.compute, model, cfg.api_key, cfg.max_n, token, keys, router, metrics, cfg.tool_call_parser
-    )
+        cfg.compute, model, cfg.api_key, cfg.max_n, token, keys, router, metrics, cfg.tool_call_parser,
+        max_body_bytes=cfg.max_body_bytes,
+    )  # fmt: skip
     server = uvicorn.Server(
         uvicorn.Config(
             app,

@@ -33,6 +33,7 @@ class GatewayConfig:
     routing_load_weight: float = 1.0
     cache_tls_ca: str | None = None  # PEM CA bundle: the router reaches cache services over TLS
     tool_call_parser: str = "hermes"  # gateway.tools.PARSERS: tool calls in the output (tool_choice auto)
+    max_body_bytes: int | None = None  # None: from the model's context (gateway.limits.max_body_bytes)
 
     def describe(self) -> str:
         """One line for the log; the API key is never printed."""
@@ -154,6 +155,12 @@ def build_parser(prog: str = "python -m kvtier.gateway") -> argparse.ArgumentPar
         help="how tool calls are read from the model's output under tool_choice auto: hermes = "
         '<tool_call>{json}</tool_call> blocks, llama3_json = the output is {"name": ..., "parameters": ...}',
     )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        help="largest request body in bytes, answered 413 past it (default: twice the prompt limit, "
+        "16 bytes per token of context, plus 64 KiB; at least 1 MiB)",
+    )
     p.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn's access log)")
     p.add_argument(
         "--no-uvloop",
@@ -207,6 +214,8 @@ def parse_config(argv: list[str] | None = None, prog: str = "python -m kvtier.ga
         raise SystemExit("give --api-key (one shared key) or --api-keys FILE (keys per tenant), not both")
     if args.max_n < 1:
         raise SystemExit(f"--max-n must be >= 1, got {args.max_n}")
+    if args.max_body_bytes is not None and args.max_body_bytes < 1:
+        raise SystemExit(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
     return GatewayConfig(**vars(args))
 
 

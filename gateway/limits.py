@@ -20,6 +20,9 @@ from kvtier.gateway.protocol import ChatCompletionRequest, _SamplingRequest
 from kvtier.sampling_schema import BY_NAME, FIELDS, MAX_CACHE_SALT_BYTES, PROMPT_BYTES_PER_TOKEN
 
 MIN_BODY_BYTES = 1 << 20  # the body limit is at least this (a batch of short prompts, a long chat)
+# The most of a refused body read and dropped before answering 413 (the client may then see the
+# connection close under it instead): a chunked body need not end.
+MAX_DROPPED_BYTES = 256 << 20
 # NOTE: tokenizers release the GIL while they encode: two threads keep a long prompt from
 # delaying short ones, and the event loop never waits for either.
 _TOKENIZE = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
@@ -35,8 +38,8 @@ def max_prompt_bytes(model: ServedModel) -> int:
 
 
 def max_body_bytes(model: ServedModel) -> int:
-    """The largest request body: twice the prompt limit (JSON escapes, a batch of prompts) and
-    room for the other fields, at least MIN_BODY_BYTES."""
+    """The largest request body unless --max-body-bytes says: twice the prompt limit (JSON
+    escapes, a batch of prompts) and room for the other fields, at least MIN_BODY_BYTES."""
     return max(MIN_BODY_BYTES, 2 * max_prompt_bytes(model) + (64 << 10))
 
 
@@ -46,7 +49,10 @@ class BodyLimit:
     A body that says its length (Content-Length) over the limit is read and dropped, unstored,
     and refused: answering before the client has sent it would reset a connection the client is
     still writing to, which clients report as a network error instead of the 413. A body
-    without a length is refused once what arrived passes the limit.
+    without a length (chunked) is read here, up to the limit, before the app sees it; past the
+    limit the rest is read and dropped the same way and the request refused with the same 413
+    (raising from inside the app's body reading would become FastAPI's 400 "There was an error
+    parsing the body").
     """
 
     def __init__(self, app, max_bytes: int):
@@ -56,26 +62,51 @@ class BodyLimit:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            more = True
-            while more:  # drop the body as it comes
-                message = await receive()
-                more = message["type"] == "http.request" and message.get("more_body", False)
-            return await too_large(self._message(int(length))).response()(scope, receive, send)
-        seen = 0
-
-        async def counted():
-            nonlocal seen
+        if length is not None and length.isdigit():
+            if int(length) > self.max_bytes:
+                await _drop_body(receive)
+                return await too_large(self._message(int(length), "")).response()(scope, receive, send)
+            return await self.app(scope, receive, send)  # the server stops a body at its length
+        chunks, seen, more = [], 0, True
+        while more:
             message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_bytes:  # the app's handler answers it (an APIError)
-                raise too_large(self._message(seen, "at least "))
-            return message
+            if message["type"] != "http.request":  # the client went away: the app sees it
+                return await self.app(scope, _replay([message], receive), send)
+            chunks.append(message.get("body", b""))
+            seen += len(chunks[-1])
+            more = message.get("more_body", False)
+            if seen > self.max_bytes:
+                dropped, more = await _drop_body(receive) if more else (0, False)
+                message = self._message(seen + dropped, "at least " if more else "")
+                return await too_large(message).response()(scope, receive, send)
+        body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        await self.app(scope, _replay([body], receive), send)
 
-        await self.app(scope, counted, send)
+    def _message(self, size: int, at_least: str) -> str:
+        return (
+            f"the request body is {at_least}{size} bytes; this gateway takes at most {self.max_bytes} "
+            "(--max-body-bytes)"
+        )
 
-    def _message(self, size: int, at_least: str = "") -> str:
-        return f"the request body is {at_least}{size} bytes; this gateway takes at most {self.max_bytes}"
+
+async def _drop_body(receive) -> tuple[int, bool]:
+    """Read the rest of a request body, keeping none of it, up to MAX_DROPPED_BYTES: (its bytes
+    read, whether more is left)."""
+    dropped, more = 0, True
+    while more and dropped < MAX_DROPPED_BYTES:
+        message = await receive()
+        dropped += len(message.get("body", b""))
+        more = message["type"] == "http.request" and message.get("more_body", False)
+    return dropped, more
+
+
+def _replay(messages: list[dict], receive):
+    """An ASGI `receive` that answers `messages` first, then the server's `receive`."""
+
+    async def replayed():
+        return messages.pop(0) if messages else await receive()
+
+    return replayed
 
 
 def _check_sampling(req: _SamplingRequest) -> None:

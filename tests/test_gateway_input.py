@@ -87,6 +87,42 @@ def test_a_16_mib_prompt_is_refused_at_once_while_health_answers(url):
     assert all(h.status_code == 200 for h in health)
 
 
+def _prompt_tokens_served(url: str) -> float:
+    """The gateway's count of prompt tokens it has served (its Prometheus counter)."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("kvtier_gateway_prompt_tokens_total")
+    )
+
+
+@pytest.mark.parametrize("mib", [2, 32])
+def test_a_chunked_body_over_the_limit_is_a_413_like_one_with_a_length(url, client, mib):
+    def chunks():  # no Content-Length: httpx sends a generator's body chunked
+        yield b'{"model": "kvtier-tiny", "max_tokens": 1, "prompt": "'
+        for _ in range(mib * 16):
+            yield b"a" * (64 << 10)
+        yield b'"}'
+
+    served = _prompt_tokens_served(url)
+    headers = {"authorization": f"Bearer {API_KEY}", "content-type": "application/json"}
+    reply = httpx.post(f"{url}/v1/completions", content=chunks(), headers=headers, timeout=120)
+    assert reply.request.headers.get("transfer-encoding") == "chunked"
+    error = assert_error(reply, 413, None, "this gateway takes at most 1048576 (--max-body-bytes)")
+    assert error["code"] == "request_too_large"
+    assert _prompt_tokens_served(url) == served  # nothing reached a replica
+    small = client.completions.create(model=MODEL, prompt="still here", max_tokens=2)
+    assert small.choices[0].text is not None and _prompt_tokens_served(url) > served
+    within = httpx.post(  # a chunked body within the limit is served as one with a length
+        f"{url}/v1/completions",
+        content=iter([b'{"model": "kvtier-tiny", "max_tokens": 1,', b' "prompt": "hi"}']),
+        headers=headers,
+        timeout=120,
+    )
+    assert within.status_code == 200 and within.json()["usage"]["prompt_tokens"] == 3, within.text
+
+
 @pytest.mark.parametrize(
     ("body", "status", "param", "says"),
     [
