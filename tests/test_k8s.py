@@ -32,6 +32,12 @@ WORKLOADS = {
     "compute": ("Deployment", "kvtier-compute"),
     "gateway": ("Deployment", "kvtier-gateway"),
 }
+# Mooncake Store, the caches' shared tier (25-mooncake.yaml): no kvtier flags, token or API keys.
+STORE_WORKLOADS = {
+    "mooncake-master": ("Deployment", "kvtier-mooncake-master"),
+    "mooncake-store": ("Deployment", "kvtier-mooncake-store"),
+}
+ALL_WORKLOADS = {**WORKLOADS, **STORE_WORKLOADS}
 SECRETS = {"kvtier-token": "token", "kvtier-api-keys": "api-keys.json"}
 NOT_IN_THE_SCHEMAS = {("monitoring.coreos.com/v1", "PodMonitor")}
 
@@ -55,7 +61,7 @@ def obj(kind: str, name: str) -> dict:
 
 
 def pod(role: str) -> dict:
-    return obj(*WORKLOADS[role])["spec"]["template"]["spec"]
+    return obj(*ALL_WORKLOADS[role])["spec"]["template"]["spec"]
 
 
 def container(role: str) -> dict:
@@ -64,7 +70,7 @@ def container(role: str) -> dict:
 
 
 def pod_labels(role: str) -> dict:
-    return obj(*WORKLOADS[role])["spec"]["template"]["metadata"]["labels"]
+    return obj(*ALL_WORKLOADS[role])["spec"]["template"]["metadata"]["labels"]
 
 
 def selects(selector: dict, labels: dict) -> bool:
@@ -72,7 +78,7 @@ def selects(selector: dict, labels: dict) -> bool:
 
 
 def roles_selected_by(selector: dict) -> list[str]:
-    return [role for role in WORKLOADS if selects(selector, pod_labels(role))]
+    return [role for role in ALL_WORKLOADS if selects(selector, pod_labels(role))]
 
 
 def env_of(c: dict) -> dict[str, dict]:
@@ -505,3 +511,71 @@ def test_podmonitor_scrapes_every_workload():
                 assert number == int(flag(c["args"], "port"))
             else:
                 assert number == int(flag(c["args"], "metrics-port"))
+
+
+# ---------------------------------------------------------------- the shared tier (Mooncake Store)
+
+
+def gflag(args: list[str], name: str) -> str:
+    """A mooncake binary's `--name=value` or `--name value` (gflags takes both)."""
+    for i, arg in enumerate(args):
+        if arg.startswith(f"--{name}="):
+            return arg.split("=", 1)[1]
+        if arg == f"--{name}":
+            return args[i + 1]
+    raise AssertionError(f"--{name} not in {args}")
+
+
+def test_every_cache_points_at_the_mooncake_master_service():
+    """The caches' --shared-tier and the store servers name the master's Service, on the ports its
+    container serves the RPC and the built-in metadata server on; the Service stays in the cluster."""
+    master = container("mooncake-master")
+    service = obj("Service", "kvtier-mooncake-master")
+    assert service["spec"]["type"] == "ClusterIP"
+    assert roles_selected_by(service["spec"]["selector"]) == ["mooncake-master"]
+    ports = {p["name"]: p["port"] for p in service["spec"]["ports"]}
+    assert int(gflag(master["args"], "rpc_port")) == named_port(master, "rpc") == ports["rpc"]
+    assert gflag(master["args"], "enable_http_metadata_server") == "true"
+    assert int(gflag(master["args"], "http_metadata_server_port")) == named_port(master, "metadata")
+    rpc = f"kvtier-mooncake-master.{NAMESPACE}.svc.cluster.local:{ports['rpc']}"
+    metadata = f"http://kvtier-mooncake-master.{NAMESPACE}.svc.cluster.local:{ports['metadata']}/metadata"
+    cache = container("cache")["args"]
+    assert flag(cache, "shared-tier") == f"mooncake://{rpc}"
+    assert flag(cache, "shared-tier-metadata") == metadata
+    assert cluster_dns(rpc)[0] == service["metadata"]["name"]
+    store = container("mooncake-store")["args"]
+    assert gflag(store, "master_server_address") == rpc and gflag(store, "metadata_server") == metadata
+    assert gflag(store, "host") == "$(POD_IP)"
+    assert env_of(container("mooncake-store"))["POD_IP"]["valueFrom"] == {
+        "fieldRef": {"fieldPath": "status.podIP"}
+    }
+
+
+def test_one_master_and_store_servers_whose_memory_holds_their_segment():
+    master = obj(*STORE_WORKLOADS["mooncake-master"])
+    assert master["spec"]["replicas"] == 1 and master["spec"]["strategy"]["type"] == "Recreate"
+    store = container("mooncake-store")
+    segment = quantity(gflag(store["args"], "global_segment_size").replace("GB", "Gi"))
+    assert quantity(store["resources"]["requests"]["memory"]) > segment
+    assert obj(*STORE_WORKLOADS["mooncake-store"])["spec"]["replicas"] >= 2
+
+
+@pytest.mark.parametrize("role", STORE_WORKLOADS)
+def test_store_workloads_are_tagged_limited_probed_budgeted_and_never_root(role: str):
+    c = container(role)
+    assert c["image"].startswith("kvtier:") and c["image"] != "kvtier:latest"
+    assert (
+        c["command"][0]
+        == f"/opt/kvtier/.venv/bin/{'mooncake_master' if role == 'mooncake-master' else 'mooncake_client'}"
+    )
+    for resource in ("cpu", "memory"):
+        assert quantity(c["resources"]["requests"][resource]) <= quantity(c["resources"]["limits"][resource])
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert named_port(c, c[probe]["tcpSocket"]["port"]) in {p["containerPort"] for p in c["ports"]}
+    assert pod(role)["securityContext"]["runAsNonRoot"] is True
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    budgets = [
+        d for _, d in DOCS
+        if d["kind"] == "PodDisruptionBudget" and selects(d["spec"]["selector"]["matchLabels"], pod_labels(role))
+    ]  # fmt: skip
+    assert len(budgets) == 1 and budgets[0]["spec"]["maxUnavailable"] >= 1, role
