@@ -316,12 +316,15 @@ def start_kv_events(cfg: CacheConfig, node: CacheNode, backend: str):
             replay_endpoint=cfg.kv_events_replay_endpoint,
             topic=cfg.kv_events_topic,
             medium="GPU" if backend == "cuda" else "CPU",
+            event_format=cfg.kv_events_format,
+            salt_of=node.sequences.extra_keys.salt_of,
         )
     except zmq.ZMQError as e:  # address in use, malformed endpoint
         raise ValueError(f"--kv-events-endpoint / --kv-events-replay-endpoint: {e}") from e
     node.events.sinks.append(publisher)
     log.info(
-        "KV events (vLLM wire format) on %s, topic %r%s",
+        "KV events (vLLM wire format, events as %ss) on %s, topic %r%s",
+        cfg.kv_events_format,
         publisher.endpoint,
         cfg.kv_events_topic,
         f", replay on {publisher.replay_endpoint}" if publisher.replay_endpoint else "",

@@ -267,7 +267,7 @@ class BlockManager:
         block.block_hash, block.index_key = block_hash, key
         self.prefix_index[key] = block
         if self.record_events:
-            self._events.append((STORED, (block_hash,), (block_id,), token_bytes, parent_block_hash))
+            self._events.append((STORED, (block_hash,), (block_id,), token_bytes, parent_block_hash, extra))
         return block_hash
 
     def publish_blocks(
@@ -324,6 +324,7 @@ class BlockManager:
                             tuple(block_ids[run_start:j]),
                             data[(run_start - start) * step : (j - start) * step],
                             block_hashes[run_start - 1] if run_start else None,
+                            extra,
                         )
                     )
                 run_start = j + 1

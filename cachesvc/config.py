@@ -53,6 +53,7 @@ class CacheConfig:
     kv_events_endpoint: str | None
     kv_events_replay_endpoint: str | None
     kv_events_topic: str
+    kv_events_format: str
     max_request_bytes: int | None
     max_watch_streams: int
     host_cache_gib: float
@@ -287,6 +288,13 @@ def build_parser(prog: str = "python -m kvtier.cachesvc") -> argparse.ArgumentPa
         "from a sequence number; needs --kv-events-endpoint",
     )
     events.add_argument("--kv-events-topic", default="kv-events", help="topic frame of every published batch")
+    events.add_argument(
+        "--kv-events-format",
+        choices=("map", "array"),
+        default="map",
+        help="each event as a map tagged by its type, as vLLM sends it today and llm-d, Dynamo and "
+        "SGLang read it (map), or as the positional array of older vLLM releases (array)",
+    )
     return p
 
 

@@ -70,10 +70,11 @@ EventRecord = tuple
 """How the block manager records events on its hot path, without an object per block:
 
 - ``(REMOVED, hashes, block_ids)``: a BlockRemoved per entry of the two tuples.
-- ``(STORED, hashes, block_ids, token_bytes, parent)``: a BlockStored per entry of the tuples
-  ``hashes`` and ``block_ids``, a run of consecutive blocks of one chain; block i's token ids
-  are block i of ``token_bytes`` (``pack_token_ids`` form), its parent ``parent`` for i == 0
-  and ``hashes[i - 1]`` after.
+- ``(STORED, hashes, block_ids, token_bytes, parent, extra)``: a BlockStored per entry of the
+  tuples ``hashes`` and ``block_ids``, a run of consecutive blocks of one chain; block i's token
+  ids are block i of ``token_bytes`` (``pack_token_ids`` form), its parent ``parent`` for i == 0
+  and ``hashes[i - 1]`` after; ``extra`` is the chain's extra key (its root: model, tenant salt,
+  adapter), which the ZMQ publisher turns back into the salt of a chain's first block.
 
 A commit costs one STORED record, an allocation that evicts one REMOVED record. A lower tier's
 record is ``(tier_kind(stored, medium), keys, block_ids)``: its blocks' index keys (``parent ||
@@ -112,7 +113,7 @@ def decode_events(
     if record[0] & 1 == REMOVED:
         pairs = zip(record[1][start:stop], record[2][start:stop], strict=True)
         return [BlockRemoved(h, i, medium) for h, i in pairs]
-    _, hashes, block_ids, token_bytes, parent = record
+    _, hashes, block_ids, token_bytes, parent = record[:5]
     if start:
         parent = hashes[start - 1]
     events: list[BlockEvent] = []

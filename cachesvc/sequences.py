@@ -69,7 +69,7 @@ class SequenceTable:
         self._sequences: dict[int, Sequence] = {}
         self._by_lease: dict[str, dict[int, Sequence]] = {}
         self._next_sequence_id = 1
-        self._extra_keys = checks.ExtraKeys(model_fingerprint)
+        self.extra_keys = checks.ExtraKeys(model_fingerprint)
         self.limits = TenantLimits(
             block_manager,
             self._sequences,
@@ -149,7 +149,7 @@ class SequenceTable:
             items,
             self.block_manager,
             self.limits,
-            self._extra_keys,
+            self.extra_keys,
             self.vocab_size,
             self.max_model_len,
         )
@@ -387,7 +387,7 @@ class SequenceTable:
         are appended to it (what Allocate would promote, uncapped).
         """
         keyed = checks.key_queries(
-            items, self._extra_keys, self.vocab_size, self.max_model_len, self.max_batch
+            items, self.extra_keys, self.vocab_size, self.max_model_len, self.max_batch
         )
         bm = self.block_manager
         bs = self.block_size

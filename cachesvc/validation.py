@@ -140,6 +140,7 @@ class ExtraKeys:
     def __init__(self, model_fingerprint: str) -> None:
         self.model_fingerprint = model_fingerprint
         self._keys: dict[tuple[str, str], bytes] = {}
+        self._salts: dict[bytes, str] = {}  # extra key -> its tenant_salt, for the KV events
 
     def get(self, where: str, tenant_salt: str, adapter_id: str) -> bytes:
         """The 32-byte extra key; InvalidArgument naming ``where`` if a field holds a NUL."""
@@ -152,8 +153,15 @@ class ExtraKeys:
                 raise InvalidArgument(f"{where}.{e}") from None
             if len(self._keys) >= _MAX_EXTRA_KEYS:
                 self._keys.clear()
+                self._salts.clear()
             self._keys[key] = extra
+            self._salts[extra] = tenant_salt
         return extra
+
+    def salt_of(self, extra: bytes) -> str | None:
+        """The tenant_salt an extra key was made with ("" for none); None for a key not made here
+        since the last clearing (or for any other bytes, such as a block hash)."""
+        return self._salts.get(extra)
 
 
 def key_queries(

@@ -166,12 +166,22 @@ def test_a_lower_tiers_records_hold_keys_and_read_as_events_with_their_medium() 
     assert [e.event_id for e in since(log, 2)] == [3, 4, 5]  # from the middle of a record
     # The ZMQ form: a BlockStored per block (each with its parent), vLLM's media.
     stored = encode_record((tier_kind(True, "host"), tuple(keys[:2]), (0, 1)), BS, "GPU")
-    assert stored == [
-        ["BlockStored", [hashes[0]], EXTRA, tokens[:BS], BS, None, "CPU", None],
-        ["BlockStored", [hashes[1]], hashes[0], tokens[BS : 2 * BS], BS, None, "CPU", None],
-    ]
+    assert (
+        [list(e.values()) for e in stored]
+        == [  # vLLM's tagged maps, fields in its order
+            ["BlockStored", [hashes[0]], EXTRA, tokens[:BS], BS, None, "CPU", None],
+            ["BlockStored", [hashes[1]], hashes[0], tokens[BS : 2 * BS], BS, None, "CPU", None],
+        ]
+    )
     assert encode_record((tier_kind(False, "disk"), (keys[2],), (-1,)), BS, "GPU") == [
-        ["BlockRemoved", [hashes[2]], "DISK"]
+        {"type": "BlockRemoved", "block_hashes": [hashes[2]], "medium": "DISK"}
+    ]
+    # Knowing the chain's salt (the publisher asks the cache's ExtraKeys), a first block is a
+    # root (no parent) carrying its salt, as vLLM's cache_salt.
+    salted = encode_record((tier_kind(True, "host"), tuple(keys[:2]), (0, 1)), BS, "GPU", {EXTRA: "s"}.get)
+    assert [(e["parent_block_hash"], e.get("extra_keys")) for e in salted] == [
+        (None, [["s"]]),
+        (hashes[0], None),
     ]
 
 

