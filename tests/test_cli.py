@@ -180,9 +180,24 @@ def test_a_cache_service_started_without_the_flag_keeps_a_share_of_host_memory(t
         finally:
             client.close()
         log = service.log()
+        printed = subprocess.run(
+            [KVTIER, "stats", "--cache", stack.cache_address],
+            env=child_env(tmp_path),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     finally:
         stack.down()
     assert stats.num_host_blocks_total > 0 and stats.num_host_blocks_used == 0, stats
+    # `kvtier stats` prints every field, zeros too (proto3 JSON would drop them).
+    assert printed.returncode == 0, printed.stderr
+    shown = json.loads(printed.stdout)
+    assert shown["num_host_blocks_used"] == 0 and shown["num_sequences"] == 0, shown
+    assert shown["num_host_blocks_total"] == stats.num_host_blocks_total
+    assert set(shown) >= {f.name for f in stats.DESCRIPTOR.fields}, set(shown) ^ {
+        f.name for f in stats.DESCRIPTOR.fields
+    }
     assert "host" in [tier.medium for tier in stats.tiers], stats.tiers
     chosen = re.search(r"host cache: ([\d.]+ [KMG]iB), the default \(--host-cache-gib auto: (.+?);", log)
     assert chosen, log[-3000:]

@@ -102,6 +102,7 @@ def test_models_health_version_and_metrics(client, url):
     assert httpx.get(f"{url}/version", timeout=30).json()["version"] == "0.1.0"
     metrics = httpx.get(f"{url}/metrics", timeout=30).text
     assert 'kvtier_gateway_requests_total{endpoint="/v1/models",status="200"}' in metrics
+    assert "_created" not in metrics  # no _created series (vLLM turns them off)
     assert TOKEN not in metrics
 
 

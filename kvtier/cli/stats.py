@@ -30,6 +30,10 @@ SUMMED = (
     "num_window_released_blocks",
 )
 
+# Field names as in the proto, and every field printed: proto3 JSON leaves out zeros and empty
+# lists, so an idle service's "num_sequences": 0 would be missing rather than shown.
+JSON_OPTIONS = {"preserving_proto_field_name": True, "always_print_fields_with_no_presence": True}
+
 
 def caches_to_ask(cache: str | None) -> dict[str, str]:
     """{node name: cache address}: ``cache`` (--cache) alone if given, else every node of the
@@ -81,9 +85,9 @@ def cmd_stats(args) -> int:
                 file=sys.stderr,
             )
             return 1
-        print(MessageToJson(next(iter(answered.values())), preserving_proto_field_name=True))
+        print(MessageToJson(next(iter(answered.values())), **JSON_OPTIONS))
         return 0
-    nodes = {name: MessageToDict(s, preserving_proto_field_name=True) for name, s in answered.items()}
+    nodes = {name: MessageToDict(s, **JSON_OPTIONS) for name, s in answered.items()}
     nodes |= {name: {"error": why} for name, why in failed.items()}
     print(json.dumps({"nodes": nodes, "totals": totals(list(answered.values()))}, indent=2))
     for name, why in failed.items():

@@ -1,0 +1,15 @@
+"""kvtier as vLLM's KV cache tier: a vLLM KV connector over the cache service.
+
+vLLM loads ``kvtier.vllm.connector.KvtierConnector`` by module path (``--kv-transfer-config
+'{"kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.vllm.connector", ...}'``).
+Nothing here imports vLLM until the connector module is imported, so the rest of kvtier never
+pays for it. The path of one request is described in docs/architecture.md ("vLLM's KV connector").
+
+- ``config``        the connector's settings: ``kv_connector_extra_config``, then the environment
+- ``cache_link``    one lease on the cache service: attach, heartbeat, re-attach after an outage
+- ``engine_check``  the engine against the pool (model, layers, heads, head size, dtype, block size)
+- ``block_layout``  vLLM's KV block layout, learned from its own attention write; batched copies
+- ``lookups``       scheduler side: which leading blocks the cache holds, off the scheduler's thread
+- ``saves``         worker side: new full blocks staged out of vLLM's cache, written and committed
+- ``connector``     the ``KVConnectorBase_V1`` itself and its per-step metadata
+"""

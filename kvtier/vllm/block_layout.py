@@ -1,0 +1,115 @@
+"""vLLM's KV block layout against kvtier's, and the batched copies between them.
+
+kvtier's pool block is ``[num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]``. A vLLM
+attention layer's cache is ``[num_blocks, ...]`` with a layout of its attention backend's own
+choosing: on CPU, ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]`` whose K half is stored
+per ISA (the ``vec`` kernels keep K transposed, ``[head_dim, block_size]``, V as is). Rather than
+encode each backend's layout here, it is learned at startup from the backend's own write
+(``impl.do_kv_cache_update``, what the model runs to store K and V): known codes are written into
+vLLM's null block (block 0, never given to a request; its bytes are put back) and read back, which
+gives, for every element of a vLLM block, the kvtier position it holds. A write that is not a
+one-to-one move of elements (a quantized cache, a backend that writes elsewhere) is refused.
+
+Copies are batched over blocks and done per layer with torch index ops (index_select, a gather by
+that permutation, index_copy_), never per token; on a GPU they run device to device.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class UnknownLayout(RuntimeError):
+    """vLLM's write is not a permutation of kvtier's block elements (the message says what was seen)."""
+
+
+def _digits(codes: torch.Tensor, place: int) -> torch.Tensor:
+    """Base-256 digit ``place`` of ``codes``, plus one (so an unwritten 0 is told apart): 1..256,
+    exact in every float dtype vLLM stores KV in (bfloat16 holds integers up to 256 exactly)."""
+    return ((codes >> (8 * place)) & 255) + 1
+
+
+def probe_layout(
+    layer: torch.nn.Module, kv_cache: torch.Tensor, block_size: int, num_kv_heads: int, head_dim: int
+):
+    """The permutation from one vLLM block of ``kv_cache`` (flattened in its logical order) to a
+    kvtier layer block ``[2, block_size, num_kv_heads, head_dim]`` (flattened): ``kvtier =
+    vllm[gather]``. ``layer`` is vLLM's attention module of that cache (its ``impl`` writes it)."""
+    block = kv_cache[0]
+    elements = 2 * block_size * num_kv_heads * head_dim
+    if block.numel() != elements:
+        raise UnknownLayout(
+            f"a vLLM KV block of this layer has {block.numel()} elements, kvtier's has {elements} "
+            f"(2 x {block_size} tokens x {num_kv_heads} heads x {head_dim}): a quantized or padded cache"
+        )
+    device = kv_cache.device
+    codes = torch.arange(elements, device=device).view(2, block_size, num_kv_heads, head_dim)
+    slots = torch.arange(block_size, device=device, dtype=torch.int64)  # every slot of block 0
+    saved = block.clone()
+    found = torch.zeros(elements, dtype=torch.int64, device=device)
+    try:
+        for place in range(math.ceil(math.log(elements, 256)) or 1):
+            block.zero_()
+            key, value = (_digits(codes[i], place).to(kv_cache.dtype) for i in (0, 1))
+            layer.impl.do_kv_cache_update(layer, key, value, kv_cache, slots)
+            read = kv_cache[0].reshape(-1).to(torch.float64) - 1
+            if not bool(((read >= 0) & (read <= 255) & (read == read.round())).all()):
+                raise UnknownLayout(
+                    f"{type(layer.impl).__name__}.do_kv_cache_update did not store the probe's values "
+                    "unchanged (a quantized KV cache, or the write happens elsewhere)"
+                )
+            found += read.to(torch.int64) << (8 * place)
+    finally:
+        block.copy_(saved)
+    gather = torch.full((elements,), -1, dtype=torch.int64, device=device)
+    gather[found] = torch.arange(elements, device=device)
+    if bool((gather < 0).any()):
+        raise UnknownLayout(f"{type(layer.impl).__name__}'s KV write is not one-to-one onto a block")
+    return gather
+
+
+class BlockCopier:
+    """Whole blocks between vLLM's per-layer caches and kvtier's pool, batched.
+
+    ``kv_caches``: vLLM's caches in layer order, each ``[num_blocks, ...]``; ``gathers``: each
+    layer's ``probe_layout``; ``pool``: the pool's element tensor ``[num_blocks, num_layers, 2,
+    block_size, num_kv_heads, head_dim]`` on the same device.
+    """
+
+    def __init__(
+        self, kv_caches: list[torch.Tensor], gathers: list[torch.Tensor], block_shape: tuple[int, ...]
+    ):
+        self.kv_caches = kv_caches
+        self.block_shape = block_shape  # [2, block_size, num_kv_heads, head_dim]
+        self.elements = math.prod(block_shape)
+        self.block_bytes = (
+            len(kv_caches) * self.elements * kv_caches[0].element_size()
+        )  # one block, all layers
+        identity = torch.arange(self.elements, device=gathers[0].device)
+        # NOTE: a layout equal to kvtier's (an identity permutation) skips the gather, one copy less.
+        self.gathers = [None if torch.equal(g, identity) else g for g in gathers]
+        self.scatters = [None if g is None else torch.argsort(g) for g in self.gathers]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.kv_caches)
+
+    def read_blocks(self, vllm_block_ids: torch.Tensor) -> torch.Tensor:
+        """vLLM blocks as kvtier blocks: a new tensor ``[n, num_layers, 2, block_size, heads, head_dim]``."""
+        n = len(vllm_block_ids)
+        out = torch.empty((n, self.num_layers, self.elements), dtype=self.kv_caches[0].dtype,
+                          device=self.kv_caches[0].device)  # fmt: skip
+        for layer, (cache, gather) in enumerate(zip(self.kv_caches, self.gathers, strict=True)):
+            rows = cache.index_select(0, vllm_block_ids).reshape(n, self.elements)
+            out[:, layer] = rows if gather is None else rows.index_select(1, gather)
+        return out.view(n, self.num_layers, *self.block_shape)
+
+    def write_blocks(self, vllm_block_ids: torch.Tensor, blocks: torch.Tensor) -> None:
+        """Store kvtier blocks ``[n, num_layers, 2, block_size, heads, head_dim]`` into vLLM's blocks."""
+        n = len(vllm_block_ids)
+        flat = blocks.reshape(n, self.num_layers, self.elements)
+        for layer, (cache, scatter) in enumerate(zip(self.kv_caches, self.scatters, strict=True)):
+            rows = flat[:, layer] if scatter is None else flat[:, layer][:, scatter]
+            cache.index_copy_(0, vllm_block_ids, rows.reshape(n, *cache.shape[1:]))

@@ -1,0 +1,86 @@
+"""The connector's settings: ``kv_connector_extra_config`` first, then the environment, then defaults.
+
+| key (extra config) | environment | default | meaning |
+| --- | --- | --- | --- |
+| ``cache_address`` | ``KVTIER_CACHE_ADDRESS`` | the run directory's ``cache.sock`` | the cache service (unix:///path, tcp://host:port) |
+| ``token_file`` | ``KVTIER_TOKEN_FILE`` (``KVTIER_TOKEN`` = the token itself) | the run directory's ``token`` | the node credential |
+| ``tls_ca`` | ``KVTIER_TLS_CA`` | none | CA certificate for a TLS cache service |
+| ``rpc_timeout_s`` | ``KVTIER_RPC_TIMEOUT_S`` | 5 | deadline of each cache call (a lookup answers "no hit" after it) |
+| ``attach_timeout_s`` | ``KVTIER_ATTACH_TIMEOUT_S`` | 60 | how long startup waits for the cache service before vLLM stops |
+| ``max_staged_save_mib`` | ``KVTIER_MAX_STAGED_SAVE_MIB`` | 256 | KV staged for saves and not yet written; more is dropped with a WARNING |
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier import auth
+
+_KEYS = {
+    "cache_address": "KVTIER_CACHE_ADDRESS",
+    "token_file": "KVTIER_TOKEN_FILE",
+    "tls_ca": "KVTIER_TLS_CA",
+    "rpc_timeout_s": "KVTIER_RPC_TIMEOUT_S",
+    "attach_timeout_s": "KVTIER_ATTACH_TIMEOUT_S",
+    "max_staged_save_mib": "KVTIER_MAX_STAGED_SAVE_MIB",
+}
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    cache_address: str
+    token_file: str | None = None
+    tls_ca: str | None = None
+    rpc_timeout_s: float = 5.0
+    attach_timeout_s: float = 60.0
+    max_staged_save_mib: float = 256.0
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
+        """Settings from vLLM's ``kv_connector_extra_config`` (unknown keys refused, naming them)."""
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - set(_KEYS))
+        if unknown:
+            raise ValueError(
+                f"kvtier connector: unknown kv_connector_extra_config key(s) {unknown}; known: {sorted(_KEYS)}"
+            )
+
+        def pick(key: str):
+            value = extra.get(key)
+            return value if value is not None else os.environ.get(_KEYS[key]) or None
+
+        numbers = {}
+        for key in ("rpc_timeout_s", "attach_timeout_s", "max_staged_save_mib"):
+            raw = pick(key)
+            if raw is None:
+                continue
+            try:
+                numbers[key] = float(raw)
+            except (TypeError, ValueError):
+                raise ValueError(f"kvtier connector: {key} = {raw!r} is not a number") from None
+            if numbers[key] <= 0:
+                raise ValueError(f"kvtier connector: {key} must be > 0, got {raw!r}")
+        return cls(
+            cache_address=pick("cache_address") or auth.default_cache_address(),
+            token_file=pick("token_file"),
+            tls_ca=pick("tls_ca"),
+            **numbers,
+        )
+
+    def token(self) -> str:
+        """The node credential ($KVTIER_TOKEN, the token file, or the run directory's)."""
+        token = auth.load_token(self.token_file)
+        if token is None:
+            raise RuntimeError(
+                "kvtier connector: no cache service token: set token_file in kv_connector_extra_config, "
+                f"$KVTIER_TOKEN or $KVTIER_TOKEN_FILE (the run directory's is {auth.default_token_file()})"
+            )
+        return token
+
+
+def client_name(role: str) -> str:
+    """How this engine's leases show in the cache service's stats: ``vllm-<role>@host:pid``."""
+    return f"vllm-{role}@{socket.gethostname()}:{os.getpid()}"

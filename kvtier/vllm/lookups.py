@@ -1,0 +1,247 @@
+"""The scheduler side: which leading blocks of a request the cache service holds, and what to do
+with vLLM's blocks this step.
+
+vLLM's scheduler asks ``get_num_new_matched_tokens`` from its loop and must not wait on a network
+call, so the first ask submits the cache calls to a background thread and answers "not yet"
+(None); vLLM asks again at its next step and gets the count once the calls are done. The calls:
+``LookupPrefix`` (read-only: the hit over every tier, device, host and disk), then, only if the
+hit is longer than vLLM's own, ``Allocate`` of the prompt up to one token past it, which pins the
+hit's pool blocks under this engine's lease (and promotes host and disk blocks into the pool).
+The hit is whole blocks, below the last prompt token (vLLM must compute that one). The loads are
+asynchronous in vLLM's sense: the request waits (WAITING_FOR_REMOTE_KVS) while the worker copies,
+and its pool sequence is freed when the worker reports the copy done. A single thread makes
+every cache call of this side, so a Free always follows its Allocate.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+
+from kvtier.pool import PoolSpec
+from kvtier.sequence_types import AllocateItem
+from kvtier.vllm.cache_link import CacheDown, CacheLink
+from kvtier.vllm.plan import KvtierMetadata, LoadItem, SaveItem
+
+log = logging.getLogger("kvtier.vllm")
+
+
+def pool_name(spec: PoolSpec) -> str:
+    """What names one pool allocation: its shared-memory segment, or its CUDA IPC handle."""
+    return spec.shm_name or spec.cuda_ipc_handle.hex()
+
+
+@dataclass
+class Hit:
+    """Pool blocks that hold a request's leading tokens, pinned by a sequence of this side's lease."""
+
+    sequence_id: int
+    pool_block_ids: list[int]
+    num_tokens: int
+    pool_name: str
+    generation: int  # the link's attach it was made under (the sequence dies with that lease)
+
+
+@dataclass
+class Lookup:
+    """What the cache service answered for one request."""
+
+    held_tokens: int  # leading tokens the cache holds on any tier, whole blocks, uncapped
+    hit: Hit | None  # pinned blocks beyond vLLM's own hit, or None
+
+
+@dataclass
+class Track:
+    """A request this side saves: its prompt, key and vLLM blocks."""
+
+    token_ids: list[int]
+    tenant_salt: str
+    adapter_id: str
+    saved_blocks: int | None  # leading prompt blocks kvtier holds or was sent; None = from vLLM's first step
+    block_ids: list[int]
+
+
+def request_key(request) -> tuple[list[int], str, str] | None:
+    """(prompt token ids, salt, adapter) of a request kvtier can key, else None (prompt embeddings or
+    multimodal inputs: their KV depends on more than the token ids)."""
+    if request.prompt_token_ids is None or getattr(request, "prompt_embeds", None) is not None:
+        return None
+    if getattr(request, "mm_features", None):
+        return None
+    lora = getattr(request, "lora_request", None)
+    return list(request.prompt_token_ids), request.cache_salt or "", lora.lora_name if lora else ""
+
+
+class Lookups:
+    def __init__(self, link: CacheLink, block_size: int, max_model_len: int):
+        self.link = link
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvtier-lookup")
+        self._lookups: dict[str, Future] = {}
+        self._loading: dict[str, Hit] = {}  # loads sent to the worker, until it reports them done
+        self._pending_loads: list[LoadItem] = []
+        self._tracks: dict[str, Track] = {}
+
+    # ------------------------------------------------------------ vLLM's calls, in the order they come
+
+    def num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        future = self._lookups.get(request.request_id)
+        if future is None:
+            key = request_key(request)
+            if key is None or not self.link.attached or len(key[0]) > self.max_model_len:
+                return 0, False
+            tokens, salt, adapter = key
+            self._lookups[request.request_id] = self._executor.submit(
+                self._lookup, tokens, salt, adapter, request.request_id, num_computed_tokens
+            )
+            return None, False  # vLLM asks again next step
+        if not future.done():
+            return None, False
+        hit = future.result().hit
+        if hit is None or hit.num_tokens <= num_computed_tokens:
+            return 0, False
+        return hit.num_tokens - num_computed_tokens, True
+
+    def update_state_after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
+        rid = request.request_id
+        future = self._lookups.pop(rid, None)
+        if future is not None and not future.done():  # vLLM allocated without our answer: drop it
+            future.add_done_callback(lambda f: self._free(f.result().hit))
+            future = None
+        lookup = future.result() if future is not None else None
+        hit = lookup.hit if lookup is not None else None
+        if hit is not None and num_external_tokens > 0:
+            start = (hit.num_tokens - num_external_tokens) // self.block_size
+            end = hit.num_tokens // self.block_size
+            valid_until = self.link.valid_until() if hit.generation == self.link.generation else 0.0
+            self._pending_loads.append(
+                LoadItem(rid, hit.pool_name, hit.pool_block_ids[start:end], block_ids[start:end], valid_until)
+            )
+            self._loading[rid] = hit
+        elif hit is not None:
+            self._free(hit)
+        if future is not None or rid not in self._tracks:
+            key = request_key(request)
+            if key is not None and len(key[0]) <= self.max_model_len:
+                held = lookup.held_tokens // self.block_size if lookup is not None else None
+                self._tracks[rid] = Track(*key, saved_blocks=held, block_ids=[])
+
+    def build_meta(self, scheduler_output) -> KvtierMetadata:
+        """This step's loads (admitted since the last step) and saves (prompt blocks it completes)."""
+        meta = KvtierMetadata(loads=self._pending_loads)
+        self._pending_loads = []
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            track = self._tracks.get(new.req_id)
+            if track is not None:
+                track.block_ids = list(new.block_ids[0])
+                if track.saved_blocks is None:
+                    track.saved_blocks = new.num_computed_tokens // self.block_size
+                self._plan_save(track, new.num_computed_tokens + scheduled[new.req_id], meta.saves)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            track = self._tracks.get(rid)
+            if track is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:
+                track.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                track.block_ids.extend(new_ids[0])
+            self._plan_save(track, cached.num_computed_tokens[i] + scheduled[rid], meta.saves)
+        return meta
+
+    def loads_finished(self, req_ids) -> None:
+        """The worker copied these requests' hits: their pool sequences go."""
+        for rid in req_ids or ():
+            hit = self._loading.pop(rid, None)
+            if hit is not None:
+                self._free(hit)
+
+    def request_finished(self, request) -> None:
+        future = self._lookups.pop(request.request_id, None)
+        if future is not None:  # never admitted: its pinned blocks go (once the calls are done)
+            future.add_done_callback(lambda f: self._free(f.result().hit))
+        self._tracks.pop(request.request_id, None)
+        # A load already sent stays in _loading: the worker reports it done even for a finished request.
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------ helpers
+
+    def _plan_save(self, track: Track, computed_after_step: int, saves: list[SaveItem]) -> None:
+        full = min(computed_after_step, len(track.token_ids)) // self.block_size
+        if full <= track.saved_blocks or not self.link.attached:
+            return  # nothing new, or no cache to take it now (the blocks are sent once it is back)
+        saves.append(
+            SaveItem(
+                track.token_ids[: full * self.block_size],
+                track.tenant_salt,
+                track.adapter_id,
+                track.saved_blocks,
+                track.block_ids[track.saved_blocks : full],
+            )
+        )
+        track.saved_blocks = full
+
+    def _lookup(self, tokens: list[int], salt: str, adapter: str, rid: str, num_computed: int) -> Lookup:
+        """On the lookup thread: never raises (a failed call is no hit)."""
+        try:
+            return self._lookup_calls(tokens, salt, adapter, rid, num_computed)
+        except CacheDown as e:
+            log.debug("kvtier lookup for %s: no answer (%s)", rid, e)
+        except grpc.RpcError as e:
+            log.warning("kvtier lookup for %s refused: %s: %s", rid, e.code().name, e.details())
+        except Exception:
+            log.exception("kvtier lookup for %s failed", rid)
+        return Lookup(0, None)
+
+    def _lookup_calls(
+        self, tokens: list[int], salt: str, adapter: str, rid: str, num_computed: int
+    ) -> Lookup:
+        bs = self.block_size
+        generation, spec = self.link.snapshot()
+        if spec is None:
+            raise CacheDown("not attached")
+        reply = self.link.call(
+            lambda c: c.lookup_prefix([tokens], tenant_salt=salt, adapter_id=adapter),
+            expect_generation=generation,
+        )
+        held = reply.num_cached_tokens[0] + sum(
+            t[0] for t in (reply.num_host_tokens, reply.num_disk_tokens) if t
+        )
+        want = min(held, (len(tokens) - 1) // bs * bs)
+        if want <= num_computed:
+            return Lookup(held, None)
+        item = AllocateItem(tokens[: want + 1], tenant_salt=salt, adapter_id=adapter, request_id=rid)
+        try:
+            reply = self.link.call(lambda c: c.allocate([item]), expect_generation=generation)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise
+            log.info("kvtier lookup for %s: the pool has no room to pin its hit now (%s)", rid, e.details())
+            return Lookup(held, None)
+        seq = reply.sequences[0]
+        hit = Hit(seq.sequence_id, list(seq.block_table[: seq.num_cached_tokens // bs]), seq.num_cached_tokens,
+                  pool_name(spec), generation)  # fmt: skip
+        if hit.num_tokens <= num_computed:
+            self._free_now(hit)
+            return Lookup(held, None)
+        return Lookup(held, hit)
+
+    def _free(self, hit: Hit | None) -> None:
+        if hit is not None:
+            self._executor.submit(self._free_now, hit)
+
+    def _free_now(self, hit: Hit) -> None:
+        if hit.generation != self.link.generation:
+            return  # its lease is gone, and its sequences with it
+        try:
+            self.link.call(lambda c: c.free([hit.sequence_id]), expect_generation=hit.generation)
+        except (CacheDown, grpc.RpcError) as e:
+            log.debug("kvtier: Free of sequence %d failed (%s); the lease releases it", hit.sequence_id, e)

@@ -1,0 +1,40 @@
+"""The per-step metadata the scheduler side hands the worker side, and the values in it.
+
+Everything here is plain data (pickled by vLLM from the scheduler process to the workers).
+Units: tokens unless a name says blocks; block ids are vLLM's (``vllm_block_ids``) or the pool's
+(``pool_block_ids``), in token order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass
+class LoadItem:
+    """Copy a request's hit from pool blocks into its vLLM blocks (then report it loaded)."""
+
+    req_id: str
+    pool_name: str  # the pool the hit is in (kvtier.vllm.lookups.pool_name)
+    pool_block_ids: list[int]
+    vllm_block_ids: list[int]
+    valid_until: float  # time.monotonic() deadline of the lease that pins the pool blocks; 0 = not pinned
+
+
+@dataclass
+class SaveItem:
+    """A request's full prompt blocks computed this step, to be written to the pool and committed."""
+
+    token_ids: list[int]  # the prompt up to the end of the last block to save (a whole number of blocks)
+    tenant_salt: str  # vLLM's cache_salt ("" for none): only equal salts share blocks
+    adapter_id: str  # the LoRA adapter's name ("" for the base model)
+    first_block: int  # index of the first block to save; blocks before it are already in kvtier
+    vllm_block_ids: list[int]  # blocks [first_block, len(token_ids) // block_size) in vLLM's cache
+
+
+@dataclass
+class KvtierMetadata(KVConnectorMetadata):
+    loads: list[LoadItem] = field(default_factory=list)
+    saves: list[SaveItem] = field(default_factory=list)

@@ -1,0 +1,207 @@
+"""The worker side: the pool mapped beside vLLM's KV cache, loads into it and saves out of it.
+
+At ``register_kv_caches`` the worker attaches (its own lease), maps the pool the cache service
+owns (shared memory, or CUDA IPC on a GPU: no KV crosses a socket), refuses a pool that does not
+match the engine (``engine_check``) and learns vLLM's block layout (``block_layout``).
+
+Loads (``load``): the scheduler side pinned the hit's pool blocks; each is copied into vLLM's
+blocks, batched, and the request is reported loaded the same step. A load whose pool is not the
+one mapped, or whose pinning lease may have lapsed before the copy ended, is reported as failed
+blocks: vLLM then recomputes them (``kv_load_failure_policy: recompute``), never uses them.
+
+Saves (``stage``): at the end of the step that computed them, a request's new full prompt blocks
+are copied out of vLLM's cache into a staging tensor (one batched copy per layer), so vLLM keeps
+no block for us and a preemption cannot race a save. A background thread then asks ``Allocate``
+for the prompt up to those blocks, writes the staged blocks into the new pool blocks (those past
+what the cache already holds), and ``Free``s the sequence with a commit of them: published for
+every engine, they go down the host and disk tiers like any block. If the cache service is away,
+or too much is staged already, the save is dropped with a WARNING: a later request recomputes.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+import grpc
+import torch
+
+from kvtier.pool import attach_pool
+from kvtier.sequence_types import AllocateItem, CommitItem
+from kvtier.vllm.block_layout import BlockCopier
+from kvtier.vllm.cache_link import CacheDown, CacheLink
+from kvtier.vllm.lookups import pool_name
+from kvtier.vllm.plan import LoadItem, SaveItem
+
+log = logging.getLogger("kvtier.vllm")
+
+WARN_EVERY_S = 10.0  # a dropped save is logged at most this often (with the count since)
+
+
+class WorkerSide:
+    def __init__(self, link: CacheLink, copier: BlockCopier, block_size: int, max_staged_bytes: int):
+        self.link = link
+        self.copier = copier
+        self.block_size = block_size
+        self.max_staged_bytes = max_staged_bytes
+        self.stats = {"loaded_blocks": 0, "failed_blocks": 0, "saved_blocks": 0, "dropped_blocks": 0}
+        self._pools: dict[str, object] = {}  # pool name -> mapping, the current attach's only
+        self._pool_lock = threading.Lock()
+        self._finished_loads: set[str] = set()
+        self._failed_blocks: set[int] = set()
+        self._queue: queue.Queue = queue.Queue()
+        self._staged_bytes = 0
+        self._staged_lock = threading.Lock()
+        self._dropped_since_warning = 0
+        self._warned_at = 0.0
+        self._idle = threading.Event()
+        self._idle.set()
+        self._writer = threading.Thread(target=self._write_forever, name="kvtier-save", daemon=True)
+        self._writer.start()
+
+    # ------------------------------------------------------------ the pool
+
+    def map_pool(self, client) -> None:
+        """(The link's on_attached hook.) Map the attached service's pool; drop the one before."""
+        name = pool_name(client.pool)
+        with self._pool_lock:
+            if name in self._pools:
+                return
+            pool = attach_pool(client.pool)
+            old, self._pools = self._pools, {name: pool}
+        for previous in old.values():
+            previous.close()  # unmapped once no tensor view of it is left (kvtier.pool)
+
+    def pool(self, name: str):
+        with self._pool_lock:
+            return self._pools.get(name)
+
+    # ------------------------------------------------------------ loads
+
+    def load(self, loads: list[LoadItem]) -> None:
+        """Copy each request's hit into its vLLM blocks; report it loaded (failed blocks, if any, too)."""
+        for item in loads:
+            self._finished_loads.add(item.req_id)
+            pool = self.pool(item.pool_name)
+            ok = pool is not None and time.monotonic() < item.valid_until
+            if ok:
+                device = self.copier.kv_caches[0].device
+                blocks = pool.tensor.index_select(0, torch.tensor(item.pool_block_ids, device=device))
+                # NOTE: checked after the read: bytes read while the lease pinned them are the hit's.
+                ok = time.monotonic() < item.valid_until
+                if ok:
+                    self.copier.write_blocks(torch.tensor(item.vllm_block_ids, device=device), blocks)
+            if ok:
+                self.stats["loaded_blocks"] += len(item.vllm_block_ids)
+            else:
+                self._failed_blocks.update(item.vllm_block_ids)
+                self.stats["failed_blocks"] += len(item.vllm_block_ids)
+                log.warning(
+                    "kvtier: request %s: %d blocks not loaded (%s); vLLM recomputes them",
+                    item.req_id,
+                    len(item.vllm_block_ids),
+                    "pool not mapped" if pool is None else "its lease may have lapsed",
+                )
+
+    def take_finished_loads(self) -> set[str]:
+        done, self._finished_loads = self._finished_loads, set()
+        return done
+
+    def take_failed_blocks(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    # ------------------------------------------------------------ saves
+
+    def stage(self, saves: list[SaveItem]) -> None:
+        """Copy the saves' vLLM blocks out now (this step computed them); write them in the background."""
+        if not saves:
+            return
+        ids = [i for item in saves for i in item.vllm_block_ids]
+        size = len(ids) * self.copier.block_bytes
+        if not self.link.attached:
+            return self._dropped(len(ids), "the cache service is away")
+        with self._staged_lock:
+            if self._staged_bytes + size > self.max_staged_bytes:
+                full = True
+            else:
+                full = False
+                self._staged_bytes += size
+                self._idle.clear()
+        if full:
+            return self._dropped(len(ids), "max_staged_save_mib of saves already wait for the cache service")
+        blocks = self.copier.read_blocks(torch.tensor(ids, device=self.copier.kv_caches[0].device))
+        self._queue.put((saves, blocks, size))
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until every staged save is written or dropped (tests, benchmarks, shutdown)."""
+        return self._idle.wait(timeout_s)
+
+    def _dropped(self, num_blocks: int, why: str) -> None:
+        self.stats["dropped_blocks"] += num_blocks
+        self._dropped_since_warning += num_blocks
+        now = time.monotonic()
+        if now - self._warned_at >= WARN_EVERY_S:
+            log.warning("kvtier: %d blocks not saved (%s)", self._dropped_since_warning, why)
+            self._warned_at, self._dropped_since_warning = now, 0
+
+    def _write_forever(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            saves, blocks, size = job
+            try:
+                self._write(saves, blocks)
+            except CacheDown as e:
+                self._dropped(len(blocks), f"the cache service is away: {e}")
+            except grpc.RpcError as e:
+                self._dropped(len(blocks), f"{e.code().name}: {e.details()}")
+            except Exception:
+                log.exception("kvtier: a save failed")
+                self._dropped(len(blocks), "an error (logged above)")
+            finally:
+                with self._staged_lock:
+                    self._staged_bytes -= size
+                    if self._staged_bytes == 0 and self._queue.empty():
+                        self._idle.set()
+
+    def _write(self, saves: list[SaveItem], blocks: torch.Tensor) -> None:
+        """Allocate the saves' prompts, write the staged blocks past each hit, commit and free them."""
+        generation, spec = self.link.snapshot()
+        pool = self.pool(pool_name(spec)) if spec is not None else None
+        if pool is None:
+            raise CacheDown("no pool mapped")
+        items = [AllocateItem(s.token_ids, tenant_salt=s.tenant_salt, adapter_id=s.adapter_id) for s in saves]
+        seqs = self.link.call(lambda c: c.allocate(items), expect_generation=generation).sequences
+        pool_ids, rows, commits, offset = [], [], [], 0
+        for save, seq in zip(saves, seqs, strict=True):
+            hit, full = seq.num_cached_tokens // self.block_size, len(save.token_ids) // self.block_size
+            # Blocks between the cache's hit and ours would be unwritten: publish only a gapless chain.
+            if hit >= save.first_block:
+                pool_ids += seq.block_table[hit:full]
+                rows += range(offset + hit - save.first_block, offset + full - save.first_block)
+                commits.append(CommitItem(seq.sequence_id, [], full * self.block_size))
+            offset += full - save.first_block
+        lease_ttl = self.link.client.lease_ttl_s if self.link.client is not None else 0.0
+        if pool_ids and time.monotonic() < self.link.valid_until() - lease_ttl / 4:
+            device = pool.tensor.device
+            pool.tensor.index_copy_(
+                0,
+                torch.tensor(pool_ids, device=device),
+                blocks[torch.tensor(rows, device=blocks.device)].to(device),
+            )
+        else:
+            commits = []  # not written: nothing to publish
+        self.link.call(lambda c: c.free([s.sequence_id for s in seqs], commits), expect_generation=generation)
+        self.stats["saved_blocks"] += len(pool_ids) if commits else 0
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._writer.join(timeout=5)
+        with self._pool_lock:
+            pools, self._pools = self._pools, {}
+        for pool in pools.values():
+            pool.close()
