@@ -305,3 +305,26 @@ def test_unknown_otlp_protocol_is_refused():
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert "OTLP protocol 'http/json': kvtier exports traces over grpc or http/protobuf" in out.stderr
+
+
+def test_a_batched_call_names_the_sampled_requests_it_serves_in_one_metadata_entry():
+    """telemetry.request_metadata: nothing outside for_requests; inside, one entry of W3C
+    traceparents (sampled spans only, at most MAX_REQUEST_CONTEXTS) after the call's own."""
+    from opentelemetry import trace
+
+    from kvtier import telemetry
+
+    def span(trace_id: int, sampled: bool = True) -> trace.Span:
+        flags = trace.TraceFlags(trace.TraceFlags.SAMPLED if sampled else 0)
+        return trace.NonRecordingSpan(trace.SpanContext(trace_id, 7, is_remote=False, trace_flags=flags))
+
+    own = (("authorization", "Bearer x"),)
+    assert telemetry.request_metadata(own) == own
+    with telemetry.for_requests([span(1), span(2, sampled=False), trace.INVALID_SPAN, span(3)]):
+        *kept, (key, value) = telemetry.request_metadata(own)
+    assert tuple(kept) == own and key == telemetry.REQUEST_CONTEXTS_KEY
+    assert value.split(",") == [f"00-{t:032x}-{7:016x}-01" for t in (1, 3)]
+    assert telemetry.request_metadata(own) == own  # closed again
+    with telemetry.for_requests([span(t) for t in range(1, 200)]):
+        (_, value) = telemetry.request_metadata(())[-1]
+    assert len(value.split(",")) == telemetry.MAX_REQUEST_CONTEXTS
