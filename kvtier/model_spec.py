@@ -10,11 +10,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvtier import kv_dtypes
+from kvtier.file_digests import file_digests
+
+log = logging.getLogger("kvtier.model")
 
 # LlamaConfig kwargs of the built-in test model: a byte-level vocabulary (256 bytes + bos + eos).
 TINY_LLAMA_CONFIG: dict[str, Any] = {
@@ -38,7 +42,17 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 _VOLATILE_CONFIG_KEYS = frozenset({"transformers_version", "_name_or_path", "use_cache", "return_dict"})
 
 _WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
-_EDGE_BYTES = 1 << 20  # hash the first and last MiB of each weight file, not the whole file
+# The tokenizer's files, hashed whole with the weights where a model directory has them: they
+# decide the token ids a prompt becomes, and so which KV a record holds for a given text.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+)
 
 
 @dataclass(frozen=True)
@@ -99,8 +113,11 @@ class ModelShape:
     def from_model_dir(cls, path: str | Path) -> ModelShape:
         """Shape of a local Hugging Face model directory (config.json + weight files).
 
-        The weights' identity is a sha256 over each weight file's name, size and the sha256 of
-        its first and last MiB: cheap on multi-GB checkpoints, yet it changes when they do.
+        The weights' identity is a sha256 over each weight and tokenizer file's name, size and
+        blake3 digest of its every byte (``kvtier.file_digests``: hashed at streaming speed, then
+        cached by file identity, so a restart of an unchanged model does not rehash); config.json
+        enters as its parsed keys, less those that do not change what the model computes. One
+        INFO line says how long it took and what came from the digest cache.
         """
         path = Path(path)
         config_file = path / "config.json"
@@ -118,9 +135,12 @@ class ModelShape:
         weight_files = sorted({f for pattern in _WEIGHT_PATTERNS for f in path.glob(pattern) if f.is_file()})
         if not weight_files:
             raise ValueError(f"no *.safetensors or *.bin weight files in model directory {path}")
+        files = weight_files + [path / name for name in TOKENIZER_FILES if (path / name).is_file()]
+        digests, report = file_digests(files)
+        log.info("model %s fingerprinted: %s", path, report.describe())
         weights = hashlib.sha256()
-        for f in weight_files:
-            weights.update(f"{f.name}\0{f.stat().st_size}\0{_edge_digest(f)}\n".encode())
+        for f, digest in zip(files, digests, strict=True):
+            weights.update(f"{f.name}\0{f.stat().st_size}\0{digest}\n".encode())
         try:
             return cls.from_hf_config(config, weights_id=weights.hexdigest())
         except ValueError as e:
@@ -156,15 +176,3 @@ def _check_supported(model_type: object) -> None:
             f"model_type {model_type!r} is not supported; kvtier runs {', '.join(SUPPORTED_MODEL_TYPES)} "
             "(decoders with causal RoPE attention)"
         )
-
-
-def _edge_digest(path: Path) -> str:
-    """sha256 of the first and last MiB of a file (the whole file when it is under 2 MiB)."""
-    digest = hashlib.sha256()
-    size = path.stat().st_size
-    with path.open("rb") as f:
-        digest.update(f.read(_EDGE_BYTES))
-        if size > _EDGE_BYTES:
-            f.seek(max(_EDGE_BYTES, size - _EDGE_BYTES))
-            digest.update(f.read(_EDGE_BYTES))
-    return digest.hexdigest()

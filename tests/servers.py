@@ -114,6 +114,19 @@ class ModuleLoop:
         """Run `coro` on the module's loop, failing it after `timeout_s` (no test hangs)."""
         return self._runner.run(asyncio.wait_for(coro, timeout_s))
 
+    def complete(self, addresses: list[str], requests, max_attempts: int | None = None) -> list:
+        """Send Generate `requests` one after the other through one ComputeClient (round robin
+        over `addresses`); their Completions."""
+
+        async def complete_all() -> list:
+            client = ComputeClient(addresses, TOKEN)
+            try:
+                return [await client.complete(r, max_attempts) for r in requests]
+            finally:
+                await client.close()
+
+        return self.run(complete_all())
+
     def close(self) -> None:
         self._runner.close()
 
