@@ -100,16 +100,19 @@ class Utf8Mask:
         allowed[:, :vocab_size] = ends >= 0
         packed = np.packbits(allowed, axis=1, bitorder="little")  # bit j of byte k: token 8k + j
         # [NUM_STATES, ceil(vocab / 32)] int32, as xgrammar's bitmask (little-endian words).
-        self.bitmask = torch.from_numpy(packed.view("<i4").copy())
+        self.bitmask = packed.view("<i4").astype(np.int32)
 
     def next_state(self, state: int, token: int) -> int:
         """The state after `token`; -1 when it breaks UTF-8 (or is outside the vocabulary)."""
         return int(self.ends[state, token]) if 0 <= token < self.vocab_size else -1
 
     def restrict(self, bitmask: torch.Tensor, rows: list[int], states: list[int]) -> list[int]:
-        """AND bitmask rows `rows` ([num_seqs, ceil(vocab / 32)] int32, a grammar's allowed tokens)
-        with the tokens allowed in `states` (one per row): the rows left without any token."""
-        index = torch.tensor(rows, dtype=torch.long)
-        restricted = bitmask[index] & self.bitmask[torch.tensor(states, dtype=torch.long)]
-        bitmask[index] = restricted
-        return [rows[i] for i in (restricted == 0).all(dim=1).nonzero().flatten().tolist()]
+        """AND bitmask rows `rows` (a CPU tensor [num_seqs, ceil(vocab / 32)] int32, a grammar's
+        allowed tokens) with the tokens allowed in `states` (one per row): the rows left without
+        any token."""
+        # NOTE: in numpy, on the tensor's memory: torch's small CPU ops wait on its thread pool,
+        # 2-5 ms each on a busy machine against 0.3 ms here for 64 rows of a 150k vocabulary.
+        words, index = bitmask.numpy(), np.asarray(rows)
+        restricted = words[index] & self.bitmask[np.asarray(states)]
+        words[index] = restricted
+        return [rows[i] for i in np.flatnonzero(~restricted.any(axis=1))]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -44,7 +45,7 @@ def _decoder_says(data: bytes) -> tuple[bool, bool]:
     return any(decodes(data + end) for end in _ENDINGS), decodes(data)
 
 
-@settings(max_examples=2000, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(st.binary(max_size=12) | st.lists(st.sampled_from([0x41, 0x80, 0x9F, 0xA0, 0xBF, 0xC2, 0xE0, 0xED, 0xF0, 0xF4]), max_size=8).map(bytes))  # fmt: skip
 def test_the_automaton_agrees_with_a_strict_decoder(data):
     prefix_ok, whole_ok = _decoder_says(data)
@@ -72,7 +73,7 @@ def test_the_mask_allows_exactly_the_tokens_that_keep_the_bytes_a_utf8_prefix():
     special = [len(PIECES) - 3]  # b"": an end-of-sequence token
     mask = Utf8Mask(PIECES, special, vocab_size=len(PIECES) + 5)  # 5 ids past the vocabulary
     bits = mask.bitmask
-    assert bits.shape == (8, 1) and bits.dtype == torch.int32
+    assert bits.shape == (8, 1) and bits.dtype == np.int32
     for context in (
         b"",
         b"x",
