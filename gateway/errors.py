@@ -150,6 +150,19 @@ def install(app: FastAPI) -> None:
     async def _validation(request: Request, exc: RequestValidationError) -> Response:
         return from_validation(exc).response()
 
+    @app.exception_handler(UnicodeEncodeError)
+    async def _lone_surrogate(request: Request, exc: UnicodeEncodeError) -> Response:
+        # JSON lets a string escape half a UTF-16 pair ("\ud800"); Python parses it into a str
+        # that no UTF-8 encode (a size check, the tokenizer, protobuf) takes. Found wherever a
+        # field is first encoded, before any replica is called.
+        if exc.reason != "surrogates not allowed":
+            return await _unexpected(request, exc)
+        return bad_request(
+            f"the request holds a lone UTF-16 surrogate (\\u{ord(exc.object[exc.start]):04x}) in a string, which is not "
+            "a Unicode character: escape a character past U+FFFF as a high-low pair, or send it as UTF-8",
+            code="invalid_unicode",
+        ).response()
+
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> Response:
         kind = INVALID_REQUEST if exc.status_code < 500 else SERVER_ERROR

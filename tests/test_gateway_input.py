@@ -141,6 +141,25 @@ def test_out_of_range_or_oversized_fields_are_refused_naming_them(url, body, sta
     assert_error(post(url, "/v1/completions", {"model": MODEL} | body), status, param, says)
 
 
+@pytest.mark.parametrize(
+    ("path", "fields"),
+    [
+        ("/v1/completions", '"prompt": "x\\ud800"'),
+        ("/v1/completions", '"prompt": "x", "guided_choice": ["a\\udc00"]'),
+        ("/v1/completions", '"prompt": "x", "guided_regex": "a\\ud800"'),
+        ("/v1/completions", '"prompt": "x", "stop": ["\\ud800"]'),
+        ("/v1/chat/completions", '"messages": [{"role": "user", "content": "x\\ud800"}]'),
+        ("/tokenize", '"prompt": "\\ud800"'),
+    ],
+)
+def test_a_lone_surrogate_escape_is_a_400_not_a_500(url, path, fields):
+    body = f'{{"model": "kvtier-tiny", "max_tokens": 2, {fields}}}'.encode()
+    error = assert_error(post(url, path, body), 400, None, "lone UTF-16 surrogate")
+    assert error["code"] == "invalid_unicode"
+    pair = post(url, "/v1/completions", b'{"prompt": "\\ud83d\\ude00", "max_tokens": 1}')  # one character
+    assert pair.status_code == 200 and pair.json()["usage"]["prompt_tokens"] == 1 + 4  # bos, 4 bytes
+
+
 def test_chat_limits_name_their_fields(url):
     long_chat = {"model": MODEL, "messages": [{"role": "user", "content": "z" * (16 << 10)}] * 2}
     assert_error(post(url, "/v1/chat/completions", long_chat), 413, "messages", "takes at most")
