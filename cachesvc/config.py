@@ -68,7 +68,6 @@ class CacheConfig:
     shared_tier_segment_gib: float
     shared_tier_timeout_s: float
     shared_tier_policy: str
-    shared_tier_min_hits: int
 
     def describe(self) -> str:
         return " ".join(f"{k}={v}" for k, v in asdict(self).items())

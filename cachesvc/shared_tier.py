@@ -18,11 +18,14 @@ One block is one object:
   checks all of it (``disk_records.decode``) before one byte reaches the pool: a damaged object,
   or another model's object under a colliding name, is a miss, counted as ``bad_objects``.
 
-Writes: ``submit_store`` copies each block's bytes out of the pool row before it returns and
-queues the object; the store client's writer puts it. The store evicts on its own (its
-master's watermark, LRU by lease); this tier evicts nothing. Policy (``--shared-tier-policy``):
-``evict`` takes what the node's own lowest tier evicts (the stack's order); ``through`` also
-takes the device's evictions of blocks hit at least ``--shared-tier-min-hits`` times.
+Writes (``--shared-tier-policy``): ``through`` (the default) stores each block as it is
+published on this node (``write_published``: the node hands over the block manager's STORED
+records after each call), so a prefix computed on one node is a hit on every node from then on;
+``evict`` stores only what the node's own lowest tier evicts (the stack's loop down), so the store
+holds what this node no longer does (with ``--offload-min-hits N``: only blocks hit N times). Either
+way the bytes are copied out of the pool row before the call returns; the object is checksummed
+and put by the store client's writer thread. The store evicts on its own (its master's
+watermark); this tier evicts nothing.
 """
 
 from __future__ import annotations
@@ -34,10 +37,11 @@ import threading
 import warnings
 from collections import OrderedDict, deque
 from collections.abc import Container, Sequence
+from functools import partial
 from typing import TYPE_CHECKING
 
 from kvtier.cachesvc.disk_records import KEY_PREFIX_BYTES, BadRecord, RecordLayout, decode, encode, file_name
-from kvtier.cachesvc.events import tier_kind
+from kvtier.cachesvc.events import STORED, tier_kind
 from kvtier.cachesvc.store_client import StoreAddress, StoreClient
 from kvtier.cachesvc.tiers import Blocks, Job, JobResult, Lookup, Tier, TierCounts
 from kvtier.media import medium
@@ -84,18 +88,13 @@ class SharedTier(Tier):
 
     medium = medium("shared")
 
-    def __init__(
-        self, client: StoreClient, layout: RecordLayout, *, policy: str = "evict", min_hits: int = 0
-    ) -> None:
+    def __init__(self, client: StoreClient, layout: RecordLayout, *, policy: str = "through") -> None:
         if policy not in POLICIES:
             raise ValueError(f"--shared-tier-policy {policy!r} is not one of {POLICIES}")
-        if min_hits < 0:
-            raise ValueError(f"--shared-tier-min-hits = {min_hits} must be >= 0")
         self.client = client
         self.layout = layout
         self.block_bytes = layout.block_bytes
         self.write_through = policy == "through"
-        self.min_hits = min_hits
         # Keys the store held when this node last asked or wrote them, most recent last: the
         # cheap ``held`` view (a hint: a load still checks the store and the object).
         self._known: OrderedDict[bytes, None] = OrderedDict()
@@ -160,8 +159,10 @@ class SharedTier(Tier):
         for key, row_id in zip(blocks.keys, blocks.row_ids, strict=True):
             if key in known:
                 continue  # the store has it (another node's, or ours): no second write
-            parts = encode_object(self.layout, key, _row_bytes(rows[row_id]))
-            if self.client.put(object_name(self.layout, key), parts):
+            payload = bytes(_row_bytes(rows[row_id]))  # the one copy on the caller's thread
+            if self.client.put(
+                object_name(self.layout, key), partial(encode_object, self.layout, key, payload)
+            ):
                 stored.append(key)
             else:
                 self._counts["skipped"] += 1
@@ -170,6 +171,24 @@ class SharedTier(Tier):
             self._remember(stored)
             self._events.append((tier_kind(True, self.medium.name), tuple(stored), (-1,) * len(stored)))
         return None
+
+    def write_published(self, records: Sequence[EventRecord], pool_rows) -> None:
+        """``through``: store the blocks the device's STORED ``records`` published (the block
+        manager's event records of one call; ``cachesvc.events``), from ``pool_rows``."""
+        keys: list[bytes] = []
+        block_ids: list[int] = []
+        for record in records:
+            if record[0] != STORED:
+                continue
+            _, hashes, ids, token_bytes, parent, extra = record
+            step = len(token_bytes) // len(ids)
+            for i, block_id in enumerate(ids):
+                keys.append(
+                    (hashes[i - 1] if i else parent or extra) + token_bytes[i * step : (i + 1) * step]
+                )
+                block_ids.append(block_id)
+        if keys:
+            self.submit_store(Blocks(keys, pool_rows, block_ids))
 
     # -- loads ------------------------------------------------------------------------------------
 
@@ -288,11 +307,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "the tier is off until a probe answers, and the prefix is recomputed: keep it below a prompt's prefill",
     )  # fmt: skip
     ap.add_argument(
-        "--shared-tier-policy", choices=POLICIES, default="evict",
-        help="evict: a block goes to the store when this node's lowest tier evicts it; through: also as soon "
-        "as the device evicts it, if it was hit --shared-tier-min-hits times",
+        "--shared-tier-policy", choices=POLICIES, default="through",
+        help="through: a block goes to the store as soon as it is published here (computed once, a hit on "
+        "every node); evict: only when this node's own lowest tier evicts it (with --offload-min-hits N, "
+        "only blocks hit N times)",
     )  # fmt: skip
-    ap.add_argument("--shared-tier-min-hits", type=int, default=0, help="see --shared-tier-policy through")
 
 
 def build(args: argparse.Namespace, pool_rows, layout: RecordLayout) -> SharedTier | None:
@@ -307,6 +326,6 @@ def build(args: argparse.Namespace, pool_rows, layout: RecordLayout) -> SharedTi
         segment_bytes=int(args.shared_tier_segment_gib * 2**30),
         timeout_s=args.shared_tier_timeout_s,
     )
-    tier = SharedTier(client, layout, policy=args.shared_tier_policy, min_hits=args.shared_tier_min_hits)
+    tier = SharedTier(client, layout, policy=args.shared_tier_policy)
     client.connect()
     return tier

@@ -150,7 +150,7 @@ class StoreClient:
         self._store = None
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-store-read")
         self._reading: Future | None = None  # the read in flight (one at a time)
-        self._queue: deque[tuple[str, list]] = deque()
+        self._queue: deque[tuple[str, list | Callable[[], list]]] = deque()
         self._writing = False  # the writer holds an object it took off the queue
         self._cond = threading.Condition()
         self._closed = False
@@ -263,8 +263,9 @@ class StoreClient:
 
     # -- writes ---------------------------------------------------------------------------------
 
-    def put(self, key: str, parts: list) -> bool:
-        """Queue one object (``parts``: bytes-like, stored one after another); False if dropped."""
+    def put(self, key: str, parts: list | Callable[[], list]) -> bool:
+        """Queue one object (``parts``: bytes-like, stored one after another, or a function the
+        writer calls for them: work kept off the caller's thread); False if dropped."""
         if not self.available or self._closed:
             return False
         with self._cond:
@@ -293,13 +294,13 @@ class StoreClient:
             finally:
                 self._writing = False
 
-    def _put(self, key: str, parts: list) -> None:
+    def _put(self, key: str, parts: list | Callable[[], list]) -> None:
         if self.breaker.open:
             self.counts["dropped_writes"] += 1
             return
         started = time.monotonic()
         try:
-            rc = self._store.put_parts(key, *parts)
+            rc = self._store.put_parts(key, *(parts() if callable(parts) else parts))
         except Exception as e:  # noqa: BLE001 - reported as the tier down
             rc = f"{type(e).__name__}: {e}"
         took = time.monotonic() - started

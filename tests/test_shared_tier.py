@@ -142,6 +142,35 @@ def test_two_tenants_never_see_each_others_objects(node_a, node_b):
     assert not {object_name(LAYOUT, k) for k in acme} & {object_name(LAYOUT, k) for k in globex}
 
 
+def test_store_url_is_checked():
+    assert StoreAddress.parse("mooncake://10.0.0.5:50051") == StoreAddress(
+        "10.0.0.5:50051", "http://10.0.0.5:8080/metadata"
+    )
+    for bad in ("http://x:1", "mooncake://", "mooncake://h:99999", "mooncake://h:1/path"):
+        with pytest.raises(ValueError, match="shared-tier"):
+            StoreAddress.parse(bad)
+
+
+def test_published_blocks_go_to_the_store_under_their_prefix_index_keys(node_a, node_b):
+    """Policy ``through``: the block manager's STORED records of a commit are what the node hands
+    over; the objects land under the very keys its prefix index uses (and another node's chain)."""
+    from kvtier.cachesvc.block_manager import BlockManager
+
+    bm = BlockManager(8, BS)
+    tokens = list(range(500, 500 + 3 * BS))
+    ids = bm.allocate(3)
+    bm.publish_blocks(ids, [], 0, 3, tokens, extra_key(LAYOUT.model_fingerprint))
+    src = torch.zeros((8, LAYOUT.block_bytes), dtype=torch.uint8)
+    src[ids] = rows(3, seed=8)
+    node_a.write_published(bm.take_event_records(), src)
+    assert node_a.client.wait_written(30.0)
+    keys = [bm.blocks[i].index_key for i in ids]
+    assert keys == chain(tokens)
+    done, dst = load_blocks(node_b, keys)
+    assert done == 3 and torch.equal(dst, src[ids])
+
+
+# Last: it restarts the master, which the module-scoped clients above would see as the store down.
 def test_master_killed_calls_stay_bounded_and_the_tier_comes_back(store, caplog):
     tier = SharedTier(client(store, timeout_s=0.3), LAYOUT)
     try:
@@ -169,12 +198,3 @@ def test_master_killed_calls_stay_bounded_and_the_tier_comes_back(store, caplog)
         assert load_blocks(tier, keys)[0] == 2
     finally:
         tier.close()
-
-
-def test_store_url_is_checked():
-    assert StoreAddress.parse("mooncake://10.0.0.5:50051") == StoreAddress(
-        "10.0.0.5:50051", "http://10.0.0.5:8080/metadata"
-    )
-    for bad in ("http://x:1", "mooncake://", "mooncake://h:99999", "mooncake://h:1/path"):
-        with pytest.raises(ValueError, match="shared-tier"):
-            StoreAddress.parse(bad)
