@@ -38,6 +38,8 @@ log = logging.getLogger("kvtier.model")
 FORMAT = "kvtier-file-digests-1 blake3"
 CACHE_FILE_NAME = "file-digests.json"
 MAX_ENTRIES = 4096  # a user's models' files; entries of deleted or changed files are pruned first
+LOCK_WAIT_S = 300.0  # longest wait for another process hashing the same files, then hash here too
+LOCK_POLL_S = 0.05
 _IDENTITY_FIELDS = ("dev", "ino", "size", "mtime_ns", "ctime_ns")
 _HEX_DIGEST = re.compile(r"^[0-9a-f]{64}$")
 
@@ -125,7 +127,11 @@ def file_digests(paths: list[Path], cache_path: Path | None = None) -> tuple[lis
 @contextlib.contextmanager
 def _locked(cache_path: Path, report: DigestReport) -> Iterator[None]:
     """Hold the cache's advisory lock (the next process waits, then finds the digests); without
-    a lock file (an unwritable cache directory), go on unlocked and do not write the cache."""
+    a lock file (an unwritable cache directory), go on unlocked and do not write the cache.
+
+    NOTE: a holder that never lets go (a stopped process) costs a waiter ``LOCK_WAIT_S``, then it
+    hashes on its own: a start is slowed, never hung.
+    """
     try:
         cache_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd = os.open(cache_path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
@@ -134,7 +140,16 @@ def _locked(cache_path: Path, report: DigestReport) -> Iterator[None]:
         yield
         return
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    report.cache_note = f"not written: its lock was held for over {LOCK_WAIT_S:.0f} s"
+                    break
+                time.sleep(LOCK_POLL_S)
         yield
     finally:
         os.close(fd)  # releases the lock
@@ -146,7 +161,7 @@ def _checksum(entries: dict) -> str:
 
 def _read_cache(cache_path: Path, report: DigestReport) -> dict[str, dict]:
     """The cache's entries that are well formed; {} for a missing, corrupt or foreign file."""
-    if report.cache_note:
+    if report.cache_note.startswith("not used"):
         return {}
     try:
         data = json.loads(cache_path.read_bytes())

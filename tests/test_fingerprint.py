@@ -4,6 +4,7 @@ changed serves nothing the old weights wrote: 0 cached tokens, the greedy tokens
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -162,6 +163,17 @@ def test_processes_started_together_hash_each_file_once(model, tmp_path):
     ]
     counts = [int(p.communicate(timeout=120)[0]) for p in procs]
     assert sorted(counts) == [0, 0, len(files)]
+
+
+def test_a_lock_held_for_good_slows_a_start_but_never_hangs_it(model, tmp_path, monkeypatch):
+    """A process stopped while it holds the digest cache's lock: the next one hashes on its own."""
+    files = model_files(model)
+    expected, _ = file_digests(files)
+    monkeypatch.setattr("kvtier.file_digests.LOCK_WAIT_S", 0.5)
+    with open(cache_file(tmp_path).with_suffix(".lock"), "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        digests, report = file_digests(files)
+    assert digests == expected and "lock was held" in report.cache_note
 
 
 def test_a_restart_after_one_byte_of_a_tensor_changed_serves_nothing_the_old_weights_wrote(model, tmp_path):
