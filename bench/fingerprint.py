@@ -4,7 +4,7 @@ and cached (digests read from the digest cache by file identity), against the I/
 
 The checkpoint is a real safetensors file of ``--size-gib`` GiB of random bytes (one U8 tensor)
 beside a config.json, written to ``--dir`` (a temporary directory by default; put it on the disk
-your models live on). Measured in the same run, ``--repeats`` times each, medians:
+your models live on). Measured in the same run, ``--repeats`` rounds of all four in turn, medians:
 
 - the floor: ``cat`` of the same file to /dev/null (what reading the bytes costs at all);
 - the same bytes through hashlib's sha256 (what a user would reach for first);
@@ -65,10 +65,14 @@ def write_checkpoint(model_dir: Path, size: int) -> Path:
     return path
 
 
-def timed(fn) -> float:
+def timed(fn, *args) -> float:
     start = time.perf_counter()
-    fn()
+    fn(*args)
     return time.perf_counter() - start
+
+
+def cat(path: Path) -> None:
+    subprocess.run(["cat", str(path)], stdout=subprocess.DEVNULL, check=True)
 
 
 def sha256_file(path: Path) -> None:
@@ -87,19 +91,16 @@ def main(argv: list[str] | None = None) -> None:
         model_dir, size = Path(tmp), int(args.size_gib * GIB)
         weights = write_checkpoint(model_dir, size)
         total = sum(p.stat().st_size for p in model_dir.iterdir())
-        print(f"checkpoint: {model_dir} ({total / GIB:.2f} GiB), {args.repeats} repeats each, medians")
-        floor = statistics.median(
-            timed(lambda: subprocess.run(["cat", str(weights)], stdout=subprocess.DEVNULL, check=True))
-            for _ in range(args.repeats)
-        )
-        sha256 = statistics.median(timed(lambda: sha256_file(weights)) for _ in range(args.repeats))
-        cold = statistics.median(
-            timed(lambda i=i: fingerprint(model_dir, Path(tmp) / f"cache-cold-{i}"))
-            for i in range(args.repeats)
-        )
-        cached_home = Path(tmp) / "cache-cold-0"  # written by the first cold run
-        cached = statistics.median(
-            timed(lambda: fingerprint(model_dir, cached_home)) for _ in range(args.repeats)
+        print(f"checkpoint: {model_dir} ({total / GIB:.2f} GiB), {args.repeats} interleaved repeats, medians")
+        runs: dict[str, list[float]] = {"floor": [], "sha256": [], "cold": [], "cached": []}
+        for i in range(args.repeats):  # interleaved: a change in the machine's load hits every one alike
+            runs["floor"].append(timed(cat, weights))
+            runs["sha256"].append(timed(sha256_file, weights))
+            cache_home = Path(tmp) / f"cache-{i}"  # fresh and empty: every byte hashed
+            runs["cold"].append(timed(fingerprint, model_dir, cache_home))
+            runs["cached"].append(timed(fingerprint, model_dir, cache_home))  # what the cold run stored
+        floor, sha256, cold, cached = (
+            statistics.median(runs[k]) for k in ("floor", "sha256", "cold", "cached")
         )
     rate, floor_rate, sha_rate = total / GIB / cold, total / GIB / floor, total / GIB / sha256
     print(f"floor (cat to /dev/null):        {floor:7.3f} s  {floor_rate:6.2f} GiB/s")
