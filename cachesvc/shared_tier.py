@@ -40,7 +40,15 @@ from collections.abc import Container, Sequence
 from functools import partial
 from typing import TYPE_CHECKING
 
-from kvtier.cachesvc.disk_records import KEY_PREFIX_BYTES, BadRecord, RecordLayout, decode, encode, file_name
+from kvtier.cachesvc.disk_records import (
+    KEY_PREFIX_BYTES,
+    BadRecord,
+    RecordLayout,
+    decode,
+    encode,
+    file_name,
+    record_bytes,
+)
 from kvtier.cachesvc.events import STORED, tier_kind
 from kvtier.cachesvc.store_client import StoreAddress, StoreClient
 from kvtier.cachesvc.tiers import Blocks, Job, JobResult, Lookup, Tier, TierCounts
@@ -94,6 +102,7 @@ class SharedTier(Tier):
         self.client = client
         self.layout = layout
         self.block_bytes = layout.block_bytes
+        self.record_size = record_bytes(layout, KEY_PREFIX_BYTES + 4 * layout.block_size)
         self.write_through = policy == "through"
         # Keys the store held when this node last asked or wrote them, most recent last: the
         # cheap ``held`` view (a hint: a load still checks the store and the object).
@@ -193,12 +202,12 @@ class SharedTier(Tier):
     # -- loads ------------------------------------------------------------------------------------
 
     def submit_load(self, job: Job) -> None:
-        """Fetch the job's keys in one bounded batch; copy the leading run that passes every check."""
+        """Fetch the job's keys in bounded batches (each fits the client's transfer buffer); copy
+        the leading run that passes every check."""
         blocks = job.blocks
         names = [object_name(self.layout, k) for k in blocks.keys]
-        objects = self.client.get(names) if names else []
         n = 0
-        for key, row_id, data in zip(blocks.keys, blocks.row_ids, objects or (), strict=False):
+        for key, row_id, data in zip(blocks.keys, blocks.row_ids, self._fetch(names), strict=False):
             if not data:
                 self._forget(key)
                 self._counts["misses"] += 1
@@ -215,6 +224,17 @@ class SharedTier(Tier):
         self._counts["hits"] += n
         self._counts["promotions"] += n
         self._results.append(JobResult(job.job_id, n))
+
+    def _fetch(self, names: list[str]):
+        """The objects under ``names`` in order, batch by batch, until one is missing or a call fails."""
+        per_call = max(1, self.client.buffer_bytes // (2 * self.record_size))
+        for start in range(0, len(names), per_call):
+            objects = self.client.get(names[start : start + per_call])
+            if not objects:
+                return
+            yield from objects
+            if not all(objects):
+                return
 
     def finished_jobs(self, timeout_s: float = 0.0) -> list[JobResult]:
         results, self._results = self._results, []

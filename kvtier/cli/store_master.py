@@ -78,6 +78,7 @@ class StoreMaster:
         return ["--shared-tier", self.url, "--shared-tier-metadata", self.metadata_url]
 
     def up(self, deadline_s: float = 60.0) -> StoreMaster:
+        self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.rpc_port = self.rpc_port or free_port(self.host)
         self.metadata_port = self.metadata_port or free_port(self.host)
         self._ports = {"metrics": free_port(self.host), "store": free_port(self.host)}
