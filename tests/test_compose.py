@@ -487,3 +487,29 @@ def test_every_cache_points_at_the_mooncake_master_and_the_store_server_lends_it
     for name in ("mooncake-master", "mooncake-store"):
         assert "ports" not in services[name], name
         assert services[name]["restart"] == "unless-stopped" and services[name]["healthcheck"]["test"], name
+
+
+def test_vllm_profile_runs_two_engines_on_one_cache_service_with_the_same_model(services):
+    cache = services["cache-vllm"]
+    cache_flags = dict(arg.split("=", 1) for arg in cache["command"][1:])
+    port = cache_flags["--listen"].rsplit(":", 1)[1]
+    host_ports = set()
+    for name in ("vllm-a", "vllm-b"):
+        engine = services[name]
+        assert engine["profiles"] == ["vllm"] and cache["profiles"] == ["vllm"]
+        assert engine["ipc"] == "service:cache-vllm", (
+            "the pool's CUDA IPC handle opens only in its IPC namespace"
+        )
+        assert engine["environment"]["KVTIER_CACHE_ADDRESS"] == f"tcp://cache-vllm:{port}"
+        assert engine["depends_on"]["cache-vllm"]["condition"] == "service_healthy"
+        flags = dict(arg.split("=", 1) for arg in engine["command"])
+        config = json.loads(flags["--kv-transfer-config"])
+        module = ROOT / Path(*config["kv_connector_module_path"].split(".")).with_suffix(".py")
+        assert f"class {config['kv_connector']}(" in module.read_text()
+        assert config["kv_load_failure_policy"] == "recompute"
+        # The pool is refused unless model and block size match (kvtier.vllm.engine_check).
+        assert flags["--block-size"] == cache_flags["--block-size"]
+        assert flags["--model"] == cache_flags["--model"]
+        assert engine["volumes"] == cache["volumes"]
+        host_ports.add(engine["ports"][0].split(":")[0])
+    assert len(host_ports) == 2
