@@ -15,6 +15,7 @@ what the trees do differently.
     python bench/block_manager_ab.py --before 24f705e          # vs the tree before the redesign
     python bench/block_manager_ab.py --before HEAD~1 --quick
     python bench/block_manager_ab.py --before a015991 --quick --tiers   # after with a host cache
+    python bench/block_manager_ab.py --before 5c4e68f --tiers   # issue 32's base: top-level cachesvc
 
 ``--tiers`` builds the after tree's lower tiers (issue 22: a host cache of ``--host-slots`` slots
 of 64 bytes under a pool of 64-byte rows, no disk): every eviction copies the block down, every
@@ -50,7 +51,10 @@ PHASES = ("allocate", "extend", "commit", "free", "events")
 
 def export_tree(rev: str | None, prefix: str, dest: Path) -> None:
     """Write ``rev``'s packages (None: the working tree's) under ``dest`` as ``{prefix}_{pkg}``,
-    their imports of each other renamed to match."""
+    their imports of each other renamed to match. Both layouts: a tree before the namespace move
+    imports ``cachesvc`` and ``kvtier`` at the top level; one after it imports ``kvtier.cachesvc``
+    (the folder ``cachesvc/`` installed as a subpackage): either way ``cachesvc/`` becomes
+    ``{prefix}_cachesvc`` and ``kvtier/`` ``{prefix}_kvtier``."""
     for pkg in PACKAGES:
         target = dest / f"{prefix}_{pkg}"
         if rev is None:
@@ -63,9 +67,11 @@ def export_tree(rev: str | None, prefix: str, dest: Path) -> None:
             subprocess.run(
                 ["tar", "-x", "--strip-components=1", "-C", str(target)], input=archive, check=True
             )
+    namespaced = re.compile(r"\bkvtier\.cachesvc\b")  # after the move: kvtier.cachesvc is cachesvc/
     imports = re.compile(rf"\b(from|import) ({'|'.join(PACKAGES)})\b")
     for path in dest.glob(f"{prefix}_*/**/*.py"):
-        path.write_text(imports.sub(rf"\1 {prefix}_\2", path.read_text()))
+        text = namespaced.sub(f"{prefix}_cachesvc", path.read_text())
+        path.write_text(imports.sub(rf"\1 {prefix}_\2", text))
 
 
 def _item_type(prefix: str, sequences):
@@ -120,11 +126,22 @@ class Tree(Runner):
             bm.take_event_records = lambda: device_records() + lower.take_event_records()
 
     def new_lower_tiers(self):
-        """A host cache of ``host_slots`` 64-byte slots under a pool of 64-byte rows (no disk)."""
+        """A host cache of ``host_slots`` 64-byte slots under a pool of 64-byte rows (no disk): the
+        tier stack (issue 32) or, in a tree before it, LowerTiers over a HostBlockCache."""
         import torch
 
         rows = torch.zeros((self.args.num_blocks, 64), dtype=torch.uint8)
+        if hasattr(self.lower_tiers, "TierStack"):
+            return self.lower_tiers.TierStack(rows, [self.host_cache.HostCache(self.host_slots, 64)])
         return self.lower_tiers.LowerTiers(rows, self.host_cache.HostBlockCache(self.host_slots, 64), None)
+
+    def host_figures(self) -> tuple[int, int, int]:
+        """The last run's host cache: blocks stored, evicted, promoted (lower-tier hits)."""
+        if hasattr(self.lower, "tiers"):
+            c = self.lower.tiers[0].counts()
+            return c.stored, c.evictions, c.promotions
+        host = self.lower.host.stats()
+        return host["stored"], host["evictions"], self.lower.promoted["host"]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -181,10 +198,10 @@ def main(argv: list[str] | None = None) -> None:
     print("(extend: µs per call; the rest µs per lifecycle; hashing included, the same code in both)")
     for t in trees:
         if t.lower is not None:  # the last repeat's table
-            host = t.lower.host.stats()
+            stored, evicted, promoted = t.host_figures()
             print(
-                f"{t.name}'s host cache, last run: {host['stored']} blocks stored, {host['evictions']} evicted, "
-                f"{t.lower.promoted['host']} promoted (lower-tier hits)"
+                f"{t.name}'s host cache, last run: {stored} blocks stored, {evicted} evicted, "
+                f"{promoted} promoted (lower-tier hits)"
             )
     after, before = totals["after"], totals["before"]
     print(

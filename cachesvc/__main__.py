@@ -153,27 +153,14 @@ def human_bytes(n: float) -> str:
 
 
 async def _serve_pool(cfg: CacheConfig, shape: ModelShape, plan: PoolPlan, pool, token: str) -> None:
-    # NOTE: imported here, not at the top: it imports torch (seconds), which `--help` and a flag
-    # error need not wait for; by now create_pool has imported torch anyway.
-    from kvtier.cachesvc.host_tier import HostTier
-
     # Whole blocks as bytes ([num_blocks, block_bytes] uint8): a quantized block's scales travel
-    # with its codes, and every dtype swaps as one memcpy per block.
-    lower = build_lower_tiers(cfg, pool)
-    if lower is not None and lower.host is not None:
-        # Swap and cached blocks share the host cache's area, swap first (--swap-space is not a
-        # second area then): a swap-out evicts cached blocks, LRU first, on to the disk.
-        from kvtier.cachesvc.swap_share import SwapShare
-
-        host_tier = SwapShare(lower.host, pool.rows)
-    elif cfg.swap_space > 0:
-        host_tier = HostTier.from_bytes(pool.rows, int(cfg.swap_space * GIB))
-    else:
-        host_tier = None
-    num_host = host_tier.num_blocks if host_tier else 0
+    # with its codes, and every dtype swaps as one memcpy per block. Swap and cached blocks share
+    # the host cache's area, swap first (--swap-space is swap's own area only without it).
+    lower, host_area = build_lower_tiers(cfg, pool)
+    num_host = host_area.num_blocks if host_area else 0
     log.info(
         "KV pool: %s %s, %d blocks x %d tokens = %d tokens of capacity, %s (%d bytes per block); "
-        "host swap tier: %d blocks (%s); model %s… (%d layers, %d KV heads, head dim %d)",
+        "host area (swap): %d blocks (%s); model %s… (%d layers, %d KV heads, head dim %d)",
         plan.backend,
         plan.dtype,
         plan.num_blocks,
@@ -190,7 +177,7 @@ async def _serve_pool(cfg: CacheConfig, shape: ModelShape, plan: PoolPlan, pool,
     )
     sequences = SequenceTable(
         BlockManager(plan.num_blocks, cfg.block_size),
-        host_tier,
+        host_area,
         model_fingerprint=shape.fingerprint,
         vocab_size=shape.vocab_size,
         max_model_len=shape.max_model_len,
@@ -256,9 +243,9 @@ async def _run_server(cfg: CacheConfig, node: CacheNode, pool, token: str, metri
 
 
 def build_lower_tiers(cfg: CacheConfig, pool):
-    """The prefix cache's host cache and disk tier from the flags (cachesvc/lower_tiers.py), or
-    None; a disk record must match this pool's model, block size, dtype and block shape to be
-    served. ValueError (a bad flag, an unusable --disk-path) stops the service."""
+    """The tiers below the pool from the flags (cachesvc/lower_tiers.py: a TierStack or None) and
+    swap's host area (or None); a disk record must match this pool's model, block size, dtype
+    and block shape to be served. ValueError (a bad flag, an unusable --disk-path) stops the service."""
     from kvtier.cachesvc import lower_tiers
     from kvtier.cachesvc.disk_records import RecordLayout
 
@@ -267,10 +254,10 @@ def build_lower_tiers(cfg: CacheConfig, pool):
         spec.model_fingerprint, spec.block_size, spec.dtype, tuple(spec.shape[1:]), spec.block_bytes
     )
     log.info("host cache: %s", host_cache_choice(cfg))
-    tiers = lower_tiers.from_args(cfg, pool.rows, layout)
+    tiers, area = lower_tiers.build(cfg, pool.rows, layout)
     if tiers is not None:
         log.info("lower tiers: %s", tiers.stats())
-    return tiers
+    return tiers, area
 
 
 def host_cache_choice(cfg: CacheConfig) -> str:

@@ -23,7 +23,7 @@ from kvtier.cachesvc.validation import ExtraKeys, check_batch, check_unique, own
 from kvtier.sequence_types import AllocateItem, ExtendItem
 
 if TYPE_CHECKING:
-    from kvtier.cachesvc.lower_tiers import LowerTiers
+    from kvtier.cachesvc.lower_tiers import TierStack
 
 
 @dataclass(slots=True)
@@ -92,13 +92,20 @@ def plan_allocate(
 
 
 def grow_one(
-    seq: Sequence, lease_id: str, num_tokens: int, bm: BlockManager, limits: TenantLimits, max_model_len: int
+    seq: Sequence,
+    lease_id: str,
+    num_tokens: int,
+    bm: BlockManager,
+    limits: TenantLimits,
+    max_model_len: int,
+    lower: TierStack | None,
 ) -> bool:
     """Extend of one sequence asking ``num_tokens`` more than it has room for: once per
     ``block_size`` decode steps a step crosses a block boundary. A device sequence of the lease
     under no limits, within ``max_model_len``, with the blocks free, gets them here (``plan_extend``
-    and ``SequenceTable._extend`` without their lists): True. Anything else changes nothing and
-    returns False for the full path, which checks and refuses."""
+    and ``SequenceTable._extend`` without their lists): True, the blocks it evicted handed down to
+    ``lower``. Anything else changes nothing and returns False for the full path, which checks
+    and refuses."""
     need = len(seq.token_ids) + num_tokens
     if not (
         seq.lease_id == lease_id
@@ -118,16 +125,18 @@ def grow_one(
         table.append(bm.allocate_one())
     else:
         table += bm.allocate(more)
+    if bm.evicted_ids:
+        lower.keep(*bm.take_evicted())
     seq.room = min(len(table) * bs, max_model_len)  # SequenceTable.room(), inline
     seq.cached_blocks = None
     return True
 
 
 def promote_lower_hits(
-    lower: LowerTiers, bm: BlockManager, plan: AllocatePlan, table: list[int], token_ids: list[int]
+    lower: TierStack, bm: BlockManager, plan: AllocatePlan, table: list[int], token_ids: list[int]
 ) -> int:
     """Phase 3 of Allocate with lower tiers, for one new sequence holding ``table``: follow its
-    prompt's chain past the device hit through the host cache, then the disk, copy the held
+    prompt's chain past the device hit through the tiers below (``TierStack``), copy the held
     blocks into the table's fresh blocks after the hit and publish them. Returns the blocks
     promoted (they count as cached: compute sees ordinary cached blocks). Capped, as the device
     hit is, so the last prompt token is always computed. A block a tier fails to give (a
@@ -150,18 +159,18 @@ def promote_lower_hits(
 
 
 def lookup_tiers(
-    bm: BlockManager, lower: LowerTiers, keyed: list[tuple[bytes, bytes]], below: list[tuple[int, int]]
+    bm: BlockManager, lower: TierStack, keyed: list[tuple[bytes, bytes]], below: list[tuple[int, ...]]
 ) -> list[int]:
     """LookupPrefix over every tier: per ``(prompt bytes, extra key)`` the device tokens (returned)
-    and, appended to ``below``, ``(host tokens, disk tokens)`` of the chain past the device hit.
-    Whole blocks, uncapped; read-only."""
+    and, appended to ``below``, the tokens per lower medium (``kvtier.media.LOWER_MEDIA`` order)
+    of the chain past the device hit. Whole blocks, uncapped; read-only."""
     bs = bm.block_size
     out = []
     for data, extra in keyed:
         ids, hashes = bm.match_prefix(data, extra, len(data))
-        host, disk = lower.count_below(data, hashes[-1] if ids else extra, bs, len(ids))
+        counts = lower.count_below(data, hashes[-1] if ids else extra, bs, len(ids))
         out.append(len(ids) * bs)
-        below.append((host * bs, disk * bs))
+        below.append(tuple(n * bs for n in counts))
     return out
 
 

@@ -24,7 +24,7 @@ unpublished goes to the queue head instead: it is reused before any cached block
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from kvtier.block_hash import (
     BlockHash,
@@ -69,9 +69,12 @@ class BlockManager:
         # take_event_records() after every call.
         self.record_events = record_events
         self._events: list[EventRecord] = []
-        # on_evict(block_ids, index_keys): set through cachesvc.tiers.DeviceTier.on_evict (issue
-        # 22's hook: published blocks evicted by allocate, their KV still in the pool). None = off.
-        self.on_evict: Callable[[list[int], list[bytes]], None] | None = None
+        # Published blocks allocate evicted since the last take_evicted, collected only while
+        # keep_evicted (tiers below the device, cachesvc.lower_tiers): their ids and index keys,
+        # their KV still in the pool until the caller hands it down and their new owner writes.
+        self.keep_evicted = False
+        self.evicted_ids: list[int] = []
+        self.evicted_keys: list[bytes] = []
 
     # ------------------------------------------------------------------ counters
 
@@ -166,8 +169,8 @@ class BlockManager:
         index, copies = self.prefix_index, self.copies
         hashes: list[BlockHash] = []
         evicted: list[int] = []
-        keys: list[bytes] = []  # their index keys, for on_evict (cleared below)
-        hook = self.on_evict is not None  # keys are collected only for the hook
+        keys: list[bytes] = []  # their index keys, for take_evicted
+        hook = self.keep_evicted  # keys are collected only for the tiers below
         # NOTE: one pass, inline (this runs for almost every allocation of a full pool); copies
         # are rare.
         for block in cached:
@@ -185,7 +188,8 @@ class BlockManager:
         if self.record_events and hashes:
             self._events.append((REMOVED, tuple(hashes), tuple(evicted)))
         if hook and evicted:
-            self.on_evict(evicted, keys)
+            self.evicted_ids += evicted
+            self.evicted_keys += keys
         return ids
 
     def allocate_one(self) -> int:
@@ -209,9 +213,18 @@ class BlockManager:
         block.block_hash = block.index_key = None
         if self.record_events:
             self._events.append((REMOVED, (block_hash,), (block_id,)))
-        if self.on_evict is not None:
-            self.on_evict([block_id], [key])
+        if self.keep_evicted:
+            self.evicted_ids.append(block_id)
+            self.evicted_keys.append(key)
         return block_id
+
+    def take_evicted(self) -> tuple[list[int], list[bytes]]:
+        """The published blocks ``allocate`` evicted since the last call, while ``keep_evicted``:
+        ``(block ids, index keys)``, oldest first. Their KV is still in the pool: the caller
+        copies it down (``TierStack.keep``) before it returns the blocks to their new owner."""
+        ids, keys = self.evicted_ids, self.evicted_keys
+        self.evicted_ids, self.evicted_keys = [], []
+        return ids, keys
 
     def _drop_copy_or_promote(self, block: Block, key: bytes) -> None:
         """``block`` carries content that other blocks hold too: if it is the indexed one, a copy

@@ -1,13 +1,20 @@
 """The disk tier: KV blocks as checked record files in one directory, written behind the caller.
 
-Blocks arrive with ``offer`` (evicted from the host cache, or written through) and go onto a
-bounded write-behind queue that one writer thread drains; when the queue is full the block is
-skipped and counted, so an RPC never waits for a disk. Each block is one file
-(``cachesvc.disk_records``), written atomically: a temporary file in the same directory, fsync,
-rename to the block's name; the directory is fsynced whenever the queue runs empty. One file per
-record rather than append-only segments because the tier evicts single blocks in LRU order: an
-eviction is one unlink, with no segment compaction, and a crash can leave at most a temporary
-file per writer, recognised by its name and deleted at the next start.
+A ``kvtier.cachesvc.tiers.Tier`` of medium ``disk``. Blocks arrive with ``submit_store``
+(``offer`` per block: evicted from the host cache, or written through) and go onto a bounded
+write-behind queue that one writer thread drains; when the queue is full the block is skipped and
+counted (``TierCounts.skipped``: GetStats, ``kvtier_cache_tier_skipped_blocks_total``), so an RPC
+never waits for a disk. A queued block answers ``lookup`` with NOT_YET. Each block is one file
+(``cachesvc.disk_records``), written atomically and in groups: the writer takes everything
+queued (up to ``group_blocks``), writes each record to a temporary file in the same directory,
+makes them durable with one ``syncfs`` of the directory's filesystem (an fsync per file where
+there is no syncfs), renames each to its block's name, then fsyncs the directory once. A record
+appears under its name only after its bytes are durable, so a kill at any instant leaves whole,
+checksummed records and temporary files, which the next start deletes by their names; one fsync
+per record capped the writer near 200 records/s and a burst of evictions skipped most writes
+(issue 31; bench/tiers.py measures both ways). One file per record rather than append-only
+segments because the tier evicts single blocks in LRU order: an eviction is one unlink, with no
+segment compaction.
 
 Opening a directory rebuilds the index from the records themselves (``cachesvc.disk_scan``:
 length, header, this pool's layout and the key matching the file name for every record, the
@@ -28,17 +35,15 @@ across a read or an fsync).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
-import shutil
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Callable
 from pathlib import Path
 
-from kvtier.auth import UntrustedPath, check_private_dir
+from kvtier.cachesvc.disk_files import check_writable, copy_bytes, open_dir, write_records
 from kvtier.cachesvc.disk_records import (
+    KEY_PREFIX_BYTES,
     BadRecord,
     RecordLayout,
     check_key,
@@ -48,26 +53,28 @@ from kvtier.cachesvc.disk_records import (
     record_bytes,
 )
 from kvtier.cachesvc.disk_scan import read_file, scan
+from kvtier.cachesvc.events import EventRecord, tier_kind
+from kvtier.cachesvc.tiers import Blocks, Job, JobResult, Lookup, Tier, TierCounts
+from kvtier.media import medium
 
 log = logging.getLogger("kvtier.cache")
 
-LOCK_FILE = ".kvtier-disk.lock"
+GROUP_BLOCKS = 256  # most records one group write makes durable together (--disk-write-queue's default)
+_KINDS = (tier_kind(False, "disk"), tier_kind(True, "disk"))
 
 
-class DiskPathError(ValueError):
-    """``--disk-path`` cannot be used (missing parent, not writable, full, in use); names the path.
-
-    A ValueError: the service's ``main`` reports it as "cannot start: ..." as it does a bad flag."""
-
-
-class DiskTier:
+class DiskTier(Tier):
     """Block records under ``path``, at most ``budget_bytes`` of record files, LRU.
 
     ``layout`` is what every record must match to be served (this pool's model fingerprint,
     block size, dtype and block shape); ``queue_blocks`` bounds the write-behind queue (blocks);
-    ``verify_s`` is how long the startup scan checksums records before it checks heads only.
-    Keys are prefix-index keys (``kvtier.block_hash``: ``parent-or-extra || token bytes``).
+    ``group_blocks`` is the most records one group write makes durable together (1: an fsync
+    per record, the writer before issue 31, kept as bench/tiers.py's baseline); ``verify_s`` is
+    how long the startup scan checksums records before it checks heads only. Keys are
+    prefix-index keys (``kvtier.block_hash``: ``parent-or-extra || token bytes``).
     """
+
+    medium = medium("disk")
 
     def __init__(
         self,
@@ -76,6 +83,7 @@ class DiskTier:
         layout: RecordLayout,
         *,
         queue_blocks: int = 256,
+        group_blocks: int = GROUP_BLOCKS,
         verify_s: float = 30.0,
     ) -> None:
         self.path = Path(path)
@@ -85,15 +93,18 @@ class DiskTier:
             raise ValueError(
                 f"--disk-gib budget of {budget_bytes} bytes is below one record ({self.record_size} bytes)"
             )
-        if queue_blocks <= 0:
-            raise ValueError(f"write queue of {queue_blocks} blocks must be > 0")
+        if queue_blocks <= 0 or group_blocks <= 0:
+            raise ValueError(f"write queue of {queue_blocks} and groups of {group_blocks} blocks must be > 0")
+        self.block_bytes = layout.block_bytes
         self.budget_bytes = budget_bytes
         self.queue_blocks = queue_blocks
+        self.group_blocks = group_blocks
         self.lock = threading.RLock()
         self.enabled = True
-        self.on_change: Callable[[bool, bytes, int], object] | None = None
-        """Called ``(stored, key, -1)`` as a record enters (True) or leaves (False) the index,
-        on the writer thread or the caller's (the tier's KV events: ``LowerTiers``)."""
+        # The tier's KV-event records (a record entering or leaving the index), appended on the
+        # writer thread or the caller's (deque appends are atomic); taken by take_events.
+        self._events: deque[EventRecord] = deque()
+        self._loaded: list[JobResult] = []
         # key -> record file size in bytes, least recently used first.
         self._index: OrderedDict[bytes, int] = OrderedDict()
         self._bytes = 0
@@ -101,7 +112,9 @@ class DiskTier:
             (
                 "hits",
                 "misses",
+                "promotions",
                 "writes",
+                "write_groups",
                 "skipped_writes",
                 "evictions",
                 "dropped_at_startup",
@@ -110,17 +123,19 @@ class DiskTier:
             0,
         )
         self._queue: deque[tuple[bytes, bytes | None, bytes]] = deque()
+        self._pending: set[bytes] = set()  # keys queued or being written (NOT_YET), under _queue_cond
         self._queue_cond = threading.Condition()
         self._writing = 0
         self._closed = False
-        self._lock_fd = _open_dir(self.path)
+        self._lock_fd = open_dir(self.path)
         try:
             self._scan(verify_s)
             self._evict_to(self.budget_bytes)
-            self._check_writable()
+            check_writable(self.path, self.record_size, self._bytes, self.budget_bytes)
         except BaseException:
             os.close(self._lock_fd)
             raise
+        self._changed(True, list(self._index))  # records found at startup: a consumer learns what disk holds
         self._writer = threading.Thread(
             target=self._write_loop, name=f"disk-tier-writer {self.path}", daemon=True
         )
@@ -140,30 +155,6 @@ class DiskTier:
             result.verified, result.seconds, result.dropped, self.budget_bytes / 2**20,
         )  # fmt: skip
 
-    def _check_writable(self) -> None:
-        """DiskPathError unless one record fits on the filesystem and a file can be written and synced."""
-        free = shutil.disk_usage(self.path).free
-        if free < self.record_size:
-            raise DiskPathError(
-                f"--disk-path {self.path} is full: {free} bytes free, one record takes {self.record_size}"
-            )
-        if free + self._bytes < self.budget_bytes:
-            log.warning(
-                "disk tier %s: budget %.1f MiB but only %.1f MiB free; writes will fail, and disable the tier, "
-                "when it fills", self.path, self.budget_bytes / 2**20, (free + self._bytes) / 2**20,
-            )  # fmt: skip
-        probe = self.path / f".probe.{os.getpid()}.tmp"
-        try:
-            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-            try:
-                os.write(fd, b"kvtier")
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.unlink(probe)
-        except OSError as e:
-            raise DiskPathError(f"--disk-path {self.path} is not writable: {e.strerror or e}") from None
-
     # ------------------------------------------------------------------ the service's side
 
     def offer(self, key: bytes, parent_hash: bytes | None, payload) -> bool:
@@ -175,17 +166,76 @@ class DiskTier:
         """
         check_key(self.layout, key, parent_hash)
         with self._queue_cond:
+            if key in self._pending or (self.enabled and key in self._index):
+                return True  # queued or written already
             if not self.enabled or self._closed or len(self._queue) >= self.queue_blocks:
                 self._counts["skipped_writes"] += 1
                 return False
-            data = _copy_bytes(payload)
+            data = copy_bytes(payload)
             if len(data) != self.layout.block_bytes:
                 raise ValueError(
                     f"payload of {len(data)} bytes; a block of this tier is {self.layout.block_bytes}"
                 )
             self._queue.append((key, parent_hash, data))
+            self._pending.add(key)
             self._queue_cond.notify()
         return True
+
+    # ------------------------------------------------------------------ the Tier
+
+    def lookup(self, key: bytes) -> Lookup:
+        if self.enabled and key in self._index:
+            return Lookup.HIT
+        return Lookup.NOT_YET if key in self._pending else Lookup.MISS
+
+    def held(self):
+        """The index (its keys are the records written; cleared, not replaced, when the tier goes off)."""
+        return self._index
+
+    def submit_store(self, blocks: Blocks, pass_down: bool = False) -> Blocks | None:
+        """Queue ``blocks`` (``offer`` each, parent hash = the key's first 32 bytes); evictions
+        happen on the writer thread and are not passed down (None)."""
+        rows = blocks.rows
+        if rows.is_cuda:  # a cuda pool's rows, written through: one copy to host memory
+            rows = rows[list(blocks.row_ids)].cpu()
+            ids = range(len(blocks.keys))
+        else:
+            ids = blocks.row_ids
+        for key, i in zip(blocks.keys, ids, strict=True):
+            self.offer(key, key[:KEY_PREFIX_BYTES], rows[i])
+        return None
+
+    def submit_load(self, job: Job) -> None:
+        """Read, check and copy the job's leading recorded keys into its rows (``load_into``); a
+        record failing its checks ends the run. Complete when this returns."""
+        rows, n = job.blocks.rows, 0
+        for key, i in zip(job.blocks.keys, job.blocks.row_ids, strict=True):
+            if not self.load_into(key, rows[i]):
+                break
+            n += 1
+        self._counts["promotions"] += n
+        self._loaded.append(JobResult(job.job_id, n))
+
+    def finished_jobs(self, timeout_s: float = 0.0) -> list[JobResult]:
+        done, self._loaded = self._loaded, []
+        return done
+
+    def discard(self, key: bytes) -> bool:
+        held = key in self._index
+        self._forget(key, unlink=True)
+        return held
+
+    def take_events(self) -> list[EventRecord]:
+        events = self._events  # the writer may append meanwhile
+        return [events.popleft() for _ in range(len(events))]
+
+    def counts(self) -> TierCounts:
+        st = self.stats()
+        return TierCounts(
+            blocks=st["blocks"], bytes=st["bytes"], hits=st["hits"], promotions=st["promotions"],
+            evictions=st["evictions"], stored=st["writes"], skipped=st["skipped_writes"],
+            queue_depth=st["queue_depth"], extra=st,
+        )  # fmt: skip
 
     def lookup_chain(self, keys: list[bytes]) -> int:
         """How many leading ``keys`` have a record (not verified until ``load``). Changes nothing."""
@@ -216,7 +266,7 @@ class DiskTier:
             self._index.move_to_end(key)
         name = file_name(key)
         try:
-            data, _ = read_file(self.path / name)
+            data, _ = read_file(self.path / name, self.layout)  # a size no record has: not read
             _, payload = decode(self.layout, data, name, key)
         except FileNotFoundError:  # evicted by the writer since the index said yes
             self._forget(key, unlink=False)
@@ -238,7 +288,7 @@ class DiskTier:
         """``load`` into one pool block ``dst_view`` (a contiguous tensor of ``block_bytes``); False on a miss."""
         import torch
 
-        from kvtier.cachesvc.host_slots import copy_block
+        from kvtier.cachesvc.host_area import copy_block
 
         payload = self.load(key)
         if payload is None:
@@ -286,50 +336,47 @@ class DiskTier:
                 cond.wait_for(lambda: self._queue or self._closed)
                 if not self._queue:
                     return
-                item = self._queue.popleft()
-                self._writing = 1
+                group = [self._queue.popleft() for _ in range(min(len(self._queue), self.group_blocks))]
+                self._writing = len(group)
             try:
                 if self.enabled:
-                    self._write(*item)
-                    if not self._queue:
-                        _fsync_dir(self.path)
+                    self._write_group(group)
             except Exception as e:  # noqa: BLE001 - the writer must not die silently: the tier goes off
-                self._disable(f"writing {file_name(item[0])}: {e}")
+                self._disable(f"writing {len(group)} records from {file_name(group[0][0])}: {e}")
             finally:
                 with cond:
                     self._writing = 0
+                    self._pending.difference_update(key for key, _, _ in group)
                     cond.notify_all()
 
-    def _write(self, key: bytes, parent_hash: bytes | None, payload: bytes) -> None:
-        """One record: temp file, fsync, rename; then it enters the index, evicting LRU records."""
-        if key in self._index:
+    def _write_group(self, group: list[tuple[bytes, bytes | None, bytes]]) -> None:
+        """Records of ``group`` (those not written yet), made durable together
+        (``disk_files.write_records``) after LRU records make room for them; then they enter the index."""
+        records = [
+            (key, encode(self.layout, key, parent, payload))
+            for key, parent, payload in group
+            if key not in self._index
+        ]
+        if not records:
             return
-        buffers = encode(self.layout, key, parent_hash, payload)
-        size = sum(memoryview(b).nbytes for b in buffers)
-        self._evict_to(self.budget_bytes - size)
-        name = file_name(key)
-        temp = self.path / f".{name}.{os.getpid()}.tmp"
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        try:
-            try:
-                with open(fd, "wb", closefd=False) as f:
-                    for b in buffers:
-                        f.write(b)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.rename(temp, self.path / name)
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.unlink(temp)
-            raise
+        sizes = [sum(memoryview(b).nbytes for b in buffers) for _, buffers in records]
+        self._evict_to(self.budget_bytes - sum(sizes))
+        write_records(
+            self.path,
+            self._lock_fd,
+            records,
+            per_file=self.group_blocks == 1,
+            sync_dir=self.group_blocks > 1 or not self._queue,
+        )
         with self.lock:
             if not self.enabled:
                 return
-            self._index[key] = size
-            self._bytes += size
-            self._counts["writes"] += 1
-        self._changed(True, [key])
+            for (key, _), size in zip(records, sizes, strict=True):
+                self._index[key] = size
+                self._bytes += size
+            self._counts["writes"] += len(records)
+            self._counts["write_groups"] += 1
+        self._changed(True, [key for key, _ in records])
 
     def _evict_to(self, limit: int) -> None:
         """Delete least recently used records until the index holds at most ``limit`` bytes."""
@@ -374,48 +421,6 @@ class DiskTier:
             return list(self._index)
 
     def _changed(self, stored: bool, keys: list[bytes]) -> None:
-        if self.on_change is not None:
-            for key in keys:
-                self.on_change(stored, key, -1)
-
-
-def _open_dir(path: Path) -> int:
-    """Create ``path`` (0700) if missing, check it is private, lock it; the lock file's fd."""
-    try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    except OSError as e:
-        raise DiskPathError(f"--disk-path {path} cannot be created: {e.strerror or e}") from None
-    try:
-        check_private_dir(path)
-    except UntrustedPath as e:
-        raise UntrustedPath(f"--disk-path refused: {e}") from None
-    try:
-        fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-    except OSError as e:
-        raise DiskPathError(f"--disk-path {path} is not writable: {e.strerror or e}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise DiskPathError(
-            f"--disk-path {path} is in use by another cache service (its {LOCK_FILE} is locked)"
-        ) from None
-    return fd
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make the renames in ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _copy_bytes(payload) -> bytes:
-    """A private copy of a bytes-like object or a CPU tensor's bytes."""
-    if hasattr(payload, "numpy"):  # a torch tensor (bfloat16 has no numpy dtype: view as bytes)
-        import torch
-
-        return payload.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-    return bytes(memoryview(payload).cast("B"))
+        """One event record of ``keys`` entering (``stored``) or leaving the index (no block ids)."""
+        if keys:
+            self._events.append((_KINDS[stored], tuple(keys), (-1,) * len(keys)))

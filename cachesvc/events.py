@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from kvtier.block_hash import BlockHash, hash_preimage, unpack_block
 from kvtier.cachesvc.disk_records import KEY_PREFIX_BYTES
 from kvtier.cachesvc.errors import CacheError
+from kvtier.media import names as media_names
 
 
 @dataclass(slots=True)
@@ -25,7 +26,7 @@ class BlockStored:
     parent_block_hash: BlockHash | None
     block_id: int
     token_ids: list[int]
-    medium: str = "device"  # the tier it entered: "device", "host" or "disk" (MEDIUMS)
+    medium: str = "device"  # the tier it entered: a medium's name (kvtier.media, MEDIUMS)
 
 
 @dataclass(slots=True)
@@ -41,10 +42,10 @@ BlockEvent = BlockStored | BlockRemoved
 
 REMOVED = 0
 STORED = 1
-MEDIUMS = ("device", "host", "disk")
-"""A record's kind is ``STORED | REMOVED`` plus ``2 * `` its medium's index here: the device's
-records keep kinds 0 and 1 (the block manager's hot path is unchanged), the host tier's are 2
-and 3, the disk tier's 4 and 5 (``tier_kind``)."""
+MEDIUMS = media_names()
+"""The media of ``kvtier.media``, by rank. A record's kind is ``STORED | REMOVED`` plus ``2 * ``
+its medium's rank: the device's records keep kinds 0 and 1 (the block manager's hot path is
+unchanged), the host tier's are 2 and 3, the disk tier's 4 and 5 (``tier_kind``)."""
 
 
 def tier_kind(stored: bool, medium: str) -> int:
@@ -54,7 +55,7 @@ def tier_kind(stored: bool, medium: str) -> int:
 
 HOST_REPLACED = 2 * len(MEDIUMS)
 """The kind of a host-cache record of new blocks that took the slots of as many evicted ones,
-one per eviction batch (``HostBlockCache.on_replace``): ``(HOST_REPLACED, victims + keys,
+one per eviction batch (``HostCache.keep_rows``): ``(HOST_REPLACED, victims + keys,
 slots)``, read as the host's REMOVED record of the victims, then its STORED record of the keys
 (``split_replaced``); one record instead of two per Allocate or Extend that evicts."""
 

@@ -1,5 +1,5 @@
-"""Host memory for pool blocks: ``num_slots`` rows of ``block_bytes`` bytes and the copies between
-them and the device pool's blocks.
+"""The one host memory area: ``num_slots`` rows of ``block_bytes`` bytes, the copies between them
+and the device pool's blocks, and swap's reserved share of them.
 
 The rows are one uint8 tensor ``[num_slots, block_bytes]``: pinned on CUDA, so copies run at
 full PCIe speed; plain on CPU. Every copy is complete when its call returns: a device block
@@ -8,8 +8,12 @@ reads or writes it next). On CUDA the copies of a call run on a side stream that
 the default stream's queued work, then the call waits for the side stream's event. On CPU a
 block is one memcpy (numpy or a memoryview slice), never torch's threaded ``copy_`` (``copy_block``).
 
-The host block cache (``cachesvc.host_cache``) keeps its blocks here; which slot holds what is
-its business, not this module's.
+A slot is free, swap's or (in the host cache, ``cachesvc.host_cache.HostCache``, which is this
+area with keys) a cached block's. Swap is a share of the area, not a second one: SwapOut
+``reserve``s slots (the host cache gives up its least recently used blocks for them, which go
+on down the tiers), copies the sequence's blocks in (``store``), and SwapIn copies them back
+(``load``) and ``release``s the slots. With the host cache off (``--host-cache-gib 0``) the area
+is ``--swap-space`` of swap alone. The copy path is the same either way.
 """
 
 from __future__ import annotations
@@ -19,18 +23,27 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from kvtier.cachesvc.errors import InvalidArgument
+from kvtier.cachesvc.errors import InvalidArgument, ResourceExhausted
+from kvtier.cachesvc.tiers import Blocks
 
 SMALL_ROW_BYTES = 4096  # rows up to this size are copied as numpy void items (copy_rows)
 GATHER_FROM = 8  # small rows per copy_rows call from which one numpy gather beats a copy per row
 
 
-class HostSlots:
-    """``num_slots`` host rows of ``block_bytes`` bytes on the host side of ``device``'s pool."""
+class HostArea:
+    """``num_slots`` host rows of ``block_bytes`` bytes on the host side of ``device``'s pool, and
+    swap's share of them (the slot ids ``reserve`` handed out). Units: slots (one block each)."""
+
+    name = "host"  # what a swapped-out Sequence's location holds (cachesvc.records)
 
     def __init__(self, num_slots: int, block_bytes: int, device: str | torch.device = "cpu") -> None:
+        if num_slots < 0 or block_bytes <= 0:
+            raise InvalidArgument(
+                f"host area of {num_slots} slots x {block_bytes} bytes: need >= 0 slots, > 0 bytes"
+            )
         self.device = torch.device(device)
         self.block_bytes = block_bytes
+        self.num_slots = num_slots
         cuda = self.device.type == "cuda"
         self.slots = torch.empty((num_slots, block_bytes), dtype=torch.uint8, pin_memory=cuda)
         self.stream = torch.cuda.Stream(device=self.device) if cuda else None
@@ -38,6 +51,100 @@ class HostSlots:
         self.rows: torch.Tensor | None = None
         self._rows_bytes = self._slots_bytes = self._rows_items = self._slots_items = None
         self._small = False
+        self.pool_rows: torch.Tensor | None = None  # the pool swap copies to and from (attach_pool)
+        self._free = list(range(num_slots - 1, -1, -1))  # a stack: lowest slot ids first
+        self._swap_slots: set[int] = set()
+
+    @classmethod
+    def for_pool(cls, pool_rows: torch.Tensor, budget_bytes: int) -> HostArea:
+        """An area of ``budget_bytes // block_bytes`` slots beside ``pool_rows`` (``PoolViews.rows``)."""
+        area = cls(max(0, budget_bytes) // pool_rows.shape[1], pool_rows.shape[1], device=pool_rows.device)
+        area.attach_pool(pool_rows)
+        return area
+
+    def attach_pool(self, pool_rows: torch.Tensor) -> None:
+        """Swap's pool: ``[num_blocks, block_bytes]`` uint8 (``PoolViews.rows``); a CPU pool is bound
+        for ``copy_rows``."""
+        self.pool_rows = pool_rows
+        if not pool_rows.is_cuda:
+            self.bind_rows(pool_rows)
+
+    # ------------------------------------------------------------------ swap's share
+
+    @property
+    def num_blocks(self) -> int:
+        return self.num_slots
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Slots swap can reserve now: every slot not swap's already (cached ones are given up)."""
+        return self.num_slots - len(self._swap_slots)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Slots swap holds."""
+        return len(self._swap_slots)
+
+    def used_slots(self) -> list[int]:
+        """Swap's slots, ascending (for the invariants)."""
+        return sorted(self._swap_slots)
+
+    def reserve(self, num_slots: int, pass_down: bool = False) -> tuple[list[int], Blocks | None]:
+        """``num_slots`` slots for swap, and the cached blocks given up for them (their bytes
+        copied aside when ``pass_down``, for the tier below; None when none were). Raises
+        ResourceExhausted, changing nothing, if fewer slots are free or cached than asked."""
+        room = self.num_slots - len(self._swap_slots)
+        if num_slots > room:
+            raise ResourceExhausted(
+                f"host area: swap needs {num_slots} slots but only {room} of {self.num_slots} are not "
+                f"swap's ({len(self._swap_slots)} are); raise --host-cache-gib (or --swap-space without it)"
+            )
+        slots, evicted = self._claim(num_slots, pass_down)
+        self._swap_slots.update(slots)
+        return slots, evicted
+
+    def release(self, slots: Sequence[int]) -> None:
+        """Give swap's ``slots`` back (their blocks went back to the device, or their sequence ended)."""
+        if len(set(slots)) != len(slots):
+            raise InvalidArgument(f"host slots {list(slots)} name a slot twice")
+        for k, s in enumerate(slots):
+            if s not in self._swap_slots:
+                raise InvalidArgument(f"slots[{k}] = {s} is not a swap slot of this host area")
+        for s in reversed(slots):
+            self._swap_slots.remove(s)
+            self._free.append(s)
+
+    def store(self, device_ids: Sequence[int], slots: Sequence[int]) -> None:
+        """Copy pool blocks ``device_ids`` into swap's ``slots`` (same order); complete on return."""
+        if self.rows is not None:
+            self.copy_rows(slots, device_ids)
+        else:
+            self.copy_in(slots, [self.pool_rows[i] for i in device_ids])
+
+    def load(self, slots: Sequence[int], device_ids: Sequence[int]) -> None:
+        """Copy swap's ``slots`` into pool blocks ``device_ids`` (same order); complete on return
+        (a compute process reads the pool next)."""
+        if len(slots) != len(device_ids):
+            raise InvalidArgument(f"len(slots) = {len(slots)} != len(device_ids) = {len(device_ids)}")
+        for k, s in enumerate(slots):
+            if s not in self._swap_slots:
+                raise InvalidArgument(f"slots[{k}] = {s} is not a swap slot of this host area")
+        self.copy_out(slots, [self.pool_rows[i] for i in device_ids])
+
+    def _claim(self, n: int, pass_down: bool) -> tuple[list[int], Blocks | None]:
+        """``n`` free slots, lowest ids first (the host cache also gives up cached blocks)."""
+        free = self._free
+        slots = free[len(free) - n :]
+        slots.reverse()  # the stack's order: popped from its end
+        del free[len(free) - n :]
+        return slots, None
+
+    def check_invariants(self) -> None:
+        """AssertionError unless every slot is free or swap's exactly once (the host cache adds its own)."""
+        every = sorted([*self._free, *self._swap_slots])
+        assert every == list(range(self.num_slots)), f"slots free/swap overlap or leak: {every}"
+
+    # ------------------------------------------------------------------ the copy path
 
     def copy_in(self, slots: Sequence[int], views: Sequence[torch.Tensor]) -> None:
         """Copy each of ``views`` (a pool block as flat uint8, on ``device``) into its slot."""

@@ -8,14 +8,16 @@ reads the table through its public readers (``sequences()``, ``lease_index()``, 
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvtier.block_hash import pack_token_ids
 from kvtier.cachesvc.block_manager import BlockManager
 from kvtier.cachesvc.fencing import Fencing
 from kvtier.cachesvc.limits import TenantLimits
 from kvtier.cachesvc.records import DEVICE, PLACEHOLDER_BLOCK, Sequence
-from kvtier.cachesvc.tiers import Tier
+
+if TYPE_CHECKING:
+    from kvtier.cachesvc.host_area import HostArea
 
 
 class TableView(Protocol):
@@ -25,7 +27,7 @@ class TableView(Protocol):
     block_manager: BlockManager
     limits: TenantLimits
     fencing: Fencing
-    tiers: dict[str, Tier]
+    tiers: dict[str, object]  # location -> the DeviceTier or the HostArea
 
     def get(self, sequence_id: int) -> Sequence: ...
     def sequences(self) -> list[Sequence]: ...
@@ -117,7 +119,7 @@ def _check_counts(table: TableView, live: list[Sequence]) -> None:
     )
 
 
-def _check_tier(tier: Tier, held: list[int]) -> None:
+def _check_tier(tier: HostArea, held: list[int]) -> None:
     """A lower tier's used slots are exactly those its sequences hold."""
     assert tier.num_used_blocks == len(held), (
         f"{tier.name} tier counts {tier.num_used_blocks} used slots, sequences hold {len(held)}"

@@ -1,110 +1,126 @@
-"""The tiers under the device pool as the prefix cache uses them: the host cache, then the disk.
+"""The tiers below the device pool, as one loop: an evicted block goes down, a hit comes back up.
 
-One object for the service to call (issue 22): ``keep`` takes published blocks the device pool
-evicts (their KV still in the pool), ``lookup_chain`` says how many of a prompt's next keys a
-lower tier holds, ``promote`` copies them into freshly allocated pool blocks. The write policy
-says when a block reaches the disk: ``evict`` (when the host cache evicts it, or at once when
-there is no host cache) or ``through`` (as soon as the host cache takes it). Keys are
-prefix-index keys (``kvtier.block_hash``: ``parent-or-extra || token bytes``), so the parent
-recorded with a block is its key's first 32 bytes.
+The stack is an ordered list of ``kvtier.cachesvc.tiers.Tier`` (the media of ``kvtier.media``
+in rank order, those the flags turn on: the host cache, then the disk), run by ``TierStack``:
 
-``add_arguments`` and ``from_args`` are the flags and the construction, for the service's config.
+- **down** (``keep``): the published blocks an Allocate, Extend or SwapIn evicted from the pool
+  (returned by ``BlockManager.take_evicted``, their KV still in the pool's rows) go to the first
+  tier's ``submit_store``; what a tier evicts to make room is returned to the loop (its bytes
+  copied aside) and goes to the next tier, and so on down (``_down``). With the write policy
+  ``through`` every tier also takes the blocks themselves, as soon as the first one does.
+  A SwapOut's slots come from the host area (``reserve``): the cached blocks it gives up go down
+  the same loop.
+- **up** (``promote``): Allocate asks each tier, in order, for the keys of a prompt's chain past
+  the device hit (``held_keys``: the ``held`` views, read-only), then copies the held run into the
+  sequence's fresh pool blocks with one ``submit_load`` job per run of keys on the same tier,
+  waiting for each job's result (``finished_jobs``); a block a tier fails to give (a record
+  failing its checks) ends the run. A promoted block stays in its tier.
+
+Keys are prefix-index keys (``kvtier.block_hash``: ``parent-or-extra || token bytes``), so the
+parent recorded with a block is its key's first 32 bytes. A tier is found by its medium's name
+(``TIER_BUILDERS``); ``add_arguments`` and ``build`` are the flags and the construction, for the
+service's config.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections import deque
+import dataclasses
+import itertools
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvtier.block_hash import hash_preimage
-from kvtier.cachesvc.disk_records import KEY_PREFIX_BYTES, RecordLayout
+from kvtier.cachesvc import shared_tier
+from kvtier.cachesvc.disk_records import RecordLayout
 from kvtier.cachesvc.disk_tier import DiskTier
-from kvtier.cachesvc.events import HOST_REPLACED, EventRecord, tier_kind
+from kvtier.cachesvc.events import EventRecord
+from kvtier.cachesvc.tiers import Blocks, Job, Tier
+from kvtier.media import LOWER_MEDIA
 
 if TYPE_CHECKING:  # torch loads only with a pool (the flags are parsed without it: fast --help)
     import torch
 
-    from kvtier.cachesvc.host_cache import HostBlockCache
+    from kvtier.cachesvc.host_area import HostArea
 
 WRITE_POLICIES = ("evict", "through")
+LOAD_TIMEOUT_S = 30.0  # the longest a promotion waits for a tier's load job before it counts as a miss
 
 
-class LowerTiers:
-    """The host cache and/or the disk tier below the pool whose block rows are ``pool_rows``.
+class TierStack:
+    """``tiers`` (rank order) below the pool whose block rows are ``pool_rows``.
 
     ``pool_rows`` is the pool as ``[num_blocks, block_bytes]`` uint8 (``PoolViews.rows``): a
-    block is one row, a quantized block's scales included.
+    block is one row, a quantized block's scales included. ``min_hits``: an evicted block hit
+    fewer times than this on the device is not kept (``--offload-min-hits``).
     """
 
     def __init__(
-        self,
-        pool_rows: torch.Tensor,
-        host: HostBlockCache | None,
-        disk: DiskTier | None,
-        write_policy: str = "evict",
-        min_hits: int = 0,
+        self, pool_rows: torch.Tensor, tiers: Sequence[Tier], write_policy: str = "evict", min_hits: int = 0
     ) -> None:
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"--disk-write-policy {write_policy!r} is not one of {WRITE_POLICIES}")
         if min_hits < 0:
             raise ValueError(f"--offload-min-hits = {min_hits} must be >= 0")
+        if [t.medium.rank for t in tiers] != sorted({t.medium.rank for t in tiers}):
+            raise ValueError(f"tiers {[t.medium.name for t in tiers]} are not in rank order, once each")
         self.pool_rows = pool_rows
-        self.host = host
-        self.disk = disk
-        self.write_policy = write_policy
+        self.tiers = list(tiers)
+        self.by_name = {t.medium.name: t for t in self.tiers}
+        self.write_through = write_policy == "through"
         self.min_hits = min_hits
         # Device hits per published key, kept only while min_hits is set; a key leaves at its
         # eviction (keep), so this holds at most the pool's published blocks.
         self._hits: dict[bytes, int] = {}
         self.num_not_kept = 0  # evicted blocks below min_hits
-        self.promoted = {"host": 0, "disk": 0}  # blocks promote copied into the pool, per tier
-        # The tiers' KV events (one record per block, see cachesvc.events), taken by the node
-        # after each call; the disk's writer thread appends too (deque appends are atomic).
-        self._events: deque[EventRecord] = deque()
-        if host is not None:
-            host.on_change = self._recorder("host")
-            append = self._events.append  # one record per eviction batch: cachesvc.events.HOST_REPLACED
-            host.on_replace = lambda old, keys, slots: append((HOST_REPLACED, (*old, *keys), tuple(slots)))
-        if disk is not None:
-            record = self._recorder("disk")
-            disk.on_change = lambda stored, key, block_id: record(stored, (key,), (block_id,))
-            for key in disk.indexed_keys():  # records found at startup: a consumer learns what disk holds
-                disk.on_change(True, key, -1)
-        if host is not None and disk is not None:
-            # through: a block the host evicts within the keep that took it has no disk copy yet
-            host.on_evict = disk.offer if write_policy == "evict" else self._write_unless_on_disk
-        self._on_host = host.held_keys() if host is not None else ()
-        if host is not None and disk is None and not min_hits and not pool_rows.is_cuda:
-            # The rule with a host cache: the device's eviction hook goes straight to the host
-            # cache (every Allocate or Extend that evicts pays for each call on the way).
-            host.area.bind_rows(pool_rows)
-            self.keep = host.keep_rows
+        self._held = [t.held() for t in self.tiers]  # live views: `key in view` per tier
+        # NOTE: one tier and nothing to filter (the default stack: the host cache alone) has no
+        # loop to run: keep hands the blocks straight to it (every evicting Allocate or Extend).
+        self._only = self.tiers[0] if len(self.tiers) == 1 and not min_hits else None
+        self._job_ids = itertools.count(1)
 
-    def _write_unless_on_disk(self, key: bytes, parent_hash: bytes | None, payload) -> bool:
-        return self.disk.contains(key) or self.disk.offer(key, parent_hash, payload)
+    # ------------------------------------------------------------------ down
 
-    def _recorder(self, medium: str):
-        """``record(stored, keys, block_ids)`` for ``medium``'s tier: one event record of the blocks
-        entering or leaving under their index keys (hashed when the record is read: cachesvc.events).
-        The host cache's ``on_change`` (one call per batch); the disk's calls it per block."""
-        kinds = (tier_kind(False, medium), tier_kind(True, medium))
-        append = self._events.append
+    def keep(self, block_ids: Sequence[int], keys: Sequence[bytes]) -> None:
+        """Take published pool blocks about to be reused (same order as ``keys``, distinct) down the
+        tiers. Returns once the pool rows may be overwritten. With ``min_hits``, a block hit
+        fewer times than that on the device is not kept."""
+        if self._only is not None:
+            self._only.submit_store(Blocks(keys, self.pool_rows, block_ids))
+            return
+        if self.min_hits:
+            hits, floor = self._hits, self.min_hits
+            pairs = [(i, k) for i, k in zip(block_ids, keys, strict=True) if hits.pop(k, 0) >= floor]
+            self.num_not_kept += len(keys) - len(pairs)
+            block_ids, keys = [i for i, _ in pairs], [k for _, k in pairs]
+        self._down(Blocks(keys, self.pool_rows, block_ids), 0)
 
-        def record(stored: bool, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
-            append((kinds[stored], tuple(keys), tuple(block_ids)))
+    def _down(self, blocks: Blocks, first: int) -> None:
+        """THE LOOP DOWN: ``blocks`` to tier ``first``; what each tier evicts (returned, its bytes
+        aside) to the next; under ``through`` the blocks themselves to every tier too."""
+        tiers, last = self.tiers, len(self.tiers) - 1
+        pending = [blocks]
+        for i in range(first, last + 1):
+            evicted = [e for b in pending if (e := tiers[i].submit_store(b, pass_down=i < last)) is not None]
+            pending = [blocks, *evicted] if self.write_through else evicted
+            if not pending:
+                return
 
-        return record
+    def reserve(self, area: HostArea, num_slots: int) -> list[int]:
+        """Swap's ``num_slots`` slots of ``area`` (the host cache's, or swap's own area); the cached
+        blocks given up for them go down the tiers below it. ResourceExhausted, taking none, if
+        the area has fewer slots that are not swap's."""
+        at = self.tiers.index(area) if area in self.tiers else len(self.tiers)
+        slots, evicted = area.reserve(num_slots, pass_down=at + 1 < len(self.tiers))
+        if evicted is not None:
+            self._down(evicted, at + 1)
+        return slots
 
-    def take_event_records(self) -> list[EventRecord]:
-        """Return and clear the tiers' event records since the last call, oldest first."""
-        events = self._events
-        if self.disk is None:  # no writer thread: nothing appends meanwhile
-            records = list(events)
-            events.clear()
-            return records
-        return [events.popleft() for _ in range(len(events))]  # the writer may append meanwhile
+    def keep_evicted(self, block_manager) -> None:
+        """``keep`` the blocks ``block_manager`` evicted since the last call (``take_evicted``)."""
+        if block_manager.evicted_ids:
+            self.keep(*block_manager.take_evicted())
 
     def note_hits(self, keys: Sequence[bytes]) -> None:
         """Count a device prefix hit on each of ``keys`` (for ``--offload-min-hits``; no-op without it)."""
@@ -113,38 +129,14 @@ class LowerTiers:
             for key in keys:
                 hits[key] = hits.get(key, 0) + 1
 
-    def keep(self, block_ids: Sequence[int], keys: Sequence[bytes]) -> int:
-        """Take published pool blocks about to be reused (same order as ``keys``); return how many
-        a lower tier holds or has queued. Returns once the pool rows may be overwritten. With
-        ``min_hits``, a block hit fewer times than that on the device is not kept."""
-        if self.min_hits:
-            hits, floor = self._hits, self.min_hits
-            pairs = [(i, k) for i, k in zip(block_ids, keys, strict=True) if hits.pop(k, 0) >= floor]
-            self.num_not_kept += len(keys) - len(pairs)
-            block_ids, keys = [i for i, _ in pairs], [k for _, k in pairs]
-        rows = self.pool_rows
-        if self.host is not None:
-            held = self.host.offer_rows(keys, rows, block_ids)
-            if self.disk is not None and self.write_policy == "through":
-                for key in keys:
-                    entry = self.host.entry(key)
-                    if entry is not None and not self.disk.contains(key):
-                        self.disk.offer(key, key[:KEY_PREFIX_BYTES], self.host.slots[entry.slot])
-            return held
-        if self.disk is None:
-            return 0
-        # No host cache: the disk takes device rows directly (a CPU pool; on CUDA a host cache
-        # is required, since offer copies from host memory).
-        return sum(
-            self.disk.offer(k, k[:KEY_PREFIX_BYTES], rows[i]) for i, k in zip(block_ids, keys, strict=True)
-        )
+    # ------------------------------------------------------------------ up
 
     def holds(self, key: bytes) -> bool:
-        """Whether the host cache or the disk holds ``key`` (read-only: no LRU change)."""
-        return key in self._on_host or (self.disk is not None and self.disk.contains(key))
+        """Whether a tier holds ``key`` (read-only: no LRU change)."""
+        return any(key in held for held in self._held)
 
     def lookup_chain(self, keys: Sequence[bytes]) -> int:
-        """How many leading ``keys`` the host cache or the disk holds (each key on either)."""
+        """How many leading ``keys`` the tiers hold (each key on any of them)."""
         n = 0
         for key in keys:
             if not self.holds(key):
@@ -155,7 +147,7 @@ class LowerTiers:
     def held_keys(
         self, data: bytes, parent: bytes, block_size: int, first: int, end: int, hashes: list[bytes]
     ) -> list[bytes]:
-        """The keys of a prompt's blocks ``first..end-1`` that a lower tier holds, leading run only.
+        """The keys of a prompt's blocks ``first..end-1`` that a tier holds, leading run only.
 
         ``data`` is the prompt as ``pack_token_ids`` bytes from token 0, ``parent`` the hash of
         block ``first - 1`` (the extra key at block 0). The hash of each held block is appended
@@ -164,70 +156,92 @@ class LowerTiers:
         """
         step = 4 * block_size
         keys: list[bytes] = []
-        on_host, disk = self._on_host, self.disk  # holds(), inline: every Allocate's miss asks
+        views = self._held  # holds(), inline: every Allocate's miss asks
         for b in range(first, min(end, len(data) // step)):
             key = parent + data[b * step : (b + 1) * step]
-            if key not in on_host and (disk is None or not disk.contains(key)):
+            for held in views:
+                if key in held:
+                    break
+            else:
                 break
             keys.append(key)
             parent = hash_preimage(key)
             hashes.append(parent)
         return keys
 
-    def count_below(self, data: bytes, parent: bytes, block_size: int, first: int) -> tuple[int, int]:
-        """``(host blocks, disk-only blocks)`` of the leading run of a prompt's blocks from block
-        ``first`` on (past its device hit; ``parent`` is the hash before it) that the lower tiers
-        hold (``held_keys``' arguments). Read-only, for LookupPrefix."""
-        keys = self.held_keys(data, parent, block_size, first, len(data), [])
-        on_host = sum(1 for key in keys if key in self.host) if self.host is not None else 0
-        return on_host, len(keys) - on_host
+    def count_below(self, data: bytes, parent: bytes, block_size: int, first: int) -> tuple[int, ...]:
+        """Blocks per lower medium (``kvtier.media.LOWER_MEDIA`` order; each block counted on the
+        first tier holding it) of the leading run of a prompt's blocks from block ``first`` on
+        (past its device hit; ``parent`` is the hash before it) that the tiers hold
+        (``held_keys``' arguments). Read-only, for LookupPrefix."""
+        counts = dict.fromkeys((m.name for m in LOWER_MEDIA), 0)
+        for key in self.held_keys(data, parent, block_size, first, len(data), []):
+            counts[
+                next(t for t, held in zip(self.tiers, self._held, strict=True) if key in held).medium.name
+            ] += 1
+        return tuple(counts.values())
 
     def promote(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> int:
-        """Copy the blocks of the leading held ``keys`` into pool blocks ``block_ids``; return how many.
-
-        Stops at the first key neither tier can give (a disk record that fails its checks is a
-        miss): blocks past it are useless without it. A block promoted from disk is not put back
-        in the host cache (it is on the device again). Complete when this returns.
-        """
-        rows = self.pool_rows
-        n = 0
-        for key, block_id in zip(keys, block_ids, strict=False):
-            if self.host is not None and self.host.load(key, rows[block_id]):
-                self.promoted["host"] += 1
-            elif self.disk is not None and self.disk.load_into(key, rows[block_id]):
-                self.promoted["disk"] += 1
-            else:
+        """THE LOOP UP: copy the blocks of the leading held ``keys`` into pool blocks ``block_ids``;
+        return how many. One load job per run of keys on the same tier (the first tier holding
+        each key); stops at the first key no tier gives. Complete when this returns."""
+        n, end = 0, min(len(keys), len(block_ids))
+        while n < end:
+            tier = next((t for t, held in zip(self.tiers, self._held, strict=True) if keys[n] in held), None)
+            if tier is None:
                 break
-            n += 1
+            held, stop = tier.held(), n + 1
+            while stop < end and keys[stop] in held:
+                stop += 1
+            done = self._load(
+                tier, Job(next(self._job_ids), Blocks(keys[n:stop], self.pool_rows, block_ids[n:stop]))
+            )
+            n += done
+            if n < stop:
+                break
         return n
 
+    def _load(self, tier: Tier, job: Job) -> int:
+        """Submit ``job`` to ``tier`` and wait for its result (``LOAD_TIMEOUT_S``); blocks landed."""
+        tier.submit_load(job)
+        deadline = time.monotonic() + LOAD_TIMEOUT_S
+        while True:
+            for result in tier.finished_jobs(max(0.0, deadline - time.monotonic())):
+                if result.job_id == job.job_id:
+                    return result.num_done
+            if time.monotonic() >= deadline:
+                return 0
+
+    # ------------------------------------------------------------------ figures and events
+
+    def take_event_records(self) -> list[EventRecord]:
+        """Every tier's event records since the last call, tier by tier, each oldest first."""
+        return [record for tier in self.tiers for record in tier.take_events()]
+
     def tier_rows(self) -> list[dict]:
-        """Per present tier (host, then disk): medium, blocks, bytes, blocks promoted from it,
-        evictions, blocks stored and the write queue's depth (node.TierSnapshot's fields)."""
+        """Per tier (rank order): node.TierSnapshot's fields."""
         rows = []
-        for medium, tier, stored in (("host", self.host, "stored"), ("disk", self.disk, "writes")):
-            if tier is not None:
-                st = tier.stats()
-                rows.append({
-                    "medium": medium, "num_blocks": st["blocks"], "num_bytes": st["bytes"],
-                    "num_promotions": self.promoted[medium], "num_evictions": st["evictions"],
-                    "num_stored_blocks": st[stored], "write_queue_depth": st.get("queue_depth", 0),
-                })  # fmt: skip
+        for tier in self.tiers:
+            c = tier.counts()
+            rows.append({
+                "medium": tier.medium.name, "num_blocks": c.blocks, "num_bytes": c.bytes,
+                "num_promotions": c.promotions, "num_evictions": c.evictions, "num_stored_blocks": c.stored,
+                "num_skipped_blocks": c.skipped, "write_queue_depth": c.queue_depth,
+            })  # fmt: skip
         return rows
 
     def stats(self) -> dict:
-        """Per tier: ``{"host": HostBlockCache.stats(), "disk": DiskTier.stats()}``, present tiers only."""
+        """Per tier: its ``TierCounts`` as a dict (medium-specific figures flattened in)."""
         out: dict = {"not_kept_below_min_hits": self.num_not_kept} if self.min_hits else {}
-        if self.host is not None:
-            out["host"] = self.host.stats()
-        if self.disk is not None:
-            out["disk"] = self.disk.stats()
+        for tier in self.tiers:
+            c = dataclasses.asdict(tier.counts())
+            out[tier.medium.name] = {**c.pop("extra"), **c}
         return out
 
     def close(self) -> None:
-        """Write what the disk's queue holds and stop its writer."""
-        if self.disk is not None:
-            self.disk.close()
+        """Finish what each tier has queued (the disk writes its queue) and release its medium."""
+        for tier in self.tiers:
+            tier.close()
 
 
 AUTO_MAX_GIB = 4.0  # --host-cache-gib auto: at most this much ...
@@ -285,28 +299,56 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-def from_args(args: argparse.Namespace, pool_rows: torch.Tensor, layout: RecordLayout) -> LowerTiers | None:
-    """The lower tiers the flags ask for, or None; ValueError / DiskPathError / UntrustedPath naming a bad one."""
-    for flag in ("host_cache_gib", "disk_gib"):
-        if getattr(args, flag) < 0:
-            raise ValueError(f"--{flag.replace('_', '-')} = {getattr(args, flag)} must be >= 0")
-    if not args.host_cache_gib and not args.disk_path:
+def _host_tier(args: argparse.Namespace, pool_rows: torch.Tensor, layout: RecordLayout) -> Tier | None:
+    if not args.host_cache_gib:
         return None
-    block_bytes = pool_rows.shape[1]
-    host = None
-    if args.host_cache_gib:
-        from kvtier.cachesvc.host_cache import HostBlockCache
+    from kvtier.cachesvc.host_cache import HostCache
 
-        host = HostBlockCache.from_budget(
-            int(args.host_cache_gib * 2**30), block_bytes, device=pool_rows.device
-        )
-    elif pool_rows.is_cuda:
+    host = HostCache.from_budget(
+        int(args.host_cache_gib * 2**30), pool_rows.shape[1], device=pool_rows.device
+    )
+    host.attach_pool(pool_rows)
+    return host
+
+
+def _disk_tier(args: argparse.Namespace, pool_rows: torch.Tensor, layout: RecordLayout) -> Tier | None:
+    if not args.disk_path:
+        return None
+    if pool_rows.is_cuda and not args.host_cache_gib:
         raise ValueError(
             "--disk-path on a cuda pool needs --host-cache-gib > 0 (disk writes copy from host memory)"
         )
-    disk = None
-    if args.disk_path:
-        disk = DiskTier(
-            args.disk_path, int(args.disk_gib * 2**30), layout, queue_blocks=args.disk_write_queue
-        )
-    return LowerTiers(pool_rows, host, disk, args.disk_write_policy, args.offload_min_hits)
+    return DiskTier(args.disk_path, int(args.disk_gib * 2**30), layout, queue_blocks=args.disk_write_queue)
+
+
+TIER_BUILDERS = {"host": _host_tier, "disk": _disk_tier, "shared": shared_tier.build}
+"""Medium name -> ``build(args, pool_rows, layout)``: the tier its flags ask for, or None. A new
+tier adds its row to ``kvtier.media`` and its builder (and flags) here."""
+
+
+def build(
+    args: argparse.Namespace, pool_rows: torch.Tensor, layout: RecordLayout
+) -> tuple[TierStack | None, HostArea | None]:
+    """The tier stack the flags ask for (or None) and swap's host area (the host cache's, else
+    ``--swap-space``'s own, else None). ValueError / DiskPathError / UntrustedPath naming a bad flag."""
+    for flag in ("host_cache_gib", "disk_gib", "swap_space"):
+        if getattr(args, flag, 0) < 0:
+            raise ValueError(f"--{flag.replace('_', '-')} = {getattr(args, flag)} must be >= 0")
+    tiers: list[Tier] = []
+    try:
+        for m in LOWER_MEDIA:
+            builder = TIER_BUILDERS.get(m.name)  # None: a medium no builder is registered for yet
+            tier = builder(args, pool_rows, layout) if builder is not None else None
+            if tier is not None:
+                tiers.append(tier)
+    except BaseException:
+        for tier in tiers:
+            tier.close()
+        raise
+    stack = TierStack(pool_rows, tiers, args.disk_write_policy, args.offload_min_hits) if tiers else None
+    area = stack.by_name.get("host") if stack is not None else None
+    if area is None and getattr(args, "swap_space", 0) > 0:
+        from kvtier.cachesvc.host_area import HostArea
+
+        area = HostArea.for_pool(pool_rows, int(args.swap_space * 2**30))
+    return stack, area

@@ -144,10 +144,11 @@ class CacheMetrics(RpcLatency):
         ),
         ("num_evictions", "tier_evicted_blocks", "Published blocks a tier evicted."),
         ("num_stored_blocks", "tier_stored_blocks", "Blocks written into a lower tier."),
+        ("num_skipped_blocks", "tier_skipped_blocks", "Blocks offered to a lower tier that it did not take."),
     )
 
     def _tier_metrics(self, r: CollectorRegistry, p: str) -> None:
-        """The prefix cache per tier, labelled medium = device | host | disk (issue 22)."""
+        """The prefix cache per tier, labelled medium = a medium's name (kvtier.media)."""
         for _, name, doc in self._TIER_GAUGES:
             setattr(self, name, Gauge(f"{p}_{name}", doc, ["medium"], registry=r))
         for _, name, doc in self._TIER_COUNTERS:

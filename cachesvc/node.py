@@ -49,15 +49,17 @@ class TenantSnapshot:
 @dataclass(slots=True)
 class TierSnapshot:
     """One tier of the prefix cache (GetStatsResponse.TierStats): blocks and bytes it holds now;
-    hits, promotions, evictions and stored blocks cumulative since start; the disk's write queue."""
+    hits, promotions, evictions, stored and skipped blocks cumulative since start; a write-behind
+    tier's queue."""
 
-    medium: str  # "device", "host" or "disk"
+    medium: str  # a medium's name (kvtier.media): "device", "host", "disk", ...
     num_blocks: int
     num_bytes: int
     num_hit_blocks: int = 0
     num_promotions: int = 0
     num_evictions: int = 0
     num_stored_blocks: int = 0
+    num_skipped_blocks: int = 0  # offered, not taken: a full write queue, no room, the tier off
     write_queue_depth: int = 0
 
 
@@ -148,6 +150,9 @@ class CacheNode:
         records = self.sequences.block_manager.take_event_records()
         lower = self.sequences.lower_tiers
         if lower is not None:  # the host and disk tiers' events, after the device's
+            shared = lower.by_name.get("shared")
+            if shared is not None and shared.write_through and records:  # published blocks, to the store now
+                shared.write_published(records, lower.pool_rows)
             records += lower.take_event_records()
         self.events.extend(records)
         return result
@@ -293,7 +298,7 @@ class CacheNode:
         """The numbers GetStats reports and the metrics export. O(sequences + leases)."""
         seqs = self.sequences
         bm = seqs.block_manager
-        host = seqs.swap_tier
+        host = seqs.host_area
         stats = seqs.stats
         leases: list[LeaseSnapshot] = []
         num_tokens = num_token_slots = 0

@@ -25,11 +25,12 @@ from kvtier.cachesvc.limits import TenantLimits
 from kvtier.cachesvc.records import DEVICE, CacheStats, Sequence
 from kvtier.cachesvc.releases import Releasing
 from kvtier.cachesvc.swap import Swapping
-from kvtier.cachesvc.tiers import DeviceTier, LowerTier
+from kvtier.cachesvc.tiers import DeviceTier
 from kvtier.sequence_types import AllocateItem, CommitItem, ExtendItem, PrefixQuery, SequenceBlocks
 
 if TYPE_CHECKING:
-    from kvtier.cachesvc.lower_tiers import LowerTiers
+    from kvtier.cachesvc.host_area import HostArea
+    from kvtier.cachesvc.lower_tiers import TierStack
     from kvtier.sequence_types import ReleaseItem
 
 
@@ -38,7 +39,8 @@ class SequenceTable:
 
     Units: tokens unless a name says blocks. Limits: ``vocab_size`` (token ids must be below it),
     ``max_model_len`` (tokens per sequence, lookahead included), ``max_batch`` (items per call).
-    ``swap_tier``: the lower tier SwapOut copies to (the host tier), or None. The quota
+    ``host_area``: the host area SwapOut copies to (the host cache's, or swap's own), or None;
+    ``lower_tiers``: the tiers below the device (cachesvc.lower_tiers), or None. The quota
     arguments are ``TenantLimits``'; quotas and the fair share are checked before any block is
     taken.
     """
@@ -46,7 +48,7 @@ class SequenceTable:
     def __init__(
         self,
         block_manager: BlockManager,
-        swap_tier: LowerTier | None,
+        host_area: HostArea | None,
         *,
         model_fingerprint: str,
         vocab_size: int,
@@ -57,7 +59,7 @@ class SequenceTable:
         max_blocks_per_lease: int = 0,
         fair_share: bool = True,
         fair_share_reserve: int = 0,
-        lower_tiers: LowerTiers | None = None,
+        lower_tiers: TierStack | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
@@ -80,18 +82,16 @@ class SequenceTable:
             fair_share_reserve=fair_share_reserve,
         )
         self.fencing = Fencing(block_manager)
-        self.device = DeviceTier(block_manager, swap_tier.block_bytes if swap_tier is not None else 0)
-        self.swap_tier = swap_tier
-        self.swapping = Swapping(self.device, swap_tier, self.stats)
-        # The prefix cache's host and disk tiers (issue 22): evicted published blocks go down
-        # through the device tier's hook; Allocate promotes hits past the device's.
+        self.device = DeviceTier(block_manager, host_area.block_bytes if host_area is not None else 0)
+        self.host_area = host_area
+        self.swapping = Swapping(self.device, host_area, self.stats, lower_tiers)
+        # The tiers below the device: the block manager returns the published blocks a call evicts,
+        # handed down before it returns (Allocate: before promoting hits into fresh blocks).
         self.lower_tiers = lower_tiers
-        if lower_tiers is not None:
-            self.device.on_evict(lower_tiers.keep)
-        self.tiers = self.swapping.tiers  # tier name -> tier: what a record's location names
-        # Phase 1 of Commit over this table's records and bounds: (lease_id, items) -> the items'
-        # sequences. Bound once: it runs every decode step. (Extend's growing path calls
-        # plan_extend directly: binding four bounds there cost more than loading them.)
+        block_manager.keep_evicted = lower_tiers is not None
+        self.tiers = {DEVICE: self.device, **({host_area.name: host_area} if host_area is not None else {})}
+        # Phase 1 of Commit over this table's records and bounds, bound once: it runs every decode
+        # step. (Extend's growing path calls plan_extend: binding four bounds cost more there.)
         bounds = (self._sequences, self.block_size, max_model_len)
         self._check_commit = partial(checks.commit_sequences, *bounds, vocab_size, max_batch)
         self.releasing = Releasing(self._sequences, block_manager, self.limits, self.stats, max_batch)
@@ -164,6 +164,8 @@ class SequenceTable:
 
         bm.touch(touched)
         new_ids = bm.allocate(total_new)
+        if bm.evicted_ids:  # down the tiers before promotions write into new_ids
+            self.lower_tiers.keep(*bm.take_evicted())
         out: list[SequenceBlocks] = []
         stats = self.stats
         added = self.limits.added
@@ -233,7 +235,8 @@ class SequenceTable:
                 return self._extend(lease_id, items)  # raises NotFound
             if seq.lease_id == lease_id and 0 <= num_tokens <= seq.room - len(seq.token_ids):
                 return [seq.cached_blocks or self._blocks_of(seq)]
-            if grow_one(seq, lease_id, num_tokens, self.block_manager, self.limits, self.max_model_len):
+            bm, limits = self.block_manager, self.limits
+            if grow_one(seq, lease_id, num_tokens, bm, limits, self.max_model_len, self.lower_tiers):
                 return [self._blocks_of(seq)]  # crossed a block boundary (cachesvc.allocation)
         elif commits or releases:
             checked = self._check_commit(lease_id, commits) if commits else []
@@ -268,6 +271,8 @@ class SequenceTable:
 
         if total_new:
             new_ids = bm.allocate(total_new)
+            if bm.evicted_ids:
+                self.lower_tiers.keep(*bm.take_evicted())
             pos = 0
             for seq, more in grow:
                 if limits.limited:
@@ -343,7 +348,7 @@ class SequenceTable:
         if seq.location == DEVICE:
             released = self.block_manager.free(seq.live_blocks[::-1])
         else:
-            self.tiers[seq.location].release(seq.tier_slots)
+            self.host_area.release(seq.tier_slots)
             released = 0
         del self._sequences[seq.sequence_id]
         lease_seqs = self._by_lease[seq.lease_id]
@@ -383,17 +388,16 @@ class SequenceTable:
         """Per PrefixQuery ``(token_ids, tenant_salt, adapter_id)``: leading tokens cached on the
         device. Whole blocks only and NOT capped below the last token (a router wants the raw
         figure). Read-only: no reference taken, no LRU change, no stats. With lower tiers and a
-        ``below`` list, per item ``(host tokens, disk tokens)`` of the chain past the device hit
-        are appended to it (what Allocate would promote, uncapped).
+        ``below`` list, per item the tokens per lower medium (``kvtier.media.LOWER_MEDIA`` order) of
+        the chain past the device hit are appended to it (what Allocate would promote, uncapped).
         """
         keyed = checks.key_queries(
             items, self.extra_keys, self.vocab_size, self.max_model_len, self.max_batch
         )
         bm = self.block_manager
-        bs = self.block_size
         if below is not None and self.lower_tiers is not None:
             return lookup_tiers(bm, self.lower_tiers, keyed, below)
-        return [len(bm.match_prefix(data, extra, len(data))[0]) * bs for data, extra in keyed]
+        return [len(bm.match_prefix(data, extra, len(data))[0]) * self.block_size for data, extra in keyed]
 
     # ------------------------------------------------------------------ swapping
 
@@ -418,10 +422,8 @@ class SequenceTable:
         num_bytes)``; ``blocks`` carry the new block tables. Committed full blocks are published again.
         """
         checks.check_batch(len(sequence_ids), self.max_batch)
-        seqs = [
-            checks.owned(self._sequences, lease_id, k, sid, on_device=False)
-            for k, sid in enumerate(sequence_ids)
-        ]
+        table, owned = self._sequences, checks.owned
+        seqs = [owned(table, lease_id, k, sid, on_device=False) for k, sid in enumerate(sequence_ids)]
         checks.check_unique(sequence_ids)
         total = sum(len(seq.tier_slots) for seq in seqs)
         if self.limits.contested():  # the fair share: swapping in takes device blocks too
@@ -435,8 +437,7 @@ class SequenceTable:
         for seq in seqs:
             seq.room = self.room(seq.block_table)
             seq.cached_blocks = None
-            # The copied blocks hold committed KV: offer them to the index again (a duplicate of a
-            # still-cached original is skipped by publish).
+            # Committed KV: to the index again (publish skips a duplicate of a still-cached original).
             seq.num_published_blocks = seq.num_released_blocks
             self._publish(seq, seq.num_computed_tokens // self.block_size)
         return [self._blocks_of(seq) for seq in seqs], total, num_bytes

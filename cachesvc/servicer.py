@@ -35,6 +35,7 @@ from kvtier.cachesvc.validation import (
     check_item_sizes,
     check_text,
 )
+from kvtier.media import LOWER_MEDIA
 from kvtier.pool import PoolSpec
 from kvtier.sequence_types import (
     AllocateItem,
@@ -264,12 +265,15 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         for k, i in enumerate(request.items):
             check_item_sizes(k, len(i.token_ids), self.max_model_len, i.tenant_salt, i.adapter_id)
             items.append(PrefixQuery(list(i.token_ids), i.tenant_salt, i.adapter_id))
-        below: list[tuple[int, int]] = []
+        below: list[tuple[int, ...]] = []  # per item: tokens per lower medium (LOWER_MEDIA order)
         device = self.node.lookup_prefix(items, below)
+        media = [m.name for m in LOWER_MEDIA] if below else []
+        per_medium = {name: [tokens[k] for tokens in below] for k, name in enumerate(media)}
         return cache_pb2.LookupPrefixResponse(
             num_cached_tokens=device,
-            num_host_tokens=[host for host, _ in below],
-            num_disk_tokens=[disk for _, disk in below],
+            num_host_tokens=per_medium.get("host", []),
+            num_disk_tokens=per_medium.get("disk", []),
+            below=[cache_pb2.MediumTokens(medium=m, num_tokens=t) for m, t in per_medium.items()],
         )
 
     @rpc

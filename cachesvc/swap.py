@@ -1,10 +1,12 @@
-"""Swapping: whole sequences moved between the device tier and a lower tier, one use of the tiers.
+"""Swapping: whole sequences moved between the device pool and swap's share of the host area.
 
 ``SequenceTable.swap_out`` / ``swap_in`` validate a call, check the limits and apply its commits;
-``Swapping`` then checks the tiers' room and moves the blocks: it copies them with
-``cachesvc.tiers.copy_blocks``, releases the slots they left, and updates each moved record's
-location, tables and the swap counters. It reads and writes only the records it is handed, the
-tiers and the counters it was built with.
+``Swapping`` then checks the room and moves the blocks: it reserves slots of the host area
+(``cachesvc.host_area``: the host cache gives up cached blocks for them, which go down the tiers
+below it through ``TierStack.reserve``), copies the blocks with the area's one copy path,
+releases what they left, and updates each moved record's location, tables and the swap counters.
+It reads and writes only the records it is handed, the area, the tiers and the counters it was
+built with.
 """
 
 from __future__ import annotations
@@ -13,29 +15,35 @@ from typing import TYPE_CHECKING
 
 from kvtier.cachesvc.errors import ResourceExhausted
 from kvtier.cachesvc.records import PLACEHOLDER_BLOCK
-from kvtier.cachesvc.tiers import DeviceTier, LowerTier, SlotTier, copy_blocks
+from kvtier.cachesvc.tiers import DeviceTier
 
 if TYPE_CHECKING:
+    from kvtier.cachesvc.host_area import HostArea
+    from kvtier.cachesvc.lower_tiers import TierStack
     from kvtier.cachesvc.records import CacheStats, Sequence
 
 
 class Swapping:
-    """Moves sequences' blocks between ``device`` and ``swap_tier`` (None: no swap space); counts
-    them in ``stats``. Swapping in reads each record's tier from its ``location``."""
+    """Moves sequences' blocks between ``device`` and ``area`` (the host area; None: no swap
+    space); counts them in ``stats``. ``lower``: the tiers the host cache's given-up blocks go
+    down (None: nothing below the device)."""
 
-    def __init__(self, device: DeviceTier, swap_tier: LowerTier | None, stats: CacheStats) -> None:
+    def __init__(
+        self, device: DeviceTier, area: HostArea | None, stats: CacheStats, lower: TierStack | None = None
+    ) -> None:
         self.device = device
-        self.swap_tier = swap_tier
+        self.area = area
         self.stats = stats
-        self.tiers: dict[str, SlotTier] = {device.name: device}
-        if swap_tier is not None:
-            self.tiers[swap_tier.name] = swap_tier
+        self.lower = lower
+        self.block_bytes = area.block_bytes if area is not None else 0
 
-    def check_out(self, num_blocks: int) -> LowerTier:
-        """The tier ``num_blocks`` device blocks would go to; ResourceExhausted if none has room."""
-        tier = self.swap_tier
+    def check_out(self, num_blocks: int) -> HostArea:
+        """The area ``num_blocks`` device blocks would go to; ResourceExhausted if it has no room."""
+        tier = self.area
         if tier is None:
-            raise ResourceExhausted("no host tier is configured (swap space 0): cannot swap out")
+            raise ResourceExhausted(
+                "no host area is configured (host cache and swap space 0): cannot swap out"
+            )
         if num_blocks > tier.num_free_blocks:
             raise ResourceExhausted(
                 f"swap out needs {num_blocks} {tier.name} blocks but only {tier.num_free_blocks} of "
@@ -58,8 +66,12 @@ class Swapping:
         The caller checked the room (``check_out``)."""
         device_ids = [i for seq in seqs for i in seq.live_blocks]  # released entries stay behind
         tier = self.check_out(len(device_ids))
-        slots = tier.allocate(len(device_ids))
-        num_bytes = copy_blocks(self.device, device_ids, tier, slots)
+        if self.lower is not None:
+            slots = self.lower.reserve(tier, len(device_ids))
+        else:
+            slots, _ = tier.reserve(len(device_ids))
+        tier.store(device_ids, slots)
+        num_bytes = len(device_ids) * self.block_bytes
         pos = 0
         for seq in seqs:
             n = seq.num_blocks
@@ -80,21 +92,17 @@ class Swapping:
         checked the room (``check_in``) and sets what depends on the new tables."""
         total = sum(len(seq.tier_slots) for seq in seqs)
         new_ids = self.device.allocate(total)
-        moves: dict[str, tuple[list[int], list[int]]] = {}  # tier name -> (its slots, device ids)
+        if self.lower is not None:  # blocks evicted for new_ids go down before they are written
+            self.lower.keep_evicted(self.device.block_manager)
         tables = []
         pos = 0
         for seq in seqs:
-            n = len(seq.tier_slots)
-            tables.append(new_ids[pos : pos + n])
-            slots, device_ids = moves.setdefault(seq.location, ([], []))
-            slots += seq.tier_slots
-            device_ids += tables[-1]
-            pos += n
-        num_bytes = 0
-        for name, (slots, device_ids) in moves.items():
-            tier = self.tiers[name]
-            num_bytes += copy_blocks(tier, slots, self.device, device_ids)
-            tier.release(slots)
+            tables.append(new_ids[pos : pos + len(seq.tier_slots)])
+            pos += len(seq.tier_slots)
+        slots = [s for seq in seqs for s in seq.tier_slots]
+        self.area.load(slots, new_ids)
+        self.area.release(slots)
+        num_bytes = total * self.block_bytes
         for seq, table in zip(seqs, tables, strict=True):
             seq.block_table = [PLACEHOLDER_BLOCK] * seq.num_released_blocks + table  # positions kept
             seq.tier_slots = []

@@ -20,16 +20,18 @@ The contract every tier keeps (tests/test_tier_contract.py runs it against each 
 
 - ``lookup(key)``: ``HIT`` (a load now succeeds unless the bytes fail their checks), ``MISS``,
   or ``NOT_YET`` (being stored: ask again later). Changes no recency.
-- ``submit_store(job)``: take the job's blocks (``rows[row_ids[i]]`` holds ``keys[i]``); their
-  bytes are read before it returns (the rows may be overwritten then), the writing may go on
-  behind it. Never blocks on a slow medium: a block it cannot take now is skipped and counted
-  (``TierCounts.skipped``). A key already held is only touched. Returns the blocks it evicted
-  to make room (``Blocks``, readable until this tier's next call) or None.
+- ``submit_store(blocks, pass_down)``: take the blocks (``rows[row_ids[i]]`` holds ``keys[i]``,
+  keys distinct); their bytes are read before it returns (the rows may be overwritten then), the
+  writing may go on behind it. Never blocks on a slow medium: a block it cannot take now is
+  skipped and counted (``TierCounts.skipped``). A key already held (or queued) is only touched.
+  With ``pass_down`` it returns the blocks it evicted to make room, their bytes in rows of their
+  own (the slots they left are reused at once), for the tier below; else None. A store's source
+  rows are released when it returns, so a store reports no job result.
 - ``submit_load(job)``: copy the job's leading held keys into ``rows[row_ids[i]]``, stopping at
   the first it cannot give (a record failing its checks is a miss); ``finished_jobs`` reports
   how many landed. A loaded block stays held (it may be evicted from the device again).
-- ``finished_jobs(timeout_s)``: the results of jobs finished since the last call, waiting up to
-  ``timeout_s`` for one when none has finished. A tier whose copies complete in the call
+- ``finished_jobs(timeout_s)``: the results of load jobs finished since the last call, waiting
+  up to ``timeout_s`` for one when none has finished. A tier whose copies complete in the call
   (host memory, disk reads) reports at once.
 - ``discard(key)``: forget a block without passing it down.
 - ``take_events()``: its KV-event records since the last call (``cachesvc.events``: one record
@@ -40,19 +42,19 @@ Swap is not a tier here: it is a reserved share of the host area (``cachesvc.hos
 whole sequences copied out of the pool and back (``cachesvc.swap``). ``DeviceTier`` is the
 device pool as swap sees it (slots handed out and taken back by the block manager).
 
-Adding a tier: one module with one ``Tier`` subclass, its row in ``kvtier.media`` and its flags
-and construction in ``cachesvc.lower_tiers`` (``TIER_BUILDERS``), docs/architecture.md "Tiers".
+Adding a tier: one module with one ``Tier`` subclass, its row in ``kvtier.media`` and its builder
+(and flags) in ``cachesvc.lower_tiers`` (``TIER_BUILDERS``); tests/test_tier_contract.py gains one
+fixture entry. docs/architecture.md, "Tiers".
 """
 
 from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
-from kvtier.cachesvc.errors import InvalidArgument
 from kvtier.media import Medium
 
 if TYPE_CHECKING:
@@ -87,7 +89,7 @@ class Blocks:
 
 @dataclass(slots=True)
 class Job:
-    """A store or a load: ``blocks`` are the source rows (store) or the destination rows (load)."""
+    """A load: ``blocks`` name the keys and the pool rows to copy them into."""
 
     job_id: int
     blocks: Blocks
@@ -95,7 +97,7 @@ class Job:
 
 @dataclass(slots=True)
 class JobResult:
-    """A finished job: ``num_done`` of its blocks stored (taken), or leading blocks loaded."""
+    """A finished load: ``num_done`` of its leading blocks landed in their rows."""
 
     job_id: int
     num_done: int
@@ -132,8 +134,9 @@ class Tier(ABC):
         hot path's question (every Allocate's miss asks it per block), so it must be cheap."""
 
     @abstractmethod
-    def submit_store(self, job: Job) -> Blocks | None:
-        """Take ``job``'s blocks (module docstring); the blocks evicted to make room, or None."""
+    def submit_store(self, blocks: Blocks, pass_down: bool = False) -> Blocks | None:
+        """Take ``blocks`` (module docstring). With ``pass_down`` (a tier below will take them),
+        return the blocks evicted to make room with their bytes (rows of their own), or None."""
 
     @abstractmethod
     def submit_load(self, job: Job) -> None:
@@ -169,76 +172,16 @@ class Tier(ABC):
         """Finish what is queued and release the medium (a write-behind tier writes its queue)."""
 
 
-# ---------------------------------------------------------------- swap's slot tiers (going: issue 32)
-
-
-@dataclass(slots=True)
-class TierStats:
-    """Blocks and bytes copied into and out of one tier since the service started."""
-
-    blocks_in: int = 0
-    blocks_out: int = 0
-    bytes_in: int = 0
-    bytes_out: int = 0
-
-
-class SlotTier(ABC):
-    """One place blocks live: ``num_blocks`` slots of ``block_bytes`` bytes each."""
-
-    name: str  # what a Sequence's ``location`` holds while its blocks are here
-    block_bytes: int  # bytes of one block (every layer, K and V)
-    stats: TierStats
-
-    @property
-    @abstractmethod
-    def num_blocks(self) -> int:
-        """Capacity in blocks."""
-
-    @property
-    @abstractmethod
-    def num_free_blocks(self) -> int:
-        """Blocks ``allocate`` can hand out now."""
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.num_blocks - self.num_free_blocks
-
-    @property
-    def num_used_bytes(self) -> int:
-        return self.num_used_blocks * self.block_bytes
-
-    @abstractmethod
-    def allocate(self, num_blocks: int) -> list[int]:
-        """``num_blocks`` free slot ids; ResourceExhausted, taking none, if fewer are free."""
-
-    @abstractmethod
-    def release(self, ids: list[int]) -> None:
-        """Give slots back (the device pool: in the order they should enter the LRU)."""
-
-
-class LowerTier(SlotTier):
-    """A tier below the device pool: it copies whole blocks to and from the pool."""
-
-    @abstractmethod
-    def store(self, device_ids: list[int], ids: list[int]) -> None:
-        """Copy pool blocks ``device_ids`` into this tier's allocated slots ``ids`` (same order)."""
-
-    @abstractmethod
-    def load(self, ids: list[int], device_ids: list[int]) -> None:
-        """Copy this tier's slots ``ids`` into pool blocks ``device_ids`` (same order)."""
-
-
-class DeviceTier(SlotTier):
-    """The device pool as a tier: slots are pool blocks, handed out and taken back by the block
-    manager (reference counts, LRU, prefix index). ``block_bytes`` is 0 when the table runs
+class DeviceTier:
+    """The device pool as swap sees it: slots are pool blocks, handed out and taken back by the
+    block manager (reference counts, LRU, prefix index). ``block_bytes`` is 0 when the table runs
     without a pool (unit tests and benchmarks of the bookkeeping alone)."""
 
-    name = "device"
+    name = "device"  # a device Sequence's location (cachesvc.records.DEVICE)
 
     def __init__(self, block_manager: BlockManager, block_bytes: int = 0) -> None:
         self.block_manager = block_manager
         self.block_bytes = block_bytes
-        self.stats = TierStats()
 
     @property
     def num_blocks(self) -> int:
@@ -253,36 +196,3 @@ class DeviceTier(SlotTier):
 
     def release(self, ids: list[int]) -> None:
         self.block_manager.free(ids)
-
-    def on_evict(self, hook: Callable[[list[int], list[bytes]], None] | None) -> None:
-        """The tiered prefix cache's hook (issue 22): ``hook(block_ids, index_keys)`` runs when
-        ``allocate`` evicts published blocks, before their slots are reused (their KV is still
-        in the pool), so a lower tier keeps them under their prefix-index keys (``LowerTiers.keep``;
-        a key's hash is ``hash_preimage(key)``). None: nothing runs."""
-        self.block_manager.on_evict = hook
-
-
-def copy_blocks(src: SlotTier, src_ids: list[int], dst: SlotTier, dst_ids: list[int]) -> int:
-    """Copy ``src_ids`` of ``src`` into ``dst_ids`` of ``dst`` (both allocated by the caller;
-    nothing is released); returns bytes copied and counts them in both tiers' stats.
-
-    Copies go between the device pool and a lower tier; two lower tiers exchange blocks
-    through the device pool (no caller needs it yet).
-    """
-    if len(src_ids) != len(dst_ids):
-        raise InvalidArgument(f"len(src_ids) = {len(src_ids)} != len(dst_ids) = {len(dst_ids)}")
-    if isinstance(dst, LowerTier) and isinstance(src, DeviceTier):
-        dst.store(src_ids, dst_ids)
-    elif isinstance(src, LowerTier) and isinstance(dst, DeviceTier):
-        src.load(src_ids, dst_ids)
-    else:
-        raise InvalidArgument(
-            f"no copy from tier {src.name!r} to tier {dst.name!r}: one side must be the device"
-        )
-    n = len(src_ids)
-    num_bytes = n * (dst.block_bytes or src.block_bytes)
-    src.stats.blocks_out += n
-    src.stats.bytes_out += num_bytes
-    dst.stats.blocks_in += n
-    dst.stats.bytes_in += num_bytes
-    return num_bytes

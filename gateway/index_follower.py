@@ -1,8 +1,8 @@
 """One node as the router sees it: its cached block hashes, followed from the cache's events,
 and its live figures, read from GetStats.
 
-The index is the set of block hashes the node's cache holds per tier (device, host, disk), fed
-by its ``WatchEvents`` stream (BlockStored adds to its medium's set, BlockRemoved drops from it;
+The index is the set of block hashes the node's cache holds per medium (``kvtier.media``: the
+device, then each medium below it), fed by its ``WatchEvents`` stream (BlockStored adds to its medium's set, BlockRemoved drops from it;
 a block may be on several tiers at once). A stream that fails, drops events (OUT_OF_RANGE) or
 restarts (a new cache: event ids start over) is reopened from 0 with an empty index, so the kept
 events are replayed; while it is not synced a hit is asked with ``LookupPrefix`` (one RPC,
@@ -26,6 +26,7 @@ from kvtier.block_hash import BlockHash
 from kvtier.cache_client import CacheClient
 from kvtier.gateway.discovery import Node
 from kvtier.gateway.node_load import NodeLoad
+from kvtier.media import LOWER_MEDIA
 
 log = logging.getLogger("kvtier.gateway.router")
 
@@ -44,8 +45,9 @@ class NodeState:
     node: Node
     cache: CacheClient  # aio; deadline STATS_TIMEOUT_S (WatchEvents has none)
     hashes: set[BlockHash] = field(default_factory=set)  # on the device (the pool)
-    host_hashes: set[BlockHash] = field(default_factory=set)  # in the host cache
-    disk_hashes: set[BlockHash] = field(default_factory=set)  # on the disk tier
+    # Per medium below the device (kvtier.media, rank order): the hashes held there. A medium a
+    # newer cache names that this table lacks gets a set too, followed but not priced.
+    below: dict[str, set[BlockHash]] = field(default_factory=lambda: {m.name: set() for m in LOWER_MEDIA})
     synced: bool = False  # the index follows the node's event stream
     last_event_id: int = 0
     block_size: int = 0  # from GetStats; 0 until the first answer
@@ -72,25 +74,27 @@ class NodeState:
         return self.down_until <= now
 
     def index(self, medium: str) -> set[BlockHash]:
-        """The hashes held on ``medium`` ("device", "host", "disk"; "" from a cache that predates
-        tiers is the device)."""
-        return self.host_hashes if medium == "host" else self.disk_hashes if medium == "disk" else self.hashes
+        """The hashes held on ``medium`` (a name in kvtier.media; "device", or "" from a cache that
+        predates tiers, is the device)."""
+        if medium in ("device", ""):
+            return self.hashes
+        return self.below.setdefault(medium, set())
 
 
 @dataclass(frozen=True)
 class PredictedHit:
-    """A prompt's predicted hit on a node, in tokens, per tier it would be served from: the
-    device's leading run, then the blocks after it the host cache (else the disk) holds, as the
-    cache's Allocate follows a chain. Capped as the cache caps a hit."""
+    """A prompt's predicted hit on a node, in tokens, per medium it would be served from: the
+    device's leading run, then the blocks after it, each counted on the first medium below the
+    device (rank order) that holds it, as the cache's Allocate follows a chain. ``below``: medium
+    name -> tokens, media with none left out. Capped as the cache caps a hit."""
 
     device: int = 0
-    host: int = 0
-    disk: int = 0
+    below: dict[str, int] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
         """The prompt tokens the hit would cache (what Allocate's num_cached_tokens counts)."""
-        return self.device + self.host + self.disk
+        return self.device + sum(self.below.values())
 
 
 def predicted_hit(state: NodeState, hashes: Sequence[BlockHash], prompt_len: int) -> PredictedHit:
@@ -103,25 +107,28 @@ def predicted_hit(state: NodeState, hashes: Sequence[BlockHash], prompt_len: int
     device = 0
     while device < len(hashes) and hashes[device] in state.hashes:
         device += 1
-    host = disk = 0
+    below: dict[str, int] = {}
+    media = [(m.name, state.index(m.name)) for m in LOWER_MEDIA]
     for h in hashes[device:]:
-        if h in state.host_hashes:
-            host += 1
-        elif h in state.disk_hashes:
-            disk += 1
-        else:
+        name = next((name for name, held in media if h in held), None)
+        if name is None:
             break
-    return PredictedHit(device * bs, host * bs, disk * bs)
+        below[name] = below.get(name, 0) + bs
+    return PredictedHit(device * bs, below)
 
 
-def capped(device: int, host: int, disk: int, prompt_len: int, block_size: int) -> PredictedHit:
-    """A hit of ``device`` + ``host`` + ``disk`` tokens (LookupPrefix's counts), cut to the
-    cache's cap (whole blocks, the last prompt token always computed) from the lower tiers'
-    share first, disk before host: the counts do not say which tier's blocks come last."""
-    over = max(0, device + host + disk - (prompt_len - 1) // block_size * block_size)
-    cut_disk = min(disk, over)
-    cut_host = min(host, over - cut_disk)
-    return PredictedHit(device - (over - cut_disk - cut_host), host - cut_host, disk - cut_disk)
+def capped(device: int, below: dict[str, int], prompt_len: int, block_size: int) -> PredictedHit:
+    """A hit of ``device`` tokens plus ``below`` (medium -> tokens: LookupPrefix's counts), cut to
+    the cache's cap (whole blocks, the last prompt token always computed) from the media below
+    first, the lowest ranked first: the counts do not say which medium's blocks come last."""
+    over = max(0, device + sum(below.values()) - (prompt_len - 1) // block_size * block_size)
+    kept = dict(below)
+    for m in reversed(LOWER_MEDIA):
+        cut = min(kept.get(m.name, 0), over)
+        over -= cut
+        if m.name in kept:
+            kept[m.name] -= cut
+    return PredictedHit(device - over, {name: n for name, n in kept.items() if n})
 
 
 async def looked_up(state: NodeState, prompt_ids: list[int], tenant_salt: str) -> PredictedHit:
@@ -132,8 +139,12 @@ async def looked_up(state: NodeState, prompt_ids: list[int], tenant_salt: str) -
         )
     except (TimeoutError, grpc.aio.AioRpcError):
         return PredictedHit()
-    tiers = (reply.num_cached_tokens[0], reply.num_host_tokens[0], reply.num_disk_tokens[0])
-    return capped(*tiers, len(prompt_ids), state.block_size or 1)
+    if reply.below:
+        known = {m.name for m in LOWER_MEDIA}  # a medium this table lacks is not priced
+        below = {row.medium: row.num_tokens[0] for row in reply.below if row.medium in known}
+    else:  # a cache from before the media table: its host and disk fields
+        below = {"host": sum(reply.num_host_tokens[:1]), "disk": sum(reply.num_disk_tokens[:1])}
+    return capped(reply.num_cached_tokens[0], below, len(prompt_ids), state.block_size or 1)
 
 
 def follow(state: NodeState, count: Callable[[str], None]) -> None:
@@ -161,7 +172,7 @@ async def _follow_events(state: NodeState, count: Callable[[str], None]) -> None
     while True:
         # (Re)start from 0 with an empty index: after a gap, a broken stream or a restarted
         # cache, the kept events are the only truth we can replay.
-        for held in (state.hashes, state.host_hashes, state.disk_hashes):
+        for held in (state.hashes, *state.below.values()):
             held.clear()
         state.last_event_id = 0
         state.synced = False

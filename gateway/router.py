@@ -248,8 +248,7 @@ class Router:
                 round(s.load.waiting_tokens()),
                 s.load.tokens_per_s(),
                 s.inflight,
-                p.host,
-                p.disk,
+                p.below,
                 s.load.waiting_requests,
             )
             for p, s in zip(predicted, candidates, strict=True)
@@ -265,7 +264,8 @@ class Router:
                 order[0].name,
                 ranking.reason,
                 "; ".join(
-                    f"{s.name}: cached {f.predicted_tokens} (+{f.host_tokens} host, +{f.disk_tokens} disk), {f.inflight} in flight "
+                    f"{s.name}: cached {f.predicted_tokens}"
+                    f"{''.join(f' +{n} {m}' for m, n in f.below_tokens.items())}, {f.inflight} in flight "
                     f"({f.waiting_requests} waiting), "
                     f"queued {f.outstanding_tokens} tokens at "
                     f"{f.tokens_per_s:.0f}/s, score {ranking.scores[k] * 1000:.1f} ms"

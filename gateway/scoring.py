@@ -9,7 +9,7 @@ and what it adds to the requests waiting there for theirs:
 
     score = saved_s - queue_s - prompt_s - shared_s
     saved_s = saved tokens / prefill_tokens_per_s   (prefill the node's cache saves)
-    saved tokens = device tokens + HOST_TOKEN_VALUE * host tokens + DISK_TOKEN_VALUE * disk tokens
+    saved tokens = device tokens + sum over the media below of (1 - price) * their tokens
     queue_s = load_weight * outstanding tokens / the node's tokens_per_s   (work queued ahead)
     prompt_s = prompt tokens / prefill_tokens_per_s             (the whole prefill)
     shared_s = load_weight * waiting requests * (prompt_s - saved_s)
@@ -23,11 +23,11 @@ The prefill terms use one rate for every node (the candidates' mean throughput):
 measured from a few requests is noisy (a replica's first request is slow), and a noisy rate
 must not outweigh a cached prefix on an idle node. A node's own rate prices only its queue.
 
-A host or disk hit is worth less than a device hit: the cache promotes it (copies it into the
-pool) before compute reads it, and that copy costs a fraction of recomputing the block. The
-values price that fraction at issue 22's targets for the promotion (host <= 0.2x, disk <= 0.3x of
-recompute; bench/tiers_e2e.py measured 0.07x and 0.08x for a 2,000-token prefix), so a node
-holding a prefix on the device beats one holding it below, and both beat a miss.
+A hit below the device is worth less than a device hit: the cache promotes it (copies it into the
+pool) before compute reads it, and that copy costs a fraction of recomputing the block: the
+medium's ``price`` in ``kvtier.media`` (host 0.2, disk 0.3: issue 22's targets for a promotion;
+bench/tiers_e2e.py measured 0.07x and 0.08x for a 2,000-token prefix), so a node holding a
+prefix on the device beats one holding it below, and both beat a miss.
 
 So a node holding the prompt's prefix wins until the work queued on it costs more than the
 prefill it saves: then the request *spills* to the best other node, which caches the prefix too.
@@ -35,13 +35,13 @@ prefill it saves: then the request *spills* to the best other node, which caches
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from kvtier.media import medium
 
 REASONS = ("prefix", "load_spill", "tie")
 TIE_FRACTION = 0.1  # scores within this fraction of the best one count as equal
-HOST_TOKEN_VALUE = 0.8  # prefill a host-cache token saves, as a fraction of a device token's
-DISK_TOKEN_VALUE = 0.7  # prefill a disk token saves, as a fraction of a device token's
 
 
 @dataclass(frozen=True)
@@ -52,15 +52,15 @@ class NodeFigures:
     outstanding_tokens: int = 0  # prefill waiting on the node (uncached prompt tokens; node_load.py)
     tokens_per_s: float = 1.0  # the node's measured throughput of that work (> 0)
     inflight: int = 0  # requests this gateway has open on the node
-    host_tokens: int = 0  # prompt tokens after the pool's that the host cache holds
-    disk_tokens: int = 0  # prompt tokens after those that the disk holds
+    # Prompt tokens after the pool's held below it: medium name (kvtier.media) -> tokens.
+    below_tokens: Mapping[str, int] = field(default_factory=dict)
     waiting_requests: int = 0  # requests on the node still waiting for their first token
 
     @property
     def saved_tokens(self) -> float:
         """The prefill the hit saves, in device tokens (module docstring)."""
-        return (
-            self.predicted_tokens + HOST_TOKEN_VALUE * self.host_tokens + DISK_TOKEN_VALUE * self.disk_tokens
+        return self.predicted_tokens + sum(
+            medium(name).token_value * n for name, n in self.below_tokens.items()
         )
 
 

@@ -274,11 +274,11 @@ def test_duplicate_content_stays_findable_while_any_copy_lives() -> None:
 def test_allocate_one_takes_evicts_and_reports_exactly_as_allocate_of_one() -> None:
     """Extend's one-block path (``allocate_one``) against ``allocate(1)`` on a twin with the same
     history: a chain, a duplicate block (a copy), unpublished blocks; block by block until the
-    pool runs dry, the same ids, evictions, events, eviction-hook calls, index and copies."""
+    pool runs dry, the same ids, evictions, events, returned evictions, index and copies."""
     twins = [BlockManager(num_blocks=8, block_size=4), BlockManager(num_blocks=8, block_size=4)]
-    hooked: list[list] = [[], []]
-    for bm, calls in zip(twins, hooked, strict=True):
-        bm.on_evict = lambda ids, keys, calls=calls: calls.append((list(ids), list(keys)))
+    returned: list[list] = [[], []]  # per twin: take_evicted() after each block
+    for bm in twins:
+        bm.keep_evicted = True  # what a table with tiers below sets: evictions are returned
         table = bm.allocate(5)
         publish_chain(bm, table[:3], list(range(12)))
         bm.publish(table[3], None, [0, 1, 2, 3], EXTRA)  # the chain's first block again: a copy
@@ -290,15 +290,19 @@ def test_allocate_one_takes_evicts_and_reports_exactly_as_allocate_of_one() -> N
         got = single.allocate_one()
         assert [got] == batch.allocate(1)
         taken.append(got)
+        for bm, out in zip(twins, returned, strict=True):
+            ids, keys = bm.take_evicted()
+            if ids:
+                out.append((ids, keys))
         assert single.take_events() == batch.take_events()
-        assert hooked[0] == hooked[1] and single.num_evictions == batch.num_evictions
+        assert returned[0] == returned[1] and single.num_evictions == batch.num_evictions
         assert single.free_block_ids() == batch.free_block_ids()
         assert (
             single.prefix_index.keys() == batch.prefix_index.keys()
             and single.copies.keys() == batch.copies.keys()
         )
         single.check_invariants([[i] for i in taken])
-    assert single.num_evictions == 4 and len(hooked[0]) == 3  # the copy's eviction hands its hash on
+    assert single.num_evictions == 4 and len(returned[0]) == 3  # the copy's eviction hands its hash on
     with pytest.raises(ResourceExhausted, match="need 1 blocks but only 0 of 8 are free"):
         single.allocate_one()
     single.check_invariants([[i] for i in taken])

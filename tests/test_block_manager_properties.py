@@ -20,7 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvtier.cachesvc.block_manager import BlockManager
 from kvtier.cachesvc.errors import CacheError, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
-from kvtier.cachesvc.host_tier import HostTier
+from kvtier.cachesvc.host_area import HostArea
 from kvtier.cachesvc.sequences import SequenceTable
 from kvtier.sequence_types import AllocateItem
 
@@ -57,7 +57,7 @@ class SequenceTableMachine(RuleBasedStateMachine):
         self.pool = torch.zeros(NUM_BLOCKS, BS, dtype=torch.int64)
         self.table = SequenceTable(
             BlockManager(NUM_BLOCKS, BS),
-            HostTier(self.pool, HOST_BLOCKS),
+            HostArea.for_pool(self.pool.view(torch.uint8), HOST_BLOCKS * self.pool[0].nbytes),
             model_fingerprint="fp",
             vocab_size=VOCAB,
             max_model_len=MAX_LEN,
@@ -78,7 +78,7 @@ class SequenceTableMachine(RuleBasedStateMachine):
 
     def snapshot(self) -> tuple:
         bm = self.table.block_manager
-        host = self.table.swap_tier
+        host = self.table.host_area
         return (
             bm.free_block_ids(),
             [(b.ref_cnt, b.block_hash) for b in bm.blocks],
@@ -200,7 +200,7 @@ class SequenceTableMachine(RuleBasedStateMachine):
     def swap_in(self, data: st.DataObject) -> None:
         sid = data.draw(st.sampled_from(self.live(location="host")))
         seq = self.table.get(sid)
-        written = [int(v) for s in seq.tier_slots for v in self.table.swap_tier.slots[s]]
+        written = [int(v) for s in seq.tier_slots for v in self.table.host_area.slots[s].view(torch.int64)]
         lease = seq.lease_id
         out: list = []
         if self.expect_failure(lambda: out.append(self.table.swap_in(lease, [sid])), CacheError):

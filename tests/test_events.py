@@ -10,10 +10,10 @@ import torch
 from kvtier.block_hash import extra_key, hash_full_blocks, hash_preimage, pack_token_ids
 from kvtier.cachesvc.block_manager import BlockManager
 from kvtier.cachesvc.events import HOST_REPLACED, EventGap, EventLog, decode_events, tier_kind
-from kvtier.cachesvc.host_cache import HostBlockCache
+from kvtier.cachesvc.host_cache import HostCache
 from kvtier.cachesvc.kv_events_zmq import encode_record
-from kvtier.cachesvc.lower_tiers import LowerTiers
 from kvtier.cachesvc.servicer import event_to_proto
+from kvtier.cachesvc.tiers import Blocks
 
 BS = 4
 EXTRA = extra_key("model-fp")
@@ -188,18 +188,20 @@ def test_a_lower_tiers_records_hold_keys_and_read_as_events_with_their_medium() 
 def test_a_host_eviction_batch_is_one_record_read_as_its_removals_then_its_stores() -> None:
     """keep_rows on a full host cache records the victims and the blocks that took their slots as
     one HOST_REPLACED record; WatchEvents (from any event id) and the ZMQ form read it exactly as
-    the two records it replaces (a cache recording through on_change only)."""
+    the two records it replaces (a store that hands its evictions down records those two)."""
     tokens = list(range(5 * BS))
     keys, hashes = chain_keys(tokens)
     logs = []
     for one_record in (True, False):
-        tiers = LowerTiers(torch.zeros((8, 16), dtype=torch.uint8), HostBlockCache(2, 16), None)
-        if not one_record:
-            tiers.host.on_replace = None  # the two records: on_change's removals, then its stores
-        tiers.keep([0, 1], keys[:2])  # free slots 0, 1
-        tiers.keep([2, 3], keys[2:4])  # a full cache: keys 0, 1 leave slots 0, 1 to keys 2, 3
-        tiers.keep([4], keys[4:])  # one block: key 2 leaves slot 0 to key 4
-        records = tiers.take_event_records()
+        host, rows = HostCache(2, 16), torch.zeros((8, 16), dtype=torch.uint8)
+
+        def keep(ids, ks, host=host, rows=rows, down=not one_record):
+            host.submit_store(Blocks(ks, rows, ids), pass_down=down)  # down: removals, then stores
+
+        keep([0, 1], keys[:2])  # free slots 0, 1
+        keep([2, 3], keys[2:4])  # a full cache: keys 0, 1 leave slots 0, 1 to keys 2, 3
+        keep([4], keys[4:])  # one block: key 2 leaves slot 0 to key 4
+        records = host.take_events()
         assert [r[0] == HOST_REPLACED for r in records] == (
             [False, True, True] if one_record else [False] * 5
         )

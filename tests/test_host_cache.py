@@ -1,155 +1,181 @@
-"""The host block cache on real tensors: exact round trips under the block manager's own keys, LRU
-within the slots, evicted entries handed on with their bytes, swap taking slots first; pinned
-memory and side-stream copies on CUDA (skipped with the reason on CPU)."""
+"""The host cache and its area on real tensors: exact round trips under the block manager's own
+keys, LRU within the slots, evicted blocks handed back with their bytes, swap's share taken first;
+pinned memory and side-stream copies on CUDA (skipped with the reason on CPU). The contract every
+tier keeps is tests/test_tier_contract.py's."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_host_tier import needs_cuda  # the same reason printed when it skips
 
 from kvtier.block_hash import chain_preimages, extra_key, pack_token_ids
 from kvtier.cachesvc.block_manager import BlockManager
 from kvtier.cachesvc.errors import InvalidArgument, ResourceExhausted
-from kvtier.cachesvc.host_cache import HostBlockCache
-from kvtier.cachesvc.host_slots import SMALL_ROW_BYTES
+from kvtier.cachesvc.events import HOST_REPLACED, split_replaced, tier_kind
+from kvtier.cachesvc.host_area import SMALL_ROW_BYTES, HostArea
+from kvtier.cachesvc.host_cache import HostCache
 from kvtier.cachesvc.slot_lru import SlotLru
+from kvtier.cachesvc.tiers import Blocks, Job
 
 SHAPE = (8, 2, 2, 16, 2, 8)  # pool: 8 blocks of [2 layers, K/V, 16 tokens, 2 heads, head_dim 8]
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="no CUDA device: pinned slots and side-stream copies are tested on the GPU machine",
+)
 
 
-def filled_pool(device: str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """A pool whose every element differs (block b starts at b * block elements)."""
+def filled_rows(device: str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A pool as ``[8 blocks, block bytes]`` uint8 whose every element differs."""
     n = torch.Size(SHAPE).numel()
-    return torch.arange(n, dtype=torch.float32).view(SHAPE).to(device=device, dtype=dtype)
+    pool = torch.arange(n, dtype=torch.float32).view(SHAPE).to(device=device, dtype=dtype)
+    return pool.view(SHAPE[0], -1).view(torch.uint8)
 
 
-def block_bytes(pool: torch.Tensor) -> int:
-    return pool[0].numel() * pool.element_size()
+def load(cache: HostCache, keys, rows, ids) -> int:
+    cache.submit_load(Job(1, Blocks(keys, rows, ids)))
+    (result,) = cache.finished_jobs()
+    return result.num_done
+
+
+def removed_keys(cache: HostCache) -> list[bytes]:
+    """The keys the cache's event records say left it, in order."""
+    out = []
+    for record in cache.take_events():
+        for part in split_replaced(record) if record[0] == HOST_REPLACED else (record,):
+            if part[0] == tier_kind(False, "host"):
+                out += part[1]
+    return out
 
 
 def test_round_trip_under_the_prefix_index_keys_is_byte_exact():
-    pool = filled_pool(dtype=torch.bfloat16)
+    rows = filled_rows(dtype=torch.bfloat16)
     manager = BlockManager(8, 16, record_events=False)
     extra = extra_key("model-a", "tenant-salt")
     tokens = list(range(100, 148))  # three full blocks
     ids = manager.allocate(3)
-    hashes: list = []
-    manager.publish_blocks(ids, hashes, 0, 3, tokens, extra)
-    published = [(manager.blocks[i].index_key, hashes[k - 1] if k else None) for k, i in enumerate(ids)]
-
-    cache = HostBlockCache(4, block_bytes(pool))
-    assert (
-        cache.offer_many([(key, parent, pool[i]) for (key, parent), i in zip(published, ids, strict=True)])
-        == 3
-    )
-    expected = pool[ids].clone()
-    pool.zero_()
+    manager.publish_blocks(ids, [], 0, 3, tokens, extra)
+    cache = HostCache(4, rows.shape[1])
+    assert cache.submit_store(Blocks([manager.blocks[i].index_key for i in ids], rows, ids)) is None
+    expected = rows[ids].clone()
+    rows.zero_()
     # The keys a later prompt computes from its token ids find them: 3 of a 4-block prompt.
     prompt_keys = chain_preimages(pack_token_ids([*tokens, *range(16)]), 16, extra, [], 0)
     assert cache.lookup_chain(prompt_keys) == 3
-    assert cache.load_many(prompt_keys, [pool[5], pool[6], pool[7], pool[0]]) == 3
-    assert torch.equal(pool[5:8].view(torch.uint8), expected.view(torch.uint8))
-    assert torch.all(pool[0] == 0)  # the fourth key is not held: nothing copied there
+    assert load(cache, prompt_keys, rows, [5, 6, 7, 0]) == 3
+    assert torch.equal(rows[5:8], expected)
+    assert not rows[0].any()  # the fourth key is not held: nothing copied there
     assert cache.lookup_chain(chain_preimages(pack_token_ids(tokens), 16, extra_key("model-a"), [], 0)) == 0
-    stats = cache.stats()
-    assert (stats["blocks"], stats["bytes"], stats["promotions"], stats["hits"]) == (
-        3,
-        3 * block_bytes(pool),
-        3,
-        3,
-    )
+    c = cache.counts()
+    assert (c.blocks, c.bytes, c.promotions, c.hits) == (3, 3 * rows.shape[1], 3, 3)
 
 
-def test_lru_within_the_slots_hands_evicted_entries_on_with_their_bytes():
-    pool = filled_pool()
-    evicted: list[tuple[bytes, bytes | None, bytes]] = []
-    cache = HostBlockCache(
-        3, block_bytes(pool), on_evict=lambda k, p, data: evicted.append((k, p, data.numpy().tobytes()))
-    )
+def test_lru_within_the_slots_hands_evicted_blocks_back_with_their_bytes():
+    rows = filled_rows()
+    cache = HostCache(3, rows.shape[1])
     keys = [bytes([i]) * 96 for i in range(5)]
-    for i in range(3):
-        assert cache.offer(keys[i], keys[i - 1][:32] if i else None, pool[i])
+    assert cache.submit_store(Blocks(keys[:3], rows, [0, 1, 2]), pass_down=True) is None
     assert cache.touch(keys[0])  # 1 is now the least recently used
-    assert cache.offer(keys[3], keys[2][:32], pool[3])
-    assert [e[0] for e in evicted] == [keys[1]] and evicted[0][1] == keys[0][:32]
-    assert evicted[0][2] == pool[1].numpy().tobytes()
-    assert cache.evict(1) == 1 and evicted[-1][0] == keys[2]
-    assert [k in cache for k in keys] == [True, False, False, True, False]
+    evicted = cache.submit_store(Blocks(keys[3:4], rows, [3]), pass_down=True)
+    assert list(evicted.keys) == [keys[1]] and torch.equal(evicted.rows[evicted.row_ids[0]], rows[1])
+    assert [k in cache.held() for k in keys] == [True, False, True, True, False]
     # A batch larger than the cache: what goes down is each block's own bytes, never a stale slot.
     fresh = [bytes([10 + i]) * 96 for i in range(4)]
-    assert cache.offer_many([(fresh[i], None, pool[4 + i]) for i in range(4)]) == 4
-    assert [e[0] for e in evicted[2:]] == [keys[0], keys[3], fresh[0]]
-    assert evicted[-1][2] == pool[4].numpy().tobytes()
-    assert cache.load(fresh[3], pool[0]) and torch.equal(pool[0], pool[7])
-    assert cache.stats()["evictions"] == 5
+    evicted = cache.submit_store(Blocks(fresh, rows, [4, 5, 6, 7]), pass_down=True)
+    assert list(evicted.keys) == [keys[2], keys[0], keys[3], fresh[0]]
+    assert torch.equal(evicted.rows, rows[[2, 0, 3, 4]])
+    out = torch.zeros_like(rows)
+    assert load(cache, fresh[3:], out, [0]) == 1 and torch.equal(out[0], rows[7])
+    assert cache.counts().evictions == 5
     cache.check_invariants()
 
 
-def test_swap_takes_slots_first_by_evicting_cached_entries():
-    pool = filled_pool()
-    evicted: list[bytes] = []
-    cache = HostBlockCache(4, block_bytes(pool), on_evict=lambda k, p, data: evicted.append(k))
+def test_swap_reserves_slots_first_by_giving_up_cached_blocks():
+    rows = filled_rows()
+    cache = HostCache(4, rows.shape[1])
     keys = [bytes([i]) * 96 for i in range(4)]
-    assert cache.offer_many([(keys[i], None, pool[i]) for i in range(4)]) == 4
-    slots = cache.take_slots(3)
-    assert evicted == keys[:3] and len(cache) == 1 and cache.stats()["swap_slots"] == 3
-    cache.slots[slots[0]].copy_(pool[7].view(-1).view(torch.uint8))  # swap uses its rows
-    assert cache.offer(keys[0], None, pool[0])  # the cache's one slot now holds key 0, not key 3
-    assert evicted == [*keys[:3], keys[3]] and len(cache) == 1
-    slots += cache.take_slots(1)  # every slot is swap's
+    cache.submit_store(Blocks(keys, rows, [0, 1, 2, 3]))
+    slots, given_up = cache.reserve(3, pass_down=True)
+    assert list(given_up.keys) == keys[:3] and torch.equal(given_up.rows, rows[:3])
+    assert cache.counts().blocks == 1 and cache.counts().extra["swap_slots"] == 3
+    cache.attach_pool(rows)
+    cache.store([7], slots[:1])  # swap copies through the same area
+    assert cache.submit_store(Blocks(keys[:1], rows, [0])) is None  # the cache's one slot: key 0, not 3
+    assert removed_keys(cache) == [*keys[:3], keys[3]] and cache.counts().blocks == 1
+    slots += cache.reserve(1)[0]  # every slot is swap's
     with pytest.raises(ResourceExhausted, match="swap needs 1 slots but only 0 of 4"):
-        cache.take_slots(1)
-    assert not cache.offer(keys[1], None, pool[1]) and cache.stats()["rejected"] == 1
-    assert cache.stats()["swap_slots"] == 4 and len(cache) == 0
+        cache.reserve(1)
+    cache.submit_store(Blocks(keys[1:2], rows, [1]))
+    assert cache.counts().blocks == 0 and cache.counts().skipped == 1
     cache.check_invariants()
-    cache.release_slots(slots)
-    assert cache.stats()["free_slots"] == 4
-    assert (
-        cache.offer(keys[2], None, pool[2]) and cache.load(keys[2], pool[6]) and torch.equal(pool[6], pool[2])
-    )
+    out = torch.zeros_like(rows)
+    cache.attach_pool(out)
+    cache.load(slots[:1], [2])
+    assert torch.equal(out[2], rows[7])
+    cache.release(slots)
+    assert cache.counts().extra["free_slots"] == 4
     cache.check_invariants()
+
+
+def test_a_wrong_row_layout_is_refused_whole():
+    rows = filled_rows()
+    cache = HostCache(2, rows.shape[1])
+    with pytest.raises(InvalidArgument, match=r"need \[num_blocks, \d+\] uint8"):
+        cache.submit_store(Blocks([b"k" * 40], rows[:, :-1], [5]))
+    assert cache.counts().blocks == 0 and cache.take_events() == []
+
+
+def _swap_round_trip(device: str, dtype: torch.dtype) -> None:
+    """Swap's share of a bare area (no host cache): scattered slots, default-stream writes just before."""
+    pool = torch.zeros((12, 2, 2, 16, 2, 8), dtype=dtype, device=device)
+    for b in range(12):
+        pool[b].fill_(b + 1)
+    area = HostArea.for_pool(pool.view(12, -1).view(torch.uint8), 8 * pool[0].nbytes)
+    first, _ = area.reserve(2)
+    area.store([3, 4], first)
+    second, _ = area.reserve(1)
+    area.store([7], second)
+    area.load(first, [10, 11])
+    area.release(first)
+    pool[5].fill_(-7)  # queued on the current stream just before the copy: the side stream waits
+    pool[9].fill_(-9)
+    pool[0].fill_(-3)
+    slots, _ = area.reserve(4)  # slots 0, 1, 3, 4
+    area.store([5, 9, 0, 1], slots)
+    assert sorted(slots) == [0, 1, 3, 4]
+    pool[[5, 9, 0, 1]] = 0
+    area.load(slots, [2, 6, 8, 5])
+    got = [float(pool[b].flatten()[0]) for b in (10, 11, 2, 6, 8, 5)]
+    assert got == [4.0, 5.0, -7.0, -9.0, -3.0, 2.0]
+    area.release(slots)
+    assert area.num_used_blocks == 1 and area.used_slots() == [2]
+
+
+def test_swap_round_trip_on_cpu_with_scattered_slots():
+    _swap_round_trip("cpu", torch.float32)
 
 
 @pytest.mark.cuda
 @needs_cuda
-def test_cuda_cache_is_pinned_and_sees_writes_queued_just_before_it():
+def test_cuda_area_is_pinned_and_copies_on_a_side_stream():
+    area = HostArea(2, 1024, device="cuda")
+    assert area.slots.is_pinned() and area.stream is not None and area.stream != torch.cuda.current_stream()
+    _swap_round_trip("cuda", torch.bfloat16)
+    _swap_round_trip("cuda", torch.float16)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_cache_sees_writes_queued_just_before_it():
     pool = torch.zeros((64, 4, 2, 16, 8, 128), dtype=torch.bfloat16, device="cuda")
-    cache = HostBlockCache(64, block_bytes(pool), device="cuda")
-    assert cache.slots.is_pinned() and cache.stream != torch.cuda.current_stream()
+    rows = pool.view(64, -1).view(torch.uint8)
+    cache = HostCache(64, rows.shape[1], device="cuda")
     for _ in range(3):  # a long queue of default-stream work ahead of the copy
         pool.mul_(1.0).add_(1.0)
     keys = [i.to_bytes(2, "little") * 48 for i in range(64)]
-    assert cache.offer_many([(keys[i], None, pool[i]) for i in range(64)]) == 64
+    cache.submit_store(Blocks(keys, rows, range(64)))
     pool.zero_()
-    assert cache.load_many(keys, [pool[63 - i] for i in range(64)]) == 64
+    assert load(cache, keys, rows, [63 - i for i in range(64)]) == 64
     assert torch.all(pool == 3.0)  # read on the default stream right after the call returned
-
-
-def test_offer_rows_takes_pool_rows_like_offer_many_and_refuses_a_wrong_layout():
-    rows = filled_pool().view(SHAPE[0], -1).view(torch.uint8)  # [8 blocks, block bytes]
-    changes: list[tuple[bool, bytes, int]] = []
-    cache = HostBlockCache(2, rows.shape[1])
-    cache.on_change = lambda stored, keys, slots: changes.extend(
-        (stored, k, s) for k, s in zip(keys, slots, strict=True)
-    )
-    keys = [bytes([k]) * 40 for k in range(3)]
-    with pytest.raises(InvalidArgument, match=r"need \[num_blocks, \d+\] uint8"):
-        cache.offer_rows(keys, rows[:, :-1], [5, 6, 7])
-    assert len(cache) == 0 and changes == []  # refused whole: nothing taken
-    # Three blocks into two slots: the first is evicted again within the batch (after its copy).
-    assert cache.offer_rows(keys, rows, [5, 6, 7]) == 3
-    assert [(stored, key) for stored, key, _ in changes] == [
-        (True, keys[0]),
-        (True, keys[1]),
-        (False, keys[0]),
-        (True, keys[2]),
-    ]
-    assert cache.entry(keys[1]).parent_hash == keys[1][:32]
-    out = torch.zeros(2, rows.shape[1], dtype=torch.uint8)
-    assert cache.load_many(keys[1:], [out[0], out[1]]) == 2
-    assert torch.equal(out, rows[6:8])
-    cache.check_invariants()
 
 
 def test_slot_lru_takes_the_least_recently_used_past_touched_and_removed_places():
@@ -185,67 +211,70 @@ def test_slot_lru_takes_the_least_recently_used_past_touched_and_removed_places(
 @pytest.mark.parametrize("max_batch", [9, 1])
 @pytest.mark.parametrize("row", [8, SMALL_ROW_BYTES + 8])
 def test_random_operations_keep_the_lru_order_the_victims_and_the_bytes_of_a_plain_model(max_batch, row):
-    """offer_rows / offer_many / load / touch / discard / evict / take_slots / release_slots in a
-    random order, against a plain OrderedDict model of what the cache holds and in which order:
-    the keys held (least recently used first), the victims handed to on_evict and every held
-    block's bytes agree after each step. Offers of up to ``max_batch`` blocks (1: Extend's
-    single evictions, keep_rows' one-block path into a full cache); rows of ``row`` bytes (both
-    of HostSlots' copies: numpy items, memoryview slices)."""
+    """Stores (the bound-rows path, and with evictions handed back) / loads / touches / discards /
+    swap's reserve and release in a random order, against a plain OrderedDict model of what the
+    cache holds and in which order: the keys held (least recently used first), the blocks that
+    left it (its event records; handed back with their bytes when asked) and every held block's
+    bytes agree after each step. Stores of up to ``max_batch`` blocks (1: Extend's single
+    evictions, keep_rows' one-block path into a full cache); rows of ``row`` bytes (both of the
+    area's copies: numpy items, memoryview slices)."""
     import random
     from collections import OrderedDict
 
     rng = random.Random(7)
     num_slots = 6
     rows = torch.arange(32 * row, dtype=torch.int64).remainder(251).to(torch.uint8).view(32, row)
-    victims: list[bytes] = []
-    cache = HostBlockCache(num_slots, row, on_evict=lambda k, p, data: victims.append(k))
+    cache = HostCache(num_slots, row)
     model: OrderedDict[bytes, int] = OrderedDict()  # key -> the pool row its bytes came from
-    model_victims: list[bytes] = []
+    model_removed: list[bytes] = []
     swap: list[int] = []
+    seen_removed: list[bytes] = []
 
-    def evict_oldest(n: int) -> None:
-        for _ in range(n):
-            model_victims.append(model.popitem(last=False)[0])
+    def evict_oldest(n: int) -> list[bytes]:
+        gone = [model.popitem(last=False)[0] for _ in range(n)]
+        model_removed.extend(gone)
+        return gone
 
     for _ in range(400):
-        op = rng.choice(["rows", "many", "load", "touch", "discard", "evict", "take", "release"])
-        if op in ("rows", "many"):
+        op = rng.choice(["rows", "down", "load", "touch", "discard", "take", "release"])
+        if op in ("rows", "down"):
             picked = rng.sample(range(32), rng.randint(1, max_batch))
             keys = [bytes([i]) * 40 for i in picked]
-            if op == "rows":
-                cache.offer_rows(keys, rows, picked)
-            else:
-                cache.offer_many([(k, None, rows[i]) for k, i in zip(keys, picked, strict=True)])
+            evicted = cache.submit_store(Blocks(keys, rows, picked), pass_down=op == "down")
             new = [(k, i) for k, i in zip(keys, picked, strict=True) if k not in model]
             for k in keys:
                 if k in model:
                     model.move_to_end(k)
+            gone: list[bytes] = []
             while new and num_slots - len(swap) > 0:  # rounds of the room there is
                 batch, new = new[: num_slots - len(swap)], new[num_slots - len(swap) :]
-                evict_oldest(max(0, len(model) + len(batch) - (num_slots - len(swap))))
+                gone += evict_oldest(max(0, len(model) + len(batch) - (num_slots - len(swap))))
                 model.update(batch)
+            if op == "down":
+                assert list(evicted.keys if evicted else []) == gone
+                for k, key in enumerate(gone):
+                    assert torch.equal(evicted.rows[evicted.row_ids[k]], rows[key[0]])
         elif op in ("load", "touch"):
             key = bytes([rng.randrange(32)]) * 40
-            out = torch.zeros(row, dtype=torch.uint8)
-            held = cache.load(key, out) if op == "load" else cache.touch(key)
+            out = torch.zeros((1, row), dtype=torch.uint8)
+            held = load(cache, [key], out, [0]) == 1 if op == "load" else cache.touch(key)
             assert held == (key in model)
             if held:
                 model.move_to_end(key)
-                assert op == "touch" or torch.equal(out, rows[model[key]])
+                assert op == "touch" or torch.equal(out[0], rows[model[key]])
         elif op == "discard":
             key = bytes([rng.randrange(32)]) * 40
-            assert cache.discard(key) == (model.pop(key, None) is not None)
-        elif op == "evict":
-            n = rng.randint(0, 3)
-            assert cache.evict(n) == min(n, len(model))
-            evict_oldest(min(n, len(model)))
+            held = model.pop(key, None) is not None
+            assert cache.discard(key) == held
+            model_removed.extend([key] if held else [])
         elif op == "take" and len(swap) < num_slots:
             n = rng.randint(1, num_slots - len(swap))
-            swap += cache.take_slots(n)
+            swap += cache.reserve(n)[0]
             evict_oldest(max(0, len(model) + len(swap) - num_slots))
         elif op == "release" and swap:
-            cache.release_slots([swap.pop()])
-        assert cache._entries.oldest_first() == list(model) and victims == model_victims
+            cache.release([swap.pop()])
+        seen_removed += removed_keys(cache)
+        assert cache.oldest_first() == list(model) and seen_removed == model_removed
         for key, i in model.items():
-            assert torch.equal(cache.slots[cache.entry(key).slot], rows[i])
+            assert torch.equal(cache.slots[cache._entries.slots[key]], rows[i])
         cache.check_invariants()

@@ -185,17 +185,18 @@ def test_the_runner_refuses_a_pool_it_cannot_read_naming_both_dtypes():
     ModelRunner(model, quantized.tensor, 16, quantized.scales)  # a float32 model reads int8 codes
 
 
-def test_the_host_tier_swaps_a_quantized_block_with_its_scales():
-    from kvtier.cachesvc.host_tier import HostTier
+def test_the_host_area_swaps_a_quantized_block_with_its_scales():
+    from kvtier.cachesvc.host_area import HostArea
     from kvtier.pool import ShmPool, pool_shape
 
     pool = ShmPool.create(pool_shape(4, 2, 16, 2, 16), "fp8_e4m3")
     try:
         codes, scales = quantize_ref(torch.randn(2, 2, 16, 2, 16), pool.tensor.dtype)
         pool.tensor[1], pool.scales[1] = codes, scales
-        tier = HostTier.from_bytes(pool.rows, 1 << 20)  # what the cache service hands it
-        slots = tier.swap_out([1])
-        tier.swap_in(slots, [3])
+        area = HostArea.for_pool(pool.rows, 1 << 20)  # what the cache service builds for swap
+        slots, _ = area.reserve(1)
+        area.store([1], slots)
+        area.load(slots, [3])
         assert torch.equal(pool.tensor[3].view(torch.uint8), codes.view(torch.uint8))
         assert torch.equal(pool.scales[3], scales)
     finally:

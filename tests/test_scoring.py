@@ -8,7 +8,8 @@ import pytest
 from kvtier.gateway.discovery import Node
 from kvtier.gateway.index_follower import NodeState, PredictedHit, capped, predicted_hit
 from kvtier.gateway.node_load import PRIOR_TOKENS_PER_S, NodeLoad
-from kvtier.gateway.scoring import DISK_TOKEN_VALUE, HOST_TOKEN_VALUE, NodeFigures, rank, score
+from kvtier.gateway.scoring import NodeFigures, rank, score
+from kvtier.media import medium
 
 PROMPT = 1000  # tokens
 FAST = 1000.0  # tokens of work per second
@@ -106,11 +107,13 @@ def test_the_work_waiting_on_a_node_is_what_its_measured_rate_has_not_got_throug
 
 
 def test_a_host_or_disk_hit_saves_a_fraction_of_a_device_hit() -> None:
-    # 600 tokens held: on the device they save 0.6 s of prefill, on the host 0.8 of that, on disk 0.7.
+    # 600 tokens held: on the device they save 0.6 s of prefill, on the host 0.8 of that, on disk
+    # 0.7 (1 - each medium's price in kvtier.media's table).
+    HOST_TOKEN_VALUE, DISK_TOKEN_VALUE = medium("host").token_value, medium("disk").token_value
     device, host, disk = (
         NodeFigures(600, 0, FAST),
-        NodeFigures(0, 0, FAST, host_tokens=600),
-        NodeFigures(0, 0, FAST, disk_tokens=600),
+        NodeFigures(0, 0, FAST, below_tokens={"host": 600}),
+        NodeFigures(0, 0, FAST, below_tokens={"disk": 600}),
     )
     assert score(device, PROMPT, 1.0, FAST) == pytest.approx(-0.4)
     assert score(host, PROMPT, 1.0, FAST) == pytest.approx(-(1.0 - HOST_TOKEN_VALUE * 0.6))
@@ -124,11 +127,13 @@ def test_a_host_or_disk_hit_saves_a_fraction_of_a_device_hit() -> None:
     assert (ranking.order[0], ranking.reason) == (1, "prefix")
     # A longer prefix on the host beats a shorter one on the device: 800 * 0.8 > 500.
     assert (
-        rank([NodeFigures(500, 0, FAST), NodeFigures(0, 0, FAST, host_tokens=800)], PROMPT, 1.0, 0).order[0]
+        rank(
+            [NodeFigures(500, 0, FAST), NodeFigures(0, 0, FAST, below_tokens={"host": 800})], PROMPT, 1.0, 0
+        ).order[0]
         == 1
     )
     # Device 300 + host 300 of a prompt vs device 400: 300 + 240 saved against 400.
-    mixed = NodeFigures(300, 0, FAST, host_tokens=300)
+    mixed = NodeFigures(300, 0, FAST, below_tokens={"host": 300})
     assert rank([NodeFigures(400, 0, FAST), mixed], PROMPT, 1.0, tie=0).order[0] == 1
     # A load spill: the device holder is busy; the host holder wins on load.
     spilled = rank([NodeFigures(600, 3000, FAST), host], PROMPT, 1.0, tie=0)
@@ -140,22 +145,24 @@ def test_the_predicted_hit_follows_device_then_host_then_disk_and_is_capped() ->
     state = NodeState(Node("n", "unix:///x", []), cache=None, block_size=bs)  # no calls are made
     chain = [bytes([k]) * 32 for k in range(6)]
     state.hashes.update(chain[:2])
-    state.host_hashes.update([chain[2], chain[4], chain[0]])
-    state.disk_hashes.update([chain[3], chain[2]])
+    state.index("host").update([chain[2], chain[4], chain[0]])
+    state.index("disk").update([chain[3], chain[2]])
     # Device run 0-1, then host 2 (also on disk: the host serves it), disk 3, host 4; 5 held nowhere.
-    assert predicted_hit(state, chain, 6 * bs + 1) == PredictedHit(2 * bs, 2 * bs, bs)
+    assert predicted_hit(state, chain, 6 * bs + 1) == PredictedHit(2 * bs, {"host": 2 * bs, "disk": bs})
     assert predicted_hit(state, chain, 6 * bs + 1).total == 5 * bs
     # The cap (the last prompt token is computed) cuts from the end: 4 * bs + 1 tokens cap at 4 blocks.
-    assert predicted_hit(state, chain[:5], 4 * bs + 1) == PredictedHit(2 * bs, bs, bs)
-    assert predicted_hit(state, chain[:5], 4 * bs) == PredictedHit(2 * bs, bs, 0)
-    assert predicted_hit(state, chain[:2], 2 * bs) == PredictedHit(bs, 0, 0)
+    assert predicted_hit(state, chain[:5], 4 * bs + 1) == PredictedHit(2 * bs, {"host": bs, "disk": bs})
+    assert predicted_hit(state, chain[:5], 4 * bs) == PredictedHit(2 * bs, {"host": bs})
+    assert predicted_hit(state, chain[:2], 2 * bs) == PredictedHit(bs)
     # A block missing on every tier ends the hit; what follows it is useless.
-    state.disk_hashes.discard(chain[3])
-    assert predicted_hit(state, chain, 6 * bs + 1) == PredictedHit(2 * bs, bs, 0)
+    state.index("disk").discard(chain[3])
+    assert predicted_hit(state, chain, 6 * bs + 1) == PredictedHit(2 * bs, {"host": bs})
     # LookupPrefix's per-tier counts (an unsynced node) are capped from the lower tiers' share.
-    assert capped(2 * bs, 2 * bs, bs, 4 * bs + 1, bs) == PredictedHit(2 * bs, 2 * bs, 0)
-    assert capped(2 * bs, 2 * bs, bs, 3 * bs, bs) == PredictedHit(2 * bs, 0, 0)
-    assert capped(4 * bs, 0, 0, 4 * bs, bs) == PredictedHit(3 * bs, 0, 0)
+    assert capped(2 * bs, {"host": 2 * bs, "disk": bs}, 4 * bs + 1, bs) == PredictedHit(
+        2 * bs, {"host": 2 * bs}
+    )
+    assert capped(2 * bs, {"host": 2 * bs, "disk": bs}, 3 * bs, bs) == PredictedHit(2 * bs)
+    assert capped(4 * bs, {}, 4 * bs, bs) == PredictedHit(3 * bs)
     # Nothing while the block size is unknown.
     state.block_size = 0
     assert predicted_hit(state, chain, 6 * bs + 1) == PredictedHit()

@@ -16,7 +16,7 @@ from kvtier.cachesvc.errors import (
     PermissionDenied,
     ResourceExhausted,
 )
-from kvtier.cachesvc.host_tier import HostTier
+from kvtier.cachesvc.host_area import HostArea
 from kvtier.cachesvc.sequences import SequenceTable
 from kvtier.sequence_types import AllocateItem
 
@@ -34,7 +34,8 @@ def make_table(
     if host_blocks is not None:
         # Block-major pool [num_blocks, num_layers=2, K/V=2, block_size, num_kv_heads=1, head_dim=3].
         pool = torch.zeros(num_blocks, 2, 2, BS, 1, 3)
-        host = HostTier(pool, host_blocks)
+        host = HostArea.for_pool(pool.view(num_blocks, -1).view(torch.uint8), host_blocks * pool[0].nbytes)
+        host.pool = pool  # the block-shaped view of its rows the tests write
     return SequenceTable(
         bm, host, model_fingerprint="fp", vocab_size=VOCAB, max_model_len=max_model_len, max_batch=max_batch
     )
@@ -55,7 +56,7 @@ def alloc_commit_free(table: SequenceTable, tokens: list[int], **kw) -> None:
 def snapshot(table: SequenceTable) -> tuple:
     """Everything a failed call must leave alone, LRU order and counters included."""
     bm = table.block_manager
-    host = table.swap_tier
+    host = table.host_area
     return (
         bm.free_block_ids(),
         [(b.ref_cnt, b.block_hash) for b in bm.blocks],
@@ -352,9 +353,9 @@ def test_free_lease_releases_device_and_host_sequences() -> None:
     b = alloc(table, [1, 2])
     c = alloc(table, [3], lease=OTHER)
     table.swap_out(LEASE, [b])
-    assert table.swap_tier.num_used_blocks == 1
+    assert table.host_area.num_used_blocks == 1
     assert table.free_lease(LEASE) == 3
-    assert table.swap_tier.num_used_blocks == 0
+    assert table.host_area.num_used_blocks == 0
     assert [s.sequence_id for s in table.sequences()] == [c]
     assert table.sequences_of(LEASE) == []
     assert table.free_lease("no-such-lease") == 0
@@ -507,13 +508,13 @@ def fill_pattern(pool: torch.Tensor, block_ids: list[int], seed: int) -> list[to
 
 def test_swap_round_trip_preserves_bytes() -> None:
     table = make_table(num_blocks=12, host_blocks=8)
-    pool = table.swap_tier.pool
+    pool = table.host_area.pool
     a = alloc(table, list(range(10)))  # 3 blocks
     b = alloc(table, list(range(20, 26)))  # 2 blocks
     table.commit(LEASE, [(a, [], 10), (b, [], 6)])
     data_a = fill_pattern(pool, table.get(a).block_table, seed=1)
     data_b = fill_pattern(pool, table.get(b).block_table, seed=2)
-    assert table.swap_out(LEASE, [a, b]) == (5, 5 * table.swap_tier.block_bytes)
+    assert table.swap_out(LEASE, [a, b]) == (5, 5 * table.host_area.block_bytes)
     assert table.get(a).location == "host" and table.get(a).block_table == []
     table.check_invariants()
     # Reuse the freed device blocks so a stale table would read garbage.
@@ -521,13 +522,13 @@ def test_swap_round_trip_preserves_bytes() -> None:
     pool[table.get(filler).block_table] = -1.0
     table.free(LEASE, [filler])
     views, num_blocks, num_bytes = table.swap_in(LEASE, [b, a])
-    assert (num_blocks, num_bytes) == (5, 5 * table.swap_tier.block_bytes)
+    assert (num_blocks, num_bytes) == (5, 5 * table.host_area.block_bytes)
     assert [v.sequence_id for v in views] == [b, a]
     assert [len(v.block_table) for v in views] == [2, 3]
     for view, data in ((views[0], data_b), (views[1], data_a)):
         for block_id, expected in zip(view.block_table, data, strict=True):
             assert torch.equal(pool[block_id], expected)
-    assert table.swap_tier.num_used_blocks == 0
+    assert table.host_area.num_used_blocks == 0
     stats = table.stats
     assert (stats.num_swap_out_blocks, stats.num_swap_in_blocks) == (5, 5)
     assert stats.num_swap_in_bytes == stats.num_swap_out_bytes == 5 * pool[0].numel() * 4
@@ -552,7 +553,7 @@ def test_swap_errors_are_failed_precondition_or_resource_exhausted() -> None:
         table.swap_out(LEASE, [big])
     no_host = make_table(host_blocks=None)
     s = alloc(no_host, [1])
-    with pytest.raises(ResourceExhausted, match="no host tier is configured"):
+    with pytest.raises(ResourceExhausted, match="no host area is configured"):
         no_host.swap_out(LEASE, [s])
 
 
@@ -571,14 +572,14 @@ def test_swap_in_needs_device_room() -> None:
     table.check_invariants()
 
 
-def test_host_tier_from_bytes_sizes_slots_by_block_bytes() -> None:
+def test_the_host_area_for_a_pool_sizes_slots_by_block_bytes() -> None:
     pool = torch.zeros(4, 2, 2, BS, 1, 3, dtype=torch.float16)
     block_bytes = 2 * 2 * BS * 3 * 2
-    tier = HostTier.from_bytes(pool, 5 * block_bytes + 1)
-    assert (tier.block_bytes, tier.num_blocks, tier.num_free_blocks) == (block_bytes, 5, 5)
-    with pytest.raises(ResourceExhausted, match="need 6 blocks but only 5 of 5 are free"):
-        tier.swap_out([0, 1, 2, 3, 0, 1])
-    assert tier.num_free_blocks == 5
+    area = HostArea.for_pool(pool.view(4, -1).view(torch.uint8), 5 * block_bytes + 1)
+    assert (area.block_bytes, area.num_blocks, area.num_free_blocks) == (block_bytes, 5, 5)
+    with pytest.raises(ResourceExhausted, match="swap needs 6 slots but only 5 of 5 are not swap's"):
+        area.reserve(6)
+    assert area.num_free_blocks == 5 and area.reserve(5)[0] == [0, 1, 2, 3, 4]
 
 
 # ---------------------------------------------------------------------- commits carried by other calls

@@ -30,7 +30,7 @@ from kvtier.auth import bearer, grpc_target
 from kvtier.cache_client import AllocateItem, CacheClient
 from kvtier.cachesvc.block_manager import BlockManager
 from kvtier.cachesvc.errors import ExceedsLimit, ResourceExhausted
-from kvtier.cachesvc.host_tier import HostTier
+from kvtier.cachesvc.host_area import HostArea
 from kvtier.cachesvc.limits import fair_shares
 from kvtier.cachesvc.sequences import SequenceTable
 from kvtier.cli.stack import LocalStack, start_gateway
@@ -294,7 +294,7 @@ def test_quota_counts_follow_allocate_extend_swap_and_free():
     pool = torch.zeros(32, 1, 2, bs, 1, 2)
     table = SequenceTable(
         BlockManager(32, bs),
-        HostTier(pool, 16),
+        HostArea.for_pool(pool.view(32, -1).view(torch.uint8), 16 * pool[0].nbytes),
         model_fingerprint="fp",
         vocab_size=100,
         max_model_len=64,
@@ -387,7 +387,7 @@ def fair_table(**kwargs) -> SequenceTable:
     kwargs.setdefault("fair_share_reserve", 4)
     return SequenceTable(
         BlockManager(32, 4),
-        HostTier(pool, 16),
+        HostArea.for_pool(pool.view(32, -1).view(torch.uint8), 16 * pool[0].nbytes),
         model_fingerprint="fp",
         vocab_size=100,
         max_model_len=64,

@@ -147,6 +147,8 @@ def test_evicted_prefixes_come_back_from_host_and_disk_and_survive_a_sigkill(tmp
             [2 * BS],
             [BS],
         ]
+        below = {m.medium: list(m.num_tokens) for m in reply.below}  # per medium of kvtier.media
+        assert (below["host"], below["disk"]) == ([2 * BS], [BS]) and all(below.values()), below
         assert client.hit(a, fills_a) == 3 * BS  # blocks 0-1 from the host, block 2 from disk
         reply = client.c.lookup_prefix([a])
         assert [reply.num_cached_tokens, reply.num_host_tokens, reply.num_disk_tokens] == [[3 * BS], [0], [0]]
@@ -249,6 +251,44 @@ def test_evicted_prefixes_come_back_from_host_and_disk_and_survive_a_sigkill(tmp
             (seq,) = c.allocate([a]).sequences
             assert seq.num_cached_tokens == 0, other
             c.close()
+
+
+def test_blocks_the_disk_queue_skips_are_counted_in_get_stats_and_the_metrics(tmp_path):
+    """Issue 31: evictions faster than the disk writer (a 1-block write queue, no host cache) skip
+    writes; each skipped block is counted in GetStats' disk row and in
+    kvtier_cache_tier_skipped_blocks_total, never silent, and every block offered is either
+    written or counted."""
+    import re
+
+    from test_compute_metrics import scrape
+
+    disk = tmp_path / "kv-disk"
+    more = (
+        "--host-cache-gib",
+        "0",
+        "--disk-write-queue",
+        "1",
+        "--disk-write-policy",
+        "evict",
+        "--metrics-port",
+        "0",
+    )
+    with cache_service(tmp_path, *tier_args(disk, *more)) as svc:
+        client = Client(svc)
+        for seed in range(10):  # each round evicts the last prompt's 3 blocks in one Allocate
+            client.publish(prompt(seed), seed)
+            client.flush_pool()
+
+        def settled():
+            (row,) = [t for t in client.c.get_stats().tiers if t.medium == "disk"]
+            return row if row.num_stored_blocks + row.num_skipped_blocks == 30 else None
+
+        row = wait_until(settled, FLUSH_S, "every evicted block written or counted as skipped")
+        assert row.num_skipped_blocks > 0 and row.write_queue_depth == 0, row
+        port = int(re.search(r"Prometheus metrics on http://127\.0\.0\.1:(\d+)/metrics", svc.log()).group(1))
+        series = ("kvtier_cache_tier_skipped_blocks_total", (("medium", "disk"),))
+        wait_until(lambda: scrape(port).get(series) == row.num_skipped_blocks, 15.0, "the metrics refresh")
+        client.close()
 
 
 LOOP = ModuleLoop()

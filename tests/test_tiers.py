@@ -1,5 +1,6 @@
-"""The sequence table's collaborators alone: the tier interface, Swapping over it, the eviction hook
-for a tiered prefix cache, Fencing and TenantLimits, each built from its explicit inputs."""
+"""The sequence table's collaborators alone: the host area swap copies through, Swapping over it,
+the evictions the block manager returns for the tiers below, Fencing and TenantLimits, each built
+from its explicit inputs."""
 
 from __future__ import annotations
 
@@ -10,21 +11,22 @@ from kvtier.block_hash import extra_key, hash_full_blocks, hash_preimage, pack_t
 from kvtier.cachesvc.block_manager import BlockManager
 from kvtier.cachesvc.errors import ExceedsLimit, InvalidArgument, ResourceExhausted
 from kvtier.cachesvc.fencing import Fencing
-from kvtier.cachesvc.host_tier import HostTier
+from kvtier.cachesvc.host_area import HostArea
 from kvtier.cachesvc.limits import TenantLimits
 from kvtier.cachesvc.records import DEVICE, CacheStats, Sequence
 from kvtier.cachesvc.swap import Swapping
-from kvtier.cachesvc.tiers import DeviceTier, copy_blocks
+from kvtier.cachesvc.tiers import DeviceTier
 
 BS = 4
 
 
 def pool_and_tiers(num_blocks: int = 8, host_blocks: int = 4):
-    """A block-major pool whose block b is filled with b + 1, its device tier and a host tier."""
+    """A block-major pool whose block b is filled with b + 1, its device tier and a host area of
+    ``host_blocks`` slots beside it (swap's own: no host cache)."""
     pool = torch.zeros(num_blocks, 2, 2, BS, 1, 3)
     for b in range(num_blocks):
         pool[b].fill_(b + 1)
-    host = HostTier(pool, host_blocks)
+    host = HostArea.for_pool(pool.view(num_blocks, -1).view(torch.uint8), host_blocks * pool[0].nbytes)
     return pool, DeviceTier(BlockManager(num_blocks, BS), host.block_bytes), host
 
 
@@ -47,36 +49,36 @@ def record(sid: int, table: list[int], tenant: str = "") -> Sequence:
     )
 
 
-def test_a_tier_reports_capacity_and_refuses_more_than_is_free_taking_nothing():
+def test_the_host_area_reports_swap_s_share_and_refuses_more_than_is_free_taking_nothing():
     _, device, host = pool_and_tiers(num_blocks=8, host_blocks=4)
-    assert (host.name, host.num_blocks, host.num_free_blocks, host.num_used_bytes) == ("host", 4, 4, 0)
-    slots = host.allocate(3)
-    assert host.num_used_blocks == 3 and host.num_used_bytes == 3 * host.block_bytes
-    with pytest.raises(ResourceExhausted, match="need 2 blocks but only 1 of 4"):
-        host.allocate(2)
-    assert host.num_free_blocks == 1
+    assert (host.name, host.num_blocks, host.num_free_blocks, host.num_used_blocks) == ("host", 4, 4, 0)
+    slots, given_up = host.reserve(3)
+    assert (slots, given_up, host.num_used_blocks) == ([0, 1, 2], None, 3)
+    with pytest.raises(ResourceExhausted, match="swap needs 2 slots but only 1 of 4 are not swap's"):
+        host.reserve(2)
+    assert host.num_free_blocks == 1 and host.used_slots() == [0, 1, 2]
     host.release(slots)
     assert host.num_free_blocks == 4
+    host.check_invariants()
     assert device.allocate(8) and device.num_free_blocks == 0
     with pytest.raises(ResourceExhausted):
         device.allocate(1)
 
 
-def test_copy_blocks_moves_bytes_both_ways_and_counts_them_in_both_tiers():
+def test_the_host_area_copies_pool_blocks_in_and_out_byte_exact_through_one_path():
     pool, device, host = pool_and_tiers()
-    slots = host.allocate(2)
-    assert copy_blocks(device, [5, 2], host, slots) == 2 * host.block_bytes
+    slots, _ = host.reserve(2)
+    host.store([5, 2], slots)
     pool[[5, 2]] = 0
     back = device.allocate(2)
-    copy_blocks(host, slots, device, back)
+    host.load(slots, back)
     assert [float(pool[b].flatten()[0]) for b in back] == [6.0, 3.0]
-    assert (device.stats.blocks_out, device.stats.blocks_in) == (2, 2)
-    assert (host.stats.blocks_in, host.stats.blocks_out) == (2, 2)
-    assert host.stats.bytes_in == host.stats.bytes_out == 2 * host.block_bytes
-    with pytest.raises(InvalidArgument, match="one side must be the device"):
-        copy_blocks(host, slots, host, slots)
+    with pytest.raises(InvalidArgument, match="is not a swap slot"):
+        host.load([3], [0])
     with pytest.raises(InvalidArgument, match="len"):
-        copy_blocks(device, [1], host, slots)
+        host.load(slots, [1])
+    with pytest.raises(InvalidArgument, match="name a slot twice"):
+        host.release([slots[0], slots[0]])
 
 
 def test_swapping_moves_whole_sequences_out_and_back_and_names_the_tier_in_the_record():
@@ -101,29 +103,32 @@ def test_swapping_refuses_without_room_and_without_a_swap_tier():
     _, device, host = pool_and_tiers(host_blocks=1)
     with pytest.raises(ResourceExhausted, match="swap out needs 2 host blocks but only 1 of 1"):
         Swapping(device, host, CacheStats()).check_out(2)
-    with pytest.raises(ResourceExhausted, match="no host tier"):
+    with pytest.raises(ResourceExhausted, match="no host area"):
         Swapping(device, None, CacheStats()).check_out(1)
     device.allocate(7)
     with pytest.raises(ResourceExhausted, match="swap in needs 2 device blocks but only 1 of 8"):
         Swapping(device, host, CacheStats()).check_in(2)
 
 
-def test_the_evict_hook_hears_of_published_blocks_before_their_slots_are_reused():
+def test_the_block_manager_returns_published_blocks_it_evicts_while_tiers_are_below():
     bm = BlockManager(2, BS)
     device = DeviceTier(bm)
-    heard = []
-    device.on_evict(lambda ids, keys: heard.append((list(ids), [hash_preimage(k) for k in keys], list(keys))))
     tokens, extra = list(range(BS)), extra_key("fp")
     (block,) = device.allocate(1)
     bm.publish_blocks([block], [], 0, 1, tokens, extra, pack_token_ids(tokens))
     device.release([block])
+    bm.keep_evicted = True  # a table with tiers below sets it
     device.allocate(1)  # the empty block first: nothing evicted
-    assert heard == []
-    device.allocate(1)  # now the published one
-    assert heard == [
-        ([block], hash_full_blocks(pack_token_ids(tokens), BS, extra), [extra + pack_token_ids(tokens)])
-    ]
-    device.on_evict(None)
+    assert bm.take_evicted() == ([], [])
+    device.allocate(1)  # now the published one: its KV is still in the pool until written
+    ids, keys = bm.take_evicted()
+    assert (ids, keys) == ([block], [extra + pack_token_ids(tokens)])
+    assert [hash_preimage(k) for k in keys] == hash_full_blocks(pack_token_ids(tokens), BS, extra)
+    assert bm.take_evicted() == ([], [])  # each eviction is returned once
+    bm.keep_evicted = False
+    device.release([0, 1])
+    device.allocate(2)
+    assert bm.evicted_ids == []  # nothing collected without tiers below
 
 
 def test_fencing_holds_blocks_until_their_time_or_their_lease_gives_up():

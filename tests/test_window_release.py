@@ -135,12 +135,12 @@ def test_a_bad_release_is_refused_and_changes_nothing(kind: str) -> None:
 
 def test_swap_round_trip_moves_only_live_blocks_and_keeps_positions() -> None:
     table = make_table(num_blocks=12, host_blocks=4)
-    pool = table.swap_tier.pool
+    pool = table.host_area.pool
     sid = committed(table)
     table.extend(LEASE, [(sid, 0)], releases=[(sid, 2)])
     live = table.get(sid).live_blocks
     data = fill_pattern(pool, live, seed=7)
-    assert table.swap_out(LEASE, [sid]) == (2, 2 * table.swap_tier.block_bytes)
+    assert table.swap_out(LEASE, [sid]) == (2, 2 * table.host_area.block_bytes)
     assert len(table.get(sid).tier_slots) == 2
     table.check_invariants()
     filler = alloc(table, [9] * 40)  # reuse the freed device blocks: a stale table reads garbage

@@ -202,14 +202,24 @@ class LookupPrefixRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[LookupPrefixItem, _Mapping]]] = ...) -> None: ...
 
 class LookupPrefixResponse(_message.Message):
-    __slots__ = ("num_cached_tokens", "num_host_tokens", "num_disk_tokens")
+    __slots__ = ("num_cached_tokens", "num_host_tokens", "num_disk_tokens", "below")
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_HOST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_DISK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BELOW_FIELD_NUMBER: _ClassVar[int]
     num_cached_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_host_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_disk_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, num_cached_tokens: _Optional[_Iterable[int]] = ..., num_host_tokens: _Optional[_Iterable[int]] = ..., num_disk_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    below: _containers.RepeatedCompositeFieldContainer[MediumTokens]
+    def __init__(self, num_cached_tokens: _Optional[_Iterable[int]] = ..., num_host_tokens: _Optional[_Iterable[int]] = ..., num_disk_tokens: _Optional[_Iterable[int]] = ..., below: _Optional[_Iterable[_Union[MediumTokens, _Mapping]]] = ...) -> None: ...
+
+class MediumTokens(_message.Message):
+    __slots__ = ("medium", "num_tokens")
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    medium: str
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, medium: _Optional[str] = ..., num_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SwapOutRequest(_message.Message):
     __slots__ = ("lease_id", "sequence_ids", "commits")
@@ -330,7 +340,7 @@ class GetStatsResponse(_message.Message):
     def __init__(self, num_blocks_total: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_cached: _Optional[int] = ..., usage_percent: _Optional[float] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_host_blocks_total: _Optional[int] = ..., num_host_blocks_used: _Optional[int] = ..., num_swap_out_blocks: _Optional[int] = ..., num_swap_in_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., num_swapped_sequences: _Optional[int] = ..., leases: _Optional[_Iterable[_Union[LeaseStats, _Mapping]]] = ..., block_size: _Optional[int] = ..., num_expired_leases: _Optional[int] = ..., num_swap_out_bytes: _Optional[int] = ..., num_swap_in_bytes: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_token_slots: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., max_blocks_per_lease: _Optional[int] = ..., num_blocks_fenced: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., block_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., num_window_released_blocks: _Optional[int] = ...) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("medium", "num_blocks", "num_bytes", "num_hit_blocks", "num_promotions", "num_evictions", "num_stored_blocks", "write_queue_depth")
+    __slots__ = ("medium", "num_blocks", "num_bytes", "num_hit_blocks", "num_promotions", "num_evictions", "num_stored_blocks", "write_queue_depth", "num_skipped_blocks")
     MEDIUM_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -339,6 +349,7 @@ class TierStats(_message.Message):
     NUM_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_STORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     WRITE_QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    NUM_SKIPPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     medium: str
     num_blocks: int
     num_bytes: int
@@ -347,7 +358,8 @@ class TierStats(_message.Message):
     num_evictions: int
     num_stored_blocks: int
     write_queue_depth: int
-    def __init__(self, medium: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., num_hit_blocks: _Optional[int] = ..., num_promotions: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_stored_blocks: _Optional[int] = ..., write_queue_depth: _Optional[int] = ...) -> None: ...
+    num_skipped_blocks: int
+    def __init__(self, medium: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., num_hit_blocks: _Optional[int] = ..., num_promotions: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_stored_blocks: _Optional[int] = ..., write_queue_depth: _Optional[int] = ..., num_skipped_blocks: _Optional[int] = ...) -> None: ...
 
 class TenantStats(_message.Message):
     __slots__ = ("tenant", "num_sequences", "num_blocks", "max_blocks")

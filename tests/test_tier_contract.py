@@ -1,0 +1,174 @@
+"""The tier contract (cachesvc/tiers.py), one suite run against every implementation.
+
+Each implementation is one entry of ``TIERS``: a name and a function that builds the tier over
+real media (host memory, a directory of record files, ...) with room for ``CAPACITY`` blocks of
+``LAYOUT``. Adding a tier adds one entry. The suite pins what the tier stack (cachesvc/lower_tiers.py)
+relies on: lookup's three answers, stores that read their rows before returning, loads that copy
+the leading held run byte-exact and report it through ``finished_jobs``, LRU eviction within the
+capacity (evicted blocks handed back with their bytes when asked), discard, KV-event records
+named by the tier's medium, and counts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from test_disk_tier import LAYOUT
+
+from kvtier.block_hash import pack_token_ids
+from kvtier.cachesvc.disk_records import record_bytes
+from kvtier.cachesvc.events import HOST_REPLACED, split_replaced, tier_kind
+from kvtier.cachesvc.tiers import Blocks, Job, Lookup, Tier
+from kvtier.media import MEDIA
+
+CAPACITY = 4  # blocks each tier is built to hold
+SETTLE_S = 60.0  # a deadline for a write-behind tier's progress, not a speed target
+
+
+def _host(tmp_path: Path) -> Tier:
+    from kvtier.cachesvc.host_cache import HostCache
+
+    return HostCache(CAPACITY, LAYOUT.block_bytes)
+
+
+def _disk(tmp_path: Path) -> Tier:
+    from kvtier.cachesvc.disk_tier import DiskTier
+
+    return DiskTier(tmp_path / "disk", CAPACITY * record_bytes(LAYOUT, len(key_of(0))), LAYOUT)
+
+
+TIERS: dict[str, Callable[[Path], Tier]] = {"host": _host, "disk": _disk}
+"""Every implementation of the Tier interface: medium name -> build(tmp_path). One entry per tier."""
+
+
+@pytest.fixture(params=sorted(TIERS))
+def tier(request, tmp_path):
+    built = TIERS[request.param](tmp_path)
+    yield built
+    built.close()
+
+
+def key_of(i: int) -> bytes:
+    """A first block's index key: a 32-byte root (an extra key) and ``block_size`` token ids."""
+    return hashlib.sha256(b"contract %d" % i).digest() + pack_token_ids([i] * LAYOUT.block_size)
+
+
+def rows_of(indices) -> torch.Tensor:
+    """Pool rows ``[len(indices), block_bytes]`` uint8: row k holds block ``indices[k]``'s bytes."""
+    return torch.stack([torch.full((LAYOUT.block_bytes,), i % 251 + 1, dtype=torch.uint8) for i in indices])
+
+
+def store(tier: Tier, indices, pass_down: bool = False):
+    indices = list(indices)
+    return tier.submit_store(
+        Blocks([key_of(i) for i in indices], rows_of(indices), range(len(indices))), pass_down
+    )
+
+
+def settle(tier: Tier, indices) -> None:
+    """Wait until no key of ``indices`` is NOT_YET (a write-behind tier's queue drained)."""
+    deadline = time.monotonic() + SETTLE_S
+    while any(tier.lookup(key_of(i)) == Lookup.NOT_YET for i in indices):
+        assert time.monotonic() < deadline, f"{tier.medium.name}: stores still pending after {SETTLE_S} s"
+        time.sleep(0.005)
+
+
+def load(tier: Tier, indices, job_id: int = 1) -> tuple[int, torch.Tensor]:
+    """``submit_load`` of ``indices`` into fresh rows; (blocks landed, the rows)."""
+    dst = torch.zeros((len(indices), LAYOUT.block_bytes), dtype=torch.uint8)
+    tier.submit_load(Job(job_id, Blocks([key_of(i) for i in indices], dst, range(len(indices)))))
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        done = {r.job_id: r.num_done for r in tier.finished_jobs(max(0.0, deadline - time.monotonic()))}
+        if job_id in done:
+            return done[job_id], dst
+        assert time.monotonic() < deadline, f"{tier.medium.name}: load job {job_id} never finished"
+
+
+def events_of(tier: Tier) -> list[tuple[bool, bytes]]:
+    """The tier's event records since the last call as ``(stored, key)``, in order."""
+    kinds = {tier_kind(True, tier.medium.name): True, tier_kind(False, tier.medium.name): False}
+    out = []
+    for record in tier.take_events():
+        for part in split_replaced(record) if record[0] == HOST_REPLACED else (record,):
+            assert part[0] in kinds, f"record kind {part[0]} is not {tier.medium.name}'s"
+            out += [(kinds[part[0]], key) for key in part[1]]
+    return out
+
+
+def test_the_medium_is_a_row_of_the_media_table_below_the_device(tier):
+    assert tier.medium in MEDIA and tier.medium.rank > 0
+    assert tier.block_bytes == LAYOUT.block_bytes
+
+
+def test_a_stored_block_is_a_hit_and_loads_byte_exact_after_its_rows_were_reused(tier):
+    src = rows_of([0, 1])
+    assert tier.lookup(key_of(0)) == Lookup.MISS
+    tier.submit_store(Blocks([key_of(0), key_of(1)], src, [0, 1]))
+    src.zero_()  # the caller reuses its rows as soon as the store returns
+    settle(tier, [0, 1])
+    assert [tier.lookup(key_of(i)) for i in (0, 1, 2)] == [Lookup.HIT, Lookup.HIT, Lookup.MISS]
+    assert key_of(0) in tier.held() and key_of(2) not in tier.held()
+    assert tier.lookup_chain([key_of(0), key_of(1), key_of(2), key_of(0)]) == 2
+    n, dst = load(tier, [1, 0])
+    assert n == 2 and torch.equal(dst, rows_of([1, 0]))
+    counts = tier.counts()
+    assert (counts.blocks, counts.promotions, counts.hits) == (2, 2, 2)
+    assert counts.stored == 2 and counts.skipped == 0 and counts.queue_depth == 0
+
+
+def test_a_load_copies_the_leading_held_run_and_stops_at_the_first_key_it_cannot_give(tier):
+    store(tier, [0, 1, 3])
+    settle(tier, [0, 1, 3])
+    n, dst = load(tier, [0, 1, 2, 3], job_id=7)
+    assert n == 2 and torch.equal(dst[:2], rows_of([0, 1])) and not dst[2:].any()
+    assert load(tier, [5], job_id=8)[0] == 0
+    assert tier.finished_jobs() == []  # each result is reported once
+
+
+def test_storing_a_held_key_again_keeps_one_copy(tier):
+    store(tier, [0, 1])
+    settle(tier, [0, 1])
+    store(tier, [1, 0])
+    settle(tier, [0, 1])
+    assert tier.counts().blocks == 2
+    assert [stored for stored, _ in events_of(tier)] == [True, True]
+
+
+def test_more_blocks_than_the_capacity_evict_the_least_recently_used(tier):
+    store(tier, range(CAPACITY))
+    settle(tier, range(CAPACITY))
+    evicted = store(tier, [CAPACITY, CAPACITY + 1], pass_down=True)
+    settle(tier, [CAPACITY, CAPACITY + 1])
+    assert [tier.lookup(key_of(i)) == Lookup.HIT for i in range(CAPACITY + 2)] == [
+        False, False, *[True] * (CAPACITY - 2), True, True,
+    ]  # fmt: skip
+    counts = tier.counts()
+    assert counts.blocks == CAPACITY and counts.evictions == 2
+    if evicted is not None:  # handed back for the tier below, with their bytes
+        assert list(evicted.keys) == [key_of(0), key_of(1)]
+        assert torch.equal(torch.stack([evicted.rows[i] for i in evicted.row_ids]), rows_of([0, 1]))
+    removed = [key for stored, key in events_of(tier) if not stored]
+    assert removed == [key_of(0), key_of(1)]
+
+
+def test_discard_forgets_a_block_without_passing_it_down(tier):
+    store(tier, [0, 1])
+    settle(tier, [0, 1])
+    events_of(tier)
+    assert tier.discard(key_of(0)) and not tier.discard(key_of(0))
+    assert tier.lookup(key_of(0)) == Lookup.MISS and tier.lookup(key_of(1)) == Lookup.HIT
+    assert events_of(tier) == [(False, key_of(0))] and tier.counts().blocks == 1
+    assert load(tier, [0])[0] == 0
+
+
+def test_events_name_every_block_stored_in_order(tier):
+    store(tier, [2, 0, 1])
+    settle(tier, [0, 1, 2])
+    assert events_of(tier) == [(True, key_of(i)) for i in (2, 0, 1)]
+    assert events_of(tier) == []
