@@ -109,6 +109,7 @@ class SharedTier(Tier):
         self._known: OrderedDict[bytes, None] = OrderedDict()
         self._epoch = client.breaker.epoch  # the store's objects may be gone after it was down
         self._view = _StoreView(self)
+        self._pending: set[bytes] = set()  # queued for the store, not yet written (lookup: NOT_YET)
         self._results: list[JobResult] = []
         self._events: deque = deque()
         self._lock = threading.Lock()
@@ -117,6 +118,8 @@ class SharedTier(Tier):
     # -- lookups ----------------------------------------------------------------------------------
 
     def lookup(self, key: bytes) -> Lookup:
+        if key in self._pending:
+            return Lookup.NOT_YET
         found = self.client.exists([object_name(self.layout, key)])
         if not found or not found[0]:
             return Lookup.MISS
@@ -169,17 +172,24 @@ class SharedTier(Tier):
             if key in known:
                 continue  # the store has it (another node's, or ours): no second write
             payload = bytes(_row_bytes(rows[row_id]))  # the one copy on the caller's thread
-            if self.client.put(
-                object_name(self.layout, key), partial(encode_object, self.layout, key, payload)
-            ):
+            self._pending.add(key)
+            encoded = partial(encode_object, self.layout, key, payload)
+            if self.client.put(object_name(self.layout, key), encoded, partial(self._written, key)):
                 stored.append(key)
             else:
+                self._pending.discard(key)
                 self._counts["skipped"] += 1
         if stored:
             self._counts["stored"] += len(stored)
             self._remember(stored)
             self._events.append((tier_kind(True, self.medium.name), tuple(stored), (-1,) * len(stored)))
         return None
+
+    def _written(self, key: bytes, ok: bool) -> None:
+        """The store writer's word on ``key`` (its thread): no longer pending; forgotten if it failed."""
+        self._pending.discard(key)
+        if not ok:
+            self._forget(key)
 
     def write_published(self, records: Sequence[EventRecord], pool_rows) -> None:
         """``through``: store the blocks the device's STORED ``records`` published (the block
@@ -241,8 +251,14 @@ class SharedTier(Tier):
         return results
 
     def discard(self, key: bytes) -> bool:
-        """Forget ``key`` here (the object stays in the store: other nodes may read it)."""
-        return self._forget(key)
+        """Remove ``key``'s object from the store (for every node: the tier is one), a REMOVED
+        event; False if the store did not hold it (or did not answer in time)."""
+        self._forget(key)
+        removed = self.client.remove([object_name(self.layout, key)])
+        if not removed or not removed[0]:
+            return False
+        self._events.append((tier_kind(False, self.medium.name), (key,), (-1,)))
+        return True
 
     def _forget(self, key: bytes) -> bool:
         with self._lock:

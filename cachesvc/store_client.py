@@ -150,7 +150,7 @@ class StoreClient:
         self._store = None
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-store-read")
         self._reading: Future | None = None  # the read in flight (one at a time)
-        self._queue: deque[tuple[str, list | Callable[[], list]]] = deque()
+        self._queue: deque[tuple[str, list | Callable[[], list], Callable | None]] = deque()
         self._writing = False  # the writer holds an object it took off the queue
         self._cond = threading.Condition()
         self._closed = False
@@ -236,6 +236,14 @@ class StoreClient:
         """The objects under ``keys`` (``b""`` for one the store does not hold), or None."""
         return self._read(self._store_get, list(keys), "get")
 
+    def remove(self, keys: Sequence[str]) -> list[bool] | None:
+        """Remove ``keys`` from the store (whatever leases hold them); per key whether it was there."""
+        codes = self._read(self._store_remove, list(keys), "remove")
+        return None if codes is None else [c == 0 for c in codes]
+
+    def _store_remove(self, keys: list[str]) -> list[int]:
+        return self._store.batch_remove(keys, True)
+
     def _store_exists(self, keys: list[str]) -> list[int]:
         return self._store.batch_is_exist(keys)
 
@@ -263,16 +271,19 @@ class StoreClient:
 
     # -- writes ---------------------------------------------------------------------------------
 
-    def put(self, key: str, parts: list | Callable[[], list]) -> bool:
+    def put(
+        self, key: str, parts: list | Callable[[], list], done: Callable[[bool], object] | None = None
+    ) -> bool:
         """Queue one object (``parts``: bytes-like, stored one after another, or a function the
-        writer calls for them: work kept off the caller's thread); False if dropped."""
+        writer calls for them: work kept off the caller's thread); False if dropped. ``done(ok)``
+        is called on the writer's thread once the put succeeded or failed."""
         if not self.available or self._closed:
             return False
         with self._cond:
             if len(self._queue) >= self.queue_objects:
                 self.counts["dropped_writes"] += 1
                 return False
-            self._queue.append((key, parts))
+            self._queue.append((key, parts, done))
             self._cond.notify()
         return True
 
@@ -287,17 +298,19 @@ class StoreClient:
                     self._cond.wait()
                 if self._closed:
                     return
-                key, parts = self._queue.popleft()
+                key, parts, done = self._queue.popleft()
                 self._writing = True
             try:
-                self._put(key, parts)
+                ok = self._put(key, parts)
+                if done is not None:
+                    done(ok)
             finally:
                 self._writing = False
 
-    def _put(self, key: str, parts: list | Callable[[], list]) -> None:
+    def _put(self, key: str, parts: list | Callable[[], list]) -> bool:
         if self.breaker.open:
             self.counts["dropped_writes"] += 1
-            return
+            return False
         started = time.monotonic()
         try:
             rc = self._store.put_parts(key, *(parts() if callable(parts) else parts))
@@ -306,11 +319,12 @@ class StoreClient:
         took = time.monotonic() - started
         if rc == 0:
             self.counts["writes"] += 1
-        else:
-            # The store full (no segment has room) or unreachable: writes stop until a probe
-            # answers; reads may still hit what it holds.
-            self.counts["failed_writes"] += 1
-            self.breaker.trip(f"a put failed ({rc}) after {took:.2f} s")
+            return True
+        # The store full (no segment has room) or unreachable: writes stop until a probe
+        # answers; reads may still hit what it holds.
+        self.counts["failed_writes"] += 1
+        self.breaker.trip(f"a put failed ({rc}) after {took:.2f} s")
+        return False
 
     def wait_written(self, deadline_s: float = 10.0) -> bool:
         """Wait until the write queue is empty (tests, benchmarks and shutdown); False at the deadline."""

@@ -27,6 +27,7 @@ class Medium:
     rank: int  # 0 = the device; lower media are asked and filled in rank order
     price: float  # a hit token's cost as a fraction of recomputing it (0 = free, 1 = a miss)
     kv_event_medium: str | None  # vLLM's KV-event medium; None: the publisher's device medium
+    across_nodes: bool = False  # one store every node reads (the router prices a hit on any node)
 
     @property
     def token_value(self) -> float:
@@ -39,8 +40,8 @@ MEDIA: tuple[Medium, ...] = (
     Medium("host", 1, 0.2, "CPU"),
     Medium("disk", 2, 0.3, "DISK"),
     # Mooncake Store across nodes (cachesvc.shared_tier): a network fetch, priced from
-    # bench/shared_tier.py's store-vs-recompute TTFT; below the node's own media.
-    Medium("shared", 3, 0.4, "SHARED"),
+    # bench/shared_tier.py's store-vs-recompute TTFT (0.31x on the 2-core VM); below the node's own media.
+    Medium("shared", 3, 0.35, "SHARED", across_nodes=True),
 )
 """Every medium, by rank. A row's position is its rank (``kvtier.cachesvc.events`` numbers event
 kinds by it)."""
