@@ -65,13 +65,17 @@ def free_port() -> int:
 class Server:
     """A vLLM OpenAI server; `connector` adds KvtierConnector."""
 
-    def __init__(self, name: str, model: Path, run_dir: Path, env: dict[str, str], connector: bool):
+    def __init__(
+        self, name: str, model: Path, run_dir: Path, env: dict[str, str], connector: bool, gpu: bool
+    ):
         self.name, self.model, self.port = name, str(model), free_port()
         command = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--host", "127.0.0.1",
             "--port", str(self.port), "--block-size", str(BLOCK_SIZE), "--max-model-len", "4096",
-            "--enforce-eager", "--distributed-executor-backend", "uni",
+            "--enforce-eager", "--distributed-executor-backend", "uni", "--dtype", "bfloat16",
         ] + (["--kv-transfer-config", KV_CONFIG] if connector else [])  # fmt: skip
+        if gpu:  # three engines and the pool share one device
+            command += ["--gpu-memory-utilization", "0.2"]
         self.log = run_dir / f"{name}.log"
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
@@ -182,30 +186,42 @@ class _CpuLayer:
 
 
 def copy_rates(
-    num_layers: int, heads: int, head_dim: int, blocks: int = 256, repeats: int = 5
+    num_layers: int, heads: int, head_dim: int, device: str, blocks: int = 256, repeats: int = 5
 ) -> dict[str, float]:
-    """GB/s of the connector's loads and saves against a plain copy of the same blocks (bfloat16)."""
+    """GB/s of the connector's loads and saves against a plain copy of the same blocks (bfloat16).
+    On CPU with vLLM's CPU layout for bfloat16, learned from its write op; on a GPU (device to
+    device) with a layout as kvtier's (the connector learns the real one inside the engine)."""
     import torch
 
     from kvtier.pool import private_pool
     from kvtier.vllm.block_layout import BlockCopier, probe_layout
 
     dtype = torch.bfloat16
-    caches = [torch.randn(4 * blocks, heads, BLOCK_SIZE, 2 * head_dim).to(dtype) for _ in range(num_layers)]
-    layer = _CpuLayer(dtype, head_dim)
-    gathers = [probe_layout(layer, cache, BLOCK_SIZE, heads, head_dim) for cache in caches]
+    shape = (4 * blocks, heads, BLOCK_SIZE, 2 * head_dim)
+    caches = [torch.randn(shape, device=device).to(dtype) for _ in range(num_layers)]
+    if device == "cpu":
+        layer = _CpuLayer(dtype, head_dim)
+        gathers = [probe_layout(layer, cache, BLOCK_SIZE, heads, head_dim) for cache in caches]
+    else:
+        gathers = [torch.arange(2 * BLOCK_SIZE * heads * head_dim, device=device)] * num_layers
     copier = BlockCopier(caches, gathers, (2, BLOCK_SIZE, heads, head_dim))
-    pool = private_pool([4 * blocks, num_layers, 2, BLOCK_SIZE, heads, head_dim], "bfloat16").tensor
-    vllm_ids = torch.randperm(4 * blocks)[:blocks]
-    pool_ids = torch.randperm(4 * blocks)[:blocks]
-    flat_src = torch.randn(4 * blocks, copier.block_bytes // 2).to(dtype)
+    pool = private_pool([4 * blocks, num_layers, 2, BLOCK_SIZE, heads, head_dim], "bfloat16", device).tensor
+    vllm_ids = torch.randperm(4 * blocks, device=device)[:blocks]
+    pool_ids = torch.randperm(4 * blocks, device=device)[:blocks]
+    flat_src = torch.randn(4 * blocks, copier.block_bytes // 2, device=device).to(dtype)
     flat_dst = torch.empty_like(flat_src)
+
+    def sync() -> None:
+        if device != "cpu":
+            torch.cuda.synchronize()
 
     def best(fn) -> float:
         times = []
         for _ in range(repeats):
+            sync()
             start = time.perf_counter()
             fn()
+            sync()
             times.append(time.perf_counter() - start)
         return blocks * copier.block_bytes / min(times) / 1e9
 
@@ -222,10 +238,13 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="one TTFT round, 24 throughput requests")
     args = ap.parse_args()
     rounds, requests = (1, 24) if args.quick else (3, 48)
+    import torch
+
     from kvtier.cli.stack import LocalStack
 
-    rates = copy_rates(num_layers=4, heads=2, head_dim=64)
-    print(f"copies (bfloat16, vLLM CPU layout {rates['layout']}): load {rates['load_gbs']:.2f} GB/s, "
+    gpu = torch.cuda.is_available()
+    rates = copy_rates(num_layers=4, heads=2, head_dim=64, device="cuda" if gpu else "cpu")
+    print(f"copies (bfloat16 on {'cuda' if gpu else 'cpu'}, vLLM's layout {rates['layout']}): load {rates['load_gbs']:.2f} GB/s, "
           f"save {rates['save_gbs']:.2f} GB/s, plain copy {rates['memcpy_gbs']:.2f} GB/s", flush=True)  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="kvtier-vllm-bench-") as tmp:
         run_dir = Path(tmp)
@@ -237,10 +256,10 @@ def main() -> int:
         env = {**os.environ, "KVTIER_RUN_DIR": str(run_dir), "KVTIER_TOKEN": token, "VLLM_CPU_KVCACHE_SPACE": "1",
                "VLLM_CPU_OMP_THREADS_BIND": "nobind", "PYTHONUNBUFFERED": "1"}  # fmt: skip
         cache_args = ["--model", str(model), "--block-size", str(BLOCK_SIZE), "--kv-cache-dtype", "bfloat16",
-                      "--num-blocks", "4096"]  # fmt: skip
+                      "--num-blocks", "4096", "--compute-replicas", "0"]  # fmt: skip
         stack = LocalStack(run_dir, cache_args=cache_args, num_replicas=0, env=env)
         stack.start_cache()
-        servers = [Server(n, model, run_dir, env, connector=n != "C") for n in ("A", "B", "C")]
+        servers = [Server(n, model, run_dir, env, connector=n != "C", gpu=gpu) for n in ("A", "B", "C")]
         try:
             for server in servers:
                 server.wait()

@@ -18,6 +18,11 @@
 #                          generate (bf16 through the stack, fp32 through the runner), serving
 #                          throughput vs generate and generate_batch; gpu_stack.json; cache.log (the
 #                          logged device memory plan), compute-*.log
+#   vllm-connector.txt     bench/vllm_connector.py --quick (issue 33), when vLLM's CUDA build is
+#                          installed (never installed here: it brings its own torch): a cuda cache
+#                          service and three vLLM engines on the device, TTFT of a prefix another
+#                          engine computed (loaded by CUDA IPC, device to device) vs recompute,
+#                          throughput with/without KvtierConnector, load/save GB/s vs a plain copy
 #   summary.txt            each step's exit status and time, then every headline
 #
 # Usage:
@@ -149,6 +154,7 @@ if [ "$DRY" = 1 ]; then
     step help-gpu-stack 60 "$OUT/dry-gpu-stack.log" "$PY" bench/gpu_stack.py --help
     step help-swap 60 "$OUT/dry-swap.log" "$PY" bench/swap.py --help
     step help-decode 90 "$OUT/dry-decode.log" "$PY" bench/decode_attention.py --help
+    step help-vllm-connector 60 "$OUT/dry-vllm-connector.log" "$PY" bench/vllm_connector.py --help
     log "setup (not run): pip would install, torch and triton pinned: $(missing_packages)"
     step collect-tests 120 "$OUT/dry-collect.log" "${PYTEST[@]}" --collect-only "${CUDA_TESTS[@]}" "${KERNEL_TESTS[@]}"
     log "dry run: $failures step(s) failed; elapsed $(($(date +%s) - started)) s; results in $OUT"
@@ -208,6 +214,12 @@ fi
 step pytest-cuda 150 "$OUT/pytest-cuda.log" "${PYTEST[@]}" --junitxml="$OUT/junit-cuda.xml" "${CUDA_TESTS[@]}"
 step gpu-stack 300 "$OUT/gpu-stack.txt" "$PY" bench/gpu_stack.py --out "$OUT/gpu_stack" --budget-s 250
 step bench-swap 45 "$OUT/bench-swap.txt" "$PY" bench/swap.py --json "$OUT/swap.json"
+# kvtier as vLLM's KV cache on the device (CUDA IPC attach, device-to-device loads and saves).
+if "$PY" -c "import vllm" >/dev/null 2>&1; then
+    step vllm-connector 200 "$OUT/vllm-connector.txt" "$PY" bench/vllm_connector.py --quick
+else
+    log "step vllm-connector: SKIPPED (vLLM is not installed for $PY; pip install 'kvtier[vllm]' to include it)"
+fi
 step pytest-kernels 150 "$OUT/pytest-kernels.log" "${PYTEST[@]}" --junitxml="$OUT/junit-kernels.xml" "${KERNEL_TESTS[@]}"
 step bench-decode 120 "$OUT/bench-decode.txt" "$PY" bench/decode_attention.py --plot "$OUT/decode_attention.png"
 
@@ -220,6 +232,7 @@ step bench-decode 120 "$OUT/bench-decode.txt" "$PY" bench/decode_attention.py --
     [ -f "$OUT/bench-decode.txt" ] && echo "  decode attention: $(tail -1 "$OUT/bench-decode.txt")"
     [ -f "$OUT/bench-swap.txt" ] && grep '^headline' "$OUT/bench-swap.txt" | sed 's/^/  swap: /'
     [ -f "$OUT/gpu-stack.txt" ] && grep '^headline' "$OUT/gpu-stack.txt" | sed 's/^/  stack: /'
+    [ -f "$OUT/vllm-connector.txt" ] && echo "  vLLM connector: $(tail -1 "$OUT/vllm-connector.txt")"
     [ -f "$OUT/gpu_stack/cache.log" ] && echo "  device memory plan (cache service log):" \
         && grep -A8 'device memory plan for' "$OUT/gpu_stack/cache.log" | sed 's/^/    /'
 } | tee -a "$SUMMARY"

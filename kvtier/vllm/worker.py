@@ -88,7 +88,8 @@ class WorkerSide:
             ok = pool is not None and time.monotonic() < item.valid_until
             if ok:
                 device = self.copier.kv_caches[0].device
-                blocks = pool.tensor.index_select(0, torch.tensor(item.pool_block_ids, device=device))
+                pool_ids = torch.tensor(item.pool_block_ids, device=pool.tensor.device)
+                blocks = pool.tensor.index_select(0, pool_ids).to(device)  # device to device on a GPU
                 # NOTE: checked after the read: bytes read while the lease pinned them are the hit's.
                 ok = time.monotonic() < item.valid_until
                 if ok:
