@@ -9,7 +9,8 @@ pays for it. The path of one request is described in docs/architecture.md ("vLLM
 - ``cache_link``    one lease on the cache service: attach, heartbeat, re-attach after an outage
 - ``engine_check``  the engine against the pool (model, layers, heads, head size, dtype, block size)
 - ``block_layout``  vLLM's KV block layout, learned from its own attention write; batched copies
+- ``plan``          the per-step metadata the scheduler side hands the workers (loads, saves)
 - ``lookups``       scheduler side: which leading blocks the cache holds, off the scheduler's thread
-- ``saves``         worker side: new full blocks staged out of vLLM's cache, written and committed
-- ``connector``     the ``KVConnectorBase_V1`` itself and its per-step metadata
+- ``worker``        worker side: hits copied in; new full blocks staged out, written and committed
+- ``connector``     the ``KVConnectorBase_V1`` itself, routing vLLM's calls to the two sides
 """
