@@ -41,10 +41,12 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from kvtier.cachesvc.disk_records import (
+    CHECKSUM_BYTES,
     KEY_PREFIX_BYTES,
     BadRecord,
     RecordLayout,
     decode,
+    decode_head,
     encode,
     file_name,
     record_bytes,
@@ -60,6 +62,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvtier.cache")
 
 POLICIES = ("evict", "through")
+REGISTER_BYTES = 16 << 20  # load destinations this large (the pool) are registered with the transfer engine
 KNOWN_KEYS = 65536  # keys this node knows the store held when last asked (the cheap ``held`` view)
 OBJECT_PREFIX = "kvtier"
 
@@ -86,6 +89,18 @@ def encode_object(layout: RecordLayout, key: bytes, payload) -> list[bytes]:
     return [head, bytes(body), checksum]
 
 
+def check_parts(layout: RecordLayout, key: bytes, scratch, head: int, row) -> None:
+    """The checks of ``decode_object`` on an object landed in parts: its ``head`` bytes of header
+    and meta and its checksum in ``scratch`` (uint8, ``head + 32``), its payload in ``row``."""
+    body = memoryview(scratch)[:head]
+    digest = hashlib.blake2b(body, digest_size=CHECKSUM_BYTES)
+    digest.update(memoryview(row.numpy()))
+    if digest.digest() != bytes(scratch[head:]):
+        raise BadRecord("checksum mismatch (the bytes changed after they were written)")
+    if decode_head(layout, bytes(body), head + layout.block_bytes + CHECKSUM_BYTES, file_name(key)) != key:
+        raise BadRecord("carries another block's key")
+
+
 def decode_object(layout: RecordLayout, key: bytes, data: bytes) -> memoryview:
     """The payload of object ``data`` fetched for ``key``, after every check; BadRecord otherwise."""
     return decode(layout, data, file_name(key), key)[1]
@@ -109,6 +124,7 @@ class SharedTier(Tier):
         self._known: OrderedDict[bytes, None] = OrderedDict()
         self._epoch = client.breaker.epoch  # the store's objects may be gone after it was down
         self._view = _StoreView(self)
+        self._scratch_rows = None  # _scratch's buffer
         self._pending: set[bytes] = set()  # queued for the store, not yet written (lookup: NOT_YET)
         self._results: list[JobResult] = []
         self._events: deque = deque()
@@ -212,32 +228,92 @@ class SharedTier(Tier):
     # -- loads ------------------------------------------------------------------------------------
 
     def submit_load(self, job: Job) -> None:
-        """Fetch the job's keys in bounded batches (each fits the client's transfer buffer); copy
-        the leading run that passes every check."""
+        """Fetch the job's keys in bounded batches (each fits the client's transfer buffer) and
+        land the leading run that passes every check in its rows; ``finished_jobs`` says how many.
+        Host rows take each payload in place (the object scattered into a header buffer, the row
+        and a checksum buffer, then checked there: a row that fails is the block to recompute);
+        device rows through host bytes."""
         blocks = job.blocks
         names = [object_name(self.layout, k) for k in blocks.keys]
-        n = 0
-        for key, row_id, data in zip(blocks.keys, blocks.row_ids, self._fetch(names), strict=False):
-            if not data:
-                self._forget(key)
-                self._counts["misses"] += 1
-                break
-            try:
-                payload = decode_object(self.layout, key, data)
-            except BadRecord as e:
-                self._counts["bad_objects"] += 1
-                self._forget(key)
-                log.warning("shared tier: object %s refused (%s); recomputing it", names[n], e)
-                break
-            _copy_into(blocks.rows[row_id], payload)
-            n += 1
+        direct = not blocks.rows.is_cuda and blocks.rows.is_contiguous()
+        n = self._load_in_place(blocks, names) if direct else self._load_copied(blocks, names)
         self._counts["hits"] += n
         self._counts["promotions"] += n
         self._results.append(JobResult(job.job_id, n))
 
+    def _load_in_place(self, blocks: Blocks, names: list[str]) -> int:
+        """NOTE: a whole batch lands at once, so a row past the run it reports may have been
+        written (an object after one that failed its checks): those are the blocks the caller
+        computes. Keys this node does not know the store holds are asked first, so a plain miss
+        ends the batch before anything lands."""
+        known = self._known_now()
+        unknown = [i for i, k in enumerate(blocks.keys) if k not in known]
+        if unknown:
+            found = self.client.exists([names[i] for i in unknown]) or [False] * len(unknown)
+            missing = [i for i, f in zip(unknown, found, strict=True) if not f]
+            names = names[: missing[0]] if missing else names
+        rows, head = blocks.rows, self.record_size - self.block_bytes - CHECKSUM_BYTES
+        if rows.numel() >= REGISTER_BYTES:  # the pool: registered once, transfers land in place
+            self.client.register(rows.data_ptr(), rows.numel())
+        n, per_call = 0, self._per_call
+        scratch = self._scratch(head)
+        for start in range(0, len(names), per_call):
+            chunk = names[start : start + per_call]
+            ptrs = [
+                [scratch[i].ctypes.data, rows[r].data_ptr(), scratch[i].ctypes.data + head]
+                for i, r in enumerate(blocks.row_ids[start : start + len(chunk)])
+            ]
+            sizes = [[head, self.block_bytes, CHECKSUM_BYTES]] * len(chunk)
+            for i, size in enumerate(self.client.get_into(chunk, ptrs, sizes) or ()):
+                row = rows[blocks.row_ids[n]]
+                if not self._accept(blocks.keys[n], names[n], size, check_parts, scratch[i], head, row):
+                    return n
+                n += 1
+            if n < start + len(chunk):
+                return n
+        return n
+
+    def _load_copied(self, blocks: Blocks, names: list[str]) -> int:
+        n = 0
+        for key, row_id, data in zip(blocks.keys, blocks.row_ids, self._fetch(names), strict=False):
+            if not self._accept(key, names[n], len(data), decode_object, data):
+                break
+            _copy_into(blocks.rows[row_id], decode_object(self.layout, key, data))
+            n += 1
+        return n
+
+    def _accept(self, key: bytes, name: str, size: int, check, *args) -> bool:
+        """Whether the object fetched for ``key`` (``size`` bytes, <= 0: missing) passes
+        ``check(layout, key, *args)`` (BadRecord if not)."""
+        if size <= 0:
+            self._forget(key)
+            self._counts["misses"] += 1
+            return False
+        try:
+            check(self.layout, key, *args)
+        except BadRecord as e:
+            self._counts["bad_objects"] += 1
+            self._forget(key)
+            log.warning("shared tier: object %s refused (%s); recomputing it", name, e)
+            return False
+        return True
+
+    @property
+    def _per_call(self) -> int:
+        return max(1, self.client.buffer_bytes // (2 * self.record_size))
+
+    def _scratch(self, head: int):
+        """Per object of one batch: its header and checksum bytes (numpy, registered once)."""
+        if self._scratch_rows is None:
+            import numpy as np
+
+            self._scratch_rows = np.zeros((self._per_call, head + CHECKSUM_BYTES), np.uint8)
+            self.client.register(self._scratch_rows.ctypes.data, self._scratch_rows.nbytes)
+        return self._scratch_rows
+
     def _fetch(self, names: list[str]):
         """The objects under ``names`` in order, batch by batch, until one is missing or a call fails."""
-        per_call = max(1, self.client.buffer_bytes // (2 * self.record_size))
+        per_call = self._per_call
         for start in range(0, len(names), per_call):
             objects = self.client.get(names[start : start + per_call])
             if not objects:

@@ -152,6 +152,7 @@ class StoreClient:
         self._reading: Future | None = None  # the read in flight (one at a time)
         self._queue: deque[tuple[str, list | Callable[[], list], Callable | None]] = deque()
         self._writing = False  # the writer holds an object it took off the queue
+        self._registered: set[int] = set()  # buffers registered with the transfer engine
         self._cond = threading.Condition()
         self._closed = False
         self._writer = threading.Thread(target=self._write_loop, name="kvtier-store-write", daemon=True)
@@ -235,6 +236,25 @@ class StoreClient:
     def get(self, keys: Sequence[str]) -> list[bytes] | None:
         """The objects under ``keys`` (``b""`` for one the store does not hold), or None."""
         return self._read(self._store_get, list(keys), "get")
+
+    def get_into(
+        self, keys: Sequence[str], ptrs: list[list[int]], sizes: list[list[int]]
+    ) -> list[int] | None:
+        """Each object of ``keys`` scattered into its buffers (``ptrs[i]``, ``sizes[i]`` bytes each,
+        in order: the object's bytes end to end), or None; per key its size, or < 0 (missing)."""
+        return self._read(
+            lambda k: self._store.batch_get_into_multi_buffers(k, ptrs, sizes), list(keys), "get"
+        )
+
+    def register(self, ptr: int, size: int) -> bool:
+        """Register ``size`` bytes at ``ptr`` with the transfer engine once (gets land there
+        without a bounce through the client's buffer); False if it refused or did not answer."""
+        if ptr in self._registered:
+            return True
+        done = self._read(lambda _: self._store.register_buffer(ptr, size), ["register"], "register")
+        if done == 0:
+            self._registered.add(ptr)
+        return done == 0
 
     def remove(self, keys: Sequence[str]) -> list[bool] | None:
         """Remove ``keys`` from the store (whatever leases hold them); per key whether it was there."""
