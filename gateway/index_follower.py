@@ -26,7 +26,7 @@ from kvtier.block_hash import BlockHash
 from kvtier.cache_client import CacheClient
 from kvtier.gateway.discovery import Node
 from kvtier.gateway.node_load import NodeLoad
-from kvtier.media import LOWER_MEDIA
+from kvtier.media import LOWER_MEDIA, Medium
 
 log = logging.getLogger("kvtier.gateway.router")
 
@@ -56,6 +56,9 @@ class NodeState:
     load: NodeLoad = field(default_factory=NodeLoad)  # this gateway's requests on the node
     down_until: float = 0.0
     tasks: list[asyncio.Task] = field(default_factory=list)
+    # The router's nodes, this one included: a medium every node reads (kvtier.media's
+    # across_nodes, the shared tier) holds for this node what any node's cache wrote there.
+    peers: list[NodeState] = field(default_factory=list, repr=False, compare=False)
 
     @property
     def name(self) -> str:
@@ -108,13 +111,33 @@ def predicted_hit(state: NodeState, hashes: Sequence[BlockHash], prompt_len: int
     while device < len(hashes) and hashes[device] in state.hashes:
         device += 1
     below: dict[str, int] = {}
-    media = [(m.name, state.index(m.name)) for m in LOWER_MEDIA]
+    media = [(m.name, _held_on(state, m)) for m in LOWER_MEDIA]
     for h in hashes[device:]:
         name = next((name for name, held in media if h in held), None)
         if name is None:
             break
         below[name] = below.get(name, 0) + bs
     return PredictedHit(device * bs, below)
+
+
+class _AnyOf:
+    """``h in view``: in any of ``sets``."""
+
+    __slots__ = ("sets",)
+
+    def __init__(self, sets: list[set[BlockHash]]) -> None:
+        self.sets = sets
+
+    def __contains__(self, h: object) -> bool:
+        return any(h in s for s in self.sets)
+
+
+def _held_on(state: NodeState, m: Medium):
+    """What ``state``'s node can load from medium ``m``: its own index, or for a medium every node
+    reads (the shared tier) what any of the router's nodes reported writing there."""
+    if m.across_nodes and state.peers:
+        return _AnyOf([peer.index(m.name) for peer in state.peers])
+    return state.index(m.name)
 
 
 def capped(device: int, below: dict[str, int], prompt_len: int, block_size: int) -> PredictedHit:

@@ -133,7 +133,8 @@ class Router:
         self._tls_ca = tls_ca
         self._rr = itertools.count()
         self._random = random.Random(seed)
-        self.states: list[NodeState] = [self._state_of(node) for node in nodes]
+        self.states: list[NodeState] = []  # every state's `peers` (a shared tier's hits are any node's)
+        self.states += [self._state_of(node) for node in nodes]
         self._started = False
         self._dns_task: asyncio.Task | None = None
 
@@ -141,7 +142,7 @@ class Router:
         client = CacheClient.connect(
             node.cache, self._token, aio=True, tls_ca=self._tls_ca, timeout_s=STATS_TIMEOUT_S
         )
-        state = NodeState(node, client)
+        state = NodeState(node, client, peers=self.states)
         self.metrics.watch_node(state.name, lambda: state.up(time.monotonic()), lambda: state.inflight)
         return state
 

@@ -198,3 +198,35 @@ def test_master_killed_calls_stay_bounded_and_the_tier_comes_back(store, caplog)
         assert load_blocks(tier, keys)[0] == 2
     finally:
         tier.close()
+
+
+def test_the_router_prices_a_shared_tier_hit_on_every_node():
+    """What one node's cache wrote to the shared tier (its BlockStored events, medium "shared") is a
+    hit the router predicts on every node, priced by the media table below a host hit."""
+    from kvtier.gateway.discovery import Node
+    from kvtier.gateway.index_follower import NodeState, predicted_hit
+    from kvtier.gateway.scoring import NodeFigures, rank
+    from kvtier.media import medium
+
+    peers: list[NodeState] = []
+    a, b = (NodeState(Node(name, f"unix:///{name}", []), None, peers=peers) for name in ("a", "b"))
+    peers += [a, b]
+    for state in peers:
+        state.block_size = BS
+    hashes = [hash_preimage(k) for k in chain(list(range(600, 600 + 4 * BS)))]
+    a.index("shared").update(hashes)  # node A wrote the prefix through
+    a.index("host").update(hashes[:2])
+    prompt_len = 4 * BS + 1
+    on_a, on_b = predicted_hit(a, hashes, prompt_len), predicted_hit(b, hashes, prompt_len)
+    assert on_a.below == {"host": 2 * BS, "shared": 2 * BS}
+    assert on_b.below == {"shared": 4 * BS}  # B fetches the whole prefix from the store
+    assert predicted_hit(NodeState(Node("c", "unix:///c", []), None), hashes, prompt_len).total == 0
+    assert medium("host").price < medium("shared").price < 1.0 and medium("shared").across_nodes
+    # B, idle, beats A with work queued; with equal loads A (a host hit) beats B (a store hit).
+    figures = [
+        NodeFigures(0, outstanding_tokens=4000, below_tokens=on_a.below),
+        NodeFigures(0, below_tokens=on_b.below),
+    ]
+    assert rank(figures, prompt_len, 1.0, 0).order[0] == 1
+    figures = [NodeFigures(0, below_tokens=on_a.below), NodeFigures(0, below_tokens=on_b.below)]
+    assert rank(figures, prompt_len, 1.0, 0).order[0] == 0
