@@ -1,0 +1,312 @@
+"""kvtier as vLLM's KV cache: real vLLM engines (``python -m vllm.entrypoints.openai.api_server``, the
+CPU build) with ``KvtierConnector``, a real cache service, the official ``openai`` client; no mocks.
+
+One cache service and two engines (A, B) serve the whole module, so it starts vLLM three times
+(A, B, A again after its SIGKILL) plus one engine that must be refused, started beside them. The
+tests run in file order and each leaves the stack serving. The model is a seeded-random byte Llama
+with head size 32 (vLLM's CPU attention needs 32 or more) and 4,096 positions, float32 (the cache
+service's default on cpu-shm); vLLM's CPU attention needs a block size that is a multiple of 32.
+
+"Greedy output equal to a vLLM run without the connector": engine A computes each prompt from
+nothing (its connector only saves), so A's tokens are vLLM's own; B's are compared with them when
+B loaded the prefix from kvtier.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh installs its CPU build)")
+
+import httpx  # noqa: E402
+import openai  # noqa: E402
+from servers import TOKEN, cache_service, child_env, wait_until  # noqa: E402
+
+from kvtier.cache_client import CacheClient  # noqa: E402
+from kvtier.cli.stack import wait_serving  # noqa: E402
+
+BLOCK_SIZE = 32
+LONG_PREFIX = 1100  # tokens: 34 full blocks (1,088 tokens) can hit
+ENGINE_START_S = 600.0  # a vLLM start on a loaded 2-core machine takes one to three minutes
+KV_CONFIG = (
+    '{"kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.vllm.connector", '
+    '"kv_role": "kv_both", "kv_load_failure_policy": "recompute"}'
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(length)]
+
+
+class Engine:
+    """One vLLM OpenAI server (and its engine core) in its own session, so a kill takes all of it."""
+
+    def __init__(self, name: str, run_dir: Path, model_dir: Path, *args: str):
+        self.name, self.model = name, str(model_dir)
+        self.port = free_port()
+        self.log_path = run_dir / f"{name}.log"
+        self.env = child_env(
+            run_dir, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1"
+        )
+        self.command = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+            "--host", "127.0.0.1", "--port", str(self.port), "--enforce-eager", "--max-model-len", "4096",
+            "--distributed-executor-backend", "uni", "--block-size", str(BLOCK_SIZE), "--kv-transfer-config", KV_CONFIG, *args,
+        ]  # fmt: skip
+        self.start()
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", timeout=300)
+
+    def start(self) -> None:
+        with open(self.log_path, "a") as log:
+            self.proc = subprocess.Popen(
+                self.command, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self) -> Engine:
+        def ready():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"{self.name} exited with {self.proc.returncode}:\n{self.log()[-6000:]}")
+            try:
+                return httpx.get(f"http://127.0.0.1:{self.port}/v1/models", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(ready, ENGINE_START_S, f"vLLM engine {self.name} to serve")
+        return self
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+            self.proc.wait(60)
+
+    def complete(self, tokens: list[int], max_tokens: int = 8, salt: str | None = None) -> list[int]:
+        """Greedy completion of `tokens` (EOS ignored); the generated token ids."""
+        extra = {"return_token_ids": True, "ignore_eos": True, **({"cache_salt": salt} if salt else {})}
+        reply = self.client.completions.create(
+            model=self.model, prompt=tokens, max_tokens=max_tokens, temperature=0, extra_body=extra
+        )
+        return list(reply.choices[0].model_extra["token_ids"])
+
+    def external_hits(self) -> float:
+        """vLLM's count of prompt tokens its KV connector supplied (`vllm:external_prefix_cache_hits`)."""
+        text = httpx.get(f"http://127.0.0.1:{self.port}/metrics", timeout=10).text
+        found = re.findall(r"^vllm:external_prefix_cache_hits_total(?:\{[^}]*\})? (\S+)$", text, re.M)
+        assert found, "vLLM's /metrics has no vllm:external_prefix_cache_hits_total"
+        return sum(float(v) for v in found)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> tuple[Path, Path]:
+    """The engines' model, and another one (other weights) for the refused engine."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvtier.computesvc.model import seed_weights
+    from kvtier.model_spec import TINY_LLAMA_CONFIG
+    from kvtier.tokenizer import build_byte_tokenizer
+
+    dirs = []
+    for seed in (0, 1):
+        path = tmp_path_factory.mktemp(f"vllm-llama-{seed}")
+        config = LlamaConfig(
+            **{
+                **TINY_LLAMA_CONFIG,
+                "num_attention_heads": 2,
+                "max_position_embeddings": 4096,
+                "dtype": "float32",
+            }
+        )
+        torch.manual_seed(seed)
+        seed_weights(LlamaForCausalLM(config), seed).save_pretrained(path)
+        build_byte_tokenizer().save_pretrained(path)
+        dirs.append(path)
+    return dirs[0], dirs[1]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, model_dirs):
+    """A cache service (160 blocks of 32 tokens, a 4 MiB host cache of 128 blocks, a disk tier) with engines A and
+    B, and the refused engine started beside them; all stopped at the end."""
+    run_dir = tmp_path_factory.mktemp("vllm-run")
+    os.chmod(run_dir, 0o700)
+    started = time.monotonic()
+    cache_args = ["--model", str(model_dirs[0]), "--block-size", str(BLOCK_SIZE), "--num-blocks", "160",
+                  "--host-cache-gib", "0.004", "--disk-path", str(run_dir / "disk"), "--lease-ttl", "2"]  # fmt: skip
+    with cache_service(run_dir, *cache_args) as cache:
+        engines = {
+            "A": Engine("engine-a", run_dir, model_dirs[0], "--dtype", "float32"),
+            "B": Engine("engine-b", run_dir, model_dirs[0], "--dtype", "float32"),
+            # Another model, vLLM's CPU default dtype (bfloat16) and block size 64: refused at startup.
+            "refused": Engine("engine-refused", run_dir, model_dirs[1], "--block-size", "64"),
+        }
+        try:
+            for name in ("A", "B"):
+                engines[name].wait_ready()
+            print(f"\nvLLM engines A and B serving after {time.monotonic() - started:.0f}s")
+            yield {"cache": cache, "run_dir": run_dir, **engines}
+        finally:
+            for engine in engines.values():
+                engine.kill()
+            print(f"\ntest_vllm_connector's stack ran {time.monotonic() - started:.0f}s")
+
+
+def cache_client(stack) -> CacheClient:
+    return CacheClient.connect(stack["cache"].address, TOKEN, timeout_s=10.0)
+
+
+def held_tokens(stack, tokens: list[int], salt: str = "") -> tuple[int, int, int]:
+    """(device, host, disk) tokens of `tokens` the cache service holds under `salt`."""
+    client = cache_client(stack)
+    try:
+        reply = client.lookup_prefix([tokens], tenant_salt=salt)
+    finally:
+        client.close()
+    return (
+        reply.num_cached_tokens[0],
+        *(t[0] if t else 0 for t in (reply.num_host_tokens, reply.num_disk_tokens)),
+    )
+
+
+def wait_saved(stack, tokens: list[int], salt: str = "") -> None:
+    """Until every full block of `tokens` is in the cache (a save is written after the step)."""
+    full = len(tokens) // BLOCK_SIZE * BLOCK_SIZE
+    wait_until(lambda: sum(held_tokens(stack, tokens, salt)) >= full, 60, f"{full} tokens saved to kvtier")
+
+
+PREFIX = prompt(1, LONG_PREFIX)
+OUTPUTS: dict[str, list[int]] = {}  # greedy outputs A computed from nothing, by prompt name
+
+
+def test_prefix_computed_by_one_engine_is_loaded_by_another(stack):
+    a, b = stack["A"], stack["B"]
+    OUTPUTS["prefix"] = a.complete(PREFIX, max_tokens=16)
+    wait_saved(stack, PREFIX)
+    before = b.external_hits()
+    assert b.complete(PREFIX, max_tokens=16) == OUTPUTS["prefix"]
+    # Every full block below the last prompt token came from kvtier: 34 blocks.
+    assert b.external_hits() - before == (LONG_PREFIX - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+
+def test_cache_salt_separates_tenants(stack):
+    a, b = stack["A"], stack["B"]
+    tokens = prompt(2, 100)  # 3 full blocks: size does not matter here
+    expected = a.complete(tokens, salt="alice")
+    wait_saved(stack, tokens, salt="alice")
+    assert held_tokens(stack, tokens, salt="bob") == (0, 0, 0)
+    assert held_tokens(stack, tokens) == (0, 0, 0)  # nor without a salt
+    before = b.external_hits()
+    assert b.complete(tokens, salt="bob") == expected
+    assert b.external_hits() == before, "another salt's blocks were loaded"
+    assert b.complete(tokens, salt="alice") == expected
+    assert b.external_hits() - before == 96, "the same salt's blocks were not loaded"
+
+
+def test_restarted_engine_hits_its_prefixes_in_every_tier(stack):
+    """A is SIGKILLed and started again; meanwhile B's prompts push A's prefix out of the pool, past
+    the host cache, onto disk. A new hits it there, and a later prompt in the host cache."""
+    a, b = stack["A"], stack["B"]
+    old_leases = {lease.client_name for lease in leases(stack) if lease.client_name.startswith("vllm")}
+    a.kill()
+    a.start()
+    fillers = [prompt(100 + i, 1000) for i in range(12)]  # 31 blocks each: the pool holds 160, the host 128
+    filler_outputs = [b.complete(tokens) for tokens in fillers]
+    wait_until(lambda: held_tokens(stack, PREFIX)[2] >= 1088, 60, "the long prefix written to the disk tier")
+    a.wait_ready()
+    before = a.external_hits()
+    assert a.complete(PREFIX, max_tokens=16) == OUTPUTS["prefix"]
+    assert a.external_hits() - before == 1088, "the prefix on disk was not loaded"
+    # Promoting the prefix moved blocks down a tier again; the newest filler the host cache holds
+    # whole now (promoting it evicts pool blocks into the host cache, whose oldest entries go):
+    in_host = wait_until(
+        lambda: [i for i, tokens in enumerate(fillers) if held_tokens(stack, tokens)[1:] == (992, 0)],
+        60,
+        "a filler prompt whole in the host cache",
+    )
+    assert a.complete(fillers[in_host[-1]]) == filler_outputs[in_host[-1]]
+    assert a.external_hits() - before == 1088 + 992, "the prompt in the host cache was not loaded"
+
+    # The killed engine's two leases (scheduler, worker) expired and left nothing behind: B's two and
+    # the new A's two are all that is left.
+    def engine_leases() -> set[str]:
+        return {lease.client_name for lease in leases(stack) if lease.client_name.startswith("vllm")}
+
+    wait_until(lambda: len(engine_leases()) == 4 and len(old_leases & engine_leases()) == 2, 30,
+               "the killed engine's leases expiring")  # fmt: skip
+    wait_until(lambda: all(lease.num_sequences == 0 for lease in leases(stack)), 30, "every sequence freed")
+
+
+def leases(stack):
+    client = cache_client(stack)
+    try:
+        return list(client.get_stats().leases)
+    finally:
+        client.close()
+
+
+def test_sigkill_cache_service_requests_complete_and_loads_resume(stack):
+    a, b, cache = stack["A"], stack["B"], stack["cache"]
+    prompts = [prompt(200 + i, 300) for i in range(6)]
+    expected = [a.complete(tokens, max_tokens=24) for tokens in prompts]
+    results: dict[int, list[int]] = {}
+
+    def run(i: int) -> None:
+        results[i] = b.complete(prompts[i], max_tokens=24)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.3)  # a fault injected mid-run: the requests are in flight
+    cache.stop(signal.SIGKILL)
+    for thread in threads:
+        thread.join(300)
+    assert [results.get(i) for i in range(len(prompts))] == expected
+    # With the service down, a new request is computed by vLLM alone, correctly.
+    lonely = prompt(300, 200)
+    lonely_expected = b.complete(lonely)
+    assert a.complete(lonely) == lonely_expected
+    cache.restart()
+    wait_serving(cache)
+    wait_until(lambda: sum(lease.client_name.startswith("vllm") for lease in leases(stack)) == 4, 60,
+               "both engines' scheduler and worker re-attached")  # fmt: skip
+    fresh = prompt(400, 300)
+    fresh_expected = a.complete(fresh)
+    wait_saved(stack, fresh)
+    before = b.external_hits()
+    assert b.complete(fresh) == fresh_expected
+    assert b.external_hits() - before == 288, "loads did not resume after the cache service came back"
+
+
+def test_engine_for_another_model_dtype_and_block_size_is_refused(stack):
+    refused = stack["refused"]
+    wait_until(lambda: refused.proc.poll() is not None, ENGINE_START_S, "the mismatched vLLM engine to exit")
+    assert refused.proc.returncode != 0
+    lines = [line for line in refused.log().splitlines() if "this vLLM engine cannot use the pool" in line]
+    assert lines, refused.log()[-6000:]
+    line = lines[-1]
+    for part in (
+        "model_fingerprint",
+        "dtype bfloat16 (vLLM) != float32 (pool)",
+        "block_size 64 (vLLM) != 32 (pool)",
+    ):
+        assert part in line, line
