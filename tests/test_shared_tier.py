@@ -22,7 +22,7 @@ from kvtier.cachesvc.tiers import Blocks, Job, Lookup
 
 try:
     import mooncake.store as mooncake_store
-except ImportError as e:  # the wheel missing, or libibverbs1 / librdmacm1 (scripts/setup.sh installs both)
+except ImportError as e:  # the wheel, or libibverbs1 / librdmacm1 (scripts/setup.sh)
     pytest.skip(
         f"Mooncake Store's client cannot load ({e}): install kvtier[mooncake]", allow_module_level=True
     )

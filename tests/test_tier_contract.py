@@ -50,9 +50,7 @@ def _shared(tmp_path: Path) -> Tier:
     (a model fingerprint of its own: object names differ), so tests never see each other's objects."""
     try:
         import mooncake.store  # noqa: F401
-    except (
-        ImportError
-    ) as e:  # the wheel missing, or libibverbs1 / librdmacm1 (scripts/setup.sh installs both)
+    except ImportError as e:  # the wheel, or libibverbs1 / librdmacm1 (scripts/setup.sh)
         pytest.skip(f"Mooncake Store's client cannot load ({e}): install kvtier[mooncake]")
     import atexit
     import dataclasses
