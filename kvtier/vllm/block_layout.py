@@ -70,6 +70,46 @@ def probe_layout(
     return gather
 
 
+def bit_moves(gather: torch.Tensor, parts: int = 2) -> list[tuple[dict[int, int], list[int]]] | None:
+    """``gather`` as strided views, when it is one: per part of kvtier's block (K, then V), the raw
+    bits it holds fixed (bit -> value) and, for each of the part's index bits from the highest, the
+    raw bit it moves to; None when a size is not a power of two or a part is not a bit permutation.
+
+    NOTE: vLLM's layouts are transposes and packings of power-of-two dims, which are exactly such
+    bit permutations; a strided copy of them runs at memory speed, an element gather at a fraction.
+    """
+    elements = gather.numel()
+    bits = elements.bit_length() - 1
+    if elements != 1 << bits or elements % parts:
+        return None
+    size = elements // parts
+    part_bits = size.bit_length() - 1
+    index = torch.arange(size, device=gather.device)
+    moves = []
+    for part in range(parts):
+        sub = gather[part * size : (part + 1) * size]
+        base = int(sub[0])
+        steps = [int(sub[1 << b]) - base for b in range(part_bits)]
+        if any(d <= 0 or d & (d - 1) or base & d for d in steps) or len(set(steps)) != part_bits:
+            return None
+        rebuilt = base + sum(((index >> b) & 1) * d for b, d in enumerate(steps))
+        if not torch.equal(rebuilt, sub):
+            return None
+        used = {d.bit_length() - 1 for d in steps}
+        fixed = {r: (base >> r) & 1 for r in range(bits) if r not in used}
+        moves.append((fixed, [steps[b].bit_length() - 1 for b in reversed(range(part_bits))]))
+    return moves
+
+
+def _part_view(rows: torch.Tensor, bits: int, fixed: dict[int, int], order: list[int]) -> torch.Tensor:
+    """The view of ``rows`` ``[n, 2**bits]`` holding one part, its dims in the part's bit order."""
+    view = rows.view(rows.shape[0], *[2] * bits)
+    for raw_bit in sorted(fixed):  # dim of raw bit r is bits - r; lowest bits first keeps dims valid
+        view = view.select(bits - raw_bit, fixed[raw_bit])
+    remaining = [r for r in reversed(range(bits)) if r not in fixed]  # the view's dims, highest bit first
+    return view.permute(0, *[1 + remaining.index(r) for r in order])
+
+
 class BlockCopier:
     """Whole blocks between vLLM's per-layer caches and kvtier's pool, batched.
 
@@ -91,6 +131,8 @@ class BlockCopier:
         # NOTE: a layout equal to kvtier's (an identity permutation) skips the gather, one copy less.
         self.gathers = [None if torch.equal(g, identity) else g for g in gathers]
         self.scatters = [None if g is None else torch.argsort(g) for g in self.gathers]
+        self.moves = [None if g is None else bit_moves(g, parts=block_shape[0]) for g in self.gathers]
+        self.bits = self.elements.bit_length() - 1
 
     @property
     def num_layers(self) -> int:
@@ -103,7 +145,16 @@ class BlockCopier:
                           device=self.kv_caches[0].device)  # fmt: skip
         for layer, (cache, gather) in enumerate(zip(self.kv_caches, self.gathers, strict=True)):
             rows = cache.index_select(0, vllm_block_ids).reshape(n, self.elements)
-            out[:, layer] = rows if gather is None else rows.index_select(1, gather)
+            moves = self.moves[layer]
+            if gather is None:
+                out[:, layer] = rows
+            elif moves is None:
+                out[:, layer] = rows.index_select(1, gather)
+            else:
+                parts = out[:, layer].view(n, len(moves), -1)
+                for part, (fixed, order) in enumerate(moves):
+                    dst = parts[:, part].view(n, *[2] * len(order))
+                    dst.copy_(_part_view(rows, self.bits, fixed, order))
         return out.view(n, self.num_layers, *self.block_shape)
 
     def write_blocks(self, vllm_block_ids: torch.Tensor, blocks: torch.Tensor) -> None:
@@ -111,5 +162,14 @@ class BlockCopier:
         n = len(vllm_block_ids)
         flat = blocks.reshape(n, self.num_layers, self.elements)
         for layer, (cache, scatter) in enumerate(zip(self.kv_caches, self.scatters, strict=True)):
-            rows = flat[:, layer] if scatter is None else flat[:, layer][:, scatter]
+            moves = self.moves[layer]
+            if scatter is None:
+                rows = flat[:, layer]
+            elif moves is None:
+                rows = flat[:, layer][:, scatter]
+            else:
+                rows = torch.empty((n, self.elements), dtype=flat.dtype, device=flat.device)
+                parts = flat[:, layer].reshape(n, len(moves), -1)
+                for part, (fixed, order) in enumerate(moves):
+                    _part_view(rows, self.bits, fixed, order).copy_(parts[:, part].view(n, *[2] * len(order)))
             cache.index_copy_(0, vllm_block_ids, rows.reshape(n, *cache.shape[1:]))
