@@ -62,6 +62,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvtier.cache")
 
 POLICIES = ("evict", "through")
+BATCH_BYTES = 8 << 20  # bytes of objects one get asks for
 REGISTER_BYTES = 16 << 20  # load destinations this large (the pool) are registered with the transfer engine
 KNOWN_KEYS = 65536  # keys this node knows the store held when last asked (the cheap ``held`` view)
 OBJECT_PREFIX = "kvtier"
@@ -300,7 +301,9 @@ class SharedTier(Tier):
 
     @property
     def _per_call(self) -> int:
-        return max(1, self.client.buffer_bytes // (2 * self.record_size))
+        """Objects per get: BATCH_BYTES of them (each call well inside --shared-tier-timeout-s on a
+        loaded host; get_batch's bytes also fit the client's transfer buffer)."""
+        return max(1, min(BATCH_BYTES, self.client.buffer_bytes // 2) // self.record_size)
 
     def _scratch(self, head: int):
         """Per object of one batch: its header and checksum bytes (numpy, registered once)."""
