@@ -8,6 +8,7 @@ import os
 import sys
 
 from kvtier.computesvc.config import ComputeConfig, parse_config
+from kvtier.cpu_plan import loaded_allocators, usable_cpus
 
 # NOTE: the model stack (torch, transformers) is imported after the flags are parsed, so
 # `--help` and flag errors answer at once.
@@ -137,6 +138,15 @@ def main(argv: list[str] | None = None, prog: str = "python -m kvtier.computesvc
     from kvtier.pool import PoolUnavailable
 
     torch.set_num_threads(cfg.threads)
+    log.info(
+        "CPU: %d torch thread(s) of %d usable CPUs, allocator %s%s",
+        torch.get_num_threads(),
+        usable_cpus(),
+        loaded_allocators(),
+        ""
+        if "+" in loaded_allocators()
+        else " (`kvtier up` preloads tcmalloc and Intel OpenMP where installed)",
+    )
     try:
         asyncio.run(serve(cfg, token, credentials))
     except (

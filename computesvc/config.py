@@ -81,8 +81,9 @@ def build_parser(prog: str = "python -m kvtier.computesvc") -> argparse.Argument
         "--threads",
         type=int,
         default=1,
-        help="torch CPU threads of this replica (replicas share the node's cores; more threads per "
-        "replica oversubscribe them)",
+        help="torch CPU threads of this replica (replicas share the node's cores: give each its share; "
+        "`kvtier up` chooses one replica on every usable CPU; the startup line says what runs, threads "
+        "and allocator)",
     )
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together in one batch")
     p.add_argument(

@@ -12,11 +12,12 @@ quantizes each token-head with the scale absmax / qmax (`quantize_ref`), and the
 functions read `stored.float() * scale`.
 
 `paged_decode_attention_ref` runs every decode step of the compute service on CPU, so it is
-vectorized over sequences (no loop per sequence) and streams the context in chunks of blocks:
-each chunk's blocks are gathered whole (`index_select` of block rows, a plain memcpy per block)
-into a reused workspace, turned head-major in fp32, and folded into an online softmax. Gathering
-the whole context at once would write and re-read a full copy of the KV through DRAM, and fresh
-multi-MiB buffers cost page faults on every step; both cost more than the attention itself.
+vectorized over sequences (no loop per sequence): the blocks of every sequence are gathered whole
+(`index_select` of block rows, a plain memcpy per block) into a reused workspace (fresh multi-MiB
+buffers would cost page faults on every step) and attended by SDPA's flash CPU kernel in one
+call, the query heads of each KV head taken as that head's queries. Both attention functions
+run SDPA on 4-d inputs: on 3-d ones it falls back to its math path, which materialises the
+scores (measured in bench/README.md, "Compute against vLLM's CPU engine").
 """
 
 from __future__ import annotations
@@ -27,10 +28,6 @@ import threading
 import torch
 
 from kvtier import kv_dtypes
-
-# NOTE: a chunk gathers about this many bytes of K (and as many of V): small enough to stay in
-# cache between the gather and the matmuls that read it, large enough to keep per-op overhead low.
-_CHUNK_BYTES = 2 << 20
 
 
 class _Workspace(threading.local):
@@ -100,51 +97,37 @@ def paged_decode_attention_ref(
     num_blocks_total, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     device = q.device
-    out = torch.zeros_like(q)
     lens_list = seq_lens.tolist()
     max_len = max(lens_list, default=0)
     if max_len == 0:
-        return out
-    min_len = min(lens_list)
+        return torch.zeros_like(q)
     # Positions below a sequence's `lows` entry lie before its window.
     lows_list = [max(0, n - window) if window else 0 for n in lens_list]
-    min_low, max_low = min(lows_list), max(lows_list)
-
+    first = min(lows_list) // block_size  # blocks wholly before every window are not read
     num_blocks = -(-max_len // block_size)
-    tables = block_tables[:, :num_blocks].to(device=device, dtype=torch.long).clamp(0, num_blocks_total - 1)
+    ids = block_tables[:, first:num_blocks].to(device=device, dtype=torch.long).clamp(0, num_blocks_total - 1)
+    ids = ids.reshape(-1)
+    k = _gather_blocks(k_cache, ids, num_seqs, k_scale, "k")  # [S, T, Hkv, D]
+    v = _gather_blocks(v_cache, ids, num_seqs, v_scale, "v")
+    pos = torch.arange(first * block_size, num_blocks * block_size, device=device)
     lens = seq_lens.to(device=device, dtype=torch.long)
-    lows = torch.tensor(lows_list, device=device)
-    block_bytes = block_size * num_kv_heads * head_dim * k_cache.element_size()
-    chunk_blocks = max(1, min(num_blocks, _CHUNK_BYTES // (num_seqs * block_bytes)))
-
-    # [Hkv, S, G, D]: KV head outermost so every matmul batches over (Hkv, S) without a copy.
-    qf = (q.float() * scale).view(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1).contiguous()
-    row_max = torch.full((num_kv_heads, num_seqs, group, 1), -math.inf, device=device)
-    row_sum = torch.zeros((num_kv_heads, num_seqs, group, 1), device=device)
-    acc = torch.zeros((num_kv_heads, num_seqs, group, head_dim), device=device)
-    for first in range(min_low // block_size, num_blocks, chunk_blocks):
-        ids = tables[:, first : first + chunk_blocks].reshape(-1)
-        start = first * block_size
-        tokens = ids.numel() // num_seqs * block_size
-        k = _gather_head_major(k_cache, ids, num_seqs, k_scale)  # [Hkv, S, T, D]
-        scores = _workspace.get("scores", (num_kv_heads, num_seqs, group, tokens), torch.float32, device)
-        torch.matmul(qf, k.transpose(-1, -2), out=scores)  # [Hkv, S, G, T]
-        # Some position of the chunk lies past some sequence's end, or before its window.
-        if start + tokens > min_len or start < max_low:
-            pos = torch.arange(start, start + tokens, device=device)
-            hidden = (pos[None, :] >= lens[:, None]) | (pos[None, :] < lows[:, None])
-            scores.masked_fill_(hidden[None, :, None, :], -math.inf)
-        new_max = torch.maximum(row_max, scores.amax(-1, keepdim=True))
-        # A row with no valid position yet keeps max = -inf; shifting by 0 there avoids -inf - -inf.
-        shift = torch.where(torch.isinf(new_max), 0.0, new_max)
-        p = scores.sub_(shift).exp_()
-        alpha = torch.exp(row_max - shift)
-        row_sum.mul_(alpha).add_(p.sum(-1, keepdim=True))
-        v = _gather_head_major(v_cache, ids, num_seqs, v_scale)
-        acc.mul_(alpha).add_(torch.matmul(p, v))
-        row_max = new_max
-    result = torch.where(row_sum > 0, acc / row_sum.clamp_min(1e-30), 0.0)  # [Hkv, S, G, D]
-    out.copy_(result.transpose(0, 1).reshape(num_seqs, num_heads, head_dim))
+    visible = pos[None, :] < lens[:, None]  # [S, T]
+    if window:
+        visible &= pos[None, :] >= torch.tensor(lows_list, device=device)[:, None]
+    # NOTE: the G query heads sharing a KV head are that head's "query tokens" (one KV read per KV
+    # head, no repeat), through SDPA's flash CPU kernel over the gathered blocks: one fused pass,
+    # no scores in memory. A padding row (no visible key) would give NaN: it is zeroed below.
+    k, v = k.float(), v.float()  # no copy for a float32 cache
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.float().reshape(num_seqs, num_kv_heads, group, head_dim),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=visible[:, None, None, :],
+        scale=scale,
+    )  # [S, Hkv, G, D]
+    out = o.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+    if min(lens_list) == 0:
+        out.masked_fill_((lens == 0)[:, None, None], 0.0)
     return out
 
 
@@ -189,18 +172,27 @@ def paged_prefill_attention_ref(
         blocks = table.to(device=q.device, dtype=torch.long)
         k = _read_tokens(k_cache, k_scale, blocks, seq_len - first)  # [L, Hkv, D] fp32
         v = _read_tokens(v_cache, v_scale, blocks, seq_len - first)
-        qi = q[q_start:q_end].float().transpose(0, 1)  # [H, Q, D]
-        q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
-        k_pos = torch.arange(first, seq_len, device=q.device)
-        causal = k_pos[None, :] <= q_pos[:, None]  # [Q, L]
-        if window:
-            causal &= k_pos[None, :] > q_pos[:, None] - window
-        # NOTE: SDPA's fused CPU kernel instead of explicit scores + softmax: same fp32 math,
-        # ~4x faster on a long prefill, and this is the CPU path of every prefill.
+        qi = q[q_start:q_end].float().transpose(0, 1)[None]  # [1, H, Q, D]
+        mask = None
+        if window or query_len != seq_len:
+            q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
+            k_pos = torch.arange(first, seq_len, device=q.device)
+            mask = k_pos[None, :] <= q_pos[:, None]  # [Q, L]
+            if window:
+                mask &= k_pos[None, :] > q_pos[:, None] - window
+        # NOTE: SDPA's flash CPU kernel (it takes only 4-d inputs: 3-d ones fall back to the math
+        # path, which materialises the scores) instead of explicit scores + softmax: same fp32
+        # math, this is the CPU path of every prefill. A whole prompt needs no mask (is_causal).
         o = torch.nn.functional.scaled_dot_product_attention(
-            qi, k.transpose(0, 1), v.transpose(0, 1), attn_mask=causal, scale=scale, enable_gqa=group > 1
-        )  # [H, Q, D]
-        out[q_start:q_end] = o.transpose(0, 1).to(q.dtype)
+            qi,
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=group > 1,
+        )  # [1, H, Q, D]
+        out[q_start:q_end] = o[0].transpose(0, 1)
     return out
 
 
@@ -243,12 +235,13 @@ def _read_tokens(
     return out
 
 
-def _gather_head_major(
-    cache: torch.Tensor, ids: torch.Tensor, num_seqs: int, scales: torch.Tensor | None = None
+def _gather_blocks(
+    cache: torch.Tensor, ids: torch.Tensor, num_seqs: int, scales: torch.Tensor | None, slot: str
 ) -> torch.Tensor:
-    """The blocks `ids` ([num_seqs * n] block ids, sequence-major) of a cache, as fp32
-    `[num_kv_heads, num_seqs, n * block_size, head_dim]` in a workspace buffer that the next call
-    overwrites; dequantized when `scales` ([num_blocks, block_size, num_kv_heads]) are given.
+    """The blocks `ids` ([num_seqs * n] block ids, sequence-major) of a cache as
+    `[num_seqs, n * block_size, num_kv_heads, head_dim]`, in a workspace buffer that the next call
+    with the same `slot` overwrites: the cache's dtype when it is a model dtype, else fp32
+    dequantized with `scales` ([num_blocks, block_size, num_kv_heads]).
 
     A block whose `[block_size, num_kv_heads, head_dim]` is dense is one row of a
     `[num_blocks, block_elements]` view of the cache, so the gather is one memcpy per block."""
@@ -258,16 +251,12 @@ def _gather_head_major(
     if strides[3] == 1 and strides[2] == head_dim and strides[1] == num_kv_heads * head_dim:
         block_elements = block_size * num_kv_heads * head_dim
         rows = torch.as_strided(cache, (cache.shape[0], block_elements), (strides[0], 1))
-        blocks = _workspace.get("gathered", (ids.numel(), block_elements), cache.dtype, cache.device)
+        blocks = _workspace.get(slot, (ids.numel(), block_elements), cache.dtype, cache.device)
         torch.index_select(rows, 0, ids, out=blocks)
     else:  # any other strided cache: advanced indexing, slower but always valid
         blocks = cache[ids]
     natural = blocks.view(num_seqs, tokens, num_kv_heads, head_dim)
-    dest = _workspace.get(
-        "head_major", (num_kv_heads, num_seqs, tokens, head_dim), torch.float32, cache.device
-    )
-    dest.copy_(natural.permute(2, 0, 1, 3))
-    if scales is not None:
-        per_token = scales[ids].view(num_seqs, tokens, num_kv_heads)
-        dest.mul_(per_token.permute(2, 0, 1)[..., None])
-    return dest
+    if scales is None:
+        return natural
+    per_token = scales[ids].view(num_seqs, tokens, num_kv_heads, 1)
+    return natural.float().mul_(per_token)

@@ -184,8 +184,7 @@ def test_decode_reference_matches_sdpa_on_contiguous_kv(dtype, heads, block_size
     torch.testing.assert_close(out.float(), direct_decode(q, batch, scale), **tolerance(dtype))
 
 
-def test_decode_reference_streams_long_contexts_in_chunks():
-    # 4 sequences x 2 KV heads x 64 dims: chunks of 1024 tokens, so 2100 tokens take three.
+def test_decode_reference_reads_long_contexts_of_unequal_lengths():
     seq_lens = [2100, 1500, 1024, 1025]
     batch = make_paged_batch(seq_lens, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32)
     q = torch.randn(4, 6, 64)
@@ -254,6 +253,27 @@ def test_prefill_reference_matches_causal_sdpa_over_prefix(dtype, heads, block_s
 
     assert out.dtype == dtype and out.shape == q.shape
     torch.testing.assert_close(out.float(), direct_prefill(q, batch, cu, scale), **tolerance(dtype))
+
+
+def test_cpu_attention_runs_sdpa_flash_kernel_not_its_math_path():
+    """Both torch attention paths (every CPU prefill and decode) must reach SDPA's flash CPU
+    kernel: given 3-d inputs SDPA silently takes its math path, which materialises the scores
+    (a third of a long prefill's time before this was pinned; bench/README.md)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    seq_lens = [40, 70]
+    batch = make_paged_batch(seq_lens, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32)
+    cu = torch.tensor([0, 40, 60], dtype=torch.int32)  # a whole prompt, and 20 tokens after 50 cached
+    tables, lens = batch.block_tables, batch.seq_lens
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        paged_prefill_attention_ref(
+            torch.randn(60, 8, 64), batch.k_cache, batch.v_cache, tables, cu, lens, 0.125
+        )
+        paged_decode_attention_ref(torch.randn(2, 8, 64), batch.k_cache, batch.v_cache, tables, lens, 0.125)
+    ops = {event.key for event in prof.key_averages()}
+    calls = {event.key: event.count for event in prof.key_averages()}
+    assert "aten::_scaled_dot_product_attention_math" not in ops
+    assert calls["aten::_scaled_dot_product_flash_attention_for_cpu"] == 3  # two prefill rows, one decode
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

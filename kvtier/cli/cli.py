@@ -26,6 +26,7 @@ from pathlib import Path
 
 from kvtier import __version__, auth
 from kvtier.cli.stats import cmd_stats
+from kvtier.cpu_plan import plan_for_flags
 
 PASSTHROUGH = {"cache": "kvtier.cachesvc", "compute": "kvtier.computesvc", "serve": "kvtier.gateway"}
 
@@ -88,6 +89,7 @@ def _stack(args) -> tuple[object, dict]:
     if getattr(args, "fresh", False):
         run_dir = Path(tempfile.mkdtemp(prefix="kvtier-"))
         os.environ["KVTIER_RUN_DIR"] = str(run_dir)  # where this process finds the new stack's token
+    plan = plan_for_flags(args)  # --replicas / --threads left out: chosen for this machine
     cache_args, compute_args, gateway_args = _service_args(args)
     gateway = getattr(args, "gateway", False)
     num_nodes = getattr(args, "nodes", 1)
@@ -109,7 +111,7 @@ def _stack(args) -> tuple[object, dict]:
         what = f"cache service + {args.replicas} compute replicas"
     print(
         f"starting the local stack in {run_dir}: {what}"
-        f"{' + the HTTP gateway (KV-aware routing)' if gateway and num_nodes > 1 else ' + the HTTP gateway' if gateway else ''} …",
+        f"{' + the HTTP gateway (KV-aware routing)' if gateway and num_nodes > 1 else ' + the HTTP gateway' if gateway else ''}; compute: {plan.describe()} …",
         flush=True,
     )
     try:
@@ -289,7 +291,7 @@ def _gib_or_auto(value: str) -> str:
 
 
 def _stack_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--replicas", type=int, default=2, help="compute replicas to start (per node)")
+    p.add_argument("--replicas", type=int, help="compute replicas per node (default: chosen, see --threads)")
     p.add_argument("--model", help="local Hugging Face model directory (default: built-in tiny model)")
     p.add_argument(
         "--swap-space",
@@ -313,7 +315,8 @@ def _stack_flags(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument("--block-size", type=int, default=16, choices=(8, 16, 32, 64), help="tokens per KV block (default: 16)")  # fmt: skip
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together per replica")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads per replica (default: 1)")
+    p.add_argument("--threads", type=int, help="torch CPU threads per replica (default: chosen for the machine, printed at start: one replica on "
+        "every usable CPU, tcmalloc and Intel OpenMP preloaded where installed; with a GPU 2 replicas x 1 thread)")  # fmt: skip
     p.add_argument(
         "--compute-flag",
         action="append",

@@ -24,6 +24,7 @@ import grpc
 
 from kvtier.auth import create_token_file, ensure_run_dir
 from kvtier.cli.stack_file import STACK_FILE, write_stack_file
+from kvtier.cpu_plan import allocator_libs, preload_env
 from kvtier.healthcheck import check
 
 # Each service's own trace name (as in docker-compose.yml and deploy/k8s): the one the caller's
@@ -88,6 +89,8 @@ def start(
     log_path = run_dir / f"{name}.log"
     command = [sys.executable, "-m", f"kvtier.{module}", *args]
     env = {**env, "OTEL_SERVICE_NAME": SERVICE_NAMES.get(module, module)}
+    if module == "computesvc":  # tcmalloc and Intel OpenMP where present (kvtier.cpu_plan)
+        env = preload_env(env, allocator_libs())
     return Process(name, _popen(command, env, log_path, "w"), address, log_path, command, env)
 
 
