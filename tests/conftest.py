@@ -43,14 +43,14 @@ def edge_gateway(tmp_path_factory: pytest.TempPathFactory):
     """A cache service (512 blocks), one compute replica and the gateway (`--api-key
     EDGE_API_KEY`, the default tool-call parser), shared by the tests of the gateway's edge and of
     structured outputs: they only send requests, and none depends on what another cached."""
-    from servers import EDGE_API_KEY, child_env, device_only
+    from servers import EDGE_API_KEY, child_env
 
     from kvtier.cli.stack import LocalStack
 
     run_dir = tmp_path_factory.mktemp("edge-gateway")
     with LocalStack(
         run_dir,
-        cache_args=device_only(["--num-blocks", "512"]),
+        cache_args=["--num-blocks", "512"],  # the defaults otherwise: the host cache auto
         num_replicas=1,
         env=child_env(run_dir),
         gateway_args=["--api-key", EDGE_API_KEY],

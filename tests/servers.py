@@ -17,15 +17,6 @@ REPO = Path(__file__).resolve().parent.parent
 TOKEN = "test-token-0123456789"
 
 
-def device_only(args) -> list[str]:
-    """`args` plus `--host-cache-gib 0` unless they size the host cache themselves. A service's
-    default keeps evicted prefixes in host memory (a share of it, `--host-cache-gib auto`), and
-    most tests assert what the pool alone does (an evicted prefix misses, swap uses
-    --swap-space): their stacks keep the host cache off. Tiered-cache tests pass their own."""
-    args = list(args)
-    return args if any(a.startswith("--host-cache-gib") for a in args) else [*args, "--host-cache-gib", "0"]
-
-
 def child_env(run_dir: Path, **extra: str) -> dict[str, str]:
     """Our environment minus tracing and kvtier settings, plus the test token and run dir."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "KVTIER_"))}
@@ -35,9 +26,10 @@ def child_env(run_dir: Path, **extra: str) -> dict[str, str]:
 
 @contextmanager
 def cache_service(run_dir: Path, *args: str, env: dict[str, str] | None = None):
-    """A `python -m kvtier.cachesvc` subprocess on a Unix socket in `run_dir` (lease ttl 1 s and no host
-    cache unless given)."""
-    args = device_only(args) + ([] if "--lease-ttl" in args else ["--lease-ttl", "1"])
+    """A `python -m kvtier.cachesvc` subprocess on a Unix socket in `run_dir`: the defaults a user gets
+    (the host cache `auto`, swap a share of it), lease ttl 1 s unless given. A test about another
+    setting passes it and says so in its name."""
+    args = [*args, *([] if "--lease-ttl" in args else ["--lease-ttl", "1"])]
     stack = LocalStack(run_dir, cache_args=args, num_replicas=0, env=env or child_env(run_dir))
     service: Process = stack.start_cache()
     service.run_dir = run_dir
@@ -61,7 +53,7 @@ def tls_cache_service(run_dir: Path, *args: str):
         check=True, capture_output=True,
     )  # fmt: skip
     tls = ["--listen", "tcp://127.0.0.1:0", "--tls-cert", str(cert), "--tls-key", str(key)]
-    proc = start("cache", "cachesvc", [*tls, *device_only(args)], "", run_dir, child_env(run_dir))
+    proc = start("cache", "cachesvc", [*tls, *args], "", run_dir, child_env(run_dir))
     try:
         # The health probe speaks plaintext, so readiness here is the port the service logs.
         address = wait_until(
@@ -80,8 +72,8 @@ EDGE_API_KEY = "sk-kvtier-edge-test"
 
 @contextmanager
 def local_stack(run_dir: Path, cache_args=(), compute_args=(), replicas: int = 2, env=None):
-    """Cache service + `replicas` compute replicas, all serving (no host cache unless given)."""
-    cache_args = device_only(cache_args) + ([] if "--lease-ttl" in cache_args else ["--lease-ttl", "2"])
+    """Cache service + `replicas` compute replicas, all serving, with the defaults unless given."""
+    cache_args = [*cache_args, *([] if "--lease-ttl" in cache_args else ["--lease-ttl", "2"])]
     with LocalStack(
         run_dir, list(cache_args), list(compute_args), replicas, env or child_env(run_dir)
     ) as stack:

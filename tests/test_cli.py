@@ -201,7 +201,7 @@ def test_a_cache_service_started_without_the_flag_keeps_a_share_of_host_memory(t
     assert "host" in [tier.medium for tier in stats.tiers], stats.tiers
     chosen = re.search(r"host cache: ([\d.]+ [KMG]iB), the default \(--host-cache-gib auto: (.+?);", log)
     assert chosen, log[-3000:]
-    area = re.search(r"host swap tier: (\d+) blocks \(([\d.]+ [KMG]iB)\)", log)
+    area = re.search(r"host area \(swap\): (\d+) blocks \(([\d.]+ [KMG]iB)\)", log)
     assert area and int(area.group(1)) == stats.num_host_blocks_total, log[-3000:]
     assert area.group(2) == chosen.group(1), (area.group(0), chosen.group(0))
     why = chosen.group(2)  # which bound of min(cap, share of the memory available) chose it

@@ -32,7 +32,6 @@ from servers import (
     cache_service,
     cache_stats,
     child_env,
-    device_only,
     greedy_request,
     local_stack,
     wait_until,
@@ -133,7 +132,7 @@ def restart_cache(stack: LocalStack, pool_args: list[str]) -> None:
     """Kill the cache service, start it again at the same socket with `pool_args`, and wait
     until every replica has re-attached and serves."""
     stack.cache.stop(signal.SIGKILL)  # a clean stop is not under test here, and takes seconds
-    stack.cache_args = [*device_only(pool_args), "--lease-ttl", LEASE_TTL]
+    stack.cache_args = [*pool_args, "--lease-ttl", LEASE_TTL]
     stack.start_cache()
     wait_replicas_serve(stack)
 
@@ -485,8 +484,11 @@ def test_swap_preemption_keeps_greedy_output_equal_to_generate(module_stack, ref
     assert stats.num_sequences == 0 and stats.num_host_blocks_used == 0
 
 
-def test_recompute_preemption_without_swap_space_keeps_output_equal_to_generate(module_stack, reference):
-    restart_cache(module_stack, [*SMALL_POOL, "--swap-space", "0"])
+def test_recompute_preemption_without_swap_space_or_host_cache_keeps_output_equal_to_generate(
+    module_stack, reference
+):
+    # No host area at all (swap is a share of the host cache's by default): only recompute is left.
+    restart_cache(module_stack, [*SMALL_POOL, "--swap-space", "0", "--host-cache-gib", "0"])
     logs_before = [len(r.log()) for r in module_stack.replicas]
     run_preempting_load(module_stack, reference)
     stats = cache_stats(module_stack)

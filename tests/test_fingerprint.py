@@ -183,7 +183,9 @@ def test_a_restart_after_one_byte_of_a_tensor_changed_serves_nothing_the_old_wei
     long_prompt = [rng.randrange(256) for _ in range(6 * BS + 4)]
     fillers = [[rng.randrange(256) for _ in range(14 * BS)] for _ in range(3)]
     disk = tmp_path / "kv-disk"
+    # The host cache is on (the default): "through" writes each block it takes to disk at once.
     cache_args = ["--model", str(model), "--num-blocks", "24", "--disk-path", str(disk)]
+    cache_args += ["--disk-write-policy", "through"]
 
     def stack(name: str):
         run_dir = tmp_path / name

@@ -319,10 +319,14 @@ class CacheApiMachine(RuleBasedStateMachine):
             assert hit % BS == 0 and hit <= (n - 1) // BS * BS, f"hit {hit} of a {n}-token prompt"
             for b in range(hit // BS):
                 key = (item.tenant_salt, tuple(item.token_ids[: (b + 1) * BS]))
-                assert table[b] in PUBLISHED.get(key, set()), (
-                    f"block {table[b]} served as a hit for block {b} of a salt={item.tenant_salt!r} prompt, "
-                    "but no sequence of that tenant committed that prefix into it"
-                )
+                if table[b] not in PUBLISHED.get(key, set()):
+                    # Promoted from the host cache (the default) into a fresh block: the tenant's
+                    # own committed prefix, and no block another sequence holds.
+                    assert key in PUBLISHED and table[b] not in held, (
+                        f"block {table[b]} served as a hit for block {b} of a salt={item.tenant_salt!r} prompt, "
+                        "but no sequence of that tenant committed that prefix"
+                    )
+                    PUBLISHED[key].add(table[b])
             assert not set(table[: hit // BS]) & unwritten, (
                 f"blocks {sorted(set(table[: hit // BS]) & unwritten)} served as a hit while unwritten"
             )
