@@ -14,7 +14,7 @@ One block is one object:
   (``parent-or-extra || token ids``; the chain's root mixes in the model, the tenant's salt and
   the adapter: ``kvtier.block_hash``). Two tenants' blocks, or two models', never share a name.
 - **its bytes** are a disk record (``cachesvc.disk_records``: magic and version, msgpack header
-  with the layout, the parent hash and the key, the payload, a blake2b-256 checksum). A load
+  with the layout, the parent hash and the key, the payload, a blake3 checksum). A load
   checks all of it (``disk_records.decode``) before one byte reaches the pool: a damaged object,
   or another model's object under a colliding name, is a miss, counted as ``bad_objects``.
 
@@ -45,6 +45,7 @@ from kvtier.cachesvc.disk_records import (
     KEY_PREFIX_BYTES,
     BadRecord,
     RecordLayout,
+    checksum,
     decode,
     decode_head,
     encode,
@@ -94,7 +95,7 @@ def check_parts(layout: RecordLayout, key: bytes, scratch, head: int, row) -> No
     """The checks of ``decode_object`` on an object landed in parts: its ``head`` bytes of header
     and meta and its checksum in ``scratch`` (uint8, ``head + 32``), its payload in ``row``."""
     body = memoryview(scratch)[:head]
-    digest = hashlib.blake2b(body, digest_size=CHECKSUM_BYTES)
+    digest = checksum(body)
     digest.update(memoryview(row.numpy()))
     if digest.digest() != bytes(scratch[head:]):
         raise BadRecord("checksum mismatch (the bytes changed after they were written)")
