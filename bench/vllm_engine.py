@@ -23,7 +23,7 @@ from kvtier.cpu_plan import allocator_libs, preload_env
 def vllm_env(threads: int, kv_cache_gib: int = 2) -> dict[str, str]:
     """The environment vLLM's CPU engine runs best in here: `threads` OpenMP threads, tcmalloc and
     Intel OpenMP preloaded where present, a small KV cache."""
-    env = preload_env(dict(os.environ), allocator_libs())
+    env = preload_env(dict(os.environ), allocator_libs(iomp=True))
     env.update(OMP_NUM_THREADS=str(threads), VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib))
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     return env

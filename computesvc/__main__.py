@@ -143,9 +143,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m kvtier.computesvc
         torch.get_num_threads(),
         usable_cpus(),
         loaded_allocators(),
-        ""
-        if "+" in loaded_allocators()
-        else " (`kvtier up` preloads tcmalloc and Intel OpenMP where installed)",
+        "" if "tcmalloc" in loaded_allocators() else " (`kvtier up` preloads tcmalloc where installed)",
     )
     try:
         asyncio.run(serve(cfg, token, credentials))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,12 @@ from kvtier.model_spec import TINY_LLAMA_CONFIG, ModelShape
 from kvtier.tokenizer import load_tokenizer
 
 log = logging.getLogger("kvtier.compute")
+
+# NOTE: every forward of the process runs on this one thread. torch's OpenMP thread team belongs
+# to the thread that calls into it: forwards handed to a pool of threads (run_in_executor(None))
+# start a team on each, --threads workers apiece, which oversubscribe the cores the team was
+# sized for (measured: 4 busy threads on 2 cores, decode 4x slower under Intel OpenMP).
+FORWARD_EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-forward")
 
 # --- the built-in tiny model -------------------------------------------------------------------
 
@@ -258,6 +265,7 @@ class ModelRunner:
         self.v_scales = None if kv_scales is None else [kv_scales[:, layer, 1] for layer in layers]
         # Returns the monotonic time until which the blocks are surely ours (the replica's lease).
         self.write_deadline: Callable[[], float] = lambda: float("inf")
+        self.executor = FORWARD_EXECUTOR  # where callers off the event loop run prefill and decode
 
     def prefill(self, seqs: list[PrefillInput], all_logits: bool = False) -> torch.Tensor:
         """One packed forward over the new tokens of all `seqs`; writes their K/V into the pool.

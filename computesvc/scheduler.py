@@ -361,7 +361,9 @@ class Scheduler:
         ]
         started = time.perf_counter()
         with self.observer.prefill_span(chunks):
-            logits = await asyncio.get_running_loop().run_in_executor(None, self.runner.prefill, inputs)
+            logits = await asyncio.get_running_loop().run_in_executor(
+                self.runner.executor, self.runner.prefill, inputs
+            )
         self.ledger.rates.observe_prefill(sum(n for _, n in chunks), time.perf_counter() - started)
         done: list[tuple[Request, int]] = []
         for i, (req, n) in enumerate(chunks):
@@ -392,7 +394,7 @@ class Scheduler:
         started = time.perf_counter()
         with self.observer.decode_span(decoding):
             logits = await asyncio.get_running_loop().run_in_executor(
-                None,
+                self.runner.executor,
                 self.runner.decode,
                 [r.token_ids[r.num_computed] for r in decoding],
                 [r.num_computed for r in decoding],

@@ -2,10 +2,11 @@
 
 One pure function (`plan_cpu`) decides the layout from the usable CPUs and what the user pinned;
 `kvtier up` and each compute replica print what it chose. The allocator part follows vLLM's CPU
-docs: tcmalloc (Debian's libtcmalloc-minimal4) and Intel OpenMP (libiomp5, a wheel in the
-venv, installed with vLLM or `intel-openmp`) are preloaded into compute processes when present.
-They can only be preloaded (LD_PRELOAD at exec), so the launcher sets them (`preload_env`),
-and a replica reports what it actually runs with (`loaded_allocators`).
+docs where it measured a gain: tcmalloc (Debian's libtcmalloc-minimal4) is preloaded into compute
+processes when installed; Intel OpenMP (libiomp5, a wheel in the venv with vLLM or
+`intel-openmp`) only on request (KVTIER_PRELOAD_ALLOCATOR=iomp; `allocator_libs`). Both can only
+be preloaded (LD_PRELOAD at exec), so the launcher sets them (`preload_env`), and a replica
+reports what it actually runs with (`loaded_allocators`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ LIB_DIRS = (
     "/usr/lib",
     "/usr/local/lib",
 )
-# Set to 0 to keep the system allocator and GNU OpenMP (what runs without the libraries).
+# unset or 1: tcmalloc; iomp: tcmalloc and Intel OpenMP; 0: neither (the system allocator).
 PRELOAD_ENV = "KVTIER_PRELOAD_ALLOCATOR"
 
 
@@ -37,13 +38,23 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def allocator_libs() -> list[str]:
-    """Paths of tcmalloc and Intel OpenMP found on this machine (either may be missing), or none
-    when $KVTIER_PRELOAD_ALLOCATOR is 0."""
-    if os.environ.get(PRELOAD_ENV, "1") == "0":
+def allocator_libs(iomp: bool | None = None) -> list[str]:
+    """Paths of the libraries to preload that this machine has: tcmalloc, and Intel OpenMP when
+    `iomp` (default: $KVTIER_PRELOAD_ALLOCATOR is `iomp`); none when that variable is 0.
+
+    NOTE: a replica preloads tcmalloc alone by default. Intel OpenMP (vLLM's recommendation for
+    its own engine) bought it nothing here and doubled its system time: a replica's forward is
+    many small ops with Python between them, where Intel's threads go to sleep and wake (futex)
+    between regions; on a shared machine that wake-up cost 2x wall time in some runs
+    (bench/README.md, "Compute against vLLM's CPU engine")."""
+    choice = os.environ.get(PRELOAD_ENV, "1")
+    if choice == "0":
         return []
+    wanted = [(TCMALLOC_NAMES, LIB_DIRS)]
+    if iomp or (iomp is None and choice == "iomp"):
+        wanted.append((IOMP_NAMES, (f"{sys.prefix}/lib", *LIB_DIRS)))
     found = []
-    for names, dirs in ((TCMALLOC_NAMES, LIB_DIRS), (IOMP_NAMES, (f"{sys.prefix}/lib", *LIB_DIRS))):
+    for names, dirs in wanted:
         path = next((Path(d) / n for n in names for d in dirs if (Path(d) / n).is_file()), None)
         if path is not None:
             found.append(str(path))
@@ -104,8 +115,9 @@ def plan_cpu(
 ) -> CpuPlan:
     """The layout of a node's compute: what the user pinned (None: not pinned), the rest chosen.
 
-    NOTE: one replica using every CPU is the default (measured, bench/serve_vs_vllm.py, 2 CPUs:
-    decode 466 tok/s against 231 with two replicas of one thread, shared-prefix 274 against 264):
+    NOTE: one replica using every CPU is the default (measured, 2 CPUs, the 27M Llama of
+    bench/serve_vs_vllm.py: decode 466 tok/s against 231 with two replicas of one thread,
+    shared-prefix 274 against 264):
     one replica batches every request's decode into one forward, whose matmuls split across the
     threads. device "cuda": the GPU runs the model; two replicas of one thread, as before.
     """

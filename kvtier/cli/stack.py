@@ -89,7 +89,7 @@ def start(
     log_path = run_dir / f"{name}.log"
     command = [sys.executable, "-m", f"kvtier.{module}", *args]
     env = {**env, "OTEL_SERVICE_NAME": SERVICE_NAMES.get(module, module)}
-    if module == "computesvc":  # tcmalloc and Intel OpenMP where present (kvtier.cpu_plan)
+    if module == "computesvc":  # tcmalloc where installed (kvtier.cpu_plan)
         env = preload_env(env, allocator_libs())
     return Process(name, _popen(command, env, log_path, "w"), address, log_path, command, env)
 
