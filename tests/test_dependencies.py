@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 # Package -> its folder. Everything installs under `kvtier.` (pyproject's package-dir); the
-# design's folders keep their places. `kvtier` is the shared core: kvtier/ less cli/ and api/.
+# design's folders keep their places. `kvtier` is the shared core: kvtier/ less cli/, vllm/ and api/.
 FOLDERS = {
     "kvtier": "kvtier",
     "kvtier.cachesvc": "cachesvc",
@@ -24,6 +24,7 @@ FOLDERS = {
     "kvtier.kernels": "kernels",
     "kvtier.gateway": "gateway",
     "kvtier.cli": "kvtier/cli",
+    "kvtier.vllm": "kvtier/vllm",
 }
 PACKAGES = tuple(FOLDERS)
 # Package -> the packages of ours it may import (itself always allowed).
@@ -34,6 +35,7 @@ ALLOWED = {
     "kvtier.kernels": {"kvtier"},  # the dtype table (kvtier.kv_dtypes) alone; see below
     "kvtier.gateway": {"kvtier", "kvtier.cli"},
     "kvtier.cli": {"kvtier"},
+    "kvtier.vllm": {"kvtier"},  # vLLM's connector is a client of the core; nothing of ours imports it
 }
 # Modules that may import gRPC / protobuf / the generated stubs, per service.
 WIRE = {
@@ -83,7 +85,7 @@ def imported(path: Path, root: Path = ROOT) -> set[str]:
 
 def modules(package: str) -> list[Path]:
     folder = ROOT / FOLDERS[package]
-    if package == "kvtier":  # the core: its own modules, not the cli or the generated stubs
+    if package == "kvtier":  # the core: its own modules, not the cli, the connector or the generated stubs
         return sorted(folder.glob("*.py"))
     return sorted(folder.rglob("*.py"))
 
@@ -182,6 +184,17 @@ def test_cache_and_compute_services_never_import_each_other():
 
 def test_the_gateway_imports_nothing_from_computesvc():
     wrong = offending("kvtier.gateway", lambda n: in_package(n, "kvtier.computesvc"))
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_vllm_connector_is_a_client_and_only_it_imports_vllm():
+    # The connector reaches the cache service through kvtier.cache_client and the pool through
+    # kvtier.pool, never the wire stubs (kvtier.api) or a service's internals; vLLM is imported by
+    # kvtier.vllm alone, so no other process of ours pays for (or breaks on) vLLM's import.
+    wrong = offending("kvtier.vllm", lambda n: in_package(n, "kvtier.api"))
+    for package in PACKAGES:
+        if package != "kvtier.vllm":
+            wrong += offending(package, lambda n: in_package(n, "vllm"))
     assert not wrong, "\n".join(wrong)
 
 
