@@ -216,7 +216,7 @@ class PreallocatedServer:
             self.model.generate(
                 input_ids=ids,
                 attention_mask=mask,
-                cache=cache,
+                past_key_values=cache,
                 max_new_tokens=max_new_tokens,
                 min_new_tokens=max_new_tokens,  # no early EOS: every system makes exactly max_tokens
                 do_sample=False,

@@ -17,8 +17,9 @@ Each pass has its own cache_salt on both (a cold prefix cache, shared within the
 passes are not measured. Rounds run ABBA (kvtier, vLLM, vLLM, kvtier, ...); each system's figure
 is the median of its passes. Greedy parity: the first --check requests of every measured pass must
 equal vLLM's tokens of the same workload. Per pass: output tok/s, output tokens per CPU-second of
-the system's processes (kvtier: cache service, replicas and this client; vLLM: its process tree),
-and the 1-minute load average (the machine may be shared).
+the system's processes (kvtier: cache service, replicas and this client; vLLM: its process tree;
+over HTTP both count this client), the 1-minute load average (the machine may be shared), and
+the CPU the other system used while it waited.
 
 Then the HTTP front doors on shared-prefix: kvtier's gateway against vLLM's OpenAI server
 (`python -m vllm.entrypoints.openai.api_server`), streamed /v1/completions with token-id prompts.
@@ -85,9 +86,11 @@ QUICK = {
 }
 
 
-def tree_cpu_seconds(pids: list[int]) -> float:
-    """CPU seconds used so far by these processes and all their descendants."""
-    total = 0.0
+def tree_cpu_seconds(pids: list[int], client: bool = False) -> float:
+    """CPU seconds used so far by these processes and all their descendants, plus this process's
+    own (not its children's: the stack and vLLM are those) when `client`."""
+    own = psutil.Process().cpu_times()
+    total = own.user + own.system if client else 0.0
     for pid in pids:
         try:
             root = psutil.Process(pid)
@@ -114,9 +117,11 @@ class KvtierGrpc:
         self.stack = stack
         self.client = ComputeClient(stack.compute_addresses, TOKEN)
 
+    client = True  # this process streams the replies: its CPU counts
+
     @property
     def pids(self) -> list[int]:
-        return [p.proc.pid for p in [self.stack.cache, *self.stack.replicas]] + [os.getpid()]
+        return [p.proc.pid for p in [self.stack.cache, *self.stack.replicas]]
 
     async def one(self, prompt: list[int], max_tokens: int, salt: str) -> list[int]:
         request = self.client.request(
@@ -137,6 +142,7 @@ class OfflineSystem:
     """vLLM's offline engine (bench/vllm_engine.py), awaited from a thread."""
 
     name = "vllm"
+    client = False  # `generate` runs in vLLM's own process
 
     def __init__(self, engine):
         self.engine = engine
@@ -152,13 +158,11 @@ class OfflineSystem:
 class HttpSystem:
     """An OpenAI /v1/completions server (kvtier's gateway or vLLM's), streamed with aiohttp."""
 
-    def __init__(self, name: str, url: str, pids: list[int], model: str | None = None):
-        self.name, self.url, self._pids, self.model = name, url, pids, model
-        self.http = None
+    client = True
 
-    @property
-    def pids(self) -> list[int]:
-        return self._pids + [os.getpid()]
+    def __init__(self, name: str, url: str, pids: list[int], model: str | None = None):
+        self.name, self.url, self.pids, self.model = name, url, pids, model
+        self.http = None
 
     async def one(self, prompt: list[int], max_tokens: int, salt: str) -> list[int]:
         body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
@@ -191,10 +195,12 @@ class HttpSystem:
             await self.http.close()
 
 
-async def measure_pass(system, work: Workload, prompts, salt: str) -> dict:
-    load0, cpu0 = os.getloadavg()[0], tree_cpu_seconds(system.pids)
+async def measure_pass(system, work: Workload, prompts, salt: str, idle) -> dict:
+    """One measured pass of `system`; `idle`, the other system (waiting), whose CPU use is recorded."""
+    load0, cpu0 = os.getloadavg()[0], tree_cpu_seconds(system.pids, system.client)
+    idle0 = tree_cpu_seconds(idle.pids)
     outs, seconds = await system.generate(prompts, work.max_tokens, salt)
-    cpu = tree_cpu_seconds(system.pids) - cpu0
+    cpu = tree_cpu_seconds(system.pids, system.client) - cpu0
     tokens = sum(len(o) for o in outs)
     return {
         "tok_s": tokens / seconds,
@@ -202,6 +208,7 @@ async def measure_pass(system, work: Workload, prompts, salt: str) -> dict:
         "seconds": seconds,
         "tokens": tokens,
         "load": (load0 + os.getloadavg()[0]) / 2,
+        "idle_cpu_s": tree_cpu_seconds(idle.pids) - idle0,
         "outs": outs,
     }
 
@@ -216,11 +223,13 @@ async def compare(systems: list, workloads: dict[str, Workload], rounds: int, ch
         passes: dict[str, list[dict]] = {s.name: [] for s in systems}
         for r in range(rounds):
             for s in systems if r % 2 == 0 else systems[::-1]:
-                p = await measure_pass(s, work, prompts, f"{s.name}-{name}-{r}")
+                other = systems[1] if s is systems[0] else systems[0]
+                p = await measure_pass(s, work, prompts, f"{s.name}-{name}-{r}", other)
                 passes[s.name].append(p)
                 print(
                     f"  {name:>13} round {r} {s.name:>9}: {p['tokens']} tok in {p['seconds']:6.2f} s = "
-                    f"{p['tok_s']:7.1f} tok/s, {p['tok_per_cpu_s']:6.1f} tok/CPU-s, load {p['load']:.1f}",
+                    f"{p['tok_s']:7.1f} tok/s, {p['tok_per_cpu_s']:6.1f} tok/CPU-s, load {p['load']:.1f} "
+                    f"(idle {other.name}: {p['idle_cpu_s']:.2f} CPU-s)",
                     flush=True,
                 )
         a, b = (passes[s.name] for s in systems)
@@ -321,8 +330,9 @@ async def run(args, model: Path, tmp: Path) -> tuple[dict, dict | None]:
         if not args.quick:
             server = VllmHttpServer(model, args.vllm_threads, free_port(), tmp / "vllm-http.log")
             await asyncio.to_thread(server.start)
-            gw = HttpSystem("kvtier-http", stack.gateway.address, [stack.gateway.proc.pid, *kv.pids[:-1]])
+            gw = HttpSystem("kvtier-http", stack.gateway.address, [stack.gateway.proc.pid, *kv.pids])
             vs = HttpSystem("vllm-http", server.url, [server.pid], model=str(model))
+            vs.client = True
             try:
                 http = await compare([gw, vs], {"shared-prefix": workloads["shared-prefix"]}, args.rounds, 0)
             finally:
