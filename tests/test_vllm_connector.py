@@ -310,3 +310,63 @@ def test_engine_for_another_model_dtype_and_block_size_is_refused(stack):
         "block_size 64 (vLLM) != 32 (pool)",
     ):
         assert part in line, line
+
+
+class BackendLayer:
+    """vLLM's CPU attention write for one layer, called as its attention backend calls it."""
+
+    def __init__(self, dtype, head_dim: int):
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        self.isa, self.impl = _get_attn_isa(dtype, BLOCK_SIZE, head_dim), self
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        from vllm import _custom_ops as ops
+
+        view = kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], 2 * BLOCK_SIZE, -1)
+        ops.cpu_attn_reshape_and_cache(key, value, *view.chunk(2, dim=2), slot_mapping, self.isa)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_block_copies_match_the_backend_s_own_writes(dtype):
+    # The copier's runs of consecutive ids, its scattered-id fallback (more than MAX_RUNS runs) and
+    # a reversed order, against vLLM's own KV write op, byte for byte in both directions.
+    import torch
+
+    from kvtier.vllm.block_layout import MAX_RUNS, BlockCopier, probe_layout
+
+    dtype, heads, head_dim, num_layers = getattr(torch, dtype), 2, 64, 3
+    layers = [BackendLayer(dtype, head_dim) for _ in range(num_layers)]
+    caches = [torch.zeros(64, heads, BLOCK_SIZE, 2 * head_dim, dtype=dtype) for _ in range(num_layers)]
+    gathers = [
+        probe_layout(layer, cache, BLOCK_SIZE, heads, head_dim)
+        for layer, cache in zip(layers, caches, strict=True)
+    ]
+    copier = BlockCopier(caches, gathers, (2, BLOCK_SIZE, heads, head_dim))
+    pool = torch.zeros(80, num_layers, 2, BLOCK_SIZE, heads, head_dim, dtype=dtype)
+    for ids in (
+        [5, 6, 7, 8],
+        [9, 3, 4, 20, 21, 1],
+        list(range(59, 39, -1)),
+        [2 * i + 1 for i in range(MAX_RUNS + 4)],
+    ):
+        n = len(ids)
+        kv = torch.randn(n, num_layers, 2, BLOCK_SIZE, heads, head_dim).to(dtype)  # kvtier's layout
+        slots = torch.tensor([b * BLOCK_SIZE + t for b in ids for t in range(BLOCK_SIZE)])
+        written = [torch.zeros_like(c) for c in caches]
+        for layer, cache in enumerate(written):
+            key, value = (
+                kv[:, layer, i].reshape(n * BLOCK_SIZE, heads, head_dim).contiguous() for i in (0, 1)
+            )
+            layers[layer].do_kv_cache_update(None, key, value, cache, slots)
+        for cache, by_vllm in zip(caches, written, strict=True):
+            cache.copy_(by_vllm)
+        assert torch.equal(copier.read_blocks(ids), kv), f"read {ids}"
+        pool_ids = list(range(10, 10 + n)) if n % 2 == 0 else [70 - i for i in range(n)]
+        pool[torch.tensor(pool_ids)] = kv
+        for cache in caches:
+            cache.zero_()
+        copier.load(pool, pool_ids, ids)
+        assert all(torch.equal(c, w) for c, w in zip(caches, written, strict=True)), (
+            f"load {pool_ids} -> {ids}"
+        )

@@ -10,8 +10,11 @@ vLLM's null block (block 0, never given to a request; its bytes are put back) an
 gives, for every element of a vLLM block, the kvtier position it holds. A write that is not a
 one-to-one move of elements (a quantized cache, a backend that writes elsewhere) is refused.
 
-Copies are batched over blocks and done per layer with torch index ops (index_select, a gather by
-that permutation, index_copy_), never per token; on a GPU they run device to device.
+Copies are batched over blocks and done per layer, never per token; on a GPU they run device to
+device. Blocks whose ids run consecutively on both sides (what a fresh request gets from vLLM's
+free list and from the pool, most of the time) are copied in one pass straight from one tensor
+into the other through strided views (``runs``); scattered ids go through index ops (index_select,
+the permutation, index_copy_), which cost two more passes over the bytes.
 """
 
 from __future__ import annotations
@@ -110,6 +113,24 @@ def _part_view(rows: torch.Tensor, bits: int, fixed: dict[int, int], order: list
     return view.permute(0, *[1 + remaining.index(r) for r in order])
 
 
+MAX_RUNS = 16  # more runs than this: one batched index op per layer beats a copy per run
+
+
+def runs(a: list[int], b: list[int]) -> list[tuple[int, int, int]] | None:
+    """``(a_start, b_start, length)`` of the maximal stretches where both id lists count up by one,
+    or None when there are more than ``MAX_RUNS`` of them."""
+    found: list[tuple[int, int, int]] = []
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        if i and x == a[i - 1] + 1 and y == b[i - 1] + 1:
+            start_a, start_b, length = found[-1]
+            found[-1] = (start_a, start_b, length + 1)
+        elif len(found) == MAX_RUNS:
+            return None
+        else:
+            found.append((x, y, 1))
+    return found
+
+
 class BlockCopier:
     """Whole blocks between vLLM's per-layer caches and kvtier's pool, batched.
 
@@ -138,11 +159,60 @@ class BlockCopier:
     def num_layers(self) -> int:
         return len(self.kv_caches)
 
-    def read_blocks(self, vllm_block_ids: torch.Tensor) -> torch.Tensor:
-        """vLLM blocks as kvtier blocks: a new tensor ``[n, num_layers, 2, block_size, heads, head_dim]``."""
+    def _rows(self, cache: torch.Tensor, start: int, n: int) -> torch.Tensor | None:
+        """vLLM blocks ``[start, start + n)`` of one layer's cache as a ``[n, elements]`` view, or
+        None if the cache's blocks are not laid out contiguously."""
+        part = cache[start : start + n]
+        return part.view(n, self.elements) if part.is_contiguous() else None
+
+    def _move(self, layer: int, dst: torch.Tensor, src: torch.Tensor, to_vllm: bool) -> None:
+        """One layer of ``n`` blocks, ``[n, elements]`` views both, from kvtier's order into vLLM's
+        (``to_vllm``) or back, in one pass."""
+        gather, moves = self.gathers[layer], self.moves[layer]
+        n = src.shape[0]
+        if gather is None:
+            dst.copy_(src)
+        elif moves is None:
+            dst.copy_(src[:, self.scatters[layer]] if to_vllm else src[:, gather])
+        else:
+            kvtier = src if to_vllm else dst
+            parts = kvtier.view(n, len(moves), -1)
+            vllm = dst if to_vllm else src
+            for part, (fixed, order) in enumerate(moves):
+                strided = _part_view(vllm, self.bits, fixed, order)
+                plain = parts[:, part].view(n, *[2] * len(order))
+                (strided if to_vllm else plain).copy_(plain if to_vllm else strided)
+
+    def load(self, pool: torch.Tensor, pool_ids: list[int], vllm_ids: list[int]) -> None:
+        """Pool blocks (``pool``: the pool's element tensor) into vLLM's blocks, in one pass per
+        layer and run of consecutive ids; an index op per layer when the ids are scattered."""
+        stretches = runs(pool_ids, vllm_ids)
+        if stretches is None or any(self._rows(c, 0, 1) is None for c in self.kv_caches):
+            device = self.kv_caches[0].device
+            blocks = pool.index_select(0, torch.tensor(pool_ids, device=pool.device)).to(device)
+            return self.write_blocks(torch.tensor(vllm_ids, device=device), blocks)
+        flat = pool.view(pool.shape[0], self.num_layers, self.elements)
+        for p, v, n in stretches:
+            for layer, cache in enumerate(self.kv_caches):
+                src = flat[p : p + n, layer]
+                if src.device != cache.device:
+                    src = src.to(cache.device)
+                self._move(layer, self._rows(cache, v, n), src, to_vllm=True)
+
+    def read_blocks(self, vllm_block_ids: torch.Tensor | list[int]) -> torch.Tensor:
+        """vLLM blocks as kvtier blocks: a new tensor ``[n, num_layers, 2, block_size, heads, head_dim]``
+        (one pass per layer and run of consecutive ids; an index op more when they are scattered)."""
         n = len(vllm_block_ids)
         out = torch.empty((n, self.num_layers, self.elements), dtype=self.kv_caches[0].dtype,
                           device=self.kv_caches[0].device)  # fmt: skip
+        ids = [int(i) for i in vllm_block_ids]
+        stretches = runs(ids, list(range(n)))
+        if stretches is not None and all(self._rows(c, 0, 1) is not None for c in self.kv_caches):
+            for v, o, length in stretches:
+                for layer, cache in enumerate(self.kv_caches):
+                    self._move(layer, out[o : o + length, layer], self._rows(cache, v, length), to_vllm=False)
+            return out.view(n, self.num_layers, *self.block_shape)
+        vllm_block_ids = torch.as_tensor(ids, device=self.kv_caches[0].device)
         for layer, (cache, gather) in enumerate(zip(self.kv_caches, self.gathers, strict=True)):
             rows = cache.index_select(0, vllm_block_ids).reshape(n, self.elements)
             moves = self.moves[layer]

@@ -26,7 +26,7 @@ from kvtier.vllm.cache_link import CacheLink
 from kvtier.vllm.config import ConnectorConfig
 from kvtier.vllm.engine_check import IncompatiblePool, check_engine_fits_pool, engine_kv, pool_kv
 from kvtier.vllm.lookups import Lookups
-from kvtier.vllm.plan import KvtierMetadata
+from kvtier.vllm.plan import KvtierMetadata, KvtierWorkerMeta
 from kvtier.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvtier.vllm")
 
-__all__ = ["IncompatiblePool", "KvtierConnector", "KvtierMetadata"]
+__all__ = ["IncompatiblePool", "KvtierConnector", "KvtierMetadata", "KvtierWorkerMeta"]
 
 
 class KvtierConnector(KVConnectorBase_V1):
@@ -119,7 +119,7 @@ class KvtierConnector(KVConnectorBase_V1):
             self.worker.load(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are whole requests, done in start_load_kv before vLLM schedules them
+        return  # loads are whole requests, copied in start_load_kv before the step's forward
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
         return  # saves are whole blocks, taken once the step has computed every layer (wait_for_save)
@@ -130,9 +130,11 @@ class KvtierConnector(KVConnectorBase_V1):
             self.worker.stage(meta.saves)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        if self.worker is None:
-            return None, None
-        return None, self.worker.take_finished_loads() or None
+        return None, None  # loads are synchronous (done before the forward); saves never hold blocks
+
+    def build_connector_worker_meta(self) -> KvtierWorkerMeta | None:
+        done = self.worker.take_finished_loads() if self.worker is not None else set()
+        return KvtierWorkerMeta(done) if done else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_failed_blocks() if self.worker is not None else set()
@@ -175,7 +177,9 @@ class KvtierConnector(KVConnectorBase_V1):
         return self.lookups.build_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        self.lookups.loads_finished(connector_output.finished_recving)
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, KvtierWorkerMeta):
+            self.lookups.loads_finished(meta.loads_done)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """vLLM may free the request's blocks at once: saves were copied out in the step that computed them."""

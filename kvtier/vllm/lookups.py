@@ -8,9 +8,11 @@ call, so the first ask submits the cache calls to a background thread and answer
 hit is longer than vLLM's own, ``Allocate`` of the prompt up to one token past it, which pins the
 hit's pool blocks under this engine's lease (and promotes host and disk blocks into the pool).
 The hit is whole blocks, below the last prompt token (vLLM must compute that one). The loads are
-asynchronous in vLLM's sense: the request waits (WAITING_FOR_REMOTE_KVS) while the worker copies,
-and its pool sequence is freed when the worker reports the copy done. A single thread makes
-every cache call of this side, so a Free always follows its Allocate.
+synchronous in vLLM's sense (``load_kv_async`` False): the worker copies the hit before the
+forward of the same step that computes the rest of the prompt (a local memory copy of a few
+milliseconds costs less than the engine step an asynchronous load waits for), and the pool
+sequence is freed when the worker reports the copy done (its ``KvtierWorkerMeta``). A single
+thread makes every cache call of this side, so a Free always follows its Allocate.
 """
 
 from __future__ import annotations
@@ -104,7 +106,7 @@ class Lookups:
         hit = future.result().hit
         if hit is None or hit.num_tokens <= num_computed_tokens:
             return 0, False
-        return hit.num_tokens - num_computed_tokens, True
+        return hit.num_tokens - num_computed_tokens, False
 
     def update_state_after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
         rid = request.request_id

@@ -1,4 +1,4 @@
-"""The per-step metadata the scheduler side hands the worker side, and the values in it.
+"""The per-step metadata the scheduler side hands the worker side (and the worker's answer).
 
 Everything here is plain data (pickled by vLLM from the scheduler process to the workers).
 Units: tokens unless a name says blocks; block ids are vLLM's (``vllm_block_ids``) or the pool's
@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 
 @dataclass
 class LoadItem:
-    """Copy a request's hit from pool blocks into its vLLM blocks (then report it loaded)."""
+    """Copy a request's hit from pool blocks into its vLLM blocks, before this step's forward."""
 
     req_id: str
     pool_name: str  # the pool the hit is in (kvtier.vllm.lookups.pool_name)
@@ -38,3 +38,14 @@ class SaveItem:
 class KvtierMetadata(KVConnectorMetadata):
     loads: list[LoadItem] = field(default_factory=list)
     saves: list[SaveItem] = field(default_factory=list)
+
+
+@dataclass
+class KvtierWorkerMeta(KVConnectorWorkerMetadata):
+    """The worker's answer for one step: the requests whose loads it is done with (copied or
+    failed), so the scheduler side frees the pool sequences that pinned their hits."""
+
+    loads_done: set[str] = field(default_factory=set)
+
+    def aggregate(self, other: KvtierWorkerMeta) -> KvtierWorkerMeta:
+        return KvtierWorkerMeta(self.loads_done | other.loads_done)

@@ -4,8 +4,9 @@ At ``register_kv_caches`` the worker attaches (its own lease), maps the pool the
 owns (shared memory, or CUDA IPC on a GPU: no KV crosses a socket), refuses a pool that does not
 match the engine (``engine_check``) and learns vLLM's block layout (``block_layout``).
 
-Loads (``load``): the scheduler side pinned the hit's pool blocks; each is copied into vLLM's
-blocks, batched, and the request is reported loaded the same step. A load whose pool is not the
+Loads (``load``): the scheduler side pinned the hit's pool blocks; they are copied into vLLM's
+blocks before the forward of the step that computes the rest of the prompt, straight from the
+pool's memory, and the request is reported done (the scheduler side then frees its pin). A load whose pool is not the
 one mapped, or whose pinning lease may have lapsed before the copy ended, is reported as failed
 blocks: vLLM then recomputes them (``kv_load_failure_policy: recompute``), never uses them.
 
@@ -30,7 +31,7 @@ import torch
 
 from kvtier.pool import attach_pool
 from kvtier.sequence_types import AllocateItem, CommitItem
-from kvtier.vllm.block_layout import BlockCopier
+from kvtier.vllm.block_layout import BlockCopier, runs
 from kvtier.vllm.cache_link import CacheDown, CacheLink
 from kvtier.vllm.lookups import pool_name
 from kvtier.vllm.plan import LoadItem, SaveItem
@@ -38,6 +39,19 @@ from kvtier.vllm.plan import LoadItem, SaveItem
 log = logging.getLogger("kvtier.vllm")
 
 WARN_EVERY_S = 10.0  # a dropped save is logged at most this often (with the count since)
+
+
+def write_rows(pool: torch.Tensor, pool_ids: list[int], blocks: torch.Tensor, rows: list[int]) -> None:
+    """``pool[pool_ids[i]] = blocks[rows[i]]``: a copy per run of consecutive ids, else one index op."""
+    stretches = runs(pool_ids, rows)
+    if stretches is None:
+        index = torch.tensor(rows, device=blocks.device)
+        pool.index_copy_(
+            0, torch.tensor(pool_ids, device=pool.device), blocks.index_select(0, index).to(pool.device)
+        )
+        return
+    for p, r, n in stretches:
+        pool[p : p + n].copy_(blocks[r : r + n])
 
 
 class WorkerSide:
@@ -87,13 +101,9 @@ class WorkerSide:
             pool = self.pool(item.pool_name)
             ok = pool is not None and time.monotonic() < item.valid_until
             if ok:
-                device = self.copier.kv_caches[0].device
-                pool_ids = torch.tensor(item.pool_block_ids, device=pool.tensor.device)
-                blocks = pool.tensor.index_select(0, pool_ids).to(device)  # device to device on a GPU
+                self.copier.load(pool.tensor, item.pool_block_ids, item.vllm_block_ids)
                 # NOTE: checked after the read: bytes read while the lease pinned them are the hit's.
                 ok = time.monotonic() < item.valid_until
-                if ok:
-                    self.copier.write_blocks(torch.tensor(item.vllm_block_ids, device=device), blocks)
             if ok:
                 self.stats["loaded_blocks"] += len(item.vllm_block_ids)
             else:
@@ -133,7 +143,7 @@ class WorkerSide:
                 self._idle.clear()
         if full:
             return self._dropped(len(ids), "max_staged_save_mib of saves already wait for the cache service")
-        blocks = self.copier.read_blocks(torch.tensor(ids, device=self.copier.kv_caches[0].device))
+        blocks = self.copier.read_blocks(ids)
         self._queue.put((saves, blocks, size))
 
     def wait_idle(self, timeout_s: float) -> bool:
@@ -188,12 +198,7 @@ class WorkerSide:
             offset += full - save.first_block
         lease_ttl = self.link.client.lease_ttl_s if self.link.client is not None else 0.0
         if pool_ids and time.monotonic() < self.link.valid_until() - lease_ttl / 4:
-            device = pool.tensor.device
-            pool.tensor.index_copy_(
-                0,
-                torch.tensor(pool_ids, device=device),
-                blocks[torch.tensor(rows, device=blocks.device)].to(device),
-            )
+            write_rows(pool.tensor, pool_ids, blocks, list(rows))
         else:
             commits = []  # not written: nothing to publish
         self.link.call(lambda c: c.free([s.sequence_id for s in seqs], commits), expect_generation=generation)

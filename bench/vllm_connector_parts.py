@@ -1,0 +1,199 @@
+"""bench/vllm_connector.py's parts: a vLLM OpenAI server as the benchmark drives it, its workloads,
+and the connector's copy rates measured in this process."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+BLOCK_SIZE = 32
+KV_CONFIG = json.dumps(
+    {
+        "kv_connector": "KvtierConnector",
+        "kv_connector_module_path": "kvtier.vllm.connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+    }
+)
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(n)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A vLLM OpenAI server; `connector` adds KvtierConnector (the only difference between engines)."""
+
+    def __init__(
+        self, name: str, model: Path, run_dir: Path, env: dict[str, str], connector: bool, gpu: bool
+    ):
+        self.name, self.model, self.port = name, str(model), free_port()
+        command = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--host", "127.0.0.1",
+            "--port", str(self.port), "--block-size", str(BLOCK_SIZE), "--max-model-len", "4096",
+            "--enforce-eager", "--distributed-executor-backend", "uni", "--dtype", "float32",
+        ] + (["--kv-transfer-config", KV_CONFIG] if connector else [])  # fmt: skip
+        if gpu:  # three engines and the pool share one device
+            command += ["--gpu-memory-utilization", "0.2"]
+        self.log = run_dir / f"{name}.log"
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(
+                command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def wait(self, timeout_s: float = 900) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited:\n{self.log.read_text()[-4000:]}")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/models", timeout=2)
+                return
+            except OSError:
+                time.sleep(0.5)  # polling readiness with a deadline
+        raise TimeoutError(f"{self.name} not serving after {timeout_s:.0f}s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, 15)
+            self.proc.wait(60)
+
+    def _request(self, prompt: list[int], max_tokens: int, stream: bool) -> urllib.request.Request:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": stream}  # fmt: skip
+        return urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/v1/completions", json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )  # fmt: skip
+
+    def ttft(self, prompt: list[int], max_tokens: int = 1) -> float:
+        """Seconds to the first streamed token of a greedy completion."""
+        start = time.perf_counter()
+        with urllib.request.urlopen(self._request(prompt, max_tokens, stream=True), timeout=600) as reply:
+            for line in reply:
+                if line.startswith(b"data: {"):
+                    first = time.perf_counter() - start
+                    for _ in reply:  # drain the stream
+                        pass
+                    return first
+        raise RuntimeError("no token streamed")
+
+    def complete(self, prompt: list[int], max_tokens: int) -> int:
+        with urllib.request.urlopen(self._request(prompt, max_tokens, stream=False), timeout=600) as reply:
+            return json.load(reply)["usage"]["completion_tokens"]
+
+
+def throughput(server: Server, seed: int, count: int, concurrency: int = 8) -> float:
+    """Generated tokens per second over `count` unique 512-token prompts, 32 tokens each."""
+    prompts = [tokens(seed * 1000 + i, 512) for i in range(count)]
+    start = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        generated = sum(pool.map(lambda p: server.complete(p, 32), prompts))
+    return generated / (time.perf_counter() - start)
+
+
+def wait_saved(cache_address: str, token: str, prompt: list[int]) -> None:
+    from kvtier.cache_client import CacheClient
+
+    client = CacheClient.connect(cache_address, token, timeout_s=10)
+    want = len(prompt) // BLOCK_SIZE * BLOCK_SIZE
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline:
+            reply = client.lookup_prefix([prompt])
+            held = reply.num_cached_tokens[0] + sum(
+                t[0] for t in (reply.num_host_tokens, reply.num_disk_tokens) if t
+            )
+            if held >= want:
+                return
+            time.sleep(0.05)  # the save lands after the step: polled with a deadline
+    finally:
+        client.close()
+    raise TimeoutError(f"the prefix was not saved to kvtier within 120 s ({held} of {want} tokens)")
+
+
+class _CpuLayer:
+    """vLLM's CPU attention write for one layer, as its backend calls it (the connector's probe target)."""
+
+    def __init__(self, dtype, head_dim: int):
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        self.isa = _get_attn_isa(dtype, BLOCK_SIZE, head_dim)
+        self.impl = self
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        from vllm import _custom_ops as ops
+
+        blocks, heads, block_size, _ = kv_cache.shape
+        view = kv_cache.view(blocks, heads, block_size * 2, -1)
+        key_cache, value_cache = view.chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, self.isa)
+
+
+def copy_rates(
+    num_layers: int, heads: int, head_dim: int, device: str, blocks: int, repeats: int = 7
+) -> dict[str, float]:
+    """GB/s of the connector's loads and saves of `blocks` blocks (float32) against a plain copy of
+    the same bytes, and the load's ms. On CPU with vLLM's CPU layout, learned from its write op; on
+    a GPU (device to device) with a layout as kvtier's (the connector learns the real one inside the
+    engine). The ids are consecutive on both sides, as a fresh request's blocks mostly are."""
+    import torch
+
+    from kvtier.pool import private_pool
+    from kvtier.vllm.block_layout import BlockCopier, probe_layout
+    from kvtier.vllm.worker import write_rows
+
+    dtype, total = torch.float32, 4 * blocks
+    shape = (total, heads, BLOCK_SIZE, 2 * head_dim)
+    caches = [torch.randn(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+    if device == "cpu":
+        layer = _CpuLayer(dtype, head_dim)
+        gathers = [probe_layout(layer, cache, BLOCK_SIZE, heads, head_dim) for cache in caches]
+    else:
+        gathers = [torch.arange(2 * BLOCK_SIZE * heads * head_dim, device=device)] * num_layers
+    copier = BlockCopier(caches, gathers, (2, BLOCK_SIZE, heads, head_dim))
+    pool = private_pool([total, num_layers, 2, BLOCK_SIZE, heads, head_dim], "float32", device).tensor
+    vllm_ids = list(range(blocks, 2 * blocks))
+    pool_ids = list(range(blocks))
+    flat_src = torch.randn(total, copier.block_bytes // 4, device=device, dtype=dtype)
+    flat_dst = torch.empty_like(flat_src)
+    v_t, p_t = torch.tensor(vllm_ids, device=device), torch.tensor(pool_ids, device=device)
+
+    def timed(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            if device != "cpu":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            if device != "cpu":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    load_s = timed(lambda: copier.load(pool, pool_ids, vllm_ids))
+    save_s = timed(lambda: write_rows(pool, pool_ids, copier.read_blocks(vllm_ids), list(range(blocks))))
+    memcpy_s = timed(lambda: flat_dst.index_copy_(0, p_t, flat_src.index_select(0, v_t)))
+    size = blocks * copier.block_bytes
+    return {
+        "layout": "permuted" if any(g is not None for g in copier.gathers) else "as kvtier's",
+        "load_gbs": size / load_s / 1e9,
+        "load_ms": load_s * 1e3,
+        "save_gbs": size / save_s / 1e9,
+        "memcpy_gbs": size / memcpy_s / 1e9,
+    }
