@@ -129,6 +129,7 @@ def main() -> int:
     from kvtier.cli.stack import LocalStack
 
     gpu = torch.cuda.is_available()
+    torch.set_num_threads(args.engine_threads)  # the copies run on the threads the engines' copies get
     head_dim = args.hidden // args.heads
     kv_token_bytes = args.layers * 2 * args.kv_heads * head_dim * 4
     hit_blocks = PREFIX_TOKENS // BLOCK_SIZE
@@ -160,7 +161,7 @@ def main() -> int:
                 throughput(server, 3, 8)
             ttft = measure_ttft(a, b, stack, token, rounds)
             with_connector, without = (
-                (1.0, 1.0) if args.skip_throughput else measure_throughput(b, c, requests)
+                (0.0, 0.0) if args.skip_throughput else measure_throughput(b, c, requests)
             )
         finally:
             for server in servers:
@@ -178,7 +179,7 @@ def main() -> int:
     print(
         f"vLLM + kvtier ({model_name}, {args.engine_threads} thread(s) per engine): TTFT with A's 2,000-token "
         f"prefix loaded {ratio:.2f}x recompute (<= 0.3); no-reuse throughput with/without the connector "
-        f"{with_connector / without:.3f} (>= 0.95); loads {rates['load_gbs']:.2f} GB/s, saves "
+        f"{f'{with_connector / without:.3f}' if without else 'not measured'} (>= 0.95); loads {rates['load_gbs']:.2f} GB/s, saves "
         f"{rates['save_gbs']:.2f} GB/s vs a plain copy {rates['memcpy_gbs']:.2f} GB/s; load average "
         f"{os.getloadavg()[0]:.1f}"
     )
