@@ -405,8 +405,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The shared tier's flags (off unless ``--shared-tier`` is given)."""
     ap.add_argument(
         "--shared-tier", default="", metavar="mooncake://MASTER:PORT",
-        help="Mooncake Store's master (RPC port, 50051 by default): published blocks go there when this "
-        "node's own tiers evict them and are fetched from there on a miss, by any node; off when empty",
+        help="Mooncake Store's master (RPC port, 50051 by default): published blocks go there (when, "
+        "--shared-tier-policy says) and are fetched from there on a miss, by any node; off when empty",
     )  # fmt: skip
     ap.add_argument(
         "--shared-tier-metadata", default="", metavar="URL",

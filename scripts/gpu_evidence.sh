@@ -137,10 +137,10 @@ EOF
 # The CUDA tests, by node id: a dry run collects exactly these, so a renamed test breaks it.
 CUDA_TESTS=(
     tests/test_pool.py::test_cuda_pool_is_shared_through_an_ipc_handle
-    tests/test_host_tier.py
+    tests/test_host_cache.py::test_cuda_area_is_pinned_and_copies_on_a_side_stream
     tests/test_memory_plan.py::test_real_device_plan_and_replica_check
     tests/test_model.py::test_greedy_on_cuda_with_triton_kernels_matches_generate
-    tests/test_host_cache.py::test_cuda_cache_is_pinned_and_sees_writes_queued_just_before_it
+    tests/test_host_cache.py::test_cuda_cache_sees_writes_queued_just_before_it
     tests/test_lower_tiers.py::test_a_cuda_pool_keeps_and_promotes_through_pinned_host_memory_and_disk
 )
 KERNEL_TESTS=(tests/test_kernels_triton.py)
