@@ -4,7 +4,7 @@ A row is a medium: its ``name`` (what a tier, a KV event, GetStats and LookupPre
 its ``rank`` (0 is the device pool; an evicted block falls through the lower media in rank
 order and a lookup asks them in the same order), its ``price`` (what a hit token served from it
 costs, as a fraction of recomputing that token: the router's figure, ``gateway/scoring.py``) and
-``kv_event_medium`` (the medium vLLM's KV events name: ``CPU``, ``DISK``; None for the device,
+``kv_event_medium`` (the medium vLLM's KV events name: ``CPU``, ``STORAGE``; None for the device,
 whose name is the publisher's: ``GPU``, or ``CPU`` for a CPU pool).
 
 A new tier adds one row here and one module in ``cachesvc/`` implementing
@@ -38,7 +38,7 @@ class Medium:
 MEDIA: tuple[Medium, ...] = (
     Medium("device", 0, 0.0, None),
     Medium("host", 1, 0.2, "CPU"),
-    Medium("disk", 2, 0.3, "DISK"),
+    Medium("disk", 2, 0.3, "STORAGE"),  # vLLM's MEDIUM_STORAGE (vllm/distributed/kv_events.py)
     # Mooncake Store across nodes (cachesvc.shared_tier): a network fetch, priced from
     # bench/shared_tier.py's store-vs-recompute TTFT (0.31x on the 2-core VM); below the node's own media.
     Medium("shared", 3, 0.35, "SHARED", across_nodes=True),

@@ -174,7 +174,7 @@ def test_a_lower_tiers_records_hold_keys_and_read_as_events_with_their_medium() 
         ]
     )
     assert encode_record((tier_kind(False, "disk"), (keys[2],), (-1,)), BS, "GPU") == [
-        {"type": "BlockRemoved", "block_hashes": [hashes[2]], "medium": "DISK"}
+        {"type": "BlockRemoved", "block_hashes": [hashes[2]], "medium": "STORAGE"}
     ]
     # Knowing the chain's salt (the publisher asks the cache's ExtraKeys), a first block is a
     # root (no parent) carrying its salt, as vLLM's cache_salt.

@@ -175,7 +175,7 @@ def test_evicted_prefixes_come_back_from_host_and_disk_and_survive_a_sigkill(tmp
         assert seen[("block_removed", "host")] == [hashes[2]], seen
         assert sorted(seen[("block_stored", "disk")]) == sorted(hashes), seen
         published = zmq_events(replay_endpoint)
-        assert sorted(published[("BlockStored", "DISK")]) == sorted(hashes), published
+        assert sorted(published[("BlockStored", "STORAGE")]) == sorted(hashes), published
         assert hashes[2] in published[("BlockRemoved", "CPU")]  # the host's (a CPU pool's is CPU too)
 
         # A write-heavy load: every prompt published evicts the previous one to host and disk.

@@ -206,6 +206,8 @@ def test_prefix_computed_by_one_engine_is_loaded_by_another(stack):
     assert b.complete(PREFIX, max_tokens=16) == OUTPUTS["prefix"]
     # Every full block below the last prompt token came from kvtier: 34 blocks.
     assert b.external_hits() - before == (LONG_PREFIX - 1) // BLOCK_SIZE * BLOCK_SIZE
+    # The connector's own lines reach vLLM's log (its logger is a child of vLLM's "vllm").
+    assert "kvtier connector:" in b.log() and "attached to" in b.log(), b.log()[-3000:]
 
 
 def test_cache_salt_separates_tenants(stack):

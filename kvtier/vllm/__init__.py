@@ -14,3 +14,7 @@ pays for it. The path of one request is described in docs/architecture.md ("vLLM
 - ``worker``        worker side: hits copied in; new full blocks staged out, written and committed
 - ``connector``     the ``KVConnectorBase_V1`` itself, routing vLLM's calls to the two sides
 """
+
+# NOTE: a child of vLLM's "vllm" logger, the one logger vLLM's processes give a handler (it does
+# not propagate to the root): so the connector's INFO and WARNING lines land in vLLM's own log.
+LOGGER = "vllm.kvtier"

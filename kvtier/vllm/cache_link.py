@@ -21,9 +21,10 @@ import grpc
 from kvtier import status
 from kvtier.cache_client import CacheClient
 from kvtier.pool import PoolSpec
+from kvtier.vllm import LOGGER
 from kvtier.vllm.config import ConnectorConfig, client_name
 
-log = logging.getLogger("kvtier.vllm")
+log = logging.getLogger(LOGGER)
 
 RECONNECT_MAX_DELAY_S = 1.0
 

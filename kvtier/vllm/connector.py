@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 from vllm.model_executor.models.utils import extract_layer_index
 
+from kvtier.vllm import LOGGER
 from kvtier.vllm.block_layout import BlockCopier, probe_layout
 from kvtier.vllm.cache_link import CacheLink
 from kvtier.vllm.config import ConnectorConfig
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-log = logging.getLogger("kvtier.vllm")
+log = logging.getLogger(LOGGER)
 
 __all__ = ["IncompatiblePool", "KvtierConnector", "KvtierMetadata", "KvtierWorkerMeta"]
 

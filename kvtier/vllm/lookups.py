@@ -25,10 +25,11 @@ import grpc
 
 from kvtier.pool import PoolSpec
 from kvtier.sequence_types import AllocateItem
+from kvtier.vllm import LOGGER
 from kvtier.vllm.cache_link import CacheDown, CacheLink
 from kvtier.vllm.plan import KvtierMetadata, LoadItem, SaveItem
 
-log = logging.getLogger("kvtier.vllm")
+log = logging.getLogger(LOGGER)
 
 
 def pool_name(spec: PoolSpec) -> str:

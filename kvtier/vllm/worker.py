@@ -31,12 +31,13 @@ import torch
 
 from kvtier.pool import attach_pool
 from kvtier.sequence_types import AllocateItem, CommitItem
+from kvtier.vllm import LOGGER
 from kvtier.vllm.block_layout import BlockCopier, runs
 from kvtier.vllm.cache_link import CacheDown, CacheLink
 from kvtier.vllm.lookups import pool_name
 from kvtier.vllm.plan import LoadItem, SaveItem
 
-log = logging.getLogger("kvtier.vllm")
+log = logging.getLogger(LOGGER)
 
 WARN_EVERY_S = 10.0  # a dropped save is logged at most this often (with the count since)
 
