@@ -287,13 +287,17 @@ def test_cache_service_refuses_to_start_when_the_plan_leaves_no_pool(monkeypatch
 
 def test_kvtier_up_tells_the_cache_service_how_many_replicas_share_its_device():
     from kvtier.cli.cli import _service_args, build_parser
+    from kvtier.cpu_plan import gpu_present, plan_cpu, plan_for_flags
 
+    chosen = plan_cpu(device="cuda" if gpu_present() else "cpu").replicas  # `kvtier up`'s own choice
     for argv, replicas in (
-        (["up"], 2),
+        (["up"], chosen),
         (["up", "--replicas", "3"], 3),
         (["up", "--nodes", "2", "--replicas", "1"], 1),
     ):
-        cache_args, _, _ = _service_args(build_parser().parse_args(argv))
+        args = build_parser().parse_args(argv)
+        plan_for_flags(args)  # as cmd_up does: --replicas / --threads left out are chosen first
+        cache_args, _, _ = _service_args(args)
         assert parse_config(cache_args).compute_replicas == replicas, argv
 
 

@@ -30,6 +30,7 @@ from kvtier.healthcheck import check
 # Each service's own trace name (as in docker-compose.yml and deploy/k8s): the one the caller's
 # OTEL_SERVICE_NAME (`kvtier generate`'s, a test client's) would otherwise give every process.
 SERVICE_NAMES = {"cachesvc": "kvtier-cache", "computesvc": "kvtier-compute", "gateway": "kvtier-gateway"}
+SERVICE_MODULES = {name: f"kvtier.{name}" for name in SERVICE_NAMES}  # what `python -m` runs
 
 
 @dataclass
@@ -84,10 +85,10 @@ def wait_serving(p: Process, deadline_s: float = 120.0) -> None:
 def start(
     name: str, module: str, args: list[str], address: str, run_dir: Path, env: dict[str, str]
 ) -> Process:
-    """Start `python -m kvtier.<module> args` (module: cachesvc, computesvc or gateway) with its
-    output in run_dir/name.log (not yet waited on)."""
+    """Start `python -m MODULE args` with its output in run_dir/name.log (not yet waited on); a
+    service's name (cachesvc, computesvc, gateway) runs its kvtier module."""
     log_path = run_dir / f"{name}.log"
-    command = [sys.executable, "-m", f"kvtier.{module}", *args]
+    command = [sys.executable, "-m", SERVICE_MODULES.get(module, module), *args]
     env = {**env, "OTEL_SERVICE_NAME": SERVICE_NAMES.get(module, module)}
     if module == "computesvc":  # tcmalloc where installed (kvtier.cpu_plan)
         env = preload_env(env, allocator_libs())
