@@ -82,7 +82,7 @@ class CacheMetrics(RpcLatency):
             f"{p}_cached_blocks", "Blocks holding a hash in the prefix index.", registry=r
         )
         self.host_capacity_blocks = Gauge(
-            f"{p}_host_capacity_blocks", "Blocks in the host swap tier.", registry=r
+            f"{p}_host_capacity_blocks", "Blocks in the host area (swap and host cache).", registry=r
         )
         self.host_used_blocks = Gauge(
             f"{p}_host_used_blocks", "Host-tier blocks holding swapped KV.", registry=r
