@@ -20,6 +20,8 @@ import os
 import shutil
 from pathlib import Path
 
+import numpy as np
+
 from kvtier.auth import UntrustedPath, check_private_dir
 from kvtier.cachesvc.disk_records import file_name
 
@@ -156,10 +158,13 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def copy_bytes(payload) -> bytes:
-    """A private copy of a bytes-like object or a CPU tensor's bytes."""
+def copy_bytes(payload) -> np.ndarray:
+    """A private copy of a bytes-like object or a CPU tensor's bytes, as a flat uint8 array.
+
+    numpy copies without holding the GIL, so the disk writer's thread keeps writing while a burst
+    of blocks is queued (``bytes(...)`` held it: the writer wrote nothing until the burst was in)."""
     if hasattr(payload, "numpy"):  # a torch tensor (bfloat16 has no numpy dtype: view as bytes)
         import torch
 
-        return payload.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-    return bytes(memoryview(payload).cast("B"))
+        payload = payload.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return np.frombuffer(memoryview(payload).cast("B"), np.uint8).copy()

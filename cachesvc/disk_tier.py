@@ -41,6 +41,8 @@ import threading
 from collections import OrderedDict, deque
 from pathlib import Path
 
+import numpy as np
+
 from kvtier.cachesvc.disk_files import check_writable, copy_bytes, open_dir, write_records
 from kvtier.cachesvc.disk_records import (
     KEY_PREFIX_BYTES,
@@ -122,7 +124,7 @@ class DiskTier(Tier):
             ),
             0,
         )
-        self._queue: deque[tuple[bytes, bytes | None, bytes]] = deque()
+        self._queue: deque[tuple[bytes, bytes | None, np.ndarray]] = deque()
         self._pending: set[bytes] = set()  # keys queued or being written (NOT_YET), under _queue_cond
         self._queue_cond = threading.Condition()
         self._writing = 0
@@ -166,20 +168,31 @@ class DiskTier(Tier):
         """
         check_key(self.layout, key, parent_hash)
         with self._queue_cond:
-            if key in self._pending or (self.enabled and key in self._index):
-                return True  # queued or written already
-            if not self.enabled or self._closed or len(self._queue) >= self.queue_blocks:
-                self._counts["skipped_writes"] += 1
-                return False
-            data = copy_bytes(payload)
-            if len(data) != self.layout.block_bytes:
-                raise ValueError(
-                    f"payload of {len(data)} bytes; a block of this tier is {self.layout.block_bytes}"
-                )
-            self._queue.append((key, parent_hash, data))
-            self._pending.add(key)
-            self._queue_cond.notify()
-        return True
+            taken = self._taken(key)
+        if taken is not None:
+            return taken
+        data = copy_bytes(payload)  # outside the lock and the GIL: the writer keeps writing meanwhile
+        if len(data) != self.layout.block_bytes:
+            raise ValueError(
+                f"payload of {len(data)} bytes; a block of this tier is {self.layout.block_bytes}"
+            )
+        with self._queue_cond:
+            taken = self._taken(key)  # again: the key may have been queued, or the queue filled, meanwhile
+            if taken is None:
+                self._queue.append((key, parent_hash, data))
+                self._pending.add(key)
+                self._queue_cond.notify()
+        return taken is None or taken
+
+    def _taken(self, key: bytes) -> bool | None:
+        """Under ``_queue_cond``: True if ``key`` is queued or written already, False (counted as
+        skipped) if the queue is full or the tier off, None if it is to be queued."""
+        if key in self._pending or (self.enabled and key in self._index):
+            return True
+        if not self.enabled or self._closed or len(self._queue) >= self.queue_blocks:
+            self._counts["skipped_writes"] += 1
+            return False
+        return None
 
     # ------------------------------------------------------------------ the Tier
 
@@ -349,7 +362,7 @@ class DiskTier(Tier):
                     self._pending.difference_update(key for key, _, _ in group)
                     cond.notify_all()
 
-    def _write_group(self, group: list[tuple[bytes, bytes | None, bytes]]) -> None:
+    def _write_group(self, group: list[tuple[bytes, bytes | None, np.ndarray]]) -> None:
         """Records of ``group`` (those not written yet), made durable together
         (``disk_files.write_records``) after LRU records make room for them; then they enter the index."""
         records = [
