@@ -1,8 +1,11 @@
 """Admission: which waiting requests get KV blocks this step, and which fail instead.
 
 Waiting is first come, first served within a tenant. `Admission.admit` sends the head of the
-queue out in one batched `Allocate`, as many requests as there are free seats and prompt tokens
-in the step's budget. A batch the pool cannot hold is halved until it fits; a batch with an
+queue out in one batched `Allocate`, as many requests as there are free seats and tokens to
+compute in the step's budget. A request is charged its tokens less those surely a prefix hit
+(`sure_hits`: whole blocks it shares with the committed prompt of a sequence running here, which
+holds them), as vLLM charges only uncached tokens; a prompt that shares nothing is charged
+whole, as before. Prefill chunks by the same budget, so a step never computes more. A batch the pool cannot hold is halved until it fits; a batch with an
 item the cache refuses (INVALID_ARGUMENT) or that can never fit (ExceedsLimit, checked before
 room) is retried one request per call, so only those requests fail (`RequestRefused`, or the
 ExceedsLimit itself). A head that finds no room fails at once when it can never fit
@@ -27,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from kvtier.computesvc.cache_port import ExceedsLimit, NoFreeBlocks, SequenceBlocks, TenantLimited
 from kvtier.computesvc.preemption import backoff_s
-from kvtier.computesvc.request import Request
+from kvtier.computesvc.request import Request, Status
 from kvtier.computesvc.token_emitter import TokenEmitter
 
 if TYPE_CHECKING:
@@ -40,6 +43,34 @@ log = logging.getLogger("kvtier.compute")
 # bounds how late a request sees blocks its tenant freed on another replica.
 QUOTA_RETRY_S = 0.05
 MAX_QUOTA_RETRY_S = 0.5
+
+
+def committed_prompts(running: list[Request], block_size: int) -> dict[tuple, list[Request]]:
+    """The sequences running here whose committed prompt blocks are all still held (no window
+    released any), by (salt, first block): while a sequence holds a committed block, the cache
+    cannot evict it, so an Allocate of the same tokens under the same salt hits it."""
+    held: dict[tuple, list[Request]] = {}
+    for r in running:
+        if r.status is Status.RUNNING and not r.num_released_blocks and r.num_committed >= block_size:
+            held.setdefault((r.tenant_salt, tuple(r.prompt_token_ids[:block_size])), []).append(r)
+    return held
+
+
+def sure_hits(req: Request, held: dict[tuple, list[Request]], block_size: int) -> int:
+    """Leading tokens of `req` its Allocate surely finds cached: the whole blocks of its prompt
+    that a sequence in `held` (`committed_prompts`) committed, capped as the cache caps a hit
+    (the last prompt token is always computed). 0 when it shares no block with one."""
+    bs = block_size
+    prompt = req.prompt_token_ids
+    cap = (len(prompt) - 1) // bs
+    best = 0
+    for r in held.get((req.tenant_salt, tuple(prompt[:bs])), ()):
+        limit = min(cap, r.num_committed // bs, len(r.prompt_token_ids) // bs)
+        n = 1
+        while n < limit and prompt[n * bs : (n + 1) * bs] == r.prompt_token_ids[n * bs : (n + 1) * bs]:
+            n += 1
+        best = max(best, min(n, limit))
+    return best * bs
 
 
 class RequestRefused(Exception):
@@ -60,8 +91,10 @@ class Admission:
         start: Callable[[Request, SequenceBlocks], None],
         emitter: TokenEmitter,
         held_back: dict[str, float],
+        block_size: int = 16,
     ):
         self.config = config
+        self.block_size = block_size
         self.allocate = allocate
         self.start = start
         self.emitter = emitter
@@ -84,11 +117,13 @@ class Admission:
         room = self.config.max_num_seqs - len(running)
         budget = self.config.max_num_batched_tokens
         batch: list[Request] = []
+        held = committed_prompts(running, self.block_size) if room > 0 else {}
         for req in (r for r in waiting if r.tenant not in held_back):
-            if len(batch) >= room or (batch and req.num_tokens > budget):
+            cost = req.num_tokens - sure_hits(req, held, self.block_size)
+            if len(batch) >= room or (batch and cost > budget):
                 break
             batch.append(req)
-            budget -= req.num_tokens
+            budget -= cost
         seqs: list[SequenceBlocks] = []  # none when no room (max_num_seqs running)
         while batch:
             try:

@@ -121,7 +121,9 @@ class Scheduler:
         # tenant's sequences take turns without finishing, or a refused request is retried every
         # step; its quota may be held by other replicas).
         self.held_back: dict[str, float] = {}
-        self.admission = Admission(self.config, self._allocate, self._start, self.emitter, self.held_back)
+        self.admission = Admission(
+            self.config, self._allocate, self._start, self.emitter, self.held_back, self.block_size
+        )
         self.preemptor = Preemptor(
             config=self.config,
             observer=self.observer,
