@@ -64,6 +64,11 @@ def test_quick_report_has_every_system_workload_and_metric(quick):
         assert set(SUMMARY_METRICS) <= set(s["summary"]), name
         for metric in SUMMARY_METRICS:
             value = s["summary"][metric]
+            if metric == "kv_waste" and all(r["waste_samples"] == 0 for r in s["runs"]):
+                # every run ended before an instant of it could be measured (a fast machine, a
+                # quick run): said, not made up, as for each run below
+                assert value is None, (name, value)
+                continue
             assert isinstance(value, int | float) and math.isfinite(value), (name, metric, value)
         assert sorted((r["workload"], r["rate"]) for r in s["runs"]) == sorted(
             (w, rate) for w in WORKLOADS for rate in rates
