@@ -227,16 +227,11 @@ class SchedulerObserver:
             if req.num_computed > req.num_committed:  # the call carries this request's commit
                 attributes["kvtier.commit_tokens"] = req.num_computed - req.num_committed
             opened.append(self._request_span(name, req, step, **attributes))
-        try:
-            with telemetry.for_requests(opened):  # the RPC names them: the cache traces each
-                yield
-        except BaseException as e:
-            for span in opened:
-                span.set_status(trace.StatusCode.ERROR, f"{type(e).__name__}: {e}")
-            raise
-        finally:
-            for span in opened:
-                span.end()
+        with (
+            telemetry.ending(opened),
+            telemetry.for_requests(opened),
+        ):  # the RPC names them: the cache traces each
+            yield
 
     def _end_finished(self) -> None:
         """End the open spans of requests that finished (or failed), or were aborted (one dropped

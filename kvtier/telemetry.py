@@ -298,6 +298,14 @@ def _spans_in_request_traces(name: str, parents: list[str]) -> Iterator[None]:
         )
         call.add_link(span.get_span_context())
         spans.append(span)
+    with ending(spans):
+        yield
+
+
+@contextlib.contextmanager
+def ending(spans: list) -> Iterator[None]:
+    """Run the body, then end every span of ``spans``: each marked ERROR, naming the exception,
+    when the body raised."""
     try:
         yield
     except BaseException as e:
