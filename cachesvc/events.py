@@ -10,35 +10,16 @@ import itertools
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from kvtier.block_hash import BlockHash, hash_preimage, unpack_block
 from kvtier.cachesvc.disk_records import KEY_PREFIX_BYTES
 from kvtier.cachesvc.errors import CacheError
 from kvtier.media import names as media_names
-
-
-@dataclass(slots=True)
-class BlockStored:
-    """A block entered the prefix index (its KV is written and committed)."""
-
-    block_hash: BlockHash
-    parent_block_hash: BlockHash | None
-    block_id: int
-    token_ids: list[int]
-    medium: str = "device"  # the tier it entered: a medium's name (kvtier.media, MEDIUMS)
-
-
-@dataclass(slots=True)
-class BlockRemoved:
-    """A block left the prefix index (evicted to make room, or the cache was reset)."""
-
-    block_hash: BlockHash
-    block_id: int
-    medium: str = "device"  # the tier it left
-
-
-BlockEvent = BlockStored | BlockRemoved
+from kvtier.sequence_types import (  # WatchEvents' values, shared with its clients
+    BlockEvent,
+    BlockRemoved,
+    BlockStored,
+)
 
 REMOVED = 0
 STORED = 1

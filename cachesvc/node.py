@@ -10,57 +10,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
 
 from kvtier.cachesvc.errors import FailedPrecondition, InvalidArgument
 from kvtier.cachesvc.events import EventLog
 from kvtier.cachesvc.leases import Lease, LeaseTable
 from kvtier.cachesvc.records import DEVICE
 from kvtier.cachesvc.sequences import SequenceTable
-from kvtier.sequence_types import AllocateItem, CommitItem, ExtendItem, PrefixQuery, SequenceBlocks
+from kvtier.sequence_types import (  # the snapshot types are GetStats' reply, shared with its clients
+    AllocateItem,
+    CacheSnapshot,
+    CommitItem,
+    ExtendItem,
+    LeaseSnapshot,
+    PrefixQuery,
+    SequenceBlocks,
+    TenantSnapshot,
+    TierSnapshot,
+)
 
 log = logging.getLogger("kvtier.cache")
-
-
-@dataclass(slots=True)
-class LeaseSnapshot:
-    """One lease's share of the cache at a snapshot. Units: sequences, blocks, tokens, seconds."""
-
-    lease_id: str  # the first 8 hex digits only: the whole id is the client's secret
-    client_name: str
-    num_sequences: int  # on the device and on the host
-    num_blocks: int  # device blocks of its sequences on the device
-    num_host_blocks: int  # host-tier slots of its swapped-out sequences
-    expires_in_s: float
-    num_tokens: int  # tokens of its sequences on the device, in the blocks they hold
-
-
-@dataclass(slots=True)
-class TenantSnapshot:
-    """One tenant's share of the cache: blocks its live sequences hold on either tier (a shared
-    prefix block counts once per holder, as the quota counts it) and its quota (0 = none)."""
-
-    tenant: str
-    num_sequences: int
-    num_blocks: int
-    max_blocks: int
-
-
-@dataclass(slots=True)
-class TierSnapshot:
-    """One tier of the prefix cache (GetStatsResponse.TierStats): blocks and bytes it holds now;
-    hits, promotions, evictions, stored and skipped blocks cumulative since start; a write-behind
-    tier's queue."""
-
-    medium: str  # a medium's name (kvtier.media): "device", "host", "disk", ...
-    num_blocks: int
-    num_bytes: int
-    num_hit_blocks: int = 0
-    num_promotions: int = 0
-    num_evictions: int = 0
-    num_stored_blocks: int = 0
-    num_skipped_blocks: int = 0  # offered, not taken: a full write queue, no room, the tier off
-    write_queue_depth: int = 0
 
 
 def tier_snapshots(seqs: SequenceTable) -> list[TierSnapshot]:
@@ -81,46 +49,6 @@ def tier_snapshots(seqs: SequenceTable) -> list[TierSnapshot]:
         num_evictions=bm.num_evictions,
     )
     return [device, *rows]
-
-
-@dataclass(slots=True)
-class CacheSnapshot:
-    """The cache's numbers at one moment (GetStats, metrics). Field names are GetStatsResponse's.
-
-    Units: blocks unless a name says tokens or bytes; counters (prefix tokens, evictions, swaps,
-    expired leases) are cumulative since the service started.
-    """
-
-    num_blocks_total: int
-    num_blocks_free: int  # in the free queue, cached or empty
-    num_blocks_used: int  # referenced by a sequence (free + used + fenced = total)
-    num_blocks_cached: int  # holding a hash in the prefix index, referenced or not
-    usage_percent: float  # (used + fenced) / total, 0..100: what is not free
-    prefix_query_tokens: int
-    prefix_hit_tokens: int
-    num_evictions: int
-    num_host_blocks_total: int
-    num_host_blocks_used: int
-    num_swap_out_blocks: int
-    num_swap_in_blocks: int
-    num_swap_out_bytes: int
-    num_swap_in_bytes: int
-    num_sequences: int
-    num_swapped_sequences: int
-    leases: list[LeaseSnapshot]
-    block_size: int  # tokens per block
-    num_expired_leases: int
-    num_tokens: int  # tokens of every sequence on the device
-    num_token_slots: int  # tokens their block tables have room for
-    tenants: list[TenantSnapshot] = field(default_factory=list)
-    max_blocks_per_lease: int = 0  # 0 = no limit
-    num_blocks_fenced: int = 0  # held back from expired leases (fencing), neither free nor used
-    num_window_released_blocks: int = 0  # released by Extend's releases since start (sliding windows)
-    tiers: list[TierSnapshot] = field(default_factory=list)  # the prefix cache per tier
-
-    @property
-    def num_leases(self) -> int:
-        return len(self.leases)
 
 
 def _nonempty(field: str, values: list) -> list:

@@ -2,14 +2,16 @@
 
 The scheduler talks to the cache only through this port: `computesvc.remote_cache.RemoteCache`
 serves it over gRPC in a replica, `bench/separation.py` serves it in-process. Its item types are
-`kvtier.sequence_types`' (the same values the cache service's domain takes), re-exported here as
-the scheduler's vocabulary. Nothing here imports gRPC.
+`kvtier.sequence_types`' (the same values the cache service's domain takes) and its errors
+`kvtier.cache_errors`' (what every client of the cache service raises), re-exported here as the
+scheduler's vocabulary. Nothing here imports gRPC.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
+from kvtier.cache_errors import CacheUnavailable, ExceedsLimit, NoFreeBlocks, TenantLimited
 from kvtier.sequence_types import AllocateItem, CommitItem, ExtendItem, ReleaseItem, SequenceBlocks
 
 __all__ = [
@@ -24,29 +26,6 @@ __all__ = [
     "SequenceBlocks",
     "TenantLimited",
 ]
-
-
-class NoFreeBlocks(Exception):
-    """The cache has no room for this call (RESOURCE_EXHAUSTED): preempt or wait."""
-
-
-class ExceedsLimit(NoFreeBlocks):
-    """The request can never fit (RESOURCE_EXHAUSTED with reason EXCEEDS_LIMIT): it alone needs
-    more blocks than its tenant's quota, the per-lease limit or the whole pool. Fail it at once."""
-
-
-class TenantLimited(NoFreeBlocks):
-    """A tenant's own quota or fair share refused the room, not the pool (RESOURCE_EXHAUSTED with a
-    QuotaFailure naming `tenant`): preempt that tenant's own sequences, freeing them (a quota
-    counts the host tier's blocks too)."""
-
-    def __init__(self, message: str, tenant: str):
-        super().__init__(message)
-        self.tenant = tenant
-
-
-class CacheUnavailable(Exception):
-    """The cache service cannot be reached (or restarted and forgot our lease): retryable."""
 
 
 class BlockCache(Protocol):

@@ -14,10 +14,9 @@ import logging
 import time
 from collections.abc import Callable
 
-import grpc
-
 from kvtier.api_keys import ApiKeys
 from kvtier.cache_client import CacheClient
+from kvtier.cache_errors import CacheCallError
 from kvtier.computesvc.cache_port import CacheUnavailable
 from kvtier.computesvc.config import ComputeConfig
 from kvtier.computesvc.model import LoadedModel, ModelRunner, load_model
@@ -86,20 +85,20 @@ class Replica:
             )
             try:
                 self._attach_sent_at = time.monotonic()
-                await client.attach_async(self.cfg.name, self.shape.fingerprint, previous_lease_id)
+                await client.attach(self.cfg.name, self.shape.fingerprint, previous_lease_id)
                 return client
-            except grpc.aio.AioRpcError as e:
+            except CacheCallError as e:
                 await client.close()
-                if e.code() != grpc.StatusCode.UNAVAILABLE:
-                    if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                        raise IncompatiblePool(e.details()) from None
+                if e.code != "UNAVAILABLE":
+                    if e.code == "FAILED_PRECONDITION":
+                        raise IncompatiblePool(e.details) from None
                     raise ConnectionError(
-                        f"cache service at {self.cfg.cache} refused Attach: {e.code().name}: {e.details()}"
+                        f"cache service at {self.cfg.cache} refused Attach: {e.code}: {e.details}"
                     ) from None
                 if time.monotonic() + delay > deadline:
                     raise ConnectionError(
                         f"cannot reach the cache service at {self.cfg.cache} after {timeout_s:.0f}s "
-                        f"({e.details()}); is it running? (kvtier cache / python -m kvtier.cachesvc)"
+                        f"({e.details}); is it running? (kvtier cache / python -m kvtier.cachesvc)"
                     ) from None
                 log.warning("cache service at %s not reachable yet; retrying in %.1fs", self.cfg.cache, delay)
                 await asyncio.sleep(delay)

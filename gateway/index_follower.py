@@ -20,13 +20,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import grpc
-
 from kvtier.block_hash import BlockHash
 from kvtier.cache_client import CacheClient
+from kvtier.cache_errors import CacheCallError
 from kvtier.gateway.discovery import Node
 from kvtier.gateway.node_load import NodeLoad
 from kvtier.media import LOWER_MEDIA, Medium
+from kvtier.sequence_types import BlockStored
 
 log = logging.getLogger("kvtier.gateway.router")
 
@@ -157,17 +157,14 @@ def capped(device: int, below: dict[str, int], prompt_len: int, block_size: int)
 async def looked_up(state: NodeState, prompt_ids: list[int], tenant_salt: str) -> PredictedHit:
     """A node's hit asked directly (its index is not synced); nothing if it does not answer in time."""
     try:
-        reply = await asyncio.wait_for(
+        [hit] = await asyncio.wait_for(
             state.cache.lookup_prefix([prompt_ids], tenant_salt=tenant_salt), LOOKUP_TIMEOUT_S
         )
-    except (TimeoutError, grpc.aio.AioRpcError):
+    except (TimeoutError, CacheCallError):
         return PredictedHit()
-    if reply.below:
-        known = {m.name for m in LOWER_MEDIA}  # a medium this table lacks is not priced
-        below = {row.medium: row.num_tokens[0] for row in reply.below if row.medium in known}
-    else:  # a cache from before the media table: its host and disk fields
-        below = {"host": sum(reply.num_host_tokens[:1]), "disk": sum(reply.num_disk_tokens[:1])}
-    return capped(reply.num_cached_tokens[0], below, len(prompt_ids), state.block_size or 1)
+    known = {m.name for m in LOWER_MEDIA}  # a medium this table lacks is not priced
+    below = {medium: n for medium, n in hit.below.items() if medium in known}
+    return capped(hit.num_cached_tokens, below, len(prompt_ids), state.block_size or 1)
 
 
 def follow(state: NodeState, count: Callable[[str], None]) -> None:
@@ -200,29 +197,28 @@ async def _follow_events(state: NodeState, count: Callable[[str], None]) -> None
         state.last_event_id = 0
         state.synced = False
         try:
-            call = state.cache.watch_events(since_event_id=0)
+            stream = state.cache.watch_events(since_event_id=0)
             state.synced = True
-            async for event in call:
+            async for event_id, event in stream:
                 backoff = RESYNC_BACKOFF_S[0]
-                if event.event_id <= state.last_event_id:
+                if event_id <= state.last_event_id:
                     break  # ids went back: the cache restarted; resync
-                state.last_event_id = event.event_id
-                kind = event.WhichOneof("event")
-                if kind == "block_stored":
-                    state.index(event.block_stored.medium).add(event.block_stored.block_hash)
-                elif kind == "block_removed":
-                    state.index(event.block_removed.medium).discard(event.block_removed.block_hash)
+                state.last_event_id = event_id
+                if isinstance(event, BlockStored):
+                    state.index(event.medium).add(event.block_hash)
+                else:
+                    state.index(event.medium).discard(event.block_hash)
             log.warning("router: node %s ended its event stream; resyncing", state.name)
-        except grpc.aio.AioRpcError as e:
+        except CacheCallError as e:
             state.synced = False
-            if e.code() == grpc.StatusCode.OUT_OF_RANGE:
-                log.warning("router: node %s: events were dropped (%s); resyncing", state.name, e.details())
+            if e.code == "OUT_OF_RANGE":
+                log.warning("router: node %s: events were dropped (%s); resyncing", state.name, e.details)
             else:
                 log.warning(
                     "router: node %s: event stream failed (%s: %s); retrying in %.1fs",
                     state.name,
-                    e.code().name,
-                    e.details(),
+                    e.code,
+                    e.details,
                     backoff,
                 )
                 count("resync")
@@ -246,11 +242,9 @@ async def _poll_stats(state: NodeState) -> None:
                 log.info("router: node %s answers again", state.name)
                 state.down_until = 0.0
             was_down = False
-        except grpc.aio.AioRpcError as e:
+        except CacheCallError as e:
             if not was_down:
-                log.warning(
-                    "router: node %s does not answer (%s); routing around it", state.name, e.code().name
-                )
+                log.warning("router: node %s does not answer (%s); routing around it", state.name, e.code)
             was_down = True
             state.down_until = time.monotonic() + DOWN_S
         await asyncio.sleep(DOWN_POLL_S if was_down else STATS_PERIOD_S)

@@ -1,17 +1,19 @@
-"""Typed, batched client of the cache service (compute, benchmarks and tests use it).
+"""Typed, batched client of the cache service: every caller's one face of it (the compute
+replica, vLLM's connector, the router, the CLI, benchmarks and tests).
 
-One class serves both gRPC flavours: every method builds the request and returns the stub's
-call. On a sync channel that is the response; on an aio channel it is awaitable:
+It takes and returns `kvtier.sequence_types`' values and raises `kvtier.cache_errors`' exceptions;
+no caller reads a protobuf message or a gRPC status. One class serves both gRPC flavours: on a
+sync channel a method returns its value, on an aio channel an awaitable of it:
 
     client = CacheClient.connect("unix:///tmp/kvtier-0/cache.sock")            # sync
-    seqs = client.allocate([[1, 2, 3], AllocateItem([1, 2, 4], tenant_salt="tenant-b")]).sequences
+    seqs = client.allocate([[1, 2, 3], AllocateItem([1, 2, 4], tenant_salt="tenant-b")])
 
     client = CacheClient.connect(address, aio=True)                              # asyncio
-    seqs = (await client.allocate([[1, 2, 3]])).sequences
+    seqs = await client.allocate([[1, 2, 3]])                                    # list[SequenceBlocks]
 
-Requests carry the shared token as call metadata and the lease opened by `attach()`. The items
-are `kvtier.sequence_types`' values (plain tuples work for Extend and Commit items); this module
-is the client side's one place that turns them into protobuf.
+Requests carry the shared token as call metadata and the lease opened by `attach()`. Plain tuples
+work for Extend and Commit items. This module and `kvtier.wire` are the client side's one place
+that turns values into protobuf and back.
 """
 
 from __future__ import annotations
@@ -20,17 +22,37 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 
-from kvtier import auth, telemetry
+from kvtier import auth, status, telemetry
 from kvtier.api import cache_pb2, cache_pb2_grpc
+from kvtier.cache_errors import (
+    CacheCallError,
+    CacheUnavailable,
+    ExceedsLimit,
+    InvalidRequest,
+    NoFreeBlocks,
+    TenantLimited,
+)
 from kvtier.grpc_server import MAX_MESSAGE_BYTES
 from kvtier.pool import PoolSpec
-from kvtier.sequence_types import AllocateItem, CommitItem, ExtendItem, ReleaseItem, SequenceBlocks
-from kvtier.wire import pool_spec_from_proto
+from kvtier.sequence_types import (
+    AllocateItem,
+    CacheEvent,
+    CacheSnapshot,
+    CommitItem,
+    ExtendItem,
+    LeaseGrant,
+    PrefixHit,
+    ReleaseItem,
+    SequenceBlocks,
+    SwapResult,
+)
+from kvtier.wire import event_from_proto, lease_grant, prefix_hits, sequence_blocks, stats_from_proto
 
 log = logging.getLogger("kvtier.client")
 
@@ -67,11 +89,33 @@ def allocate_fields(item: AllocateItem) -> dict:
     return fields
 
 
-def sequence_blocks(messages) -> list[SequenceBlocks]:
-    """The SequenceBlocks of a reply's repeated ``sequences`` field, every field kept."""
-    return [
-        SequenceBlocks(m.sequence_id, list(m.block_table), m.num_cached_tokens, m.num_slots) for m in messages
-    ]
+T = TypeVar("T")
+Reply = T | Awaitable[T]  # the value on a sync channel, an awaitable of it on an aio one
+UNAVAILABLE = ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+
+
+def call_error(e: grpc.RpcError) -> CacheCallError:
+    """The exception of `kvtier.cache_errors` for a failed call (the one place status codes are read)."""
+    code, details = e.code().name, e.details() or ""
+    if code == "RESOURCE_EXHAUSTED":
+        if status.reason_of(e) == status.EXCEEDS_LIMIT:
+            return ExceedsLimit(details, code, status.EXCEEDS_LIMIT)
+        if (tenant := status.quota_tenant_of(e)) is not None:
+            return TenantLimited(details, tenant, code)
+        return NoFreeBlocks(details, code)
+    reason = status.reason_of(e)
+    if code in UNAVAILABLE or (code == "NOT_FOUND" and reason == status.LEASE_EXPIRED):
+        return CacheUnavailable(f"cache service: {code}: {details}", code, reason, details)
+    kind = InvalidRequest if code == "INVALID_ARGUMENT" else CacheCallError
+    return kind(f"cache service refused the call: {code}: {details}", code, reason, details)
+
+
+async def _answer(call, convert: Callable[[object], T]) -> T:
+    """An aio call's reply, converted; its failure as `call_error` says."""
+    try:
+        return convert(await call)
+    except grpc.RpcError as e:
+        raise call_error(e) from None
 
 
 def open_channel(address: str, *, aio: bool = False, tls_ca: str | None = None):
@@ -85,6 +129,7 @@ def open_channel(address: str, *, aio: bool = False, tls_ca: str | None = None):
 class CacheClient:
     def __init__(self, channel, token: str, timeout_s: float = 30.0):
         self.channel = channel
+        self.aio = isinstance(channel, grpc.aio.Channel)
         self.stub = cache_pb2_grpc.CacheServiceStub(channel)
         self.metadata = auth.bearer(token)
         self.timeout_s = timeout_s
@@ -115,45 +160,43 @@ class CacheClient:
     def close(self):
         return self.channel.close()
 
-    def _call(self, method, request):
+    def _call(self, method, request, convert: Callable[[object], T]) -> Reply[T]:
+        """Send `request`; its reply through `convert`, or a `call_error`.
+
+        NOTE: on an aio channel the stub's call starts here, before the caller awaits (the
+        replica's lease renewal counts from then); `_answer` only waits for it.
+        """
         # The requests this call serves, when the caller traces them (telemetry.for_requests).
         metadata = telemetry.request_metadata(self.metadata)
-        return method(request, metadata=metadata, timeout=self.timeout_s)
+        if self.aio:
+            return _answer(method(request, metadata=metadata, timeout=self.timeout_s), convert)
+        try:
+            return convert(method(request, metadata=metadata, timeout=self.timeout_s))
+        except grpc.RpcError as e:
+            raise call_error(e) from None
 
     # ------------------------------------------------------------ leases
 
-    def attach_request(
-        self, client_name: str, model_fingerprint: str = "", previous_lease_id: str = ""
-    ) -> cache_pb2.AttachRequest:
-        return cache_pb2.AttachRequest(
-            client_name=client_name, model_fingerprint=model_fingerprint, previous_lease_id=previous_lease_id
-        )
-
-    def adopt(self, response: cache_pb2.AttachResponse) -> cache_pb2.AttachResponse:
-        """Remember the lease and pool spec of an Attach response."""
-        self.lease_id = response.lease_id
-        self.lease_ttl_s = response.lease_ttl_s
-        self.max_batch = response.max_batch
-        self.pool = pool_spec_from_proto(response.pool)
-        return response
-
     def attach(
         self, client_name: str, model_fingerprint: str = "", previous_lease_id: str = ""
-    ) -> cache_pb2.AttachResponse:
-        """Sync only: open a lease (see `attach_async` for aio channels and `previous_lease_id`)."""
-        request = self.attach_request(client_name, model_fingerprint, previous_lease_id)
-        return self.adopt(self._call(self.stub.Attach, request))
+    ) -> Reply[LeaseGrant]:
+        """Open a lease and remember it and the pool spec (`lease_id`, `lease_ttl_s`, `max_batch`,
+        `pool`). `previous_lease_id`: the lease this client lost, named only once no KV write
+        under it is in flight (its fenced blocks are then released at once)."""
+        request = cache_pb2.AttachRequest(
+            client_name=client_name, model_fingerprint=model_fingerprint, previous_lease_id=previous_lease_id
+        )
+        return self._call(self.stub.Attach, request, self._adopt)
 
-    async def attach_async(
-        self, client_name: str, model_fingerprint: str = "", previous_lease_id: str = ""
-    ) -> cache_pb2.AttachResponse:
-        """Open a lease. `previous_lease_id`: the lease this client lost, named only once no KV
-        write under it is in flight (its fenced blocks are then released at once)."""
-        request = self.attach_request(client_name, model_fingerprint, previous_lease_id)
-        return self.adopt(await self._call(self.stub.Attach, request))
+    def _adopt(self, reply: cache_pb2.AttachResponse) -> LeaseGrant:
+        grant = lease_grant(reply)
+        self.lease_id, self.lease_ttl_s, self.pool, self.max_batch = grant
+        return grant
 
-    def heartbeat(self):
-        return self._call(self.stub.Heartbeat, cache_pb2.HeartbeatRequest(lease_id=self.lease_id))
+    def heartbeat(self) -> Reply[float]:
+        """Renew the lease; the seconds it now has."""
+        request = cache_pb2.HeartbeatRequest(lease_id=self.lease_id)
+        return self._call(self.stub.Heartbeat, request, _lease_ttl_s)
 
     def start_heartbeat_thread(
         self,
@@ -185,10 +228,10 @@ class CacheClient:
                     sent_at = time.monotonic()
                     try:
                         self.heartbeat()
-                    except grpc.RpcError as e:
-                        error = f"heartbeat: {e.code().name}: {e.details()}"
+                    except CacheCallError as e:
+                        error = f"heartbeat: {e}"
                         left_s = renewed_at + self.lease_ttl_s - time.monotonic()
-                        if e.code() == grpc.StatusCode.NOT_FOUND or left_s <= 0:
+                        if e.code == "NOT_FOUND" or left_s <= 0:
                             if on_lost is not None:
                                 on_lost(ConnectionError(error))
                             return
@@ -218,9 +261,9 @@ class CacheClient:
     # (64 items: 51 vs 99 µs for Extend, 78 vs 237 µs for Allocate on the development machine),
     # and Extend and Commit run every decode step.
 
-    def allocate(self, items: Iterable[AllocateItem | Sequence[int]]):
+    def allocate(self, items: Iterable[AllocateItem | Sequence[int]]) -> Reply[list[SequenceBlocks]]:
         """One sequence per item: an AllocateItem, or a plain list of token ids (every other field
-        at its default)."""
+        at its default). Its blocks, one SequenceBlocks per item in order."""
         request = cache_pb2.AllocateRequest(lease_id=self.lease_id)
         add = request.items.add
         for item in items:
@@ -228,16 +271,17 @@ class CacheClient:
                 add(**allocate_fields(item))
             else:
                 add(token_ids=item)
-        return self._call(self.stub.Allocate, request)
+        return self._call(self.stub.Allocate, request, _sequences)
 
     def extend(
         self,
         items: Iterable[ExtendItem],
         commits: Iterable[CommitItem] = (),
         releases: Iterable[ReleaseItem] = (),
-    ):
+    ) -> Reply[list[SequenceBlocks]]:
         """Room for `num_tokens` more tokens per sequence, after `commits` (as `commit` takes
-        them) and then `releases` (blocks a sliding window left behind) are applied: one call."""
+        them) and then `releases` (blocks a sliding window left behind) are applied: one call.
+        The full block tables after it, one per item in order."""
         request = cache_pb2.ExtendRequest(lease_id=self.lease_id)
         add = request.items.add
         for sequence_id, num_tokens in items:
@@ -245,47 +289,113 @@ class CacheClient:
         _add_commits(request.commits, commits)
         for sequence_id, num_blocks in releases:
             request.releases.add(sequence_id=sequence_id, num_blocks=num_blocks)
-        return self._call(self.stub.Extend, request)
+        return self._call(self.stub.Extend, request, _sequences)
 
-    def commit(self, items: Iterable[CommitItem]):
-        """Append each item's token ids to its sequence and record its computed tokens."""
+    def commit(self, items: Iterable[CommitItem]) -> Reply[int]:
+        """Append each item's token ids to its sequence and record its computed tokens. The blocks
+        newly published to the prefix index."""
         request = cache_pb2.CommitRequest(lease_id=self.lease_id)
         _add_commits(request.items, items)
-        return self._call(self.stub.Commit, request)
+        return self._call(self.stub.Commit, request, _num_blocks_published)
 
-    def free(self, sequence_ids: Iterable[int], commits: Iterable[CommitItem] = ()):
-        """Drop sequences, after `commits` (a finished sequence's last tokens) are applied."""
+    def free(self, sequence_ids: Iterable[int], commits: Iterable[CommitItem] = ()) -> Reply[int]:
+        """Drop sequences, after `commits` (a finished sequence's last tokens) are applied. The
+        blocks whose reference count dropped to zero."""
         request = cache_pb2.FreeRequest(lease_id=self.lease_id, sequence_ids=sequence_ids)
         _add_commits(request.commits, commits)
-        return self._call(self.stub.Free, request)
+        return self._call(self.stub.Free, request, _num_blocks_released)
 
-    def swap_out(self, sequence_ids: Iterable[int], commits: Iterable[CommitItem] = ()):
+    def swap_out(self, sequence_ids: Iterable[int], commits: Iterable[CommitItem] = ()) -> Reply[SwapResult]:
         req = cache_pb2.SwapOutRequest(lease_id=self.lease_id, sequence_ids=sequence_ids)
         _add_commits(req.commits, commits)
-        return self._call(self.stub.SwapOut, req)
+        return self._call(self.stub.SwapOut, req, _swapped_out)
 
-    def swap_in(self, sequence_ids: Iterable[int]):
+    def swap_in(self, sequence_ids: Iterable[int]) -> Reply[SwapResult]:
         req = cache_pb2.SwapInRequest(lease_id=self.lease_id, sequence_ids=sequence_ids)
-        return self._call(self.stub.SwapIn, req)
+        return self._call(self.stub.SwapIn, req, _swapped_in)
 
     # ------------------------------------------------------------ observation
 
-    def lookup_prefix(self, prompts: Iterable[Sequence[int]], *, tenant_salt: str = "", adapter_id: str = ""):
-        """Leading tokens of each prompt cached on the device, hashed with `tenant_salt` (the salt
-        kvtier.api_keys.tenant_salt bound to a tenant, as Allocate takes it)."""
+    def lookup_prefix(
+        self, prompts: Iterable[Sequence[int]], *, tenant_salt: str = "", adapter_id: str = ""
+    ) -> Reply[list[PrefixHit]]:
+        """Leading tokens of each prompt cached, on the device and below it, hashed with
+        `tenant_salt` (the salt kvtier.api_keys.tenant_salt bound to a tenant, as Allocate takes it)."""
         items = [
             cache_pb2.LookupPrefixItem(token_ids=t, tenant_salt=tenant_salt, adapter_id=adapter_id)
             for t in prompts
         ]
-        return self._call(self.stub.LookupPrefix, cache_pb2.LookupPrefixRequest(items=items))
+        return self._call(self.stub.LookupPrefix, cache_pb2.LookupPrefixRequest(items=items), prefix_hits)
 
-    def get_stats(self):
-        return self._call(self.stub.GetStats, cache_pb2.GetStatsRequest())
+    def get_stats(self) -> Reply[CacheSnapshot]:
+        return self._call(self.stub.GetStats, cache_pb2.GetStatsRequest(), stats_from_proto)
 
-    def watch_events(self, since_event_id: int = 0):
-        """A stream of CacheEvent (iterate it; cancel() to stop). No timeout."""
+    def watch_events(self, since_event_id: int = 0) -> EventStream:
+        """The events after `since_event_id` as they happen (no timeout); cancel() to stop."""
         req = cache_pb2.WatchEventsRequest(since_event_id=since_event_id)
-        return self.stub.WatchEvents(req, metadata=self.metadata)
+        return EventStream(self.stub.WatchEvents(req, metadata=self.metadata))
+
+
+class EventStream:
+    """A WatchEvents stream of CacheEvents: ``for`` / ``next()`` it on a sync channel, ``async for``
+    on an aio one; ``cancel()`` ends it. A stream that fails raises `call_error`'s exception
+    (code OUT_OF_RANGE: the service dropped events this reader had not read; watch from 0)."""
+
+    def __init__(self, call):
+        self.call = call
+
+    def cancel(self) -> bool:
+        return self.call.cancel()
+
+    def __iter__(self) -> EventStream:
+        return self
+
+    def __next__(self) -> CacheEvent:
+        try:
+            while (event := event_from_proto(next(self.call))) is None:
+                pass  # a kind of event this client does not know
+        except grpc.RpcError as e:
+            raise call_error(e) from None
+        return event
+
+    def __aiter__(self) -> EventStream:
+        return self
+
+    async def __anext__(self) -> CacheEvent:
+        try:
+            while True:
+                message = await self.call.read()
+                if message is grpc.aio.EOF:
+                    raise StopAsyncIteration
+                if (event := event_from_proto(message)) is not None:
+                    return event
+        except grpc.RpcError as e:
+            raise call_error(e) from None
+
+
+# Each reply's value (the functions `_call` converts a reply with).
+def _sequences(reply) -> list[SequenceBlocks]:
+    return sequence_blocks(reply.sequences)
+
+
+def _lease_ttl_s(reply: cache_pb2.HeartbeatResponse) -> float:
+    return reply.lease_ttl_s
+
+
+def _num_blocks_published(reply: cache_pb2.CommitResponse) -> int:
+    return reply.num_blocks_published
+
+
+def _num_blocks_released(reply: cache_pb2.FreeResponse) -> int:
+    return reply.num_blocks_released
+
+
+def _swapped_out(reply: cache_pb2.SwapOutResponse) -> SwapResult:
+    return SwapResult(reply.num_blocks, reply.num_bytes, [])
+
+
+def _swapped_in(reply: cache_pb2.SwapInResponse) -> SwapResult:
+    return SwapResult(reply.num_blocks, reply.num_bytes, sequence_blocks(reply.sequences))
 
 
 def _add_commits(field, commits: Iterable[CommitItem]) -> None:

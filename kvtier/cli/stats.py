@@ -30,10 +30,6 @@ SUMMED = (
     "num_window_released_blocks",
 )
 
-# Field names as in the proto, and every field printed: proto3 JSON leaves out zeros and empty
-# lists, so an idle service's "num_sequences": 0 would be missing rather than shown.
-JSON_OPTIONS = {"preserving_proto_field_name": True, "always_print_fields_with_no_presence": True}
-
 
 def caches_to_ask(cache: str | None) -> dict[str, str]:
     """{node name: cache address}: ``cache`` (--cache) alone if given, else every node of the
@@ -49,7 +45,7 @@ def caches_to_ask(cache: str | None) -> dict[str, str]:
 
 
 def totals(stats: list) -> dict:
-    """The SUMMED fields over ``stats`` (GetStatsResponse messages), with the pool usage and the
+    """The SUMMED fields over ``stats`` (CacheSnapshots), with the pool usage and the
     prefix hit rate they imply."""
     out: dict = {name: sum(getattr(s, name) for s in stats) for name in SUMMED}
     out["usage_percent"] = 100.0 * out["num_blocks_used"] / max(1, out["num_blocks_total"])
@@ -58,10 +54,10 @@ def totals(stats: list) -> dict:
 
 
 def cmd_stats(args) -> int:
-    import grpc
-    from google.protobuf.json_format import MessageToDict, MessageToJson
+    from dataclasses import asdict
 
     from kvtier.cache_client import CacheClient
+    from kvtier.cache_errors import CacheCallError
 
     caches = caches_to_ask(args.cache)
     answered: dict = {}
@@ -74,8 +70,8 @@ def cmd_stats(args) -> int:
             return 1
         try:
             answered[name] = client.get_stats()
-        except grpc.RpcError as e:
-            failed[name] = f"the cache service at {address} answered {e.code().name}: {e.details()}"
+        except CacheCallError as e:
+            failed[name] = f"the cache service at {address} answered {e.code}: {e.details}"
         finally:
             client.close()
     if len(caches) == 1:
@@ -85,9 +81,9 @@ def cmd_stats(args) -> int:
                 file=sys.stderr,
             )
             return 1
-        print(MessageToJson(next(iter(answered.values())), **JSON_OPTIONS))
+        print(json.dumps(asdict(next(iter(answered.values()))), indent=2))
         return 0
-    nodes = {name: MessageToDict(s, **JSON_OPTIONS) for name, s in answered.items()}
+    nodes = {name: asdict(s) for name, s in answered.items()}
     nodes |= {name: {"error": why} for name, why in failed.items()}
     print(json.dumps({"nodes": nodes, "totals": totals(list(answered.values()))}, indent=2))
     for name, why in failed.items():
