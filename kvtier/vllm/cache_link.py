@@ -16,10 +16,8 @@ import threading
 import time
 from collections.abc import Callable
 
-import grpc
-
-from kvtier import status
 from kvtier.cache_client import CacheClient
+from kvtier.cache_errors import CacheCallError, CacheUnavailable
 from kvtier.pool import PoolSpec
 from kvtier.vllm import LOGGER
 from kvtier.vllm.config import ConnectorConfig, client_name
@@ -81,13 +79,13 @@ class CacheLink:
         sent_at = time.monotonic()
         try:
             client.attach(client_name(self.role))
-        except grpc.RpcError as e:
+        except CacheCallError as e:
             client.close()
-            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise CacheDown(f"Attach: {e.code().name}: {e.details()}") from None
+            if e.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
+                raise CacheDown(f"Attach: {e.code}: {e.details}") from None
             raise ConnectionError(
                 f"kvtier connector: the cache service at {self.cfg.cache_address} refused Attach: "
-                f"{e.code().name}: {e.details()}"
+                f"{e.code}: {e.details}"
             ) from None
         try:
             self.check(client.pool)
@@ -180,7 +178,7 @@ class CacheLink:
     def call(self, method: Callable[[CacheClient], object], expect_generation: int | None = None):
         """``method(client)`` (one RPC); its reply. CacheDown when the service is not attached (or,
         with ``expect_generation``, attached again since: the sequences of that lease are gone), went
-        away (the link then re-attaches) or missed the deadline; other gRPC errors propagate."""
+        away (the link then re-attaches) or missed the deadline; other CacheCallErrors propagate."""
         with self._lock:
             client, generation = self.client, self.generation
         if client is None or expect_generation not in (None, generation):
@@ -188,14 +186,10 @@ class CacheLink:
         sent_at = time.monotonic()
         try:
             reply = method(client)
-        except grpc.RpcError as e:
-            code = e.code()
-            expired = code == grpc.StatusCode.NOT_FOUND and status.reason_of(e) == status.LEASE_EXPIRED
-            if code == grpc.StatusCode.UNAVAILABLE or expired:
-                self._lost(generation, ConnectionError(f"{code.name}: {e.details()}"))
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or expired:
-                raise CacheDown(f"{code.name}: {e.details()}") from None
-            raise
+        except CacheUnavailable as e:  # gone, forgot the lease (restarted), or past the deadline
+            if e.code != "DEADLINE_EXCEEDED":
+                self._lost(generation, ConnectionError(f"{e.code}: {e.details}"))
+            raise CacheDown(f"{e.code}: {e.details}") from None
         self._renewed(generation, sent_at)  # every call renews the lease on the service
         return reply
 

@@ -21,8 +21,7 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-import grpc
-
+from kvtier.cache_errors import CacheCallError, NoFreeBlocks
 from kvtier.pool import PoolSpec
 from kvtier.sequence_types import AllocateItem
 from kvtier.vllm import LOGGER
@@ -198,8 +197,8 @@ class Lookups:
             return self._lookup_calls(tokens, salt, adapter, rid, num_computed)
         except CacheDown as e:
             log.debug("kvtier lookup for %s: no answer (%s)", rid, e)
-        except grpc.RpcError as e:
-            log.warning("kvtier lookup for %s refused: %s: %s", rid, e.code().name, e.details())
+        except CacheCallError as e:
+            log.warning("kvtier lookup for %s refused: %s: %s", rid, e.code, e.details)
         except Exception:
             log.exception("kvtier lookup for %s failed", rid)
         return Lookup(0, None)
@@ -211,25 +210,20 @@ class Lookups:
         generation, spec = self.link.snapshot()
         if spec is None:
             raise CacheDown("not attached")
-        reply = self.link.call(
+        [prefix] = self.link.call(
             lambda c: c.lookup_prefix([tokens], tenant_salt=salt, adapter_id=adapter),
             expect_generation=generation,
         )
-        held = reply.num_cached_tokens[0] + sum(
-            t[0] for t in (reply.num_host_tokens, reply.num_disk_tokens) if t
-        )
+        held = prefix.total
         want = min(held, (len(tokens) - 1) // bs * bs)
         if want <= num_computed:
             return Lookup(held, None)
         item = AllocateItem(tokens[: want + 1], tenant_salt=salt, adapter_id=adapter, request_id=rid)
         try:
-            reply = self.link.call(lambda c: c.allocate([item]), expect_generation=generation)
-        except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
-                raise
-            log.info("kvtier lookup for %s: the pool has no room to pin its hit now (%s)", rid, e.details())
+            [seq] = self.link.call(lambda c: c.allocate([item]), expect_generation=generation)
+        except NoFreeBlocks as e:
+            log.info("kvtier lookup for %s: the pool has no room to pin its hit now (%s)", rid, e.details)
             return Lookup(held, None)
-        seq = reply.sequences[0]
         hit = Hit(seq.sequence_id, list(seq.block_table[: seq.num_cached_tokens // bs]), seq.num_cached_tokens,
                   pool_name(spec), generation)  # fmt: skip
         if hit.num_tokens <= num_computed:
@@ -246,5 +240,5 @@ class Lookups:
             return  # its lease is gone, and its sequences with it
         try:
             self.link.call(lambda c: c.free([hit.sequence_id]), expect_generation=hit.generation)
-        except (CacheDown, grpc.RpcError) as e:
+        except (CacheDown, CacheCallError) as e:
             log.debug("kvtier: Free of sequence %d failed (%s); the lease releases it", hit.sequence_id, e)

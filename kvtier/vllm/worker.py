@@ -26,9 +26,9 @@ import queue
 import threading
 import time
 
-import grpc
 import torch
 
+from kvtier.cache_errors import CacheCallError
 from kvtier.pool import attach_pool
 from kvtier.sequence_types import AllocateItem, CommitItem
 from kvtier.vllm import LOGGER
@@ -169,8 +169,8 @@ class WorkerSide:
                 self._write(saves, blocks)
             except CacheDown as e:
                 self._dropped(len(blocks), f"the cache service is away: {e}")
-            except grpc.RpcError as e:
-                self._dropped(len(blocks), f"{e.code().name}: {e.details()}")
+            except CacheCallError as e:
+                self._dropped(len(blocks), f"{e.code}: {e.details}")
             except Exception:
                 log.exception("kvtier: a save failed")
                 self._dropped(len(blocks), "an error (logged above)")
@@ -187,7 +187,7 @@ class WorkerSide:
         if pool is None:
             raise CacheDown("no pool mapped")
         items = [AllocateItem(s.token_ids, tenant_salt=s.tenant_salt, adapter_id=s.adapter_id) for s in saves]
-        seqs = self.link.call(lambda c: c.allocate(items), expect_generation=generation).sequences
+        seqs = self.link.call(lambda c: c.allocate(items), expect_generation=generation)
         pool_ids, rows, commits, offset = [], [], [], 0
         for save, seq in zip(saves, seqs, strict=True):
             hit, full = seq.num_cached_tokens // self.block_size, len(save.token_ids) // self.block_size
