@@ -126,14 +126,19 @@ def grow_one(
     else:
         table += bm.allocate(more)
     if bm.evicted_ids:
-        lower.keep(*bm.take_evicted())
+        lower.keep_evicted(bm)
     seq.room = min(len(table) * bs, max_model_len)  # SequenceTable.room(), inline
     seq.cached_blocks = None
     return True
 
 
 def promote_lower_hits(
-    lower: TierStack, bm: BlockManager, plan: AllocatePlan, table: list[int], token_ids: list[int]
+    lower: TierStack,
+    bm: BlockManager,
+    plan: AllocatePlan,
+    table: list[int],
+    token_ids: list[int],
+    tenant: str = "",
 ) -> int:
     """Phase 3 of Allocate with lower tiers, for one new sequence holding ``table``: follow its
     prompt's chain past the device hit through the tiers below (``TierStack``), copy the held
@@ -141,19 +146,22 @@ def promote_lower_hits(
     promoted (they count as cached: compute sees ordinary cached blocks). Capped, as the device
     hit is, so the last prompt token is always computed. A block a tier fails to give (a
     record that fails its checks) ends the run: what follows stays a fresh block to compute.
+    ``tenant``: the sequence's (the shared tier looks, loads and publishes as that tenant).
     """
+    if tenant:
+        lower.note_tenant(plan.extra, tenant)
     if lower.min_hits and plan.hit:
         lower.note_hits([bm.blocks[i].index_key for i in plan.hit])
     start = len(plan.hit)
     parent = plan.block_hashes[-1] if start else plan.extra
     end = (len(token_ids) - 1) // bm.block_size
-    keys = lower.held_keys(plan.prompt_bytes, parent, bm.block_size, start, end, plan.block_hashes)
+    keys = lower.held_keys(plan.prompt_bytes, parent, bm.block_size, start, end, plan.block_hashes, tenant)
     if not keys:
         return 0
-    got = lower.promote(keys, table[start : start + len(keys)])
+    got = lower.promote(keys, table[start : start + len(keys)], tenant)
     if got:
         bm.publish_blocks(
-            table, plan.block_hashes, start, start + got, token_ids, plan.extra, plan.prompt_bytes
+            table, plan.block_hashes, start, start + got, token_ids, plan.extra, plan.prompt_bytes, tenant
         )
     return got
 
@@ -163,12 +171,14 @@ def lookup_tiers(
 ) -> list[int]:
     """LookupPrefix over every tier: per ``(prompt bytes, extra key)`` the device tokens (returned)
     and, appended to ``below``, the tokens per lower medium (``kvtier.media.LOWER_MEDIA`` order)
-    of the chain past the device hit. Whole blocks, uncapped; read-only."""
+    of the chain past the device hit. Whole blocks, uncapped; read-only. The shared tier counts
+    as the tenant an Allocate under the same chain root named lately (``TierStack.tenant_of``;
+    else the default, whose namespace holds no other tenant's objects: 0 there)."""
     bs = bm.block_size
     out = []
     for data, extra in keyed:
         ids, hashes = bm.match_prefix(data, extra, len(data))
-        counts = lower.count_below(data, hashes[-1] if ids else extra, bs, len(ids))
+        counts = lower.count_below(data, hashes[-1] if ids else extra, bs, len(ids), lower.tenant_of(extra))
         out.append(len(ids) * bs)
         below.append(tuple(n * bs for n in counts))
     return out

@@ -75,6 +75,8 @@ class BlockManager:
         self.keep_evicted = False
         self.evicted_ids: list[int] = []
         self.evicted_keys: list[bytes] = []
+        # Per block id: the tenant whose sequence published it ("" the default), for the shared tier.
+        self.block_tenants: list[str] = [""] * num_blocks
 
     # ------------------------------------------------------------------ counters
 
@@ -218,12 +220,16 @@ class BlockManager:
             self.evicted_keys.append(key)
         return block_id
 
-    def take_evicted(self) -> tuple[list[int], list[bytes]]:
+    def take_evicted(self, with_tenants: bool = False) -> tuple[list, ...]:
         """The published blocks ``allocate`` evicted since the last call, while ``keep_evicted``:
-        ``(block ids, index keys)``, oldest first. Their KV is still in the pool: the caller
-        copies it down (``TierStack.keep``) before it returns the blocks to their new owner."""
+        ``(block ids, index keys)``, oldest first, and with ``with_tenants`` their tenants. Their KV
+        is still in the pool: the caller copies it down (``TierStack.keep``) before it returns the
+        blocks to their new owner."""
         ids, keys = self.evicted_ids, self.evicted_keys
         self.evicted_ids, self.evicted_keys = [], []
+        if with_tenants:
+            tenants = self.block_tenants
+            return ids, keys, [tenants[i] for i in ids]
         return ids, keys
 
     def _drop_copy_or_promote(self, block: Block, key: bytes) -> None:
@@ -252,7 +258,12 @@ class BlockManager:
             raise InvalidArgument(str(e)) from None
 
     def publish(
-        self, block_id: int, parent_block_hash: BlockHash | None, token_ids: list[int], extra: bytes
+        self,
+        block_id: int,
+        parent_block_hash: BlockHash | None,
+        token_ids: list[int],
+        extra: bytes,
+        tenant: str = "",
     ) -> BlockHash | None:
         """Enter one committed full block into the prefix index (a BlockStored event).
 
@@ -274,6 +285,7 @@ class BlockManager:
         block_hash = hashes[0]
         if block.block_hash is not None:
             return None
+        self.block_tenants[block_id] = tenant
         if key in self.prefix_index:
             self._add_copy(block, block_hash, key)
             return None
@@ -292,6 +304,7 @@ class BlockManager:
         token_ids: list[int],
         extra: bytes,
         packed: bytes = b"",
+        tenant: str = "",
     ) -> int:
         """``publish`` for blocks ``start..end-1`` of one sequence, in one call.
 
@@ -299,7 +312,8 @@ class BlockManager:
         block_size`` tokens), ``extra`` its extra key and ``block_hashes`` its chain of known
         hashes (at least ``start``); hashes missing up to ``end`` are computed and appended.
         ``packed`` may hold the leading tokens already as ``pack_token_ids`` bytes (the prompt):
-        those are not converted again. Token ids must be valid int32 (the caller checked them).
+        those are not converted again. Token ids must be valid int32 (the caller checked them);
+        ``tenant`` publishes them (``block_tenants``).
         Returns how many blocks were newly published; already-hashed blocks are skipped and
         duplicates of published content become copies, as in ``publish``.
         """
@@ -315,14 +329,17 @@ class BlockManager:
         index = self.prefix_index
         skipped: list[int] = []
         j = start
+        tenants = self.block_tenants
         for key in preimages:
             block = blocks[block_ids[j]]
             if block.block_hash is None and key not in index:
                 block.block_hash, block.index_key = block_hashes[j], key
                 index[key] = block
+                tenants[block_ids[j]] = tenant
             else:
                 if block.block_hash is None:
                     self._add_copy(block, block_hashes[j], key)
+                    tenants[block_ids[j]] = tenant
                 skipped.append(j)
             j += 1
         if self.record_events:

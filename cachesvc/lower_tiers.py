@@ -45,6 +45,7 @@ if TYPE_CHECKING:  # torch loads only with a pool (the flags are parsed without 
     from kvtier.cachesvc.host_area import HostArea
 
 WRITE_POLICIES = ("evict", "through")
+TENANT_ROOTS = 4096  # chain roots whose tenant the stack remembers (note_tenant), oldest dropped first
 LOAD_TIMEOUT_S = 30.0  # the longest a promotion waits for a tier's load job before it counts as a miss
 
 
@@ -75,26 +76,33 @@ class TierStack:
         self._hits: dict[bytes, int] = {}
         self.num_not_kept = 0  # evicted blocks below min_hits
         self._held = [t.held() for t in self.tiers]  # live views: `key in view` per tier
+        # Chain root (extra key) -> tenant, from the last TENANT_ROOTS Allocates of a named tenant:
+        # LookupPrefix's queries carry a salt, not a tenant (an unknown root is the default's).
+        self._tenants: dict[bytes, str] = {}
         # NOTE: one tier and nothing to filter (the default stack: the host cache alone) has no
         # loop to run: keep hands the blocks straight to it (every evicting Allocate or Extend).
         self._only = self.tiers[0] if len(self.tiers) == 1 and not min_hits else None
+        # The host cache alone on a CPU pool (the default stack): its direct store of the pool's
+        # rows, which keep_evicted hands the block manager's lists to (Tier.direct_store).
+        self._direct = self._only.direct_store(pool_rows) if self._only is not None else None
         self._job_ids = itertools.count(1)
 
     # ------------------------------------------------------------------ down
 
-    def keep(self, block_ids: Sequence[int], keys: Sequence[bytes]) -> None:
-        """Take published pool blocks about to be reused (same order as ``keys``, distinct) down the
-        tiers. Returns once the pool rows may be overwritten. With ``min_hits``, a block hit
-        fewer times than that on the device is not kept."""
+    def keep(self, block_ids: Sequence[int], keys: Sequence[bytes], tenants: Sequence[str] = ()) -> None:
+        """Take published pool blocks about to be reused (same order as ``keys``, distinct; their
+        ``tenants`` if known) down the tiers. Returns once the pool rows may be overwritten. With
+        ``min_hits``, a block hit fewer times than that on the device is not kept."""
         if self._only is not None:
-            self._only.submit_store(Blocks(keys, self.pool_rows, block_ids))
+            self._only.submit_store(Blocks(keys, self.pool_rows, block_ids, tenants))
             return
         if self.min_hits:
             hits, floor = self._hits, self.min_hits
-            pairs = [(i, k) for i, k in zip(block_ids, keys, strict=True) if hits.pop(k, 0) >= floor]
-            self.num_not_kept += len(keys) - len(pairs)
-            block_ids, keys = [i for i, _ in pairs], [k for _, k in pairs]
-        self._down(Blocks(keys, self.pool_rows, block_ids), 0)
+            kept = [j for j, k in enumerate(keys) if hits.pop(k, 0) >= floor]
+            self.num_not_kept += len(keys) - len(kept)
+            block_ids, keys = [block_ids[j] for j in kept], [keys[j] for j in kept]
+            tenants = [tenants[j] for j in kept] if tenants else ()
+        self._down(Blocks(keys, self.pool_rows, block_ids, tenants), 0)
 
     def _down(self, blocks: Blocks, first: int) -> None:
         """THE LOOP DOWN: ``blocks`` to tier ``first``; what each tier evicts (returned, its bytes
@@ -118,9 +126,18 @@ class TierStack:
         return slots
 
     def keep_evicted(self, block_manager) -> None:
-        """``keep`` the blocks ``block_manager`` evicted since the last call (``take_evicted``)."""
+        """``keep`` the blocks ``block_manager`` evicted since the last call (``take_evicted``).
+        With a direct store, its lists go to the tier as they are and are emptied after (reused:
+        no lists, ``Blocks`` or loop per evicting call; the tier keeps no tenant)."""
+        if self._direct is not None:
+            ids, keys = block_manager.evicted_ids, block_manager.evicted_keys
+            if ids:
+                self._direct(ids, keys)
+                ids.clear()
+                keys.clear()
+            return
         if block_manager.evicted_ids:
-            self.keep(*block_manager.take_evicted())
+            self.keep(*block_manager.take_evicted(with_tenants=True))
 
     def note_hits(self, keys: Sequence[bytes]) -> None:
         """Count a device prefix hit on each of ``keys`` (for ``--offload-min-hits``; no-op without it)."""
@@ -145,18 +162,26 @@ class TierStack:
         return n
 
     def held_keys(
-        self, data: bytes, parent: bytes, block_size: int, first: int, end: int, hashes: list[bytes]
+        self,
+        data: bytes,
+        parent: bytes,
+        block_size: int,
+        first: int,
+        end: int,
+        hashes: list[bytes],
+        tenant: str = "",
     ) -> list[bytes]:
         """The keys of a prompt's blocks ``first..end-1`` that a tier holds, leading run only.
 
         ``data`` is the prompt as ``pack_token_ids`` bytes from token 0, ``parent`` the hash of
         block ``first - 1`` (the extra key at block 0). The hash of each held block is appended
         to ``hashes`` (the sequence's chain, ``first`` long), so publishing it later computes
-        nothing again. Read-only; one SHA-256 per held block, none on a miss.
+        nothing again. Read-only; one SHA-256 per held block, none on a miss. ``tenant``: whose
+        prompt it is (the shared tier looks in that tenant's namespace).
         """
         step = 4 * block_size
         keys: list[bytes] = []
-        views = self._held  # holds(), inline: every Allocate's miss asks
+        views = self._views(tenant)  # holds(), inline: every Allocate's miss asks
         for b in range(first, min(end, len(data) // step)):
             key = parent + data[b * step : (b + 1) * step]
             for held in views:
@@ -169,33 +194,49 @@ class TierStack:
             hashes.append(parent)
         return keys
 
-    def count_below(self, data: bytes, parent: bytes, block_size: int, first: int) -> tuple[int, ...]:
+    def _views(self, tenant: str) -> list:
+        """Each tier's ``held`` view as ``tenant`` sees it (the default's: the views kept)."""
+        return [t.held_for(tenant) for t in self.tiers] if tenant else self._held
+
+    def note_tenant(self, extra: bytes, tenant: str) -> None:
+        """An Allocate of ``tenant`` (not the default) under chain root ``extra``, for ``tenant_of``."""
+        roots = self._tenants
+        roots[extra] = tenant
+        if len(roots) > TENANT_ROOTS:
+            del roots[next(iter(roots))]
+
+    def tenant_of(self, extra: bytes) -> str:
+        """The tenant an Allocate under chain root ``extra`` named lately; "" (the default) if none."""
+        return self._tenants.get(extra, "")
+
+    def count_below(
+        self, data: bytes, parent: bytes, block_size: int, first: int, tenant: str = ""
+    ) -> tuple[int, ...]:
         """Blocks per lower medium (``kvtier.media.LOWER_MEDIA`` order; each block counted on the
         first tier holding it) of the leading run of a prompt's blocks from block ``first`` on
         (past its device hit; ``parent`` is the hash before it) that the tiers hold
         (``held_keys``' arguments). Read-only, for LookupPrefix."""
         counts = dict.fromkeys((m.name for m in LOWER_MEDIA), 0)
-        for key in self.held_keys(data, parent, block_size, first, len(data), []):
-            counts[
-                next(t for t, held in zip(self.tiers, self._held, strict=True) if key in held).medium.name
-            ] += 1
+        views = self._views(tenant)
+        for key in self.held_keys(data, parent, block_size, first, len(data), [], tenant):
+            counts[next(t for t, held in zip(self.tiers, views, strict=True) if key in held).medium.name] += 1
         return tuple(counts.values())
 
-    def promote(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> int:
-        """THE LOOP UP: copy the blocks of the leading held ``keys`` into pool blocks ``block_ids``;
-        return how many. One load job per run of keys on the same tier (the first tier holding
-        each key); stops at the first key no tier gives. Complete when this returns."""
+    def promote(self, keys: Sequence[bytes], block_ids: Sequence[int], tenant: str = "") -> int:
+        """THE LOOP UP: copy the blocks of the leading held ``keys`` (``tenant``'s prompt) into pool
+        blocks ``block_ids``; return how many. One load job per run of keys on the same tier (the
+        first tier holding each key); stops at the first key no tier gives. Complete when this returns."""
         n, end = 0, min(len(keys), len(block_ids))
+        views = self._views(tenant)
         while n < end:
-            tier = next((t for t, held in zip(self.tiers, self._held, strict=True) if keys[n] in held), None)
-            if tier is None:
+            at = next((j for j, held in enumerate(views) if keys[n] in held), None)
+            if at is None:
                 break
-            held, stop = tier.held(), n + 1
+            tier, held, stop = self.tiers[at], views[at], n + 1
             while stop < end and keys[stop] in held:
                 stop += 1
-            done = self._load(
-                tier, Job(next(self._job_ids), Blocks(keys[n:stop], self.pool_rows, block_ids[n:stop]))
-            )
+            blocks = Blocks(keys[n:stop], self.pool_rows, block_ids[n:stop])
+            done = self._load(tier, Job(next(self._job_ids), blocks, tenant))
             n += done
             if n < stop:
                 break

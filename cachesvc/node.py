@@ -80,7 +80,7 @@ class CacheNode:
         if lower is not None:  # the host and disk tiers' events, after the device's
             shared = lower.by_name.get("shared")
             if shared is not None and shared.write_through and records:  # published blocks, to the store now
-                shared.write_published(records, lower.pool_rows)
+                shared.write_published(records, lower.pool_rows, self.sequences.block_manager.block_tenants)
             records += lower.take_event_records()
         self.events.extend(records)
         return result

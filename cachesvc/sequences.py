@@ -165,7 +165,7 @@ class SequenceTable:
         bm.touch(touched)
         new_ids = bm.allocate(total_new)
         if bm.evicted_ids:  # down the tiers before promotions write into new_ids
-            self.lower_tiers.keep(*bm.take_evicted())
+            self.lower_tiers.keep_evicted(bm)
         out: list[SequenceBlocks] = []
         stats = self.stats
         added = self.limits.added
@@ -179,7 +179,7 @@ class SequenceTable:
             pos += plan.num_new_blocks
             num_cached = len(hit) * bs
             if lower is not None:
-                num_cached += promote_lower_hits(lower, bm, plan, table, item.token_ids) * bs
+                num_cached += promote_lower_hits(lower, bm, plan, table, item.token_ids, item.tenant) * bs
             sid = self._next_sequence_id
             self._next_sequence_id = sid + 1
             seq = Sequence(
@@ -272,7 +272,7 @@ class SequenceTable:
         if total_new:
             new_ids = bm.allocate(total_new)
             if bm.evicted_ids:
-                self.lower_tiers.keep(*bm.take_evicted())
+                self.lower_tiers.keep_evicted(bm)
             pos = 0
             for seq, more in grow:
                 if limits.limited:
@@ -320,6 +320,7 @@ class SequenceTable:
             seq.token_ids,
             seq.extra,
             seq.prompt_bytes,
+            seq.tenant,
         )
         seq.num_published_blocks = num_full_blocks
         return count

@@ -26,15 +26,27 @@ holds what this node no longer does (with ``--offload-min-hits N``: only blocks 
 way the bytes are copied out of the pool row before the call returns; the object is checksummed
 and put by the store client's writer thread. The store evicts on its own (its master's
 watermark); this tier evicts nothing.
+
+Tenants: each block is stored, looked up and loaded by its tenant's client (``Blocks.tenants``,
+``Job.tenant``, ``held_for``; ``StoreClient.for_tenant``: one transfer engine, one breaker), so
+under the master's strict multi-tenant mode a tenant's blocks count against its quota and no
+tenant can see another's objects even under the same name. The default tenant's client lends the
+node's segment and stays open; at most ``max_tenants`` other tenants' clients are open, the least
+recently used closed first. A block whose tenant is not known (what the host and disk tiers pass
+down) is the default tenant's.
+
+What this node knows the store holds (``_known``, at most KNOWN_KEYS, the oldest forgotten first)
+is what its KV events say: a key leaves it with a REMOVED event (``medium shared``) when it is
+forgotten, when a load or lookup finds the store evicted it, when its put failed, and all of them
+when the store comes back from an outage (it may have restarted empty). So the router's view of
+the shared tier, built from every node's events, stays bounded and drops what the store lost.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import logging
 import threading
-import warnings
 from collections import OrderedDict, deque
 from collections.abc import Container, Sequence
 from functools import partial
@@ -45,15 +57,18 @@ from kvtier.cachesvc.disk_records import (
     KEY_PREFIX_BYTES,
     BadRecord,
     RecordLayout,
-    checksum,
-    decode,
-    decode_head,
-    encode,
-    file_name,
     record_bytes,
 )
 from kvtier.cachesvc.events import STORED, tier_kind
-from kvtier.cachesvc.store_client import StoreAddress, StoreClient
+from kvtier.cachesvc.store_client import StoreAddress, StoreClient, TenantClients
+from kvtier.cachesvc.store_objects import (
+    check_parts,
+    copy_into,
+    decode_object,
+    encode_object,
+    object_name,
+    row_bytes,
+)
 from kvtier.cachesvc.tiers import Blocks, Job, JobResult, Lookup, Tier, TierCounts
 from kvtier.media import medium
 
@@ -66,46 +81,7 @@ POLICIES = ("evict", "through")
 BATCH_BYTES = 8 << 20  # bytes of objects one get asks for
 REGISTER_BYTES = 16 << 20  # load destinations this large (the pool) are registered with the transfer engine
 KNOWN_KEYS = 65536  # keys this node knows the store held when last asked (the cheap ``held`` view)
-OBJECT_PREFIX = "kvtier"
-
-
-def object_name(layout: RecordLayout, key: bytes) -> str:
-    """The store's name for the block whose prefix-index key is ``key`` in a pool of ``layout``."""
-    digest = hashlib.sha256()
-    for part in (
-        layout.model_fingerprint,
-        str(layout.block_size),
-        layout.dtype,
-        ",".join(map(str, layout.shape)),
-        str(layout.block_bytes),
-    ):
-        digest.update(part.encode() + b"\0")
-    digest.update(key)
-    return f"{OBJECT_PREFIX}/{layout.model_fingerprint[:16]}/{digest.hexdigest()}"
-
-
-def encode_object(layout: RecordLayout, key: bytes, payload) -> list[bytes]:
-    """The object's parts (head + meta, payload, checksum), the payload copied (the pool row may
-    be overwritten once the caller returns)."""
-    head, body, checksum = encode(layout, key, key[:KEY_PREFIX_BYTES], payload)
-    return [head, bytes(body), checksum]
-
-
-def check_parts(layout: RecordLayout, key: bytes, scratch, head: int, row) -> None:
-    """The checks of ``decode_object`` on an object landed in parts: its ``head`` bytes of header
-    and meta and its checksum in ``scratch`` (uint8, ``head + 32``), its payload in ``row``."""
-    body = memoryview(scratch)[:head]
-    digest = checksum(body)
-    digest.update(memoryview(row.numpy()))
-    if digest.digest() != bytes(scratch[head:]):
-        raise BadRecord("checksum mismatch (the bytes changed after they were written)")
-    if decode_head(layout, bytes(body), head + layout.block_bytes + CHECKSUM_BYTES, file_name(key)) != key:
-        raise BadRecord("carries another block's key")
-
-
-def decode_object(layout: RecordLayout, key: bytes, data: bytes) -> memoryview:
-    """The payload of object ``data`` fetched for ``key``, after every check; BadRecord otherwise."""
-    return decode(layout, data, file_name(key), key)[1]
+MAX_TENANTS = 8  # named tenants' store clients open at once (each holds a transfer buffer)
 
 
 class SharedTier(Tier):
@@ -113,19 +89,27 @@ class SharedTier(Tier):
 
     medium = medium("shared")
 
-    def __init__(self, client: StoreClient, layout: RecordLayout, *, policy: str = "through") -> None:
+    def __init__(
+        self,
+        client: StoreClient,
+        layout: RecordLayout,
+        *,
+        policy: str = "through",
+        max_tenants: int = MAX_TENANTS,
+    ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"--shared-tier-policy {policy!r} is not one of {POLICIES}")
-        self.client = client
+        self.client = client  # the default tenant's
+        self.clients = TenantClients(client, max_tenants, 2 * BATCH_BYTES)
         self.layout = layout
         self.block_bytes = layout.block_bytes
         self.record_size = record_bytes(layout, KEY_PREFIX_BYTES + 4 * layout.block_size)
         self.write_through = policy == "through"
-        # Keys the store held when this node last asked or wrote them, most recent last: the
-        # cheap ``held`` view (a hint: a load still checks the store and the object).
-        self._known: OrderedDict[bytes, None] = OrderedDict()
+        # Keys the store held when this node last asked or wrote them, most recent last, and their
+        # tenant: the cheap ``held`` view (a hint: a load still checks the store and the object).
+        self._known: OrderedDict[bytes, str] = OrderedDict()
         self._epoch = client.breaker.epoch  # the store's objects may be gone after it was down
-        self._view = _StoreView(self)
+        self._view = _StoreView(self, "")
         self._scratch_rows = None  # _scratch's buffer
         self._pending: set[bytes] = set()  # queued for the store, not yet written (lookup: NOT_YET)
         self._results: list[JobResult] = []
@@ -135,47 +119,62 @@ class SharedTier(Tier):
 
     # -- lookups ----------------------------------------------------------------------------------
 
-    def lookup(self, key: bytes) -> Lookup:
+    def lookup(self, key: bytes, tenant: str = "") -> Lookup:
         if key in self._pending:
             return Lookup.NOT_YET
-        found = self.client.exists([object_name(self.layout, key)])
+        found = self.clients.of(tenant).exists([object_name(self.layout, key)])
         if not found or not found[0]:
+            self._forget(key)
             return Lookup.MISS
-        self._remember([key])
+        self._remember([key], tenant)
         return Lookup.HIT
 
-    def lookup_chain(self, keys: Sequence[bytes]) -> int:
-        """How many leading ``keys`` the store holds: one bounded batch call (0 when it is down)."""
+    def lookup_chain(self, keys: Sequence[bytes], tenant: str = "") -> int:
+        """How many leading ``keys`` the store holds for ``tenant``: one bounded batch call (0
+        when it is down)."""
         if not keys:
             return 0
-        found = self.client.exists([object_name(self.layout, k) for k in keys])
+        found = self.clients.of(tenant).exists([object_name(self.layout, k) for k in keys])
         if found is None:
             return 0
         n = found.index(False) if False in found else len(found)
-        self._remember(keys[:n])
+        self._remember(keys[:n], tenant)
         return n
 
     def held(self) -> Container[bytes]:
         """Keys the store holds, asked as the stack walks a chain: what this node knows it held
         (it wrote it, or a lookup found it), else one bounded question to the store per key (a
-        miss ends the walk, so a prompt the store lacks costs one; the breaker open: none)."""
+        miss ends the walk, so a prompt the store lacks costs one; the breaker open: none). As
+        the default tenant; ``held_for`` as another."""
         return self._view
 
-    def _known_now(self) -> OrderedDict[bytes, None]:
+    def held_for(self, tenant: str) -> Container[bytes]:
+        return _StoreView(self, tenant) if tenant else self._view
+
+    def _known_now(self) -> OrderedDict[bytes, str]:
         if self._epoch != self.client.breaker.epoch:  # the store was down: it may have restarted empty
             self._epoch = self.client.breaker.epoch
             with self._lock:
+                self._removed(tuple(self._known))
                 self._known.clear()
         return self._known
 
-    def _remember(self, keys: Sequence[bytes]) -> None:
+    def _remember(self, keys: Sequence[bytes], tenant: str | Sequence[str] = "") -> None:
+        """Keys the store holds, of ``tenant`` (one for all, or one per key)."""
         known = self._known_now()
+        dropped = []
         with self._lock:
-            for key in keys:
-                known[key] = None
+            for i, key in enumerate(keys):
+                known[key] = tenant if isinstance(tenant, str) else tenant[i]
                 known.move_to_end(key)
             while len(known) > KNOWN_KEYS:
-                known.popitem(last=False)
+                dropped.append(known.popitem(last=False)[0])
+            self._removed(dropped)
+
+    def _removed(self, keys: Sequence[bytes]) -> None:
+        """REMOVED events for keys this node no longer says the store holds."""
+        if keys:
+            self._events.append((tier_kind(False, self.medium.name), tuple(keys), (-1,) * len(keys)))
 
     # -- stores -----------------------------------------------------------------------------------
 
@@ -185,21 +184,26 @@ class SharedTier(Tier):
         evicts on its own), so nothing is passed down."""
         rows = blocks.rows
         stored: list[bytes] = []
+        tenants: list[str] = []
         known = self._known_now()
-        for key, row_id in zip(blocks.keys, blocks.row_ids, strict=True):
+        for i, (key, row_id) in enumerate(zip(blocks.keys, blocks.row_ids, strict=True)):
             if key in known:
                 continue  # the store has it (another node's, or ours): no second write
-            payload = bytes(_row_bytes(rows[row_id]))  # the one copy on the caller's thread
+            tenant = blocks.tenants[i] if blocks.tenants else ""
+            payload = bytes(row_bytes(rows[row_id]))  # the one copy on the caller's thread
             self._pending.add(key)
             encoded = partial(encode_object, self.layout, key, payload)
-            if self.client.put(object_name(self.layout, key), encoded, partial(self._written, key)):
+            if self.clients.of(tenant).put(
+                object_name(self.layout, key), encoded, partial(self._written, key)
+            ):
                 stored.append(key)
+                tenants.append(tenant)
             else:
                 self._pending.discard(key)
                 self._counts["skipped"] += 1
         if stored:
             self._counts["stored"] += len(stored)
-            self._remember(stored)
+            self._remember(stored, tenants)
             self._events.append((tier_kind(True, self.medium.name), tuple(stored), (-1,) * len(stored)))
         return None
 
@@ -209,9 +213,10 @@ class SharedTier(Tier):
         if not ok:
             self._forget(key)
 
-    def write_published(self, records: Sequence[EventRecord], pool_rows) -> None:
+    def write_published(self, records: Sequence[EventRecord], pool_rows, block_tenants=None) -> None:
         """``through``: store the blocks the device's STORED ``records`` published (the block
-        manager's event records of one call; ``cachesvc.events``), from ``pool_rows``."""
+        manager's event records of one call; ``cachesvc.events``), from ``pool_rows``, each as the
+        tenant ``block_tenants[block id]`` names (``BlockManager.block_tenants``; None: the default)."""
         keys: list[bytes] = []
         block_ids: list[int] = []
         for record in records:
@@ -225,7 +230,8 @@ class SharedTier(Tier):
                 )
                 block_ids.append(block_id)
         if keys:
-            self.submit_store(Blocks(keys, pool_rows, block_ids))
+            tenants = [block_tenants[i] for i in block_ids] if block_tenants else ()
+            self.submit_store(Blocks(keys, pool_rows, block_ids, tenants))
 
     # -- loads ------------------------------------------------------------------------------------
 
@@ -235,15 +241,16 @@ class SharedTier(Tier):
         Host rows take each payload in place (the object scattered into a header buffer, the row
         and a checksum buffer, then checked there: a row that fails is the block to recompute);
         device rows through host bytes."""
-        blocks = job.blocks
+        blocks, client = job.blocks, self.clients.of(job.tenant)
         names = [object_name(self.layout, k) for k in blocks.keys]
         direct = not blocks.rows.is_cuda and blocks.rows.is_contiguous()
-        n = self._load_in_place(blocks, names) if direct else self._load_copied(blocks, names)
+        load = self._load_in_place if direct else self._load_copied
+        n = load(blocks, names, client)
         self._counts["hits"] += n
         self._counts["promotions"] += n
         self._results.append(JobResult(job.job_id, n))
 
-    def _load_in_place(self, blocks: Blocks, names: list[str]) -> int:
+    def _load_in_place(self, blocks: Blocks, names: list[str], client: StoreClient) -> int:
         """NOTE: a whole batch lands at once, so a row past the run it reports may have been
         written (an object after one that failed its checks): those are the blocks the caller
         computes. Keys this node does not know the store holds are asked first, so a plain miss
@@ -251,14 +258,14 @@ class SharedTier(Tier):
         known = self._known_now()
         unknown = [i for i, k in enumerate(blocks.keys) if k not in known]
         if unknown:
-            found = self.client.exists([names[i] for i in unknown]) or [False] * len(unknown)
+            found = client.exists([names[i] for i in unknown]) or [False] * len(unknown)
             missing = [i for i, f in zip(unknown, found, strict=True) if not f]
             names = names[: missing[0]] if missing else names
         rows, head = blocks.rows, self.record_size - self.block_bytes - CHECKSUM_BYTES
         if rows.numel() >= REGISTER_BYTES:  # the pool: registered once, transfers land in place
-            self.client.register(rows.data_ptr(), rows.numel())
+            client.register(rows.data_ptr(), rows.numel())
         n, per_call = 0, self._per_call
-        scratch = self._scratch(head)
+        scratch = self._scratch(head, client)
         for start in range(0, len(names), per_call):
             chunk = names[start : start + per_call]
             ptrs = [
@@ -266,7 +273,7 @@ class SharedTier(Tier):
                 for i, r in enumerate(blocks.row_ids[start : start + len(chunk)])
             ]
             sizes = [[head, self.block_bytes, CHECKSUM_BYTES]] * len(chunk)
-            for i, size in enumerate(self.client.get_into(chunk, ptrs, sizes) or ()):
+            for i, size in enumerate(client.get_into(chunk, ptrs, sizes) or ()):
                 row = rows[blocks.row_ids[n]]
                 if not self._accept(blocks.keys[n], names[n], size, check_parts, scratch[i], head, row):
                     return n
@@ -275,12 +282,12 @@ class SharedTier(Tier):
                 return n
         return n
 
-    def _load_copied(self, blocks: Blocks, names: list[str]) -> int:
+    def _load_copied(self, blocks: Blocks, names: list[str], client: StoreClient) -> int:
         n = 0
-        for key, row_id, data in zip(blocks.keys, blocks.row_ids, self._fetch(names), strict=False):
+        for key, row_id, data in zip(blocks.keys, blocks.row_ids, self._fetch(names, client), strict=False):
             if not self._accept(key, names[n], len(data), decode_object, data):
                 break
-            _copy_into(blocks.rows[row_id], decode_object(self.layout, key, data))
+            copy_into(blocks.rows[row_id], decode_object(self.layout, key, data))
             n += 1
         return n
 
@@ -306,20 +313,21 @@ class SharedTier(Tier):
         loaded host; get_batch's bytes also fit the client's transfer buffer)."""
         return max(1, min(BATCH_BYTES, self.client.buffer_bytes // 2) // self.record_size)
 
-    def _scratch(self, head: int):
-        """Per object of one batch: its header and checksum bytes (numpy, registered once)."""
+    def _scratch(self, head: int, client: StoreClient):
+        """Per object of one batch: its header and checksum bytes (numpy, registered once with the
+        transfer engine every tenant's client shares)."""
         if self._scratch_rows is None:
             import numpy as np
 
             self._scratch_rows = np.zeros((self._per_call, head + CHECKSUM_BYTES), np.uint8)
-            self.client.register(self._scratch_rows.ctypes.data, self._scratch_rows.nbytes)
+        client.register(self._scratch_rows.ctypes.data, self._scratch_rows.nbytes)
         return self._scratch_rows
 
-    def _fetch(self, names: list[str]):
+    def _fetch(self, names: list[str], client: StoreClient):
         """The objects under ``names`` in order, batch by batch, until one is missing or a call fails."""
         per_call = self._per_call
         for start in range(0, len(names), per_call):
-            objects = self.client.get(names[start : start + per_call])
+            objects = client.get(names[start : start + per_call])
             if not objects:
                 return
             yield from objects
@@ -330,21 +338,27 @@ class SharedTier(Tier):
         results, self._results = self._results, []
         return results
 
-    def discard(self, key: bytes) -> bool:
-        """Remove ``key``'s object from the store (for every node: the tier is one), a REMOVED
-        event; False if the store did not hold it (or did not answer in time)."""
-        self._forget(key)
-        removed = self.client.remove([object_name(self.layout, key)])
+    def discard(self, key: bytes, tenant: str | None = None) -> bool:
+        """Remove ``key``'s object from the store (for every node: the tier is one; as ``tenant``,
+        else as the tenant it was known under), a REMOVED event; False if the store did not hold
+        it (or did not answer in time)."""
+        known_as = self._known.get(key, "")
+        forgotten = self._forget(key)
+        removed = self.clients.of(known_as if tenant is None else tenant).remove(
+            [object_name(self.layout, key)]
+        )
         if not removed or not removed[0]:
             return False
-        self._events.append((tier_kind(False, self.medium.name), (key,), (-1,)))
+        if not forgotten:
+            self._removed((key,))
         return True
 
     def _forget(self, key: bytes) -> bool:
+        """Forget ``key`` (a REMOVED event if it was known)."""
         with self._lock:
-            if key not in self._known:
+            if self._known.pop(key, None) is None:
                 return False
-            del self._known[key]
+            self._removed((key,))
             return True
 
     def take_events(self) -> list[EventRecord]:
@@ -353,7 +367,7 @@ class SharedTier(Tier):
 
     def counts(self) -> TierCounts:
         c = self._counts
-        store = self.client.stats()
+        store = self.clients.stats()
         return TierCounts(
             blocks=len(self._known),
             bytes=len(self._known) * self.block_bytes,
@@ -366,39 +380,22 @@ class SharedTier(Tier):
         )
 
     def close(self) -> None:
-        self.client.close()
+        self.clients.close()
 
 
 class _StoreView:
-    """``SharedTier.held()``: ``key in view`` as its docstring says."""
+    """``SharedTier.held_for(tenant)``: ``key in view`` as ``held``'s docstring says."""
 
-    __slots__ = ("tier",)
+    __slots__ = ("tenant", "tier")
 
-    def __init__(self, tier: SharedTier) -> None:
-        self.tier = tier
+    def __init__(self, tier: SharedTier, tenant: str) -> None:
+        self.tier, self.tenant = tier, tenant
 
     def __contains__(self, key: object) -> bool:
-        tier = self.tier
-        return key in tier._known_now() or (tier.client.available and tier.lookup(key) is Lookup.HIT)
-
-
-def _row_bytes(row) -> memoryview:
-    """One row (``[block_bytes]`` uint8 tensor) as a memoryview (a device row copied to the host)."""
-    return memoryview((row.cpu() if row.is_cuda else row).numpy())
-
-
-def _copy_into(row, payload: memoryview) -> None:
-    """Copy a checked payload into one row (a uint8 tensor, host or device)."""
-    import numpy as np
-
-    if not row.is_cuda:
-        row.numpy()[:] = np.frombuffer(payload, np.uint8)
-        return
-    import torch
-
-    with warnings.catch_warnings():  # the fetched object is read-only bytes; it is only read
-        warnings.simplefilter("ignore", UserWarning)
-        row.copy_(torch.frombuffer(payload, dtype=torch.uint8))
+        tier, tenant = self.tier, self.tenant
+        return tier._known_now().get(key) == tenant or (
+            tier.clients.of(tenant).available and tier.lookup(key, tenant) is Lookup.HIT
+        )
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

@@ -18,6 +18,17 @@ WARNING naming the cause), calls made while it is open answer at once (a miss, a
 and every ``probe_s`` one probe read is tried off the caller's thread; when it answers, the
 breaker closes (one INFO line) and the tier serves again. No request waits on a dead store.
 
+Tenants: a Mooncake client is bound to one tenant at ``setup``. Under the master's strict
+multi-tenant mode (``--enable_multi_tenants``, which ``kvtier up --api-keys`` turns on) a tenant's
+objects count against its quota and live in its own namespace. ``for_tenant`` makes another
+tenant's client on the same ``StoreEngine`` (one transfer engine per process: one TCP port, one
+registration of the pool) sharing the same breaker (the store is down for every tenant at once).
+kvtier's tenant ``t`` is Mooncake's ``kvtier.t``, the default tenant "" is ``kvtier-default``
+(``store_tenant``). A put refused for the tenant's quota (TENANT_QUOTA_EXCEEDED) or for a tenant
+the master does not know (TENANT_NOT_REGISTERED) is counted (``quota_refused``,
+``unregistered_tenant``) with one WARNING per client, and does not open the breaker: the store
+serves every other tenant on.
+
 The client is imported lazily (``connect``), so kvtier runs without the wheel when the shared
 tier is off.
 """
@@ -28,19 +39,26 @@ import logging
 import os
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
-from urllib.parse import urlsplit
+
+from kvtier.cachesvc.store_engine import (
+    PROBE_KEY,
+    TENANT_NOT_REGISTERED,
+    TENANT_QUOTA_EXCEEDED,
+    Breaker,
+    StoreAddress,
+    StoreEngine,
+    store_tenant,
+)
 
 log = logging.getLogger("kvtier.cache")
 
-SCHEME = "mooncake"
-DEFAULT_MASTER_PORT = 50051  # mooncake_master's --rpc_port default
-DEFAULT_METADATA_PORT = 8080  # mooncake_master's --http_metadata_server_port default
-PROBE_KEY = "kvtier-probe"  # a key no object has: the probe asks whether it exists
+COUNTS = (
+    "timeouts", "errors", "dropped_writes", "failed_writes", "writes", "quota_refused", "unregistered_tenant",
+)  # fmt: skip
 
 
 class StoreUnavailable(ValueError):
@@ -48,79 +66,14 @@ class StoreUnavailable(ValueError):
     service's ``main`` reports it as "cannot start: ..." as it does a bad flag."""
 
 
-@dataclass(frozen=True)
-class StoreAddress:
-    """Where the store is: its master's RPC address and its metadata server's URL."""
-
-    master: str  # host:port of mooncake_master's RPC
-    metadata: str  # http://host:port/metadata (the master's built-in HTTP metadata server)
-
-    @classmethod
-    def parse(cls, url: str, metadata: str = "") -> StoreAddress:
-        """``mooncake://HOST[:PORT]`` (port default 50051); ``metadata`` default
-        ``http://HOST:8080/metadata``. ValueError naming the value otherwise."""
-        parts = urlsplit(url)
-        if parts.scheme != SCHEME or not parts.hostname or parts.path not in ("", "/"):
-            raise ValueError(f"--shared-tier {url!r} is not mooncake://HOST[:PORT]")
-        try:
-            port = parts.port or DEFAULT_MASTER_PORT
-        except ValueError:
-            raise ValueError(f"--shared-tier {url!r}: the port is not a number in 1..65535") from None
-        host = parts.hostname
-        if not metadata:
-            metadata = f"http://{host}:{DEFAULT_METADATA_PORT}/metadata"
-        elif urlsplit(metadata).scheme not in ("http", "https"):
-            raise ValueError(f"--shared-tier-metadata {metadata!r} is not an http:// URL")
-        return cls(f"{host}:{port}", metadata)
-
-
-class Breaker:
-    """Closed (calls go to the store) or open (they answer at once); ``clock`` is monotonic seconds."""
-
-    def __init__(self, probe_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.probe_s = probe_s
-        self.clock = clock
-        self.open = True  # until the client connects
-        self.reason = "not connected yet"
-        self.opened_at = clock()
-        self.times_opened = 0
-        self.epoch = 0  # times it closed: what a caller knew of the store before may be gone
-        self._warned = False  # a WARNING was logged since the breaker last closed
-
-    def trip(self, reason: str) -> None:
-        """Open the breaker (a WARNING the first time: the node serves from its own tiers)."""
-        if not self.open:
-            self.times_opened += 1
-        if not self._warned:
-            self._warned = True
-            log.warning(
-                "shared tier: %s; serving from this node's tiers and recomputing (probing every %g s)",
-                reason,
-                self.probe_s,
-            )
-        self.open, self.reason, self.opened_at = True, reason, self.clock()
-
-    def close(self) -> None:
-        if self.open:
-            log.info("shared tier: the store answers again (%s before)", self.reason)
-            self.epoch += 1
-        self.open, self.reason, self._warned = False, "", False
-
-    def probe_due(self) -> bool:
-        """Whether an open breaker should try the store again now (and restarts its wait)."""
-        if self.open and self.clock() - self.opened_at >= self.probe_s:
-            self.opened_at = self.clock()
-            return True
-        return False
-
-
 class StoreClient:
-    """Bounded calls on one Mooncake Store client (module docstring).
+    """Bounded calls on one Mooncake Store client (module docstring), as kvtier's ``tenant``.
 
     ``segment_bytes``: the memory this process lends the store (0: it only reads and writes;
     the store's memory is its store servers'). ``buffer_bytes``: the client's local transfer
     buffer. ``timeout_s``: the longest a caller waits for a read. ``queue_objects``: writes
-    waiting for the writer; more are dropped.
+    waiting for the writer; more are dropped. ``engine`` and ``breaker``: shared with the other
+    tenants' clients (``for_tenant``); new ones by default.
     """
 
     def __init__(
@@ -133,6 +86,9 @@ class StoreClient:
         probe_s: float = 5.0,
         queue_objects: int = 256,
         hostname: str = "",
+        tenant: str = "",
+        engine: StoreEngine | None = None,
+        breaker: Breaker | None = None,
     ) -> None:
         if timeout_s <= 0 or probe_s <= 0 or queue_objects <= 0 or segment_bytes < 0 or buffer_bytes <= 0:
             raise ValueError(
@@ -145,17 +101,36 @@ class StoreClient:
         self.timeout_s = timeout_s
         self.queue_objects = queue_objects
         self.hostname = hostname or _local_hostname(address.master)
-        self.breaker = Breaker(probe_s)
-        self.counts = dict.fromkeys(("timeouts", "errors", "dropped_writes", "failed_writes", "writes"), 0)
+        self.tenant = tenant
+        self.engine = engine or StoreEngine()
+        self.breaker = breaker or Breaker(probe_s)
+        self.counts = dict.fromkeys(COUNTS, 0)
+        self._refused: set[int] = set()  # the tenant refusals already logged (one WARNING each)
         self._store = None
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-store-read")
         self._reading: Future | None = None  # the read in flight (one at a time)
         self._queue: deque[tuple[str, list | Callable[[], list], Callable | None]] = deque()
         self._writing = False  # the writer holds an object it took off the queue
-        self._registered: set[int] = set()  # buffers registered with the transfer engine
         self._cond = threading.Condition()
         self._closed = False
         self._writer = threading.Thread(target=self._write_loop, name="kvtier-store-write", daemon=True)
+
+    def for_tenant(self, tenant: str, buffer_bytes: int) -> StoreClient:
+        """kvtier's ``tenant``'s client on this one's store, engine and breaker (lending no
+        memory: this client's segment is the node's), connecting in the background."""
+        client = StoreClient(
+            self.address,
+            buffer_bytes=buffer_bytes,
+            timeout_s=self.timeout_s,
+            probe_s=self.breaker.probe_s,
+            queue_objects=self.queue_objects,
+            hostname=self.hostname,
+            tenant=tenant,
+            engine=self.engine,
+            breaker=self.breaker,
+        )
+        client.connect()
+        return client
 
     # -- connecting ---------------------------------------------------------------------------
 
@@ -179,21 +154,18 @@ class StoreClient:
     def _connect_loop(self, store_class) -> None:
         while not self._closed:
             store = store_class()
-            rc = store.setup(
-                self.hostname,
-                self.address.metadata,
-                self.segment_bytes,
-                self.buffer_bytes,
-                "tcp",
-                "",
-                self.address.master,
-            )
+            engine = self.engine.handle(self.hostname, self.address.metadata)
+            rc = "no transfer engine" if engine is None else store.setup(
+                self.hostname, self.address.metadata, self.segment_bytes, self.buffer_bytes, "tcp", "",
+                self.address.master, engine, False, "", store_tenant(self.tenant),
+            )  # fmt: skip
             if rc == 0:
                 self._store = store
                 self._writer.start()
                 log.info(
-                    "shared tier: connected to mooncake://%s (metadata %s, lending %d MiB)",
+                    "shared tier: connected to mooncake://%s as tenant %s (metadata %s, lending %d MiB)",
                     self.address.master,
+                    store_tenant(self.tenant),
                     self.address.metadata,
                     self.segment_bytes >> 20,
                 )
@@ -227,6 +199,9 @@ class StoreClient:
     def exists(self, keys: Sequence[str]) -> list[bool] | None:
         """Whether each of ``keys`` is in the store, or None (down, late: counted as a miss)."""
         codes = self._read(self._store_exists, list(keys), "exists")
+        if codes is not None and TENANT_NOT_REGISTERED in codes:
+            self._refuse(TENANT_NOT_REGISTERED)
+            return [False] * len(codes)
         if codes is None or any(c < 0 for c in codes):
             if codes is not None:
                 self._fail("errors", f"exists answered {min(codes)}")
@@ -249,12 +224,7 @@ class StoreClient:
     def register(self, ptr: int, size: int) -> bool:
         """Register ``size`` bytes at ``ptr`` with the transfer engine once (gets land there
         without a bounce through the client's buffer); False if it refused or did not answer."""
-        if ptr in self._registered:
-            return True
-        done = self._read(lambda _: self._store.register_buffer(ptr, size), ["register"], "register")
-        if done == 0:
-            self._registered.add(ptr)
-        return done == 0
+        return self._read(lambda _: self.engine.register(ptr, size), ["register"], "register") == 0
 
     def remove(self, keys: Sequence[str]) -> list[bool] | None:
         """Remove ``keys`` from the store (whatever leases hold them); per key whether it was there."""
@@ -340,11 +310,30 @@ class StoreClient:
         if rc == 0:
             self.counts["writes"] += 1
             return True
+        if rc in (TENANT_QUOTA_EXCEEDED, TENANT_NOT_REGISTERED):  # this tenant's, not the store's
+            self._refuse(rc)
+            return False
         # The store full (no segment has room) or unreachable: writes stop until a probe
         # answers; reads may still hit what it holds.
         self.counts["failed_writes"] += 1
         self.breaker.trip(f"a put failed ({rc}) after {took:.2f} s")
         return False
+
+    def _refuse(self, rc: int) -> None:
+        """A put (or read) refused for this tenant (``rc``): counted, one WARNING per kind; the
+        breaker stays closed (other tenants' calls go on)."""
+        quota = rc == TENANT_QUOTA_EXCEEDED
+        self.counts["quota_refused" if quota else "unregistered_tenant"] += 1
+        if rc in self._refused:
+            return
+        self._refused.add(rc)
+        why = (
+            "is at its quota and its objects there are in use (TENANT_QUOTA_EXCEEDED)" if quota
+            else "is not in the master's tenant policy (TENANT_NOT_REGISTERED; kvtier up --api-keys writes one)"
+        )  # fmt: skip
+        log.warning(
+            "shared tier: tenant %s %s: its blocks are not stored there", store_tenant(self.tenant), why
+        )
 
     def wait_written(self, deadline_s: float = 10.0) -> bool:
         """Wait until the write queue is empty (tests, benchmarks and shutdown); False at the deadline."""
@@ -361,14 +350,63 @@ class StoreClient:
             "queue_depth": self.queue_depth,
         }
 
-    def close(self) -> None:
-        """Write what the queue holds (a few seconds at most), then stop the threads."""
+    def close(self, release: bool = False) -> None:
+        """Write what the queue holds (a few seconds at most), then stop the threads; with
+        ``release`` also wait for a read in flight and close Mooncake's client (its transfer
+        buffer freed: a tenant's client retired while the process goes on)."""
         if self._store is not None and not self.breaker.open:
             self.wait_written(5.0)
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        self._reader.shutdown(wait=False, cancel_futures=True)
+        self._reader.shutdown(wait=release, cancel_futures=True)
+        if release and self._store is not None:
+            self._store.close()
+
+
+class TenantClients:
+    """Every tenant's client on one store: ``default`` (kvtier's tenant "", lending the node's
+    segment, always open) and at most ``max_open`` named tenants' (``for_tenant``, opened on first
+    use with ``buffer_bytes`` of transfer buffer; the least recently used closed first, its
+    counts kept)."""
+
+    def __init__(self, default: StoreClient, max_open: int, buffer_bytes: int) -> None:
+        self.default = default
+        self.max_open = max_open
+        self.buffer_bytes = min(default.buffer_bytes, buffer_bytes)
+        self._named: OrderedDict[str, StoreClient] = OrderedDict()
+        self._closed_counts = dict.fromkeys(COUNTS, 0)
+
+    def of(self, tenant: str) -> StoreClient:
+        """``tenant``'s client (a new one connects in the background: its first calls miss)."""
+        if not tenant:
+            return self.default
+        named = self._named
+        client = named.get(tenant)
+        if client is not None:
+            named.move_to_end(tenant)
+            return client
+        client = named[tenant] = self.default.for_tenant(tenant, self.buffer_bytes)
+        if len(named) > self.max_open:
+            _, old = named.popitem(last=False)
+            for name, n in old.counts.items():
+                self._closed_counts[name] += n
+            threading.Thread(target=old.close, args=(True,), name="kvtier-store-retire", daemon=True).start()
+        return client
+
+    def stats(self) -> dict:
+        """The default client's ``stats`` with every tenant's counts added (open or closed)."""
+        out = self.default.stats()
+        named = list(self._named.values())
+        for name, n in self._closed_counts.items():
+            out[name] += n + sum(client.counts[name] for client in named)
+        out["queue_depth"] += sum(client.queue_depth for client in named)
+        out["tenant_clients"] = len(named)
+        return out
+
+    def close(self) -> None:
+        for client in (self.default, *self._named.values()):
+            client.close()
 
 
 def _local_hostname(master: str) -> str:

@@ -34,6 +34,9 @@ The contract every tier keeps (tests/test_tier_contract.py runs it against each 
   up to ``timeout_s`` for one when none has finished. A tier whose copies complete in the call
   (host memory, disk reads) reports at once.
 - ``discard(key)``: forget a block without passing it down.
+- tenants: ``Blocks.tenants`` and ``Job.tenant`` say whose blocks move, ``held_for(tenant)`` and
+  ``lookup_chain(keys, tenant)`` look as that tenant. Only the shared tier reads them (a tenant's
+  objects count against its quota in the store and live in its namespace); the others ignore them.
 - ``take_events()``: its KV-event records since the last call (``cachesvc.events``: one record
   per batch, ``tier_kind(stored, medium.name)``).
 - ``counts()``, ``close()``.
@@ -51,7 +54,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Container, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
@@ -82,6 +85,10 @@ class Blocks:
     keys: Sequence[bytes]
     rows: torch.Tensor
     row_ids: Sequence[int]
+    # Block i's tenant (kvtier's name; "" the default tenant), where the caller knows it: the
+    # device's evictions and publications do. Empty: every block the default tenant's (host and
+    # disk keep no tenant, so what they pass down has none). Only the shared tier reads it.
+    tenants: Sequence[str] = ()
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -93,6 +100,7 @@ class Job:
 
     job_id: int
     blocks: Blocks
+    tenant: str = ""  # whose sequence the load is for (the shared tier asks the store as that tenant)
 
 
 @dataclass(slots=True)
@@ -158,15 +166,28 @@ class Tier(ABC):
     def counts(self) -> TierCounts:
         """A snapshot of its figures."""
 
-    def lookup_chain(self, keys: Sequence[bytes]) -> int:
-        """How many leading ``keys`` it holds (HIT each)."""
-        held = self.held()
+    def held_for(self, tenant: str) -> Container[bytes]:
+        """``held()`` as ``tenant`` sees it: the same view on a tier that keeps no tenant; the
+        shared tier asks the store in that tenant's namespace."""
+        return self.held()
+
+    def lookup_chain(self, keys: Sequence[bytes], tenant: str = "") -> int:
+        """How many leading ``keys`` it holds (HIT each) for ``tenant``."""
+        held = self.held_for(tenant)
         n = 0
         for key in keys:
             if key not in held:
                 break
             n += 1
         return n
+
+    def direct_store(self, rows: torch.Tensor) -> Callable[[Sequence[int], Sequence[bytes]], object] | None:
+        """For a stack with this tier alone below the pool ``rows`` (nothing below to pass
+        evictions to, nothing filtered): ``submit_store`` of ``rows``' blocks as a call taking
+        ``(row ids, keys)`` and keeping neither list, so the stack hands over the block
+        manager's own lists with no ``Blocks`` built (every evicting Allocate or Extend). None
+        (the default): the stack calls ``submit_store``."""
+        return None
 
     def close(self) -> None:  # noqa: B027 - most tiers have nothing to close
         """Finish what is queued and release the medium (a write-behind tier writes its queue)."""
