@@ -16,12 +16,17 @@ what the trees do differently.
     python bench/block_manager_ab.py --before HEAD~1 --quick
     python bench/block_manager_ab.py --before a015991 --quick --tiers   # after with a host cache
     python bench/block_manager_ab.py --before 5c4e68f --tiers   # issue 32's base: top-level cachesvc
+    python bench/block_manager_ab.py --before 5c4e68f --tiers both   # both trees with a host cache
 
 ``--tiers`` builds the after tree's lower tiers (issue 22: a host cache of ``--host-slots`` slots
 of 64 bytes under a pool of 64-byte rows, no disk): every eviction copies the block down, every
 miss past the device's hit asks the host cache, and the host tier's events are drained with the
 device's, as the node does. The run reports how many blocks were promoted from the host (the
 tiers' cost with no lower-tier hit is the target: 0 promoted, or the count says otherwise).
+That is the host cache's whole cost against a tree without one. ``--tiers both`` gives the before
+tree its own host cache too (its ``LowerTiers`` over a ``HostBlockCache`` before issue 32, its
+``TierStack`` after): the after tree's cost with tiers on, against the before tree's, doing the
+same work (the same blocks stored, evicted and promoted: both counts are printed).
 
 The last line is the headline: after vs before, µs per lifecycle.
 """
@@ -153,8 +158,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="300 sequences (default 2000)")
     ap.add_argument("--no-hits", action="store_true", help="a cache_salt per request: nothing hits")
     ap.add_argument(
-        "--tiers", action="store_true", help="the after tree with a host cache (module docstring)"
-    )
+        "--tiers", nargs="?", const="after", choices=("after", "both"),
+        help="the after tree with a host cache; 'both': both trees, each its own (module docstring)",
+    )  # fmt: skip
     ap.add_argument("--host-slots", type=int, default=4096, help="--tiers: the host cache's slots (blocks)")
     ours = ap.parse_args(argv)
     args = parse_args(["--quick"] if ours.quick else [])
@@ -163,14 +169,15 @@ def main(argv: list[str] | None = None) -> None:
         export_tree(ours.before, "before", Path(tmp))
         export_tree(ours.after, "after", Path(tmp))
         sys.path.insert(0, tmp)
-        host_slots = {"before": 0, "after": ours.host_slots if ours.tiers else 0}
+        host_slots = {"before": ours.host_slots if ours.tiers == "both" else 0}
+        host_slots["after"] = ours.host_slots if ours.tiers else 0
         trees = [Tree(name, args, trace, ours.no_hits, host_slots[name]) for name in ("before", "after")]
     n = args.sequences
     print(
         f"before = {ours.before}, after = {ours.after or 'working tree'}; {n} lifecycles of "
         f"{args.prompt_len}-token prompts ({'no prefix hits' if ours.no_hits else 'about half a shared prefix'}), "
         f"{args.decode} extends; turns of {ours.chunk}, best of {ours.repeats}"
-        + (f"; after with a host cache of {ours.host_slots} blocks" if ours.tiers else "")
+        + (f"; {ours.tiers} with a host cache of {ours.host_slots} blocks" if ours.tiers else "")
     )
     best = {t.name: np.full((n, len(PHASES)), np.iinfo(np.int64).max, np.int64) for t in trees}
     for rep in range(ours.repeats):

@@ -88,6 +88,13 @@ class HostCache(HostArea, Tier):
         data = torch.cat([d for _, d in out])
         return Blocks([k for ks, _ in out for k in ks], data, range(len(data)))
 
+    def direct_store(self, rows: torch.Tensor) -> Callable[[Sequence[int], Sequence[bytes]], int] | None:
+        """``keep_rows`` bound to ``rows`` (a CPU pool); None with a side stream or a cuda pool."""
+        if self.stream is not None or rows.is_cuda:
+            return None
+        self.bind_rows(rows)
+        return self.keep_rows
+
     def submit_load(self, job: Job) -> None:
         """Copy the leading held keys of ``job`` into its rows; each loaded entry becomes the most
         recently used and stays cached. Complete when this returns (``finished_jobs`` says how many)."""

@@ -192,6 +192,44 @@ def test_allocate_promotes_a_chain_from_the_host_and_a_refused_allocate_changes_
     table.check_invariants()
 
 
+def test_the_host_cache_alone_takes_extend_and_allocate_evictions_straight_from_the_block_manager():
+    """The default stack (the host cache alone under a CPU pool) stores through its direct store:
+    Extend's one evicted block and Allocate's land byte exact under their keys, and the block
+    manager's eviction lists are emptied (reused), so the next eviction stores only its own."""
+    from kvtier.cachesvc.block_manager import BlockManager
+    from kvtier.cachesvc.sequences import SequenceTable
+    from kvtier.sequence_types import AllocateItem
+
+    bs, block_bytes = 4, 64
+    pool = torch.zeros((3, block_bytes), dtype=torch.uint8)
+    host = HostCache(8, block_bytes)
+    bm = BlockManager(3, bs)
+    table = SequenceTable(
+        bm,
+        None,
+        model_fingerprint="fp",
+        vocab_size=100,
+        max_model_len=64,
+        lower_tiers=TierStack(pool, [host]),
+    )
+    (a,) = table.allocate("lease", [AllocateItem(list(range(8)))])
+    for k, block_id in enumerate(a.block_table):
+        pool[block_id] = 10 + k
+    table.commit("lease", [(a.sequence_id, [], 8)])
+    keys = [bm.blocks[b].index_key for b in a.block_table]
+    table.free("lease", [a.sequence_id])  # both published, to the queue's tail: the last block first
+    (b,) = table.allocate("lease", [AllocateItem([50, 51, 52])])  # the free unpublished block: no eviction
+    assert host.counts().stored == 0
+    table.extend("lease", [(b.sequence_id, 2)])  # crosses a block boundary: evicts a's last block
+    assert host.oldest_first() == keys[1:] and bm.evicted_ids == [] and bm.evicted_keys == []
+    table.allocate("lease", [AllocateItem([60, 61, 62])])  # evicts a's first block
+    assert host.oldest_first() == [keys[1], keys[0]] and host.counts().stored == 2
+    table.free("lease", [b.sequence_id])
+    pool.zero_()
+    assert table.lower_tiers.promote(keys, [1, 2]) == 2
+    assert [int(pool[i][0]) for i in (1, 2)] == [10, 11]
+
+
 def test_swap_shares_the_host_cache_area_swap_first_and_gives_up_cached_blocks_to_the_disk(tmp_path):
     """Swap's share of the one host area: a swap-out reserves host slots by giving up cached blocks,
     which go down the same loop to the disk byte-exact; a swap-in brings the bytes back and returns
