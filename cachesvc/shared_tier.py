@@ -27,19 +27,15 @@ way the bytes are copied out of the pool row before the call returns; the object
 and put by the store client's writer thread. The store evicts on its own (its master's
 watermark); this tier evicts nothing.
 
-Tenants: each block is stored, looked up and loaded by its tenant's client (``Blocks.tenants``,
-``Job.tenant``, ``held_for``; ``StoreClient.for_tenant``: one transfer engine, one breaker), so
-under the master's strict multi-tenant mode a tenant's blocks count against its quota and no
-tenant can see another's objects even under the same name. The default tenant's client lends the
-node's segment and stays open; at most ``max_tenants`` other tenants' clients are open, the least
-recently used closed first. A block whose tenant is not known (what the host and disk tiers pass
-down) is the default tenant's.
+Tenants: a block is stored, looked up and loaded by its tenant's client (``Blocks.tenants``,
+``Job.tenant``, ``held_for``; ``store_client.TenantClients``), so under the master's strict
+multi-tenant mode a tenant's blocks count against its quota and no tenant sees another's objects.
+A block of unknown tenant (what host and disk pass down) is the default tenant's.
 
-What this node knows the store holds (``_known``, at most KNOWN_KEYS, the oldest forgotten first)
-is what its KV events say: a key leaves it with a REMOVED event (``medium shared``) when it is
-forgotten, when a load or lookup finds the store evicted it, when its put failed, and all of them
-when the store comes back from an outage (it may have restarted empty). So the router's view of
-the shared tier, built from every node's events, stays bounded and drops what the store lost.
+What this node knows the store holds (``_known``, at most KNOWN_KEYS, oldest forgotten first) is
+what its KV events say: a key leaves it with a REMOVED event (medium ``shared``) when forgotten,
+when a load or lookup finds the store lost it, when its put failed, and all keys when the store
+comes back from an outage. So the router's view of the shared tier stays bounded.
 """
 
 from __future__ import annotations
@@ -81,6 +77,12 @@ POLICIES = ("evict", "through")
 BATCH_BYTES = 8 << 20  # bytes of objects one get asks for
 REGISTER_BYTES = 16 << 20  # load destinations this large (the pool) are registered with the transfer engine
 KNOWN_KEYS = 65536  # keys this node knows the store held when last asked (the cheap ``held`` view)
+NOT_WRITTEN = (
+    "dropped_writes",
+    "failed_writes",
+    "quota_refused",
+    "unregistered_tenant",
+)  # store counts: skipped
 MAX_TENANTS = 8  # named tenants' store clients open at once (each holds a transfer buffer)
 
 
@@ -124,14 +126,14 @@ class SharedTier(Tier):
             return Lookup.NOT_YET
         found = self.clients.of(tenant).exists([object_name(self.layout, key)])
         if not found or not found[0]:
-            self._forget(key)
+            if found is not None:  # the store answered: it lacks the object
+                self._forget(key, tenant)
             return Lookup.MISS
         self._remember([key], tenant)
         return Lookup.HIT
 
     def lookup_chain(self, keys: Sequence[bytes], tenant: str = "") -> int:
-        """How many leading ``keys`` the store holds for ``tenant``: one bounded batch call (0
-        when it is down)."""
+        """How many leading ``keys`` the store holds for ``tenant``: one bounded batch call (0 if down)."""
         if not keys:
             return 0
         found = self.clients.of(tenant).exists([object_name(self.layout, k) for k in keys])
@@ -139,6 +141,8 @@ class SharedTier(Tier):
             return 0
         n = found.index(False) if False in found else len(found)
         self._remember(keys[:n], tenant)
+        if n < len(keys):
+            self._forget(keys[n], tenant)
         return n
 
     def held(self) -> Container[bytes]:
@@ -258,9 +262,12 @@ class SharedTier(Tier):
         known = self._known_now()
         unknown = [i for i, k in enumerate(blocks.keys) if k not in known]
         if unknown:
-            found = client.exists([names[i] for i in unknown]) or [False] * len(unknown)
-            missing = [i for i, f in zip(unknown, found, strict=True) if not f]
-            names = names[: missing[0]] if missing else names
+            found = client.exists([names[i] for i in unknown])
+            missing = [i for i, f in zip(unknown, found or [False] * len(unknown), strict=True) if not f]
+            if missing:
+                names = names[: missing[0]]
+                if found is not None:  # the store answered: it lacks the object
+                    self._forget(blocks.keys[missing[0]], client.tenant)
         rows, head = blocks.rows, self.record_size - self.block_bytes - CHECKSUM_BYTES
         if rows.numel() >= REGISTER_BYTES:  # the pool: registered once, transfers land in place
             client.register(rows.data_ptr(), rows.numel())
@@ -274,8 +281,8 @@ class SharedTier(Tier):
             ]
             sizes = [[head, self.block_bytes, CHECKSUM_BYTES]] * len(chunk)
             for i, size in enumerate(client.get_into(chunk, ptrs, sizes) or ()):
-                row = rows[blocks.row_ids[n]]
-                if not self._accept(blocks.keys[n], names[n], size, check_parts, scratch[i], head, row):
+                parts = (scratch[i], head, rows[blocks.row_ids[n]])
+                if not self._accept(client.tenant, blocks.keys[n], names[n], size, check_parts, *parts):
                     return n
                 n += 1
             if n < start + len(chunk):
@@ -285,24 +292,24 @@ class SharedTier(Tier):
     def _load_copied(self, blocks: Blocks, names: list[str], client: StoreClient) -> int:
         n = 0
         for key, row_id, data in zip(blocks.keys, blocks.row_ids, self._fetch(names, client), strict=False):
-            if not self._accept(key, names[n], len(data), decode_object, data):
+            if not self._accept(client.tenant, key, names[n], len(data), decode_object, data):
                 break
             copy_into(blocks.rows[row_id], decode_object(self.layout, key, data))
             n += 1
         return n
 
-    def _accept(self, key: bytes, name: str, size: int, check, *args) -> bool:
-        """Whether the object fetched for ``key`` (``size`` bytes, <= 0: missing) passes
-        ``check(layout, key, *args)`` (BadRecord if not)."""
+    def _accept(self, tenant: str, key: bytes, name: str, size: int, check, *args) -> bool:
+        """Whether the object fetched for ``key`` as ``tenant`` (``size`` bytes, <= 0: missing)
+        passes ``check(layout, key, *args)`` (BadRecord if not)."""
         if size <= 0:
-            self._forget(key)
+            self._forget(key, tenant)
             self._counts["misses"] += 1
             return False
         try:
             check(self.layout, key, *args)
         except BadRecord as e:
             self._counts["bad_objects"] += 1
-            self._forget(key)
+            self._forget(key, tenant)
             log.warning("shared tier: object %s refused (%s); recomputing it", name, e)
             return False
         return True
@@ -342,24 +349,22 @@ class SharedTier(Tier):
         """Remove ``key``'s object from the store (for every node: the tier is one; as ``tenant``,
         else as the tenant it was known under), a REMOVED event; False if the store did not hold
         it (or did not answer in time)."""
-        known_as = self._known.get(key, "")
-        forgotten = self._forget(key)
-        removed = self.clients.of(known_as if tenant is None else tenant).remove(
-            [object_name(self.layout, key)]
-        )
-        if not removed or not removed[0]:
-            return False
-        if not forgotten:
-            self._removed((key,))
-        return True
+        client = self.clients.of(self._known.get(key, "") if tenant is None else tenant)
+        self._forget(key)
+        removed = client.remove([object_name(self.layout, key)])
+        return bool(removed and removed[0])
 
-    def _forget(self, key: bytes) -> bool:
-        """Forget ``key`` (a REMOVED event if it was known)."""
+    def _forget(self, key: bytes, tenant: str | None = None) -> bool:
+        """The store lacks ``key`` (or its object is bad; as ``tenant``, None: any): forgotten if
+        known as that tenant, and a REMOVED event either way, so the router, which may have it
+        from another node's events, stops predicting it. At most one per walk (the first miss)."""
         with self._lock:
-            if self._known.pop(key, None) is None:
-                return False
+            known_as = self._known.get(key)
+            forgotten = known_as is not None and tenant in (None, known_as)
+            if forgotten:
+                del self._known[key]
             self._removed((key,))
-            return True
+            return forgotten
 
     def take_events(self) -> list[EventRecord]:
         events = self._events
@@ -374,7 +379,7 @@ class SharedTier(Tier):
             hits=c["hits"],
             promotions=c["promotions"],
             stored=store["writes"],
-            skipped=c["skipped"] + store["dropped_writes"] + store["failed_writes"],
+            skipped=c["skipped"] + sum(store[k] for k in NOT_WRITTEN),
             queue_depth=store["queue_depth"],
             extra={**store, "bad_objects": c["bad_objects"], "misses": c["misses"], "queued": c["stored"]},
         )

@@ -44,6 +44,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
+from kvtier.api_keys import store_tenant
 from kvtier.cachesvc.store_engine import (
     PROBE_KEY,
     TENANT_NOT_REGISTERED,
@@ -51,7 +52,6 @@ from kvtier.cachesvc.store_engine import (
     Breaker,
     StoreAddress,
     StoreEngine,
-    store_tenant,
 )
 
 log = logging.getLogger("kvtier.cache")
@@ -107,6 +107,7 @@ class StoreClient:
         self.counts = dict.fromkeys(COUNTS, 0)
         self._refused: set[int] = set()  # the tenant refusals already logged (one WARNING each)
         self._store = None
+        self.ready = threading.Event()  # set once connected
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-store-read")
         self._reading: Future | None = None  # the read in flight (one at a time)
         self._queue: deque[tuple[str, list | Callable[[], list], Callable | None]] = deque()
@@ -161,6 +162,7 @@ class StoreClient:
             )  # fmt: skip
             if rc == 0:
                 self._store = store
+                self.ready.set()
                 self._writer.start()
                 log.info(
                     "shared tier: connected to mooncake://%s as tenant %s (metadata %s, lending %d MiB)",
@@ -378,7 +380,8 @@ class TenantClients:
         self._closed_counts = dict.fromkeys(COUNTS, 0)
 
     def of(self, tenant: str) -> StoreClient:
-        """``tenant``'s client (a new one connects in the background: its first calls miss)."""
+        """``tenant``'s client. A new one is waited for (its ``setup``, some milliseconds on the
+        process's running transfer engine) at most the reads' timeout while the store is up."""
         if not tenant:
             return self.default
         named = self._named
@@ -387,6 +390,8 @@ class TenantClients:
             named.move_to_end(tenant)
             return client
         client = named[tenant] = self.default.for_tenant(tenant, self.buffer_bytes)
+        if self.default.available:
+            client.ready.wait(self.default.timeout_s)
         if len(named) > self.max_open:
             _, old = named.popitem(last=False)
             for name, n in old.counts.items():

@@ -1,6 +1,6 @@
 """What every tenant's Mooncake Store client in a process shares: where the store is
-(``StoreAddress``), the one transfer engine (``StoreEngine``), the circuit breaker (``Breaker``)
-and the tenants' names in the store (``store_tenant``). ``cachesvc.store_client`` makes the calls.
+(``StoreAddress``), the one transfer engine (``StoreEngine``) and the circuit breaker
+(``Breaker``); ``cachesvc.store_client`` makes the calls (tenant names: ``kvtier.api_keys.store_tenant``).
 """
 
 from __future__ import annotations
@@ -18,15 +18,8 @@ SCHEME = "mooncake"
 DEFAULT_MASTER_PORT = 50051  # mooncake_master's --rpc_port default
 DEFAULT_METADATA_PORT = 8080  # mooncake_master's --http_metadata_server_port default
 PROBE_KEY = "kvtier-probe"  # a key no object has: the probe asks whether it exists
-DEFAULT_TENANT = "kvtier-default"  # Mooncake's name for kvtier's default tenant ""
-TENANT_PREFIX = "kvtier."  # Mooncake's name for kvtier's tenant t: kvtier.t (never "_..." nor the default's)
 TENANT_QUOTA_EXCEEDED = -1700  # Mooncake's ErrorCode: the put would take the tenant over its quota
 TENANT_NOT_REGISTERED = -1701  # strict multi-tenant mode, a tenant missing from the master's policy
-
-
-def store_tenant(tenant: str) -> str:
-    """Mooncake's tenant name for kvtier's ``tenant`` (one mapping for the nodes and the master's policy)."""
-    return TENANT_PREFIX + tenant if tenant else DEFAULT_TENANT
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from kvtier.cache_errors import CacheCallError
 from kvtier.gateway.discovery import Node
 from kvtier.gateway.node_load import NodeLoad
 from kvtier.media import LOWER_MEDIA, Medium
-from kvtier.sequence_types import BlockStored
+from kvtier.sequence_types import BlockRemoved, BlockStored
 
 log = logging.getLogger("kvtier.gateway.router")
 
@@ -140,6 +140,22 @@ def _held_on(state: NodeState, m: Medium):
     return state.index(m.name)
 
 
+ACROSS_NODES = {m.name for m in LOWER_MEDIA if m.across_nodes}
+
+
+def apply_event(state: NodeState, event: BlockStored | BlockRemoved) -> None:
+    """One WatchEvents event on ``state``'s index: BlockStored adds the hash to its medium's set,
+    BlockRemoved drops it. A removal from a medium every node reads (the shared tier: a node
+    reports what the store lost or what it forgot, its own view bounded) drops it from every
+    peer's set: the union ``_held_on`` reads shrinks with it."""
+    if isinstance(event, BlockStored):
+        state.index(event.medium).add(event.block_hash)
+        return
+    holders = state.peers if event.medium in ACROSS_NODES and state.peers else (state,)
+    for holder in holders:
+        holder.index(event.medium).discard(event.block_hash)
+
+
 def capped(device: int, below: dict[str, int], prompt_len: int, block_size: int) -> PredictedHit:
     """A hit of ``device`` tokens plus ``below`` (medium -> tokens: LookupPrefix's counts), cut to
     the cache's cap (whole blocks, the last prompt token always computed) from the media below
@@ -204,10 +220,7 @@ async def _follow_events(state: NodeState, count: Callable[[str], None]) -> None
                 if event_id <= state.last_event_id:
                     break  # ids went back: the cache restarted; resync
                 state.last_event_id = event_id
-                if isinstance(event, BlockStored):
-                    state.index(event.medium).add(event.block_hash)
-                else:
-                    state.index(event.medium).discard(event.block_hash)
+                apply_event(state, event)
             log.warning("router: node %s ended its event stream; resyncing", state.name)
         except CacheCallError as e:
             state.synced = False

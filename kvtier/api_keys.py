@@ -10,15 +10,17 @@ Two kinds of credential guard a kvtier node (docs/architecture.md, "Trust model"
 The file is JSON::
 
     {"tenants": {
-        "acme":   {"keys": ["sk-acme-0123456789abcdef"], "max_blocks": 256},
+        "acme":   {"keys": ["sk-acme-0123456789abcdef"], "max_blocks": 256, "shared_gib": 4},
         "globex": {"keys": ["sk-globex-0123456789abcdef", "sk-globex-rotated-0123456789"]}
     }}
 
 Tenant names are 1 to 64 characters of ``[A-Za-z0-9._-]``. Each key is at least 16 characters
 without whitespace, unique over the whole file, and never the node token. ``max_blocks`` (optional,
 >= 1) is the most KV blocks the tenant's live sequences may hold in the cache service
-(``python -m kvtier.cachesvc --tenant-quotas FILE`` reads it from the same file). Unknown fields are
-errors, so a typo never silently drops a limit.
+(``python -m kvtier.cachesvc --tenant-quotas FILE`` reads it from the same file). ``shared_gib``
+(optional, > 0) is the tenant's quota in the shared tier's Mooncake Store (``kvtier up --shared-tier
+--api-keys FILE`` writes the store master's tenant policy from it; a tenant without one gets an even
+share of what is left). Unknown fields are errors, so a typo never silently drops a limit.
 
 A presented key is looked up by its SHA-256 digest in a dict: the time a lookup takes does not
 depend on how much of a real key the presented one shares.
@@ -37,7 +39,16 @@ from kvtier.auth import METADATA_KEY
 
 TENANT_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 MIN_KEY_CHARS = 16
-_TENANT_FIELDS = {"keys", "max_blocks"}
+_TENANT_FIELDS = {"keys", "max_blocks", "shared_gib"}
+STORE_DEFAULT_TENANT = "kvtier-default"  # Mooncake Store's name for the default tenant ""
+STORE_TENANT_PREFIX = (
+    "kvtier."  # ... and for tenant t: kvtier.t (valid there: never "_..." nor the default's)
+)
+
+
+def store_tenant(tenant: str) -> str:
+    """Mooncake Store's tenant name for kvtier's ``tenant`` (the nodes' clients and the master's policy)."""
+    return STORE_TENANT_PREFIX + tenant if tenant else STORE_DEFAULT_TENANT
 
 
 class ApiKeysError(ValueError):
@@ -48,6 +59,7 @@ class ApiKeysError(ValueError):
 class Tenant:
     name: str
     max_blocks: int | None = None  # most KV blocks its sequences may hold; None = no own limit
+    shared_gib: float | None = None  # its quota in the shared tier's store (GiB); None = an even share
 
 
 def _digest(key: str) -> bytes:
@@ -103,6 +115,9 @@ class ApiKeys:
             max_blocks = entry.get("max_blocks")
             if max_blocks is not None and (type(max_blocks) is not int or max_blocks < 1):
                 raise ApiKeysError(f'{at}: "max_blocks" must be an integer >= 1, got {max_blocks!r}')
+            shared_gib = entry.get("shared_gib")
+            if shared_gib is not None and (type(shared_gib) not in (int, float) or not shared_gib > 0):
+                raise ApiKeysError(f'{at}: "shared_gib" must be a number > 0, got {shared_gib!r}')
             for i, key in enumerate(keys):
                 _check_key(f"{at}: keys[{i}]", key)
                 d = _digest(key)
@@ -117,7 +132,7 @@ class ApiKeys:
                         f"{'this tenant' if other == name else f'tenant {other!r}'}; each key names one tenant"
                     )
                 digests[d] = name
-            tenants[name] = Tenant(name, max_blocks)
+            tenants[name] = Tenant(name, max_blocks, shared_gib)
         return cls(tenants, digests)
 
     def tenant_of(self, key: str) -> str | None:

@@ -1,12 +1,17 @@
-"""The shared tier on a real Mooncake Store: one mooncake_master and store server per module.
+"""The shared tier on a real Mooncake Store: one mooncake_master and store server per module, in
+strict multi-tenant mode (what ``kvtier up --shared-tier --api-keys`` runs): tenants "small" (a
+quota of 2.5 blocks) and "big", and the default tenant.
 
 First the tier alone (two SharedTier instances stand for two nodes: a block stored by one loads
 on the other; a damaged object, another model's object under our name and another tenant's
-chain are never served; a killed master costs bounded calls and the tier comes back on its own),
-then real nodes (test_shared_tier_e2e.py's stack)."""
+chain are never served; a tenant at its quota is refused and counted while others store on; no
+tenant sees another's object under the same name; what a node finds the store lost leaves its
+events and the router's index; a killed master costs bounded calls and the tier comes back on
+its own), then real nodes (test_shared_tier_e2e.py's stack)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 
@@ -15,7 +20,8 @@ import torch
 from servers import wait_until
 
 from kvtier.block_hash import extra_key, hash_preimage, pack_token_ids
-from kvtier.cachesvc.disk_records import RecordLayout
+from kvtier.cachesvc.disk_records import KEY_PREFIX_BYTES, RecordLayout, record_bytes
+from kvtier.cachesvc.events import tier_kind
 from kvtier.cachesvc.shared_tier import SharedTier, encode_object, object_name
 from kvtier.cachesvc.store_client import StoreAddress, StoreClient
 from kvtier.cachesvc.tiers import Blocks, Job, Lookup
@@ -31,12 +37,37 @@ from kvtier.cli.store_master import StoreMaster  # noqa: E402
 BS = 4
 LAYOUT = RecordLayout("model-a-fingerprint", BS, "float32", (2, 2, BS, 1, 8), 2 * 2 * BS * 8 * 4)
 TIMEOUT_S = 1.0
+RECORD = record_bytes(LAYOUT, KEY_PREFIX_BYTES + 4 * BS)  # one block's object
+TENANTS = {
+    "small": {"keys": ["sk-small-0123456789abcdef"], "shared_gib": 2.5 * RECORD / 2**30},
+    "big": {"keys": ["sk-big-0123456789abcdef"]},
+}
 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    with StoreMaster(tmp_path_factory.mktemp("store"), store_gib=0.25) as master:
+    run_dir = tmp_path_factory.mktemp("store")
+    keys = run_dir / "api-keys.json"
+    keys.write_text(json.dumps({"tenants": TENANTS}))
+    with StoreMaster(run_dir, store_gib=0.25, api_keys=str(keys)) as master:
         yield master
+
+
+def raw_client(store, tenant: str = "kvtier-default"):
+    """Mooncake's own client, as ``tenant`` (a name in the master's policy)."""
+    raw = mooncake_store.MooncakeDistributedStore()
+    master = store.url.split("//")[1]
+    assert (
+        raw.setup("127.0.0.1", store.metadata_url, 0, 16 << 20, "tcp", "", master, None, False, "", tenant)
+        == 0
+    )
+    return raw
+
+
+def as_tenant(tier: SharedTier, tenant: str) -> StoreClient:
+    """``tier``'s client of ``tenant``, connected."""
+    wait_until(lambda: tier.clients.of(tenant).available, 60.0, f"tenant {tenant}'s store client")
+    return tier.clients.of(tenant)
 
 
 def client(store, timeout_s: float = TIMEOUT_S) -> StoreClient:
@@ -74,16 +105,16 @@ def rows(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 256, (n, LAYOUT.block_bytes), dtype=torch.uint8, generator=g)
 
 
-def store_blocks(tier: SharedTier, keys: list[bytes], src: torch.Tensor) -> None:
-    assert (
-        tier.submit_store(Blocks(keys, src, list(range(len(keys)))), pass_down=True) is None
-    )  # evicts nothing
-    assert tier.client.wait_written(30.0), tier.client.stats()
+def store_blocks(tier: SharedTier, keys: list[bytes], src: torch.Tensor, tenant: str = "") -> None:
+    blocks = Blocks(keys, src, list(range(len(keys))), [tenant] * len(keys))
+    assert tier.submit_store(blocks, pass_down=True) is None  # evicts nothing
+    client = tier.clients.of(tenant)
+    assert client.wait_written(30.0), client.stats()
 
 
-def load_blocks(tier: SharedTier, keys: list[bytes]) -> tuple[int, torch.Tensor]:
+def load_blocks(tier: SharedTier, keys: list[bytes], tenant: str = "") -> tuple[int, torch.Tensor]:
     dst = torch.zeros((len(keys), LAYOUT.block_bytes), dtype=torch.uint8)
-    tier.submit_load(Job(2, Blocks(keys, dst, list(range(len(keys))))))
+    tier.submit_load(Job(2, Blocks(keys, dst, list(range(len(keys)))), tenant))
     (result,) = tier.finished_jobs()
     return result.num_done, dst
 
@@ -104,8 +135,7 @@ def test_a_block_stored_by_one_node_loads_on_another(node_a, node_b):
 def test_a_damaged_object_is_never_served(store, node_a, node_b):
     keys = chain(list(range(100, 100 + 3 * BS)))
     store_blocks(node_a, keys, rows(3, seed=2))
-    raw = mooncake_store.MooncakeDistributedStore()
-    assert raw.setup("127.0.0.1", store.metadata_url, 0, 16 << 20, "tcp", "", store.url.split("//")[1]) == 0
+    raw = raw_client(store)
     name = object_name(LAYOUT, keys[1])
     data = bytearray(raw.get(name))
     data[len(data) // 2] ^= 0xFF  # one payload byte flipped, through the store's own client
@@ -123,8 +153,7 @@ def test_another_models_object_under_our_name_is_never_served(store, node_a, nod
     other = RecordLayout(
         "model-b-fingerprint", *[getattr(LAYOUT, f) for f in ("block_size", "dtype", "shape", "block_bytes")]
     )
-    raw = mooncake_store.MooncakeDistributedStore()
-    assert raw.setup("127.0.0.1", store.metadata_url, 0, 16 << 20, "tcp", "", store.url.split("//")[1]) == 0
+    raw = raw_client(store)
     # A name collision: model b's record of the same key, under model a's object name.
     forged = b"".join(encode_object(other, keys[0], rows(1, seed=4)[0].numpy()))
     assert raw.upsert(object_name(LAYOUT, keys[0]), forged) == 0
@@ -143,6 +172,109 @@ def test_two_tenants_never_see_each_others_objects(node_a, node_b):
     done, _ = load_blocks(node_b, globex)
     assert done == 0
     assert not {object_name(LAYOUT, k) for k in acme} & {object_name(LAYOUT, k) for k in globex}
+
+
+def removed_keys(tier: SharedTier) -> set[bytes]:
+    """The keys of ``tier``'s REMOVED events since the last call."""
+    kind = tier_kind(False, "shared")
+    return {k for record in tier.take_events() if record[0] == kind for k in record[1]}
+
+
+def test_a_tenant_at_its_quota_is_refused_and_counted_while_another_keeps_storing(node_a, node_b, caplog):
+    """Mooncake charges each tenant's objects to its quota: a put over it first evicts the tenant's
+    own objects, so it is refused (TENANT_QUOTA_EXCEEDED) only while they are all in use (a read
+    leases an object for 10 s). The refusal is the tenant's: counted, one WARNING, the tier stays
+    up (the breaker closed) and another tenant keeps storing and hitting."""
+    small = as_tenant(node_a, "small")
+    as_tenant(node_b, "small"), as_tenant(node_a, "big"), as_tenant(node_b, "big")
+    keys = chain(list(range(700, 700 + 3 * BS)), salt="tenant:small")
+    store_blocks(node_a, keys[:2], rows(2, seed=9), "small")  # 2 of its 2.5 blocks
+    assert node_b.lookup_chain(keys[:2], "small") == 2  # read: both leased now
+    node_a.take_events()
+    with caplog.at_level(logging.WARNING, logger="kvtier.cache"):
+        for _ in range(2):  # refused twice, one WARNING
+            store_blocks(node_a, keys[2:], rows(1, seed=10), "small")
+    assert small.counts["quota_refused"] == 2 and node_a.counts().extra["quota_refused"] == 2
+    warnings = [r.message for r in caplog.records if "TENANT_QUOTA_EXCEEDED" in r.message]
+    assert len(warnings) == 1 and "kvtier.small" in warnings[0], warnings
+    assert keys[2] in removed_keys(node_a)  # its STORED event is taken back
+    assert small.available and node_a.client.available  # not the store's failure: the tier is up
+    assert node_b.lookup_chain(keys, "small") == 2 and node_b.lookup(keys[2], "small") is Lookup.MISS
+    # Another tenant stores and hits on.
+    big = chain(list(range(700, 700 + 3 * BS)), salt="tenant:big")
+    store_blocks(node_a, big, rows(3, seed=11), "big")
+    done, dst = load_blocks(node_b, big, "big")
+    assert done == 3 and torch.equal(dst, rows(3, seed=11))
+    assert node_a.counts().extra["tenant_clients"] == 2
+
+
+def test_no_tenant_sees_another_tenants_object_under_the_same_name(node_a, node_b):
+    """Strict mode's namespaces: the very same object name, stored as "big", is nothing to "small"
+    (nor to the default tenant); kvtier's salted keys keep names apart anyway (the test above)."""
+    keys = chain(list(range(800, 800 + 2 * BS)))  # the same keys (names) asked as every tenant
+    store_blocks(node_a, keys, rows(2, seed=12), "big")
+    assert node_b.lookup_chain(keys, "big") == 2
+    assert node_b.lookup_chain(keys, "small") == 0 and node_b.lookup_chain(keys) == 0
+    assert load_blocks(node_b, keys, "small")[0] == 0 and load_blocks(node_b, keys)[0] == 0
+    assert keys[0] not in node_b.held_for("small") and keys[0] in node_b.held_for("big")
+    done, dst = load_blocks(node_b, keys, "big")  # its own tenant's misses did not forget it
+    assert done == 2 and torch.equal(dst, rows(2, seed=12))
+
+
+def test_a_tenant_missing_from_the_policy_is_refused_with_one_warning_naming_it(node_a, caplog):
+    as_tenant(node_a, "nobody")
+    keys = chain(list(range(900, 900 + 2 * BS)), salt="tenant:nobody")
+    with caplog.at_level(logging.WARNING, logger="kvtier.cache"):
+        store_blocks(node_a, keys, rows(2, seed=13), "nobody")
+        assert node_a.lookup_chain(keys, "nobody") == 0
+    assert node_a.clients.of("nobody").counts["unregistered_tenant"] >= 2
+    warnings = [r.message for r in caplog.records if "TENANT_NOT_REGISTERED" in r.message]
+    assert len(warnings) == 1 and "kvtier.nobody" in warnings[0], warnings
+    assert node_a.client.available  # a configuration error of one tenant: the others go on
+    default = chain(list(range(900, 900 + 2 * BS)))
+    store_blocks(node_a, default, rows(2, seed=14))
+    assert node_a.lookup_chain(default) == 2
+
+
+def test_what_a_node_finds_the_store_lost_leaves_its_events_and_the_routers_index(store, node_a, node_b):
+    """A node says (REMOVED, medium shared) what the store no longer holds when it finds out (a
+    lookup or load misses: the first key of the walk), so the router's index of the shared tier,
+    the union of every node's events, shrinks with it (gateway.index_follower.apply_event)."""
+    from kvtier.gateway.discovery import Node
+    from kvtier.gateway.index_follower import NodeState, apply_event, predicted_hit
+    from kvtier.sequence_types import BlockRemoved, BlockStored
+
+    keys = chain(list(range(1000, 1000 + 4 * BS)))
+    node_a.take_events()
+    store_blocks(node_a, keys, rows(4, seed=15))
+    peers: list[NodeState] = []
+    a, b = (NodeState(Node(name, f"unix:///{name}", []), None, peers=peers) for name in ("a", "b"))
+    peers += [a, b]
+    for state in peers:
+        state.block_size = BS
+    stored = [
+        k for record in node_a.take_events() if record[0] == tier_kind(True, "shared") for k in record[1]
+    ]
+    assert stored == keys
+    for key in stored:
+        apply_event(a, BlockStored(hash_preimage(key), None, -1, [], medium="shared"))
+    hashes, prompt_len = [hash_preimage(k) for k in keys], 4 * BS + 1
+    assert predicted_hit(b, hashes, prompt_len).below == {"shared": 4 * BS}
+    raw = raw_client(store)
+    assert raw.remove(object_name(LAYOUT, keys[2]), True) == 0  # the store loses block 2
+    raw.close()
+    node_b.take_events()
+    assert load_blocks(node_b, keys)[0] == 2
+    assert removed_keys(node_b) == {keys[2]}
+    apply_event(b, BlockRemoved(hash_preimage(keys[2]), -1, medium="shared"))  # B's event reaches the router
+    assert predicted_hit(b, hashes, prompt_len).below == {"shared": 2 * BS}  # A's report of it went too
+    assert predicted_hit(a, hashes, prompt_len).below == {"shared": 2 * BS}
+    node_a.lookup(keys[2])  # A, which stored it, finds out too and forgets it
+    assert removed_keys(node_a) == {keys[2]} and keys[2] not in node_a.held()
+    apply_event(
+        a, BlockRemoved(hash_preimage(keys[0]), -1, medium="host")
+    )  # another medium: that node's only
+    assert predicted_hit(b, hashes, prompt_len).below == {"shared": 2 * BS}
 
 
 def test_store_url_is_checked():

@@ -1,6 +1,9 @@
 """The shared tier through real nodes: `kvtier up --nodes 2 --shared-tier`'s stack (MultiNodeStack
 with a real mooncake_master and store server), one replica per node, the defaults otherwise
-(host cache auto, --shared-tier-policy through). Two tenants with their own API keys.
+(host cache auto, --shared-tier-policy through). Three tenants with their own API keys, the
+store in strict multi-tenant mode as `kvtier up --api-keys` runs it (the api-keys file is the
+cache's --tenant-quotas: the store master's tenant policy is written from it); "tiny"'s quota in
+the store is smaller than one block.
 
 Module order matters and is the order below: the master is killed and restarted in the
 second-to-last test, node A is SIGKILLed in the last."""
@@ -30,7 +33,11 @@ LOOP = ModuleLoop()
 BS = 16
 PREFIX = 63 * BS  # 1,008 tokens: 63 full blocks (the tiny model holds 1,024 positions)
 BOS = TINY_LLAMA_CONFIG["bos_token_id"]
-KEYS = {"acme": "sk-acme-shared-tier-test", "globex": "sk-globex-shared-tier-test"}
+KEYS = {
+    "acme": "sk-acme-shared-tier-test",
+    "globex": "sk-globex-shared-tier-test",
+    "tiny": "sk-tiny-shared-tier-test",
+}
 
 
 def prompt(seed: int, length: int = PREFIX) -> list[int]:
@@ -41,11 +48,13 @@ def prompt(seed: int, length: int = PREFIX) -> list[int]:
 def stack(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("shared")
     keys_file = run_dir / "api-keys.json"
-    keys_file.write_text(json.dumps({"tenants": {t: {"keys": [k]} for t, k in KEYS.items()}}))
+    tenants = {t: {"keys": [k]} for t, k in KEYS.items()}
+    tenants["tiny"]["shared_gib"] = 1e-6  # about 1 KiB: no block fits
+    keys_file.write_text(json.dumps({"tenants": tenants}))
     s = MultiNodeStack(
         run_dir,
         2,
-        [],
+        ["--tenant-quotas", str(keys_file)],
         ["--api-keys", str(keys_file)],
         num_replicas=1,
         env=child_env(run_dir),
@@ -139,9 +148,7 @@ def test_a_damaged_object_and_another_models_object_are_never_served(stack):
     generate(a, forged)
     stored_on(a, 4 * (PREFIX // BS - 1))
     salt = tenant_salt("acme", "")
-    raw = mooncake_store.MooncakeDistributedStore()
-    master = stack.store.url.removeprefix("mooncake://")
-    assert raw.setup("127.0.0.1", stack.store.metadata_url, 0, 16 << 20, "tcp", "", master) == 0
+    raw = raw_client(stack, "acme")
     try:
         # A flipped byte in block 10 of one prefix, through the store's own client.
         keys = chain_keys(damaged, salt, layout.model_fingerprint)
@@ -165,6 +172,89 @@ def test_a_damaged_object_and_another_models_object_are_never_served(stack):
     got = generate(b, forged)
     assert got.cached_prompt_tokens == 0
     assert got.token_ids == generate(b, forged, tenant="globex").token_ids
+
+
+def raw_client(stack, tenant: str):
+    """Mooncake's own client, as kvtier's ``tenant`` (its objects live in that tenant's namespace)."""
+    from kvtier.api_keys import store_tenant
+
+    raw = mooncake_store.MooncakeDistributedStore()
+    master, metadata = stack.store.url.removeprefix("mooncake://"), stack.store.metadata_url
+    assert (
+        raw.setup(
+            "127.0.0.1", metadata, 0, 16 << 20, "tcp", "", master, None, False, "", store_tenant(tenant)
+        )
+        == 0
+    )
+    return raw
+
+
+def test_a_tenant_over_its_quota_in_the_store_still_completes_and_is_counted(stack):
+    """Mooncake refuses every put of "tiny" (TENANT_QUOTA_EXCEEDED: a block is larger than its
+    quota): its request completes all the same, the refusals are counted as skipped blocks with one
+    WARNING naming the tenant, and B recomputes its prefix; the other tenants keep storing."""
+    a, b = stack.nodes
+    tokens = prompt(11)
+    skipped, stored = shared_row(a).num_skipped_blocks, shared_row(a).num_stored_blocks
+    on_a = generate(a, tokens, tenant="tiny")
+    assert on_a.completion_tokens == 8
+    wait_until(
+        lambda: shared_row(a).num_skipped_blocks - skipped >= PREFIX // BS - 1, 60.0, "refusals counted"
+    )
+    assert shared_row(a).num_stored_blocks == stored
+    assert a.cache.log().count("kvtier.tiny is at its quota") == 1
+    on_b = generate(b, tokens, tenant="tiny")
+    assert on_b.cached_prompt_tokens == 0 and on_b.token_ids == on_a.token_ids
+    generate(a, prompt(12))  # acme stores on
+    stored_on(a, stored + PREFIX // BS - 1)
+    assert generate(b, prompt(12)).cached_prompt_tokens >= PREFIX - BS
+
+
+def test_the_routers_shared_index_drops_what_the_store_lost(stack):
+    """A real router follows both nodes: the prefix A wrote through is a shared hit it predicts on
+    B; once the store has lost it (removed through its own client), B's lookup misses, B's event
+    says so and the router's index of the shared tier shrinks: the hit is no longer predicted."""
+    import asyncio
+    import time
+
+    from kvtier.api_keys import tenant_salt
+    from kvtier.cachesvc.shared_tier import object_name
+    from kvtier.gateway.discovery import Node
+    from kvtier.gateway.index_follower import predicted_hit
+    from kvtier.gateway.router import Router
+
+    a, b = stack.nodes
+    layout, tokens = node_layout(a), prompt(13)
+    before = shared_row(a).num_stored_blocks
+    generate(a, tokens)
+    stored_on(a, before + PREFIX // BS - 1)
+    keys = chain_keys(tokens, tenant_salt("acme", ""), layout.model_fingerprint)
+    hashes = [hash_preimage(k) for k in keys]
+    nodes = [Node(f"node-{i}", n.cache_address, n.compute_addresses) for i, n in enumerate(stack.nodes)]
+    router = Router(nodes, child_env(a.run_dir)["KVTIER_TOKEN"], layout.model_fingerprint)
+    on_b = router.states[1]
+
+    def shared_on_b() -> int:
+        return predicted_hit(on_b, hashes, len(tokens)).below.get("shared", 0)
+
+    async def until(check, what: str) -> None:
+        deadline = time.monotonic() + 60.0
+        while not check():
+            assert time.monotonic() < deadline, f"the router: {what}"
+            await asyncio.sleep(0.05)
+
+    LOOP.run(router.start())
+    try:
+        LOOP.run(until(lambda: shared_on_b() >= PREFIX - BS, "A's prefix predicted on B"))
+        raw = raw_client(stack, "acme")
+        try:
+            assert raw.batch_remove([object_name(layout, k) for k in keys], True) == [0] * len(keys)
+        finally:
+            raw.close()
+        assert generate(b, tokens).cached_prompt_tokens == 0  # a miss: recomputed
+        LOOP.run(until(lambda: shared_on_b() == 0, "the lost prefix dropped"))
+    finally:
+        LOOP.run(router.close())
 
 
 def test_master_killed_mid_run_no_request_fails_and_objects_hit_again_after_its_restart(stack):

@@ -197,7 +197,10 @@ def test_discard_forgets_a_block_without_passing_it_down(tier):
     events_of(tier)
     assert tier.discard(key_of(0)) and not tier.discard(key_of(0))
     assert tier.lookup(key_of(0)) == Lookup.MISS and tier.lookup(key_of(1)) == Lookup.HIT
-    assert events_of(tier) == [(False, key_of(0))] and tier.counts().blocks == 1
+    events = events_of(tier)
+    if tier.medium.across_nodes:  # the store's misses are said as found (for the router), maybe again
+        events = sorted(set(events))
+    assert events == [(False, key_of(0))] and tier.counts().blocks == 1
     assert load(tier, [0])[0] == 0
 
 

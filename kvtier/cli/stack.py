@@ -350,7 +350,10 @@ class MultiNodeStack:
         if self.shared_tier_gib:  # the store first: every node's cache service points at it
             from kvtier.cli.store_master import StoreMaster
 
-            self.store = StoreMaster(self.run_dir, self.shared_tier_gib, env=env).up()
+            # The cache's tenant file (the api-keys file) names the store's tenants: strict mode.
+            at = cache_args.index("--tenant-quotas") + 1 if "--tenant-quotas" in cache_args else 0
+            keys = cache_args[at] if at else None
+            self.store = StoreMaster(self.run_dir, self.shared_tier_gib, env=env, api_keys=keys).up()
             cache_args = [*cache_args, *self.store.node_flags()]
         self.nodes = [
             LocalStack(

@@ -8,6 +8,14 @@ which lends the store ``store_gib`` of memory. The nodes lend none by default
 come from the ``mooncake-transfer-engine-non-cuda`` wheel (``kvtier[mooncake]``). Everything
 listens on ``host`` (127.0.0.1 here: the store's RPC, metadata server and transfer engine have no
 authentication; on a cluster keep them on a private network).
+
+With ``api_keys`` (the stack's api-keys file) the master runs Mooncake's strict multi-tenant
+mode: ``tenant_policy`` writes its policy (``mooncake-tenants.yaml`` in ``run_dir``, mode 0600),
+one tenant per api-keys tenant plus the default tenant (``kvtier.api_keys.store_tenant``'s
+names), each tenant's quota its ``shared_gib``, the rest of the store split evenly among those
+without one. A tenant's objects then count against its quota (a put over it first evicts the
+tenant's own objects, and is refused while they are all in use) and live in its own namespace.
+Without ``api_keys``: one tenant, as Mooncake runs by default.
 """
 
 from __future__ import annotations
@@ -24,7 +32,11 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvtier.api_keys import ApiKeys, store_tenant
 from kvtier.cli.stack import Process
+
+POLICY_FILE = "mooncake-tenants.yaml"
+MIN_QUOTA_BYTES = 1 << 20  # a tenant's quota when the explicit ones leave nothing to share
 
 
 def binary(name: str) -> str:
@@ -50,9 +62,25 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def tenant_policy(keys: ApiKeys, store_bytes: int) -> str:
+    """Mooncake's tenant policy (YAML, schema 1) for the tenants of ``keys`` and the default tenant
+    in a store of ``store_bytes``: a tenant's ``shared_gib``, else an even share of the rest."""
+    explicit = {
+        store_tenant(t.name): int(t.shared_gib * 2**30) for t in keys.tenants.values() if t.shared_gib
+    }
+    others = [store_tenant(name) for name in ("", *keys.tenants) if store_tenant(name) not in explicit]
+    share = max(MIN_QUOTA_BYTES, (store_bytes - sum(explicit.values())) // max(1, len(others)))
+    quotas = {**explicit, **dict.fromkeys(others, share)}
+    lines = ["version: 1", "tenants:"]
+    for name, quota in quotas.items():  # names are [A-Za-z0-9._-]: plain YAML scalars
+        lines += [f"  - name: {name}", f"    quota: {quota}"]
+    return "\n".join(lines) + "\n"
+
+
 @dataclass
 class StoreMaster:
-    """A mooncake_master and a store server of ``store_gib`` GiB, logs in ``run_dir``."""
+    """A mooncake_master and a store server of ``store_gib`` GiB, logs in ``run_dir``; with
+    ``api_keys`` (a path) in strict multi-tenant mode (module docstring)."""
 
     run_dir: Path
     store_gib: float = 1.0
@@ -60,6 +88,7 @@ class StoreMaster:
     rpc_port: int = 0  # 0: a free port, chosen once (a restart keeps it: the nodes' URL stays right)
     metadata_port: int = 0
     env: dict[str, str] | None = None
+    api_keys: str | None = None
     master: Process | None = None
     store: Process | None = None
     _ports: dict[str, int] = field(default_factory=dict)
@@ -107,10 +136,32 @@ class StoreMaster:
             f"--http_metadata_server_port={self.metadata_port}",
             f"--metrics_host={self.host}",
             f"--metrics_port={self._ports['metrics']}",
+            *self._tenant_flags(),
         ]
         self.master = self._spawn("mooncake-master", command, f"{self.host}:{self.rpc_port}")
         _wait_listening(self.master, self.host, self.rpc_port, deadline_s)
         _wait_metadata(self.master, self.metadata_url, deadline_s)
+
+    @property
+    def metrics_url(self) -> str:
+        """The master's metrics port: also its tenant quota admin API (/api/v1/tenant_quotas)."""
+        return f"http://{self.host}:{self._ports['metrics']}"
+
+    def _tenant_flags(self) -> list[str]:
+        """Strict multi-tenant mode's flags with the policy written for ``api_keys``; none without."""
+        if not self.api_keys:
+            return []
+        policy = self.run_dir / POLICY_FILE
+        text = tenant_policy(ApiKeys.load(self.api_keys), int(self.store_gib * 2**30))
+        fd = os.open(policy, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)  # an older file kept its mode through O_CREAT
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        return [
+            "--enable_multi_tenants=true",
+            "--tenant_quota_connector_type=file",
+            f"--tenant_quota_connector_uri={policy}",
+        ]
 
     def _spawn(self, name: str, command: list[str], address: str) -> Process:
         log_path = self.run_dir / f"{name}.log"
