@@ -40,6 +40,7 @@ def client_loop(address: str, token: str, seconds: float, seed: int, out: mp.Que
 
     from kvtier.auth import grpc_target
     from kvtier.cache_client import CacheClient
+    from kvtier.cache_errors import CacheCallError
 
     client = CacheClient.connect(address, token)
     client.attach(f"bench-{seed}")
@@ -58,9 +59,9 @@ def client_loop(address: str, token: str, seconds: float, seed: int, out: mp.Que
             t0 = time.perf_counter()
             health.Check(health_pb2.HealthCheckRequest())
             t1 = time.perf_counter()
-            one = client.allocate([tok]).sequences[0].sequence_id
+            one = client.allocate([tok])[0].sequence_id
             t2 = time.perf_counter()
-            many = [s.sequence_id for s in client.allocate([tok] * 64).sequences]
+            many = [s.sequence_id for s in client.allocate([tok] * 64)]
             t3 = time.perf_counter()
             client.extend([(s, 16) for s in many])
             t4 = time.perf_counter()
@@ -68,9 +69,9 @@ def client_loop(address: str, token: str, seconds: float, seed: int, out: mp.Que
             t5 = time.perf_counter()
             client.free([one])
             t6 = time.perf_counter()
-        except grpc.RpcError as e:
+        except CacheCallError as e:
             errors += 1
-            print(f"client {seed}: {e.code().name}: {e.details()}", file=sys.stderr)
+            print(f"client {seed}: {e.code}: {e.details}", file=sys.stderr)
             continue
         for op, dt in zip(OPS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5), strict=True):
             lat[op].append(dt)
@@ -112,7 +113,7 @@ def split_probe(address: str, token: str, metrics_port: int) -> dict[str, tuple[
     tokens = [7] * 16
     calls = {
         "Check": lambda: health.Check(health_pb2.HealthCheckRequest()),
-        "Allocate": lambda: client.allocate([tokens]).sequences[0].sequence_id,
+        "Allocate": lambda: client.allocate([tokens])[0].sequence_id,
     }
     out = {}
     for method, call in calls.items():

@@ -152,7 +152,7 @@ async def run_remote(loaded, args, num_blocks: int) -> dict:
     stack.start_cache()
     try:
         client = CacheClient.connect(stack.cache_address, token, aio=True)
-        await client.attach_async("bench", loaded.shape.fingerprint)
+        await client.attach("bench", loaded.shape.fingerprint)
         pool = attach_pool(client.pool)
         scheduler = make_scheduler(loaded, pool.tensor, RemoteCache(client), client.pool.block_size)
         beat = asyncio.ensure_future(client.heartbeat_forever())

@@ -197,7 +197,7 @@ async def run_kvtier(
     compute = ComputeClient(stack.compute_addresses, token)
     beat = None
     try:
-        await cache.attach_async("bench-serve")
+        await cache.attach("bench-serve")
         beat = asyncio.create_task(cache.heartbeat_forever())
         pool = cache.pool
         out["pool"] = {

@@ -41,10 +41,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))  # the load client lives with the tests that also use it
 
-import grpc  # noqa: E402
 from clients.generate_load import LoadSpec, collect, start_clients  # noqa: E402
 
 from kvtier.cache_client import CacheClient  # noqa: E402
+from kvtier.cache_errors import CacheCallError  # noqa: E402
 from kvtier.cli.stack import LocalStack, wait_serving  # noqa: E402
 
 POOL = ["--num-blocks", "192", "--swap-space", "0.01"]
@@ -67,7 +67,7 @@ class InvariantWatch:
         while not self._stop.wait(self.period_s):
             try:
                 s = client.get_stats()
-            except grpc.RpcError:
+            except CacheCallError:
                 self.unreachable += 1
                 continue
             self.samples += 1
@@ -100,7 +100,7 @@ class SilentClient:
         self.client = CacheClient.connect(address, token, timeout_s=5.0)
         self.client.attach("silent-client")
         prompts = [[(7 * k + i) % 256 for i in range(40)] for k in range(4)]
-        seqs = self.client.allocate(prompts).sequences
+        seqs = self.client.allocate(prompts)
         self.client.commit([(s.sequence_id, [], 40) for s in seqs[:2]])
         self.sequence_ids = [s.sequence_id for s in seqs]
         self.num_blocks = sum(len(s.block_table) for s in seqs)
@@ -109,8 +109,8 @@ class SilentClient:
         """True once every call of the lease is refused with NOT_FOUND naming it."""
         try:
             self.client.free(self.sequence_ids)
-        except grpc.RpcError as e:
-            return e.code() == grpc.StatusCode.NOT_FOUND and self.client.lease_id[:8] in e.details()
+        except CacheCallError as e:
+            return e.code == "NOT_FOUND" and self.client.lease_id[:8] in e.details
         return False
 
     def close(self) -> None:

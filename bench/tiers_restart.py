@@ -64,7 +64,7 @@ def one_pass(address: str, requests: list[list[int]]) -> float:
         client.attach("tiers-restart-bench")
         cached = full = 0
         for tokens in requests:
-            (seq,) = client.allocate([tokens]).sequences
+            (seq,) = client.allocate([tokens])
             n = len(tokens) // BS * BS
             client.commit([(seq.sequence_id, [], n)])
             client.free([seq.sequence_id])

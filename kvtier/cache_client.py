@@ -330,10 +330,11 @@ class CacheClient:
     def get_stats(self) -> Reply[CacheSnapshot]:
         return self._call(self.stub.GetStats, cache_pb2.GetStatsRequest(), stats_from_proto)
 
-    def watch_events(self, since_event_id: int = 0) -> EventStream:
-        """The events after `since_event_id` as they happen (no timeout); cancel() to stop."""
+    def watch_events(self, since_event_id: int = 0, timeout_s: float | None = None) -> EventStream:
+        """The events after `since_event_id` as they happen, until cancel() or `timeout_s`
+        (DEADLINE_EXCEEDED; None: no deadline, a follower's stream)."""
         req = cache_pb2.WatchEventsRequest(since_event_id=since_event_id)
-        return EventStream(self.stub.WatchEvents(req, metadata=self.metadata))
+        return EventStream(self.stub.WatchEvents(req, metadata=self.metadata, timeout=timeout_s))
 
 
 class EventStream:

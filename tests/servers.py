@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -140,10 +141,7 @@ def greedy_request(token_ids: list[int], max_tokens: int, **kw):
 
 
 def stats_without_clock(stats):
-    """A copy of a GetStatsResponse minus what changes with the clock alone (lease countdowns),
-    for asserting that a call changed no state."""
-    copy = type(stats)()
-    copy.CopyFrom(stats)
-    for lease in copy.leases:
-        lease.expires_in_s = 0
-    return copy
+    """A copy of a CacheSnapshot (GetStats) minus what changes with the clock alone (lease
+    countdowns), for asserting that a call changed no state."""
+    leases = [dataclasses.replace(lease, expires_in_s=0) for lease in stats.leases]
+    return dataclasses.replace(stats, leases=leases)

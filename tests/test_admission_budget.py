@@ -40,7 +40,7 @@ async def admitted_per_step(address: str, reqs: list[Request]) -> list[int]:
     requests admitted in each step until none waits."""
     loaded = load_model(None, dtype="float32")
     client = CacheClient.connect(address, TOKEN, aio=True)
-    await client.attach_async("admission-test", loaded.shape.fingerprint)
+    await client.attach("admission-test", loaded.shape.fingerprint)
     pool = attach_pool(client.pool)
     beat = asyncio.ensure_future(client.heartbeat_forever())
     try:

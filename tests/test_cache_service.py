@@ -22,10 +22,11 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from servers import REPO, TOKEN, cache_service, child_env, stats_without_clock, tls_cache_service, wait_until
 
-from kvtier.api import cache_pb2
 from kvtier.cache_client import AllocateItem, CacheClient
+from kvtier.cache_errors import CacheCallError, CacheUnavailable
 from kvtier.pool import attach_pool
-from kvtier.status import LEASE_EXPIRED, reason_of
+from kvtier.sequence_types import BlockRemoved, BlockStored, CacheEvent
+from kvtier.status import LEASE_EXPIRED
 
 BLOCK = 16
 PROMPT = list(range(1, 38))  # 37 tokens: two full blocks and a partial one
@@ -58,9 +59,18 @@ def _own_sequences(c: CacheClient):
 
 
 def _alloc(c: CacheClient, items):
-    seqs = list(c.allocate(items).sequences)
+    seqs = list(c.allocate(items))
     c._test_seqs = [*getattr(c, "_test_seqs", []), *seqs]
     return seqs
+
+
+def _under_lease(c: CacheClient, lease_id: str, call):
+    """``call()`` sent under another lease id than ``c``'s own."""
+    own, c.lease_id = c.lease_id, lease_id
+    try:
+        return call()
+    finally:
+        c.lease_id = own
 
 
 def _spawn_writer(service, prompt, fill, *extra):
@@ -163,7 +173,7 @@ def test_sigkilled_client_leaks_no_block_and_its_committed_blocks_stay_cached(se
     assert stats.num_blocks_fenced >= 1  # (with earlier tests' writers' own, until their hold ends)
     assert stats.num_blocks_free + stats.num_blocks_used + stats.num_blocks_fenced == stats.num_blocks_total
     # The writer's three committed full blocks are still prefix hits.
-    assert client.lookup_prefix([prompt]).num_cached_tokens[0] == 3 * BLOCK
+    assert client.lookup_prefix([prompt])[0].num_cached_tokens == 3 * BLOCK
     seq = _alloc(client, [prompt])[0]
     assert seq.num_cached_tokens == 3 * BLOCK
     assert list(seq.block_table[:3]) == info["block_table"][:3]
@@ -175,7 +185,7 @@ def test_get_stats_counts_each_leases_tokens_and_the_slots_holding_them(service)
     try:
         # 37 tokens + 4 lookahead -> 3 blocks; 20 + 4 -> 2 blocks, then 2 generated tokens committed.
         items = [AllocateItem(p, num_lookahead_tokens=4) for p in (PROMPT, list(range(100, 120)))]
-        a, b = c.allocate(items).sequences
+        a, b = c.allocate(items)
         c.commit([(b.sequence_id, [7, 8], 20)])
         stats = c.get_stats()
         (mine,) = [lease for lease in stats.leases if lease.lease_id == c.lease_id[:8]]
@@ -193,13 +203,13 @@ def test_get_stats_counts_each_leases_tokens_and_the_slots_holding_them(service)
 def test_calls_without_or_with_a_wrong_token_are_refused_but_health_is_open(service):
     for token in ("", "wrong-token"):
         c = CacheClient.connect(service.address, token)
-        with pytest.raises(grpc.RpcError) as e:
+        with pytest.raises(CacheCallError) as e:
             c.attach("intruder")
-        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        assert "token" in e.value.details()
-        with pytest.raises(grpc.RpcError) as e:
+        assert e.value.code == "UNAUTHENTICATED"
+        assert "token" in e.value.details
+        with pytest.raises(CacheCallError) as e:
             c.get_stats()
-        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert e.value.code == "UNAUTHENTICATED"
         c.close()
     with grpc.insecure_channel(service.address) as ch:
         reply = health_pb2_grpc.HealthStub(ch).Check(
@@ -228,10 +238,10 @@ def test_one_lease_cannot_touch_another_leases_sequences(service, client):
         "swap_out": lambda: other.swap_out([seq.sequence_id]),
     }
     for name, call in calls.items():
-        with pytest.raises(grpc.RpcError) as e:
+        with pytest.raises(CacheCallError) as e:
             call()
-        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED, name
-        assert str(seq.sequence_id) in e.value.details(), name
+        assert e.value.code == "PERMISSION_DENIED", name
+        assert str(seq.sequence_id) in e.value.details, name
     after = client.get_stats()
     assert stats_without_clock(before) == stats_without_clock(after)
     other.close()
@@ -241,9 +251,9 @@ def test_cache_salt_isolates_tenants_in_allocate_and_lookup(service, client):
     prompt = [9] * 33
     seq = _alloc(client, [AllocateItem(prompt, tenant_salt="tenant-a")])[0]
     client.commit([(seq.sequence_id, [], 33)])
-    assert client.lookup_prefix([prompt], tenant_salt="tenant-a").num_cached_tokens[0] == 32
-    assert client.lookup_prefix([prompt], tenant_salt="tenant-b").num_cached_tokens[0] == 0
-    assert client.lookup_prefix([prompt]).num_cached_tokens[0] == 0
+    assert client.lookup_prefix([prompt], tenant_salt="tenant-a")[0].num_cached_tokens == 32
+    assert client.lookup_prefix([prompt], tenant_salt="tenant-b")[0].num_cached_tokens == 0
+    assert client.lookup_prefix([prompt])[0].num_cached_tokens == 0
     other = _alloc(client, [AllocateItem(prompt, tenant_salt="tenant-b")])[0]
     assert other.num_cached_tokens == 0
     assert not set(other.block_table) & set(seq.block_table)
@@ -251,14 +261,14 @@ def test_cache_salt_isolates_tenants_in_allocate_and_lookup(service, client):
 
 def test_watch_events_streams_stored_blocks_as_a_chain_with_increasing_ids(service, client):
     stream = client.watch_events(0)
-    events: list[cache_pb2.CacheEvent] = []
+    events: list[CacheEvent] = []
     done = threading.Event()
 
     def collect():
         try:
             for event in stream:
                 events.append(event)
-        except grpc.RpcError:
+        except CacheCallError:  # cancelled
             pass
         done.set()
 
@@ -271,16 +281,14 @@ def test_watch_events_streams_stored_blocks_as_a_chain_with_increasing_ids(servi
         # Replay from 0 includes earlier tests' events, possibly on the same block ids: match the tokens too.
         mine = [
             e
-            for e in events
-            if e.HasField("block_stored")
-            and e.block_stored.block_id in seq.block_table
-            and list(e.block_stored.token_ids) == [77] * 16
+            for _, e in events
+            if isinstance(e, BlockStored) and e.block_id in seq.block_table and e.token_ids == [77] * 16
         ]
         return mine if len(mine) == 2 else None
 
     mine = wait_until(stored_both, 15.0, "BlockStored events")
-    assert list(mine[0].block_stored.token_ids) == [77] * 16
-    assert mine[1].block_stored.parent_block_hash == mine[0].block_stored.block_hash
+    assert mine[0].token_ids == [77] * 16 and mine[0].medium == "device"
+    assert mine[1].parent_block_hash == mine[0].block_hash
     ids = [e.event_id for e in events]
     assert ids == sorted(ids) and len(set(ids)) == len(ids)
     stream.cancel()
@@ -291,18 +299,18 @@ def test_watch_events_reports_evicted_blocks_as_removed(tmp_path):
     with cache_service(tmp_path, "--num-blocks", "4") as svc:
         c = CacheClient.connect(svc.address, TOKEN)
         c.attach("evictor")
-        first = c.allocate([[1] * 64]).sequences[0]
+        first = c.allocate([[1] * 64])[0]
         c.commit([(first.sequence_id, [], 64)])
         c.free([first.sequence_id])
-        second = c.allocate([[2] * 64]).sequences[0]  # the pool is full of cached blocks: evict them
+        second = c.allocate([[2] * 64])[0]  # the pool is full of cached blocks: evict them
         assert sorted(second.block_table) == sorted(first.block_table)
         stream = c.watch_events(0)
         events = [next(stream) for _ in range(8)]
         stream.cancel()
-        stored = [e.block_stored for e in events[:4]]
-        removed = [e.block_removed for e in events[4:]]
-        assert all(e.HasField("block_stored") for e in events[:4])
-        assert all(e.HasField("block_removed") for e in events[4:])
+        stored = [e.event for e in events[:4]]
+        removed = [e.event for e in events[4:]]
+        assert all(isinstance(e, BlockStored) for e in stored)
+        assert all(isinstance(e, BlockRemoved) for e in removed)
         assert {r.block_hash for r in removed} == {s.block_hash for s in stored}
         # Freed in reverse order, so the chain's tail is evicted first.
         assert [r.block_id for r in removed] == [s.block_id for s in reversed(stored)]
@@ -313,17 +321,12 @@ def test_watch_events_reports_evicted_blocks_as_removed(tmp_path):
 
 def _bad_calls(c: CacheClient, seq_id: int, swapped_id: int, pool_blocks: int):
     ok = [1, 2, 3]
-    item = cache_pb2.AllocateItem
-    allocate = lambda *items, lease=None: c.stub.Allocate(  # noqa: E731
-        cache_pb2.AllocateRequest(lease_id=c.lease_id if lease is None else lease, items=list(items)),
-        metadata=c.metadata,
-    )
-    INV, NF, RE, FP = (
-        grpc.StatusCode.INVALID_ARGUMENT,
-        grpc.StatusCode.NOT_FOUND,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-        grpc.StatusCode.FAILED_PRECONDITION,
-    )
+    item = AllocateItem
+
+    def allocate(*items, lease=None):
+        return _under_lease(c, c.lease_id if lease is None else lease, lambda: c.allocate(items))
+
+    INV, NF, RE, FP = "INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION"
     return [
         ("Allocate without a lease", lambda: allocate(item(token_ids=ok), lease=""), INV, "lease_id"),
         ("Allocate on an unknown lease", lambda: allocate(item(token_ids=ok), lease="f" * 32), NF, "lease"),
@@ -372,15 +375,13 @@ def _bad_calls(c: CacheClient, seq_id: int, swapped_id: int, pool_blocks: int):
         ("LookupPrefix a token id above the vocabulary", lambda: c.lookup_prefix([[1, 4000]]), INV, "4000"),
         (
             "Heartbeat an unknown lease",
-            lambda: c.stub.Heartbeat(cache_pb2.HeartbeatRequest(lease_id="0" * 32), metadata=c.metadata),
+            lambda: _under_lease(c, "0" * 32, c.heartbeat),
             NF,
             "lease",
         ),
         (
             "Attach with another model's fingerprint",
-            lambda: c.stub.Attach(
-                cache_pb2.AttachRequest(client_name="x", model_fingerprint="ab" * 32), metadata=c.metadata
-            ),
+            lambda: c.attach("x", model_fingerprint="ab" * 32),
             FP,
             "fingerprint",
         ),
@@ -399,12 +400,12 @@ def test_every_rpc_rejects_bad_input_with_a_clear_status_and_changes_no_state(cl
         before = stats_without_clock(client.get_stats())
         try:
             call()
-        except grpc.RpcError as e:
+        except CacheCallError as e:
             error = e
         else:
             pytest.fail(f"{name}: the call succeeded")
-        assert error.code() == code, f"{name}: {error.code()} {error.details()}"
-        assert fragment in error.details(), f"{name}: {error.details()!r} does not name {fragment!r}"
+        assert error.code == code, f"{name}: {error.code} {error.details}"
+        assert fragment in error.details, f"{name}: {error.details!r} does not name {fragment!r}"
         assert stats_without_clock(client.get_stats()) == before, f"{name} changed the service's state"
     client.swap_in([swapped.sequence_id])
 
@@ -413,23 +414,21 @@ def test_an_unknown_lease_carries_the_lease_expired_reason_and_an_unknown_sequen
     # Both are NOT_FOUND; only the lease's carries ErrorInfo(LEASE_EXPIRED), which is what tells
     # a client to Attach again rather than drop one sequence.
     lease_calls = [
-        lambda: client.stub.Heartbeat(
-            cache_pb2.HeartbeatRequest(lease_id="0" * 32), metadata=client.metadata
-        ),
-        lambda: client.stub.Free(
-            cache_pb2.FreeRequest(lease_id="f" * 32, sequence_ids=[1]), metadata=client.metadata
-        ),
+        lambda: _under_lease(client, "0" * 32, client.heartbeat),
+        lambda: _under_lease(client, "f" * 32, lambda: client.free([1])),
     ]
     for call in lease_calls:
-        with pytest.raises(grpc.RpcError) as lease_error:
+        with pytest.raises(CacheCallError) as lease_error:
             call()
-        assert lease_error.value.code() == grpc.StatusCode.NOT_FOUND
-        assert "is unknown or expired: call Attach again" in lease_error.value.details()
-        assert reason_of(lease_error.value) == LEASE_EXPIRED
-    with pytest.raises(grpc.RpcError) as sequence_error:
+        assert lease_error.value.code == "NOT_FOUND"
+        assert "is unknown or expired: call Attach again" in lease_error.value.details
+        assert lease_error.value.reason == LEASE_EXPIRED
+        assert isinstance(lease_error.value, CacheUnavailable)  # what tells a client to attach again
+    with pytest.raises(CacheCallError) as sequence_error:
         client.free([10**9])
-    assert sequence_error.value.code() == grpc.StatusCode.NOT_FOUND
-    assert reason_of(sequence_error.value) == ""
+    assert sequence_error.value.code == "NOT_FOUND"
+    assert sequence_error.value.reason == ""
+    assert not isinstance(sequence_error.value, CacheUnavailable)
 
 
 def test_help_explains_every_flag():
@@ -509,7 +508,7 @@ def test_prometheus_endpoint_reports_blocks_hits_and_rpc_latency(tmp_path):
         port = int(re.search(r"Prometheus metrics on http://127\.0\.0\.1:(\d+)/metrics", svc.log()).group(1))
         c = CacheClient.connect(svc.address, TOKEN)
         c.attach("metrics")
-        seq = c.allocate([[1] * 40]).sequences[0]
+        seq = c.allocate([[1] * 40])[0]
         c.commit([(seq.sequence_id, [], 40)])
         c.allocate([[1] * 40])  # 32 of 40 tokens hit
 
@@ -546,9 +545,9 @@ def test_tcp_with_tls_serves_a_client_that_trusts_the_certificate_and_refuses_pl
         assert secure.pool.num_blocks == 8
         secure.close()
         plain = CacheClient.connect(address, TOKEN, timeout_s=3)
-        with pytest.raises(grpc.RpcError) as e:
+        with pytest.raises(CacheCallError) as e:
             plain.attach("plaintext")
-        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert e.value.code == "UNAVAILABLE"
         plain.close()
 
 
@@ -564,7 +563,7 @@ def test_a_stall_of_the_service_costs_no_heartbeating_client_its_lease(tmp_path)
         renewed: list[float] = []
         try:
             live.attach("live")
-            (seq,) = live.allocate([[1, 2, 3]]).sequences
+            (seq,) = live.allocate([[1, 2, 3]])
             stop_beating = live.start_heartbeat_thread(renewed.append, lost.append)
             silent.attach("silent")  # never heartbeats
             svc.proc.send_signal(signal.SIGSTOP)
@@ -597,12 +596,12 @@ def test_successful_control_calls_renew_the_lease_without_heartbeats(tmp_path):
         c = CacheClient.connect(svc.address, TOKEN, timeout_s=5.0)
         try:
             c.attach("busy")  # never heartbeats
-            (seq,) = c.allocate([[1, 2, 3]]).sequences
+            (seq,) = c.allocate([[1, 2, 3]])
             started = time.monotonic()
             while time.monotonic() - started < 3.0:  # three TTLs
                 c.extend([(seq.sequence_id, 1)])
                 time.sleep(0.2)  # pacing the calls, well inside the 1 s TTL
-            assert c.heartbeat().lease_ttl_s > 0.5
+            assert c.heartbeat() > 0.5
             stats = c.get_stats()
             assert stats.num_expired_leases == 0 and stats.num_sequences == 1
         finally:

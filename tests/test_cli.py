@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -195,8 +196,8 @@ def test_a_cache_service_started_without_the_flag_keeps_a_share_of_host_memory(t
     shown = json.loads(printed.stdout)
     assert shown["num_host_blocks_used"] == 0 and shown["num_sequences"] == 0, shown
     assert shown["num_host_blocks_total"] == stats.num_host_blocks_total
-    assert set(shown) >= {f.name for f in stats.DESCRIPTOR.fields}, set(shown) ^ {
-        f.name for f in stats.DESCRIPTOR.fields
+    assert set(shown) >= {f.name for f in dataclasses.fields(stats)}, set(shown) ^ {
+        f.name for f in dataclasses.fields(stats)
     }
     assert "host" in [tier.medium for tier in stats.tiers], stats.tiers
     chosen = re.search(r"host cache: ([\d.]+ [KMG]iB), the default \(--host-cache-gib auto: (.+?);", log)

@@ -14,14 +14,17 @@ from kvtier.cachesvc.host_cache import HostCache
 from kvtier.cachesvc.kv_events_zmq import encode_record
 from kvtier.cachesvc.servicer import event_to_proto
 from kvtier.cachesvc.tiers import Blocks
+from kvtier.sequence_types import CacheEvent
+from kvtier.wire import event_from_proto
 
 BS = 4
 EXTRA = extra_key("model-fp")
 
 
-def since(log: EventLog, event_id: int) -> list:
-    """``log.since(event_id)`` as the CacheEvent messages WatchEvents streams."""
-    return [event_to_proto(i, event) for i, event in log.since(event_id)]
+def since(log: EventLog, event_id: int) -> list[CacheEvent]:
+    """``log.since(event_id)`` as a WatchEvents reader gets it: each event through the servicer's
+    message (event_to_proto) and the client's conversion of it (event_from_proto)."""
+    return [event_from_proto(event_to_proto(i, event)) for i, event in log.since(event_id)]
 
 
 def commit_chain(bm: BlockManager, tokens: list[int]) -> tuple[list[int], list[bytes]]:
@@ -44,10 +47,10 @@ def test_a_commit_is_one_record_but_one_event_id_per_block() -> None:
     log.extend(records)
     events = since(log, 0)
     assert [e.event_id for e in events] == [1, 2, 3]
-    assert [e.block_stored.block_id for e in events] == table
-    assert [e.block_stored.block_hash for e in events] == hashes
-    assert [e.block_stored.parent_block_hash for e in events] == [b"", hashes[0], hashes[1]]
-    assert [list(e.block_stored.token_ids) for e in events] == [tokens[0:4], tokens[4:8], tokens[8:12]]
+    assert [e.event.block_id for e in events] == table
+    assert [e.event.block_hash for e in events] == hashes
+    assert [e.event.parent_block_hash for e in events] == [None, hashes[0], hashes[1]]
+    assert [list(e.event.token_ids) for e in events] == [tokens[0:4], tokens[4:8], tokens[8:12]]
     # Replay from the middle of a record.
     assert [e.event_id for e in since(log, 1)] == [2, 3]
     assert since(log, 3) == []
@@ -63,8 +66,8 @@ def test_a_skipped_duplicate_splits_the_record_and_gets_no_event() -> None:
     table = bm.allocate(3)
     assert bm.publish_blocks(table, hashes, 0, 3, tokens, EXTRA) == 2
     log.extend(bm.take_event_records())
-    stored = [(e.event_id, e.block_stored.block_id, e.block_stored.parent_block_hash) for e in since(log, 0)]
-    assert stored == [(1, first[0], b""), (2, table[1], hashes[0]), (3, table[2], hashes[1])]
+    stored = [(e.event_id, e.event.block_id, e.event.parent_block_hash) for e in since(log, 0)]
+    assert stored == [(1, first[0], None), (2, table[1], hashes[0]), (3, table[2], hashes[1])]
 
 
 def test_evictions_follow_the_stores_they_undo_with_increasing_ids() -> None:
@@ -76,8 +79,8 @@ def test_evictions_follow_the_stores_they_undo_with_increasing_ids() -> None:
     log.extend(bm.take_event_records())
     events = since(log, 0)
     assert [e.event_id for e in events] == [1, 2, 3, 4]
-    assert [e.WhichOneof("event") for e in events] == ["block_stored"] * 2 + ["block_removed"] * 2
-    assert [e.block_removed.block_hash for e in events[2:]] == [hashes[1], hashes[0]]
+    assert [type(e.event).__name__ for e in events] == ["BlockStored"] * 2 + ["BlockRemoved"] * 2
+    assert [e.event.block_hash for e in events[2:]] == [hashes[1], hashes[0]]
 
 
 def test_the_ring_drops_whole_old_records_and_reports_the_gap() -> None:
@@ -124,10 +127,10 @@ def test_watch_events_delivers_events_that_arrive_while_a_batch_is_being_sent() 
 
         commit(list(range(8)))  # events 1, 2
         stream = servicer.WatchEvents(cache_pb2.WatchEventsRequest(since_event_id=0), None)
-        got = [(await anext(stream)).event_id]  # suspended after sending event 1
+        got = [event_from_proto(await anext(stream)).event_id]  # suspended after sending event 1
         commit(list(range(50, 58)))  # events 3, 4 arrive mid-batch; nothing is published after
         for _ in range(3):
-            got.append((await asyncio.wait_for(anext(stream), 2.0)).event_id)
+            got.append(event_from_proto(await asyncio.wait_for(anext(stream), 2.0)).event_id)
         await stream.aclose()
         return got
 
@@ -156,13 +159,11 @@ def test_a_lower_tiers_records_hold_keys_and_read_as_events_with_their_medium() 
         (tier_kind(True, "disk"), (keys[1],), (-1,)),
     ])  # fmt: skip
     events = since(log, 0)
-    assert [(e.block_stored.medium, e.block_stored.block_hash) for e in events[:3]] == [
-        ("host", h) for h in hashes
-    ]
-    assert [e.block_stored.parent_block_hash for e in events[:3]] == [EXTRA, hashes[0], hashes[1]]
-    assert list(events[1].block_stored.token_ids) == tokens[BS : 2 * BS]
-    assert (events[3].block_removed.medium, events[3].block_removed.block_hash) == ("host", hashes[2])
-    assert (events[4].block_stored.medium, events[4].block_stored.block_id) == ("disk", -1)
+    assert [(e.event.medium, e.event.block_hash) for e in events[:3]] == [("host", h) for h in hashes]
+    assert [e.event.parent_block_hash for e in events[:3]] == [EXTRA, hashes[0], hashes[1]]
+    assert list(events[1].event.token_ids) == tokens[BS : 2 * BS]
+    assert (events[3].event.medium, events[3].event.block_hash) == ("host", hashes[2])
+    assert (events[4].event.medium, events[4].event.block_id) == ("disk", -1)
     assert [e.event_id for e in since(log, 2)] == [3, 4, 5]  # from the middle of a record
     # The ZMQ form: a BlockStored per block (each with its parent), vLLM's media.
     stored = encode_record((tier_kind(True, "host"), tuple(keys[:2]), (0, 1)), BS, "GPU")
@@ -210,20 +211,20 @@ def test_a_host_eviction_batch_is_one_record_read_as_its_removals_then_its_store
         logs.append((log, records))
     (log, records), (two_log, two_records) = logs
     expected = [
-        ("block_stored", hashes[0], 0),
-        ("block_stored", hashes[1], 1),
-        ("block_removed", hashes[0], 0),
-        ("block_removed", hashes[1], 1),
-        ("block_stored", hashes[2], 0),
-        ("block_stored", hashes[3], 1),
-        ("block_removed", hashes[2], 0),
-        ("block_stored", hashes[4], 0),
+        ("BlockStored", hashes[0], 0),
+        ("BlockStored", hashes[1], 1),
+        ("BlockRemoved", hashes[0], 0),
+        ("BlockRemoved", hashes[1], 1),
+        ("BlockStored", hashes[2], 0),
+        ("BlockStored", hashes[3], 1),
+        ("BlockRemoved", hashes[2], 0),
+        ("BlockStored", hashes[4], 0),
     ]
     for start in range(len(expected) + 1):
         got = since(log, start)
         assert got == since(two_log, start)
         assert [e.event_id for e in got] == list(range(start + 1, len(expected) + 1))
-        read = [(e.WhichOneof("event"), getattr(e, e.WhichOneof("event"))) for e in got]
+        read = [(type(e.event).__name__, e.event) for e in got]
         assert [(kind, m.block_hash, m.block_id, m.medium) for kind, m in read] == [
             (*event, "host") for event in expected[start:]
         ]

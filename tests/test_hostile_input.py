@@ -30,6 +30,7 @@ from kvtier.api import cache_pb2, cache_pb2_grpc
 from kvtier.auth import bearer
 from kvtier.block_hash import pack_token_ids
 from kvtier.cache_client import CacheClient, open_channel
+from kvtier.cache_errors import CacheCallError
 from kvtier.cachesvc.block_manager import BlockManager
 from kvtier.cachesvc.events import REMOVED, STORED, EventLog
 from kvtier.cachesvc.leases import LeaseTable
@@ -38,6 +39,7 @@ from kvtier.cachesvc.sequences import SequenceTable
 from kvtier.cachesvc.servicer import CacheServicer
 from kvtier.cachesvc.wire_limits import request_limits, request_scans
 from kvtier.grpc_server import start_server
+from kvtier.sequence_types import BlockStored, CacheEvent
 
 MIB = 1 << 20
 VOCAB, MAX_LEN, MAX_BATCH = 258, 1024, 1024  # the tiny model's, and --max-batch's default
@@ -156,7 +158,9 @@ def test_over_long_strings_are_refused_and_get_stats_keeps_working_for_everyone(
         stats = client.get_stats()
         assert len(stats.leases) == leases_before + 1
         assert max(len(lease.client_name) for lease in stats.leases) == 256
-        assert stats.ByteSize() < 64 * 1024
+        # Small on the wire (this file's subject: read through the stub, as bytes).
+        reply = stub.GetStats(cache_pb2.GetStatsRequest(), metadata=bearer(TOKEN), timeout=10)
+        assert reply.ByteSize() < 64 * 1024
     finally:
         beating.set()
         client.close()
@@ -166,7 +170,7 @@ def test_a_heartbeating_lease_survives_a_stream_of_large_refused_calls(service, 
     client = CacheClient.connect(service.address, TOKEN, timeout_s=LEASE_TTL_S / 2)
     client.attach("heartbeating")
     assert client.lease_ttl_s == LEASE_TTL_S
-    seq = client.allocate([[3, 4, 5]]).sequences[0]
+    seq = client.allocate([[3, 4, 5]])[0]
     renewals: list[float] = []
     lost: list[Exception] = []
     stop = client.start_heartbeat_thread(on_renewed=renewals.append, on_lost=lost.append)
@@ -211,7 +215,7 @@ def test_a_heartbeating_lease_survives_a_stream_of_large_refused_calls(service, 
     assert answers == {"INVALID_ARGUMENT"}, answers
     # The lease lived through it: it is still listed, and its sequence is still there.
     assert client.lease_id[:8] in [lease.lease_id for lease in client.get_stats().leases]
-    assert client.free([seq.sequence_id]).num_blocks_released == 1
+    assert client.free([seq.sequence_id]) == 1  # blocks released
     client.close()
 
 
@@ -220,7 +224,7 @@ def fill_event_log(client: CacheClient, rounds: int) -> int:
     each round also evicts: BlockRemoved); returns the events logged."""
     for r in range(rounds):
         prompt = [r % 256, r // 256 + 1, *((i * 7 + r) % 256 for i in range(MAX_LEN - 2))]
-        seq = client.allocate([prompt]).sequences[0]
+        seq = client.allocate([prompt])[0]
         client.commit([(seq.sequence_id, [], MAX_LEN)])
         client.free([seq.sequence_id])
     return rounds
@@ -240,13 +244,13 @@ def test_100_unread_watch_streams_are_capped_and_hold_no_copy_of_the_log(service
             event = next(s)
             assert event.event_id == 1
             opened.append(s)
-        except grpc.RpcError as e:
+        except CacheCallError as e:
             refusals.append(e)
     after = settled_rss_mib(pid)
     print(f"100 WatchEvents(0) streams, {len(opened)} open: RSS {before:.0f} -> {after:.0f} MiB")
     assert len(opened) == 64 and len(refusals) == 36
-    assert {e.code() for e in refusals} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
-    assert "--max-watch-streams 64" in refusals[0].details()
+    assert {e.code for e in refusals} == {"RESOURCE_EXHAUSTED"}
+    assert "--max-watch-streams 64" in refusals[0].details
     assert after - before < 48, f"64 unread streams cost {after - before:.0f} MiB"
     # Closing streams frees their places.
     for s in opened:
@@ -255,11 +259,11 @@ def test_100_unread_watch_streams_are_capped_and_hold_no_copy_of_the_log(service
     # The log is whole for a stream that reads on: ids 1.. without a gap, BlockStored first.
     events = _first_events(client, 5000)
     assert [e.event_id for e in events] == list(range(1, 5001))
-    assert events[0].HasField("block_stored") and len(events[0].block_stored.token_ids) == 16
+    assert isinstance(events[0].event, BlockStored) and len(events[0].event.token_ids) == 16
     client.close()
 
 
-def _first_events(client: CacheClient, n: int) -> list[cache_pb2.CacheEvent]:
+def _first_events(client: CacheClient, n: int) -> list[CacheEvent]:
     stream = client.watch_events(0)
     try:
         return [next(stream) for _ in range(n)]
@@ -271,8 +275,8 @@ def _can_watch(client: CacheClient) -> bool:
     try:
         _first_events(client, 1)
         return True
-    except grpc.RpcError as e:
-        assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
+    except CacheCallError as e:
+        assert e.code == "RESOURCE_EXHAUSTED", e.details
         return False
 
 

@@ -309,7 +309,7 @@ def test_a_batched_allocate_refused_for_one_item_fails_only_that_request(tmp_pat
 
     async def scenario(address: str):
         client = CacheClient.connect(address, TOKEN, aio=True)
-        await client.attach_async("isolation-test", loaded.shape.fingerprint)
+        await client.attach("isolation-test", loaded.shape.fingerprint)
         pool = attach_pool(client.pool)
         runner = ModelRunner(loaded.model, pool.tensor, client.pool.block_size)
         scheduler = Scheduler(runner, RemoteCache(client), loaded.tokenizer, loaded.eos_token_ids)
@@ -393,7 +393,7 @@ def test_a_request_that_cannot_fit_does_not_hold_up_another_tenants_behind_it(tm
 
     async def scenario(address: str) -> list[str]:
         client = CacheClient.connect(address, TOKEN, aio=True)
-        await client.attach_async("hol-test", loaded.shape.fingerprint)
+        await client.attach("hol-test", loaded.shape.fingerprint)
         pool = attach_pool(client.pool)
         runner = ModelRunner(loaded.model, pool.tensor, client.pool.block_size)
         scheduler = Scheduler(runner, RemoteCache(client), loaded.tokenizer, loaded.eos_token_ids)

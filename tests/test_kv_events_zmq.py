@@ -105,7 +105,7 @@ def test_commits_and_evictions_are_published_in_vllm_format_and_replayed(service
     live: list[tuple[int, bytes]] = []
 
     def commit(tokens: list[int]) -> int:
-        (seq,) = client.allocate([tokens]).sequences
+        (seq,) = client.allocate([tokens])
         client.commit([(seq.sequence_id, [], len(tokens))])
         return seq.sequence_id
 
@@ -219,7 +219,7 @@ def test_a_salted_tenants_first_block_carries_its_salt_in_extra_keys(service) ->
     salt = "tenant:0123abcd"
     try:
         tokens = [9] * (3 * BS)
-        (seq,) = client.allocate([AllocateItem(tokens, tenant_salt=salt)]).sequences
+        (seq,) = client.allocate([AllocateItem(tokens, tenant_salt=salt)])
         client.commit([(seq.sequence_id, [], len(tokens))])
         client.free([seq.sequence_id])
         expected = hash_full_blocks(tokens, BS, extra_key(client.pool.model_fingerprint, salt))

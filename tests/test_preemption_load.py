@@ -14,12 +14,11 @@ import json
 import logging
 import time
 
-import grpc
 import pytest
 from servers import TOKEN, ModuleLoop, cache_service
 
-from kvtier import status
 from kvtier.cache_client import CacheClient
+from kvtier.cache_errors import TenantLimited
 from kvtier.computesvc.admission import MAX_QUOTA_RETRY_S
 from kvtier.computesvc.model import ModelRunner, load_model
 from kvtier.computesvc.observer import SchedulerObserver
@@ -75,7 +74,7 @@ def run_load(service, loaded, policy: str, requests, stop=None, config=None, lat
 
     async def scenario():
         client = CacheClient.connect(service.address, TOKEN, aio=True)
-        await client.attach_async(f"load-{policy}", loaded.shape.fingerprint)
+        await client.attach(f"load-{policy}", loaded.shape.fingerprint)
         pool = attach_pool(client.pool)
         beat = asyncio.ensure_future(client.heartbeat_forever())
         recorder = observer or Recorder()
@@ -184,10 +183,10 @@ def test_a_quota_refusal_names_its_tenant_and_preempts_only_it_though_it_holds_l
     try:
         elsewhere.attach("elsewhere")
         held = elsewhere.allocate([AllocateItem([7] * (16 * 14), tenant_salt="e", tenant="evil")])
-        with pytest.raises(grpc.RpcError) as refused:
+        with pytest.raises(TenantLimited) as refused:
             elsewhere.allocate([AllocateItem([8] * (16 * 7), tenant_salt="f", tenant="evil")])
-        assert status.quota_tenant_of(refused.value) == "evil", refused.value
-        assert status.reason_of(refused.value) == ""  # it fits once evil's own sequences finish
+        assert refused.value.tenant == "evil", refused.value
+        assert refused.value.reason == ""  # not EXCEEDS_LIMIT: it fits once evil's own sequences finish
         load = [("evil0", "evil", prompt(1, 80), 100), ("acme0", "acme", prompt(60, 400), 20)]
         _, cost = run_load(
             service,
@@ -200,7 +199,7 @@ def test_a_quota_refusal_names_its_tenant_and_preempts_only_it_though_it_holds_l
         )
         print("cost:", cost.preempted)
         assert cost.preempted and all(p[1:3] == ("evil", "tenant") for p in cost.preempted), cost.preempted
-        elsewhere.free([s.sequence_id for s in held.sequences])
+        elsewhere.free([s.sequence_id for s in held])
     finally:
         elsewhere.close()
 
@@ -261,7 +260,7 @@ def test_a_tenant_waiting_on_blocks_another_replica_holds_is_retried_at_a_bounde
 
         def free_at_step_40(rec) -> bool:
             if rec.stats.steps >= 40 and not freed_at:
-                elsewhere.free([s.sequence_id for s in held.sequences])
+                elsewhere.free([s.sequence_id for s in held])
                 freed_at.append(time.monotonic())
             return False
 

@@ -7,6 +7,7 @@ How to update the baseline on purpose: proto/buf.yaml.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import subprocess
 from pathlib import Path
@@ -15,6 +16,22 @@ import pytest
 from google.protobuf import descriptor_pb2
 
 from kvtier.api import cache_pb2
+from kvtier.sequence_types import (
+    AllocateItem,
+    BlockRemoved,
+    BlockStored,
+    CacheSnapshot,
+    CommitItem,
+    ExtendItem,
+    LeaseGrant,
+    LeaseSnapshot,
+    PrefixQuery,
+    ReleaseItem,
+    SequenceBlocks,
+    SwapResult,
+    TenantSnapshot,
+    TierSnapshot,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 PROTO = REPO / "proto"
@@ -85,3 +102,33 @@ def test_the_renamed_salts_old_name_stays_reserved() -> None:
         assert message.DESCRIPTOR.fields_by_name["tenant_salt"].number == 2
         body = text.split(f"message {message.DESCRIPTOR.name} {{", 1)[1].split("\n}", 1)[0]
         assert "RENAMED from `cache_salt`" in body or "was `cache_salt`" in body, body
+
+
+# The client's plain types (kvtier.sequence_types) and the messages they mirror: a field added to
+# one and not the other would be dropped silently at the client or the servicer.
+MIRRORS = {
+    "AllocateItem": AllocateItem,
+    "SequenceBlocks": SequenceBlocks,
+    "ExtendItem": ExtendItem,
+    "CommitItem": CommitItem,
+    "ReleaseItem": ReleaseItem,
+    "LookupPrefixItem": PrefixQuery,
+    "AttachResponse": LeaseGrant,
+    "SwapInResponse": SwapResult,
+    "BlockStored": BlockStored,
+    "BlockRemoved": BlockRemoved,
+    "LeaseStats": LeaseSnapshot,
+    "TenantStats": TenantSnapshot,
+    "TierStats": TierSnapshot,
+    "GetStatsResponse": CacheSnapshot,
+}
+
+
+def _field_names(kind) -> set[str]:
+    return set(kind._fields) if hasattr(kind, "_fields") else {f.name for f in dataclasses.fields(kind)}
+
+
+@pytest.mark.parametrize("message", sorted(MIRRORS))
+def test_each_shared_type_has_its_messages_fields(message: str) -> None:
+    proto = {f.name for f in cache_pb2.DESCRIPTOR.message_types_by_name[message].fields}
+    assert _field_names(MIRRORS[message]) == proto, message

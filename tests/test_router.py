@@ -31,7 +31,7 @@ def prompt(system: int, question: int, system_len: int = 64) -> list[int]:
 
 def commit(client: CacheClient, token_ids: list[int], tenant_salt: str = "") -> int:
     """Allocate and commit a whole prompt (as a replica does after prefill); returns the sequence id."""
-    (seq,) = client.allocate([AllocateItem(token_ids, tenant_salt=tenant_salt)]).sequences
+    (seq,) = client.allocate([AllocateItem(token_ids, tenant_salt=tenant_salt)])
     client.commit([(seq.sequence_id, [], len(token_ids))])
     return seq.sequence_id
 
@@ -108,9 +108,9 @@ def test_the_index_follows_events_and_equals_lookup_prefix_on_each_node(two_cach
                         for salt in ("", "tenant-salt"):
                             p = prompt(system, 1)
                             got = router.predicted_tokens(state, router.block_hashes(p, salt, "", BS), len(p))
-                            reply = writer.lookup_prefix([p], tenant_salt=salt)
+                            [hit] = writer.lookup_prefix([p], tenant_salt=salt)
                             # The device's run, then what the media below it hold (the host cache: default).
-                            want = reply.num_cached_tokens[0] + sum(row.num_tokens[0] for row in reply.below)
+                            want = hit.total
                             if got != min(want, (len(p) - 1) // BS * BS):
                                 return False
                 return True

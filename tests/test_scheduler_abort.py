@@ -33,7 +33,7 @@ def test_a_request_aborted_while_another_aborted_one_is_freed_is_freed_too(tmp_p
 
     async def scenario(address: str):
         client = CacheClient.connect(address, TOKEN, aio=True)
-        await client.attach_async("abort-race", loaded.shape.fingerprint)
+        await client.attach("abort-race", loaded.shape.fingerprint)
         pool = attach_pool(client.pool)
         runner = ModelRunner(loaded.model, pool.tensor, client.pool.block_size)
         cache = RemoteCache(client)

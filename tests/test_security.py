@@ -20,6 +20,7 @@ from servers import TOKEN, cache_service, child_env, local_stack, stats_without_
 from kvtier.api import cache_pb2, compute_pb2, compute_pb2_grpc
 from kvtier.auth import bearer, grpc_target
 from kvtier.cache_client import CacheClient
+from kvtier.cache_errors import CacheCallError
 from kvtier.compute_client import ComputeClient
 from kvtier.model_spec import TINY_LLAMA_CONFIG
 
@@ -54,7 +55,7 @@ def owner(stack):
     c = CacheClient.connect(stack.cache_address, TOKEN, timeout_s=10.0)
     c.attach("owner")
     stop = c.start_heartbeat_thread()
-    on_device, swapped = c.allocate([[3] * 20, [4] * 20]).sequences
+    on_device, swapped = c.allocate([[3] * 20, [4] * 20])
     c.commit([(on_device.sequence_id, [], 20)])
     c.swap_out([swapped.sequence_id])
     c.held = (on_device.sequence_id, swapped.sequence_id)
@@ -193,9 +194,9 @@ def test_a_cache_started_without_a_token_writes_an_owner_only_token_file_and_acc
         c.attach("local")
         c.close()
         intruder = CacheClient.connect(svc.address, TOKEN)
-        with pytest.raises(grpc.RpcError) as e:
+        with pytest.raises(CacheCallError) as e:
             intruder.attach("intruder")
-        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert e.value.code == "UNAUTHENTICATED"
         intruder.close()
 
 
@@ -213,22 +214,24 @@ def test_another_lease_cannot_swap_in_a_sequence_and_stats_never_reveal_a_usable
             "free a swapped-out sequence": lambda: other.free([swapped]),
             "commit": lambda: other.commit([(on_device, [5], 20)]),
         }.items():
-            with pytest.raises(grpc.RpcError) as e:
+            with pytest.raises(CacheCallError) as e:
                 call()
-            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED, name
-            assert owner.lease_id[:8] not in e.value.details(), f"{name}: the refusal names the owner's lease"
+            assert e.value.code == "PERMISSION_DENIED", name
+            assert owner.lease_id[:8] not in e.value.details, f"{name}: the refusal names the owner's lease"
         assert stats_without_clock(owner.get_stats()) == before
 
         # GetStats shows each lease by an 8-hex-digit prefix (32 of its 128 bits): not enough to act.
         shown = [lease.lease_id for lease in owner.get_stats().leases]
         assert owner.lease_id[:8] in shown and owner.lease_id not in shown
         assert all(len(lease_id) == 8 for lease_id in shown)
-        with pytest.raises(grpc.RpcError) as e:
-            owner.stub.Free(
-                cache_pb2.FreeRequest(lease_id=owner.lease_id[:8], sequence_ids=[on_device]),
-                metadata=owner.metadata,
-            )
-        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        shown_lease = CacheClient.connect(stack.cache_address, TOKEN, timeout_s=10.0)
+        shown_lease.lease_id = owner.lease_id[:8]  # what GetStats shows of the owner's lease
+        try:
+            with pytest.raises(CacheCallError) as e:
+                shown_lease.free([on_device])
+        finally:
+            shown_lease.close()
+        assert e.value.code == "NOT_FOUND"
         assert stats_without_clock(owner.get_stats()) == before
     finally:
         other.close()
@@ -248,7 +251,7 @@ def test_tenants_with_different_cache_salt_never_share_cached_blocks_through_com
         return generate(address, request)[-1].usage.cached_prompt_tokens
 
     def looked_up(salt: str) -> int:
-        return owner.lookup_prefix([prompt], tenant_salt=salt).num_cached_tokens[0]
+        return owner.lookup_prefix([prompt], tenant_salt=salt)[0].num_cached_tokens
 
     assert cached("tenant-a") == 0
     assert cached("tenant-a") == 2 * BS, "the same tenant hits its own prompt"

@@ -14,7 +14,6 @@ import torch
 from servers import TOKEN, ModuleLoop, cache_service, cache_stats, greedy_request, local_stack, wait_until
 from test_kv_events_zmq import decode, free_port, replay
 
-from kvtier.api import cache_pb2
 from kvtier.block_hash import extra_key, hash_preimage, pack_token_ids
 from kvtier.cache_client import AllocateItem, CacheClient
 from kvtier.cachesvc.disk_records import file_name
@@ -53,15 +52,13 @@ def record_paths(disk: Path, tokens: list[int], fingerprint: str = SHAPE.fingerp
 
 
 def tier_events(client: Client, until) -> dict[tuple[str, str], list[bytes]]:
-    """WatchEvents from 0 as ``{(kind, medium): [block hash, ...]}``, read until ``until(that)``
-    holds (the disk's events are logged by the next call or the lease reaper's sweep)."""
+    """WatchEvents from 0 as ``{(kind, medium): [block hash, ...]}`` (kind: BlockStored or
+    BlockRemoved), read until ``until(that)`` holds (the disk's events are logged by the next call
+    or the lease reaper's sweep)."""
     seen: dict[tuple[str, str], list[bytes]] = {}
-    req = cache_pb2.WatchEventsRequest(since_event_id=0)
-    stream = client.c.stub.WatchEvents(req, metadata=client.c.metadata, timeout=FLUSH_S)
-    for event in stream:
-        kind = event.WhichOneof("event")
-        body = getattr(event, kind)
-        seen.setdefault((kind, body.medium), []).append(body.block_hash)
+    stream = client.c.watch_events(0, timeout_s=FLUSH_S)
+    for _, event in stream:
+        seen.setdefault((type(event).__name__, event.medium), []).append(event.block_hash)
         if until(seen):
             break
     stream.cancel()
@@ -92,7 +89,7 @@ class Client:
     def publish(self, tokens: list[int], seed: int) -> list[float]:
         """Allocate ``tokens``, write a distinct value into each full block, commit and free them;
         the values written, per full block."""
-        (seq,) = self.c.allocate([tokens]).sequences
+        (seq,) = self.c.allocate([tokens])
         fills = [seed + 0.25 * b for b in range(3)]
         for block_id, fill in zip(seq.block_table, fills, strict=False):
             self.pool.tensor[block_id] = fill
@@ -103,7 +100,7 @@ class Client:
     def hit(self, tokens: list[int], fills: list[float] | None = None, salt: str = "") -> int:
         """Allocate ``tokens`` (tenant ``salt``), check the cached blocks hold ``fills``, free;
         the cached tokens."""
-        (seq,) = self.c.allocate([AllocateItem(tokens, tenant_salt=salt)]).sequences
+        (seq,) = self.c.allocate([AllocateItem(tokens, tenant_salt=salt)])
         n = seq.num_cached_tokens // BS
         for b in range(n):
             assert fills is not None and torch.all(self.pool.tensor[seq.block_table[b]] == fills[b]), (
@@ -114,7 +111,7 @@ class Client:
 
     def flush_pool(self) -> None:
         """Take every pool block once (unpublished), so every published block is evicted."""
-        (seq,) = self.c.allocate([[1] * (NUM_BLOCKS * BS)]).sequences
+        (seq,) = self.c.allocate([[1] * (NUM_BLOCKS * BS)])
         self.c.free([seq.sequence_id])
 
     def close(self) -> None:
@@ -141,17 +138,12 @@ def test_evicted_prefixes_come_back_from_host_and_disk_and_survive_a_sigkill(tmp
         # a's blocks are evicted last to first: the host keeps blocks 0 and 1, all three reach the disk
         client.flush_pool()
         wait_until(lambda: all(p.exists() for p in record_paths(disk, a)), FLUSH_S, "a's records on disk")
-        reply = client.c.lookup_prefix([a])  # per tier, read-only
-        assert [reply.num_cached_tokens, reply.num_host_tokens, reply.num_disk_tokens] == [
-            [0],
-            [2 * BS],
-            [BS],
-        ]
-        below = {m.medium: list(m.num_tokens) for m in reply.below}  # per medium of kvtier.media
-        assert (below["host"], below["disk"]) == ([2 * BS], [BS]) and all(below.values()), below
+        [hit] = client.c.lookup_prefix([a])  # per tier (per medium of kvtier.media), read-only
+        assert (hit.num_cached_tokens, hit.below["host"], hit.below["disk"]) == (0, 2 * BS, BS), hit
+        assert hit.total == 3 * BS, hit  # no other medium holds any
         assert client.hit(a, fills_a) == 3 * BS  # blocks 0-1 from the host, block 2 from disk
-        reply = client.c.lookup_prefix([a])
-        assert [reply.num_cached_tokens, reply.num_host_tokens, reply.num_disk_tokens] == [[3 * BS], [0], [0]]
+        [hit] = client.c.lookup_prefix([a])
+        assert (hit.num_cached_tokens, hit.total) == (3 * BS, 3 * BS), hit
         device, host, on_disk = client.c.get_stats().tiers
         assert [t.medium for t in (device, host, on_disk)] == ["device", "host", "disk"]
         assert (device.num_promotions, host.num_hit_blocks, on_disk.num_hit_blocks) == (3, 2, 1)
@@ -159,21 +151,18 @@ def test_evicted_prefixes_come_back_from_host_and_disk_and_survive_a_sigkill(tmp
         assert (host.num_blocks, host.num_bytes, host.num_stored_blocks) == (2, 2 * BLOCK_BYTES, 3)
         assert on_disk.num_stored_blocks == on_disk.num_blocks == 3 and on_disk.write_queue_depth == 0
         stream = client.c.watch_events(0)  # a's first publication, its eviction, its promotion
-        kinds = [
-            (e.WhichOneof("event"), getattr(e, e.WhichOneof("event")).medium)
-            for _, e in zip(range(6), stream, strict=False)
-        ]
+        kinds = [(type(e).__name__, e.medium) for _, (_, e) in zip(range(6), stream, strict=False)]
         stream.cancel()
-        assert kinds == [("block_stored", "device")] * 3 + [("block_removed", "device")] * 3, kinds
+        assert kinds == [("BlockStored", "device")] * 3 + [("BlockRemoved", "device")] * 3, kinds
         assert client.hit(a, fills_a, salt="other-tenant") == 0
 
         # Per tier: a's blocks entered the host (block 2 left it again, for block 0) and the
         # disk; WatchEvents and a ZMQ consumer see each with its medium.
         hashes = [hash_preimage(key) for key in index_keys(a)]
-        seen = tier_events(client, lambda seen: len(seen.get(("block_stored", "disk"), [])) >= 3)
-        assert sorted(seen[("block_stored", "host")]) == sorted(hashes), seen
-        assert seen[("block_removed", "host")] == [hashes[2]], seen
-        assert sorted(seen[("block_stored", "disk")]) == sorted(hashes), seen
+        seen = tier_events(client, lambda seen: len(seen.get(("BlockStored", "disk"), [])) >= 3)
+        assert sorted(seen[("BlockStored", "host")]) == sorted(hashes), seen
+        assert seen[("BlockRemoved", "host")] == [hashes[2]], seen
+        assert sorted(seen[("BlockStored", "disk")]) == sorted(hashes), seen
         published = zmq_events(replay_endpoint)
         assert sorted(published[("BlockStored", "STORAGE")]) == sorted(hashes), published
         assert hashes[2] in published[("BlockRemoved", "CPU")]  # the host's (a CPU pool's is CPU too)
@@ -220,7 +209,7 @@ def test_evicted_prefixes_come_back_from_host_and_disk_and_survive_a_sigkill(tmp
         assert sum(hits.values()) >= 3, f"the repeated workload hit nothing from disk: {hits}"
 
         # Swap shares the host cache's two slots, swap first: a swap-out evicts cached blocks.
-        (seq,) = client.c.allocate([[7] * (2 * BS)]).sequences
+        (seq,) = client.c.allocate([[7] * (2 * BS)])
         for k, block_id in enumerate(seq.block_table):
             client.pool.tensor[block_id] = 3.5 + k
         client.c.swap_out([seq.sequence_id])
@@ -248,7 +237,7 @@ def test_evicted_prefixes_come_back_from_host_and_disk_and_survive_a_sigkill(tmp
         with cache_service(run_dir, *tier_args(copy, *other)) as svc:
             c = CacheClient.connect(svc.address, TOKEN, timeout_s=30.0)
             c.attach("other-layout")
-            (seq,) = c.allocate([a]).sequences
+            (seq,) = c.allocate([a])
             assert seq.num_cached_tokens == 0, other
             c.close()
 

@@ -249,7 +249,7 @@ def test_vllm_series_before_and_after_a_workload(tmp_path):
         probe = CacheClient.connect(stack.cache_address, TOKEN, timeout_s=5.0)
         try:
             probe.attach("metrics-probe")
-            [seq] = probe.allocate([list(range(100, 164))]).sequences  # 64 tokens: 4 blocks + lookahead
+            [seq] = probe.allocate([list(range(100, 164))])  # 64 tokens: 4 blocks + lookahead
 
             def usage_seen():
                 probe.heartbeat()

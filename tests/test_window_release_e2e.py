@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-import grpc
 import pytest
 import torch
 from servers import TOKEN, ModuleLoop, child_env, greedy_request, stats_without_clock
@@ -20,6 +19,7 @@ from test_model import prompt
 from test_sliding_window import WINDOW, windowed_model
 
 from kvtier.cache_client import CacheClient
+from kvtier.cache_errors import InvalidRequest
 from kvtier.cachesvc.records import PLACEHOLDER_BLOCK
 from kvtier.cli.stack import LocalStack
 from kvtier.compute_client import ComputeClient
@@ -197,24 +197,24 @@ def test_releases_on_the_wire_answer_placeholders_and_a_bad_one_is_invalid_argum
     try:
         client.attach("window-wire")
         ids = prompt(40, salt=24)
-        (seq,) = client.allocate([ids]).sequences
+        (seq,) = client.allocate([ids])
         client.commit([(seq.sequence_id, [], 40)])  # the 40 prompt tokens' KV written
         table = list(seq.block_table)
-        (after,) = client.extend([(seq.sequence_id, 0)], releases=[(seq.sequence_id, 2)]).sequences
+        (after,) = client.extend([(seq.sequence_id, 0)], releases=[(seq.sequence_id, 2)])
         assert list(after.block_table) == [PLACEHOLDER_BLOCK] * 2 + table[2:]
         before = stats_without_clock(client.get_stats())
-        with pytest.raises(grpc.RpcError) as refused:
+        with pytest.raises(InvalidRequest) as refused:
             client.extend([(seq.sequence_id, 0)], releases=[(seq.sequence_id, 3)])
-        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.code == "INVALID_ARGUMENT"
         assert (
-            "releases[0].num_blocks = 3 covers 48 tokens but only 40 are committed" in refused.value.details()
+            "releases[0].num_blocks = 3 covers 48 tokens but only 40 are committed" in refused.value.details
         )
         assert stats_without_clock(client.get_stats()) == before
         # More releases than --max-batch: refused before the servicer builds a list of them.
-        with pytest.raises(grpc.RpcError) as refused:
+        with pytest.raises(InvalidRequest) as refused:
             client.extend([(seq.sequence_id, 0)], releases=[(seq.sequence_id, 1)] * (client.max_batch + 1))
-        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert f"len(releases) = {client.max_batch + 1} exceeds max_batch" in refused.value.details()
+        assert refused.value.code == "INVALID_ARGUMENT"
+        assert f"len(releases) = {client.max_batch + 1} exceeds max_batch" in refused.value.details
         assert stats_without_clock(client.get_stats()) == before
         client.free([seq.sequence_id])
     finally:

@@ -29,7 +29,7 @@ def main() -> None:
     client.attach("writer")
     stop = client.start_heartbeat_thread()
     pool = attach_pool(client.pool)
-    seq = client.allocate([AllocateItem(prompt, tenant_salt=args.salt)]).sequences[0]
+    seq = client.allocate([AllocateItem(prompt, tenant_salt=args.salt)])[0]
     for block_id in seq.block_table:
         pool.tensor[block_id].fill_(args.fill)
     client.commit([(seq.sequence_id, [], len(prompt))])
