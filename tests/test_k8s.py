@@ -12,6 +12,7 @@ resources and probes on every container, no token in any file.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from urllib.parse import urlparse
@@ -558,6 +559,52 @@ def test_one_master_and_store_servers_whose_memory_holds_their_segment():
     segment = quantity(gflag(store["args"], "global_segment_size").replace("GB", "Gi"))
     assert quantity(store["resources"]["requests"]["memory"]) > segment
     assert obj(*STORE_WORKLOADS["mooncake-store"])["spec"]["replicas"] >= 2
+
+
+def test_the_master_runs_strict_multi_tenant_mode_on_a_policy_written_from_the_api_keys_secret(tmp_path):
+    """Its init container writes Mooncake's tenant policy from the kvtier-api-keys Secret (the
+    command run here on a sample file) where the master reads it; the store it shares out is what
+    the store servers lend in all."""
+    from kvtier.cli.store_master import build_parser, main
+
+    spec, master = pod("mooncake-master"), container("mooncake-master")
+    (init,) = spec["initContainers"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = {m["mountPath"]: m for m in init["volumeMounts"]}
+    assert init["command"] == ["/opt/kvtier/.venv/bin/python", "-m", "kvtier.cli.store_master"]
+    args = build_parser().parse_args(init["args"])
+    keys = mounts[str(Path(args.api_keys).parent)]
+    assert volumes[keys["name"]]["secret"]["secretName"] == "kvtier-api-keys" and keys["readOnly"] is True
+    assert Path(args.api_keys).name == SECRETS["kvtier-api-keys"]
+    policy_dir = mounts[str(Path(args.policy).parent)]
+    assert "emptyDir" in volumes[policy_dir["name"]]
+    assert {(m["name"], m["mountPath"], m["readOnly"]) for m in master["volumeMounts"]} == {
+        (policy_dir["name"], policy_dir["mountPath"], True)
+    }
+    assert gflag(master["args"], "enable_multi_tenants") == "true"
+    assert gflag(master["args"], "tenant_quota_connector_type") == "file"
+    assert gflag(master["args"], "tenant_quota_connector_uri") == args.policy
+    segment = quantity(gflag(container("mooncake-store")["args"], "global_segment_size").replace("GB", "Gi"))
+    assert args.store_gib * 2**30 == obj(*STORE_WORKLOADS["mooncake-store"])["spec"]["replicas"] * segment
+    for c in (init, master):
+        assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]} and c["resources"]["limits"]
+    sample = tmp_path / "api-keys.json"
+    tenants = {
+        "acme": {"keys": ["sk-acme-0123456789abcdef"], "shared_gib": 4},
+        "globex": {"keys": ["sk-globex-0123456789"]},
+    }
+    sample.write_text(json.dumps({"tenants": tenants}))
+    main([f"--api-keys={sample}", f"--store-gib={args.store_gib}", f"--policy={tmp_path / 'tenants.yaml'}"])
+    share = int(args.store_gib - 4) * 2**30 // 2
+    assert yaml.safe_load((tmp_path / "tenants.yaml").read_text()) == {
+        "version": 1,
+        "tenants": [
+            {"name": "kvtier.acme", "quota": 4 * 2**30},
+            {"name": "kvtier-default", "quota": share},
+            {"name": "kvtier.globex", "quota": share},
+        ],
+    }
+    assert (tmp_path / "tenants.yaml").stat().st_mode & 0o777 == 0o600
 
 
 @pytest.mark.parametrize("role", STORE_WORKLOADS)

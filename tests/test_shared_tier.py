@@ -277,6 +277,26 @@ def test_what_a_node_finds_the_store_lost_leaves_its_events_and_the_routers_inde
     assert predicted_hit(b, hashes, prompt_len).below == {"shared": 2 * BS}
 
 
+def test_the_masters_tenant_policy_is_written_from_the_api_keys_file(store):
+    """One tenant per api-keys tenant plus the default, a tenant's ``shared_gib`` its quota, an even
+    share of the rest for the others, as the master itself reports them (its admin API); the
+    file is the owner's alone."""
+    from urllib.request import urlopen
+
+    from kvtier.api_keys import ApiKeys, ApiKeysError
+
+    assert (store.run_dir / "mooncake-tenants.yaml").stat().st_mode & 0o777 == 0o600
+    with urlopen(f"{store.metrics_url}/api/v1/tenant_quotas", timeout=10) as reply:
+        quotas = {t["tenant_id"]: t["effective_quota_bytes"] for t in json.load(reply)["data"]}
+    small = int(TENANTS["small"]["shared_gib"] * 2**30)
+    share = (int(0.25 * 2**30) - small) // 2
+    assert quotas == {"kvtier.small": small, "kvtier.big": share, "kvtier-default": share}
+    for bad in (0, -1, "1"):
+        entry = {"keys": ["sk-small-0123456789abcdef"], "shared_gib": bad}
+        with pytest.raises(ApiKeysError, match="shared_gib"):
+            ApiKeys.parse({"tenants": {"small": entry}})
+
+
 def test_store_url_is_checked():
     assert StoreAddress.parse("mooncake://10.0.0.5:50051") == StoreAddress(
         "10.0.0.5:50051", "http://10.0.0.5:8080/metadata"

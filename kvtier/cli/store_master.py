@@ -15,11 +15,14 @@ one tenant per api-keys tenant plus the default tenant (``kvtier.api_keys.store_
 names), each tenant's quota its ``shared_gib``, the rest of the store split evenly among those
 without one. A tenant's objects then count against its quota (a put over it first evicts the
 tenant's own objects, and is refused while they are all in use) and live in its own namespace.
-Without ``api_keys``: one tenant, as Mooncake runs by default.
+Without ``api_keys``: one tenant, as Mooncake runs by default. ``python -m kvtier.cli.store_master
+--api-keys FILE --store-gib GIB --policy PATH`` writes the same policy for a master started
+elsewhere (deploy/k8s/25-mooncake.yaml's init container, from the api-keys Secret).
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
 import shutil
@@ -32,7 +35,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtier.api_keys import ApiKeys, store_tenant
+from kvtier.api_keys import ApiKeys, ApiKeysError, store_tenant
 from kvtier.cli.stack import Process
 
 POLICY_FILE = "mooncake-tenants.yaml"
@@ -75,6 +78,15 @@ def tenant_policy(keys: ApiKeys, store_bytes: int) -> str:
     for name, quota in quotas.items():  # names are [A-Za-z0-9._-]: plain YAML scalars
         lines += [f"  - name: {name}", f"    quota: {quota}"]
     return "\n".join(lines) + "\n"
+
+
+def write_policy(path: str | Path, api_keys: str | Path, store_gib: float) -> None:
+    """``tenant_policy`` of the api-keys file ``api_keys`` for a store of ``store_gib``, to ``path`` (0600)."""
+    text = tenant_policy(ApiKeys.load(api_keys), int(store_gib * 2**30))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an older file kept its mode through O_CREAT
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
 
 
 @dataclass
@@ -152,11 +164,7 @@ class StoreMaster:
         if not self.api_keys:
             return []
         policy = self.run_dir / POLICY_FILE
-        text = tenant_policy(ApiKeys.load(self.api_keys), int(self.store_gib * 2**30))
-        fd = os.open(policy, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.fchmod(fd, 0o600)  # an older file kept its mode through O_CREAT
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        write_policy(policy, self.api_keys, self.store_gib)
         return [
             "--enable_multi_tenants=true",
             "--tenant_quota_connector_type=file",
@@ -225,3 +233,32 @@ def _check(p: Process, deadline: float, deadline_s: float) -> None:
         raise TimeoutError(
             f"{p.name} not answering at {p.address} after {deadline_s:.0f}s:\n{p.log()[-4000:]}"
         )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m kvtier.cli.store_master",
+        description="Write Mooncake Store's tenant policy (strict multi-tenant mode) from an api-keys file.",
+    )
+    ap.add_argument("--api-keys", required=True, help="the api-keys file (kvtier/api_keys.py)")
+    ap.add_argument(
+        "--store-gib", type=float, required=True, help="the memory every store server lends, in all"
+    )
+    ap.add_argument(
+        "--policy",
+        required=True,
+        help="where to write the policy (the master's --tenant_quota_connector_uri)",
+    )
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        write_policy(args.policy, args.api_keys, args.store_gib)
+    except (ApiKeysError, OSError) as e:
+        raise SystemExit(f"cannot write the store's tenant policy: {e}") from None
+
+
+if __name__ == "__main__":
+    main()
