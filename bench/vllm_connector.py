@@ -8,20 +8,24 @@ variable is the same for the three (``--engine-threads`` OpenMP threads each) ex
 ``--kv-transfer-config``.
 
 - TTFT: B serving a prompt whose 2,000-token prefix A computed (loaded from kvtier) against B
-  recomputing a prefix of the same length nobody computed, the two taking turns; then where the
+  recomputing a prefix of the same length nobody computed, the two taking turns (the headline is
+  the median of the rounds' ratios, with their range), and B's own prefix cache holding the prefix
+  (a second prompt on it: the floor any KV cache could reach); then where the
   loaded TTFT goes: the lookup's two cache calls (LookupPrefix, Allocate pinning the hit) timed
   from this process, the copy of the hit into vLLM's blocks (the connector's own copier, in this
   process), and one engine step computing the prompt's uncovered tail (B's TTFT of that many
   tokens alone). Target <= 0.3x.
 - Throughput: a no-reuse workload (unique prompts, every block saved to kvtier) on B against C,
-  in B C C B order, each half after the other engine's busy-poll has ended. Target >= 0.95x.
+  in pairs of back-to-back runs (B C, C B, ...), each after the other engine's busy-poll has ended;
+  the headline is the median of the pairs' ratios, with their range (on a shared machine the
+  load moves more between pairs than within one). Target >= 0.95x.
 - Copy rates, in this process: loads (pool -> vLLM blocks, one pass per run of consecutive ids)
   and saves (vLLM blocks -> staging -> pool) through the connector's copier, with vLLM's CPU
   layout learned from its own write as the connector learns it, against a plain copy of the same
   bytes (index_select + index_copy_): the floor.
 
-    python bench/vllm_connector.py            # 5 TTFT rounds, 64 throughput requests
-    python bench/vllm_connector.py --quick    # 3 rounds, 32 requests
+    python bench/vllm_connector.py            # 5 TTFT rounds, 10 throughput pairs of 16 requests
+    python bench/vllm_connector.py --quick    # 3 rounds, 4 pairs
     python bench/vllm_connector.py --hidden 1024 --layers 12 --heads 16 --kv-heads 4   # a larger Llama
 
 Why ``--engine-threads 1`` by default: vLLM's CPU worker keeps one OpenMP thread per core; on a
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -47,6 +52,7 @@ from vllm_connector_parts import BLOCK_SIZE, Server, copy_rates, throughput, tok
 
 PREFIX_TOKENS = 2000
 SUFFIX_TOKENS = 32
+THROUGHPUT_REQUESTS = 16  # per run, 8 at a time: 2 rounds of prompts arriving together
 SETTLE_S = 1.5  # vLLM's shm queue readers busy-poll 1 s after their last message (SpinCondition)
 
 
@@ -64,7 +70,7 @@ def cache_call_ms(address: str, token: str, prefix: list[int], repeats: int = 5)
             client.lookup_prefix([prefix + [1]])
             lookups.append(time.perf_counter() - start)
             start = time.perf_counter()
-            seq = client.allocate([prefix + [1]]).sequences[0]
+            seq = client.allocate([prefix + [1]])[0]
             allocates.append(time.perf_counter() - start)
             client.free([seq.sequence_id])
     finally:
@@ -73,7 +79,7 @@ def cache_call_ms(address: str, token: str, prefix: list[int], repeats: int = 5)
 
 
 def measure_ttft(a: Server, b: Server, stack, token: str, rounds: int) -> dict[str, float]:
-    loaded, recomputed = [], []
+    loaded, recomputed, local = [], [], []
     for rnd in range(rounds):
         prefix = tokens(10 + rnd, PREFIX_TOKENS)
         a.ttft(prefix + tokens(20 + rnd, SUFFIX_TOKENS))
@@ -84,13 +90,17 @@ def measure_ttft(a: Server, b: Server, stack, token: str, rounds: int) -> dict[s
             (loaded if name == "loaded" else recomputed).append(
                 b.ttft(head + tokens(30 + rnd, SUFFIX_TOKENS))
             )
-        print(f"round {rnd}: TTFT loaded {loaded[-1] * 1e3:.0f} ms, recomputed {recomputed[-1] * 1e3:.0f} ms "
-              f"(load average {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
+        local.append(b.ttft(prefix + tokens(50 + rnd, SUFFIX_TOKENS)))  # B's own prefix cache now holds it
+        print(f"round {rnd}: TTFT loaded {loaded[-1] * 1e3:.0f} ms, recomputed {recomputed[-1] * 1e3:.0f} ms, "
+              f"vLLM's own prefix cache {local[-1] * 1e3:.0f} ms (load average {os.getloadavg()[0]:.1f})",
+              flush=True)  # fmt: skip
     held = PREFIX_TOKENS // BLOCK_SIZE * BLOCK_SIZE
     tail = PREFIX_TOKENS + SUFFIX_TOKENS - held
     lookup_ms, allocate_ms = cache_call_ms(stack.cache_address, token, tokens(10, PREFIX_TOKENS)[:held])
     step_ms = statistics.median(b.ttft(tokens(60 + i, tail)) for i in range(rounds)) * 1e3
     return {
+        "ratios": sorted(x / y for x, y in zip(loaded, recomputed, strict=True)),
+        "local_ms": statistics.median(local) * 1e3,
         "loaded_ms": statistics.median(loaded) * 1e3,
         "recomputed_ms": statistics.median(recomputed) * 1e3,
         "lookup_ms": lookup_ms,
@@ -101,29 +111,39 @@ def measure_ttft(a: Server, b: Server, stack, token: str, rounds: int) -> dict[s
     }
 
 
-def measure_throughput(b: Server, c: Server, requests: int) -> tuple[float, float]:
-    """Mean generated tok/s of B (the connector) and C (without), in B C C B ... quarters."""
-    runs: dict[str, list[float]] = {"B": [], "C": []}
-    quarter = max(requests // 4, 4)
-    for rnd, server in enumerate((b, c, c, b)):
-        time.sleep(SETTLE_S)
-        runs[server.name].append(throughput(server, 100 + rnd, quarter))
-    print(f"throughput, no reuse: with the connector {runs['B']} tok/s, without {runs['C']} tok/s "
-          f"(load average {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
-    return statistics.mean(runs["B"]), statistics.mean(runs["C"])
+def measure_throughput(b: Server, c: Server, pairs: int, requests: int) -> list[float]:
+    """B's (the connector's) generated tok/s over C's (without it) in each of `pairs` back-to-back
+    pairs of runs (B C, then C B, ...), each after the other engine's busy-poll has ended: the
+    machine's load moves between pairs far more than within one."""
+    ratios = []
+    for rnd in range(pairs):
+        rate = {}
+        for server in (b, c) if rnd % 2 == 0 else (c, b):
+            time.sleep(SETTLE_S)
+            rate[server.name] = throughput(server, 100 + rnd, requests)
+        ratios.append(rate["B"] / rate["C"])
+        print(f"throughput pair {rnd}, no reuse: with the connector {rate['B']:.0f} tok/s, without {rate['C']:.0f} "
+              f"tok/s: {ratios[-1]:.3f} (load average {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
+    return ratios
+
+
+def spread(ratios: list[float]) -> str:
+    """The median of per-round ratios and their range."""
+    return f"{statistics.median(ratios):.3f}x [{min(ratios):.2f}-{max(ratios):.2f}, {len(ratios)} rounds]"
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="3 TTFT rounds, 32 throughput requests")
+    ap.add_argument("--quick", action="store_true", help="3 TTFT rounds, 4 throughput pairs")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--engine-threads", type=int, default=1, help="OpenMP threads of each vLLM engine")
     ap.add_argument("--skip-throughput", action="store_true", help="TTFT and copies only")
+    ap.add_argument("--log-dir", type=Path, help="keep the engines' and the cache service's logs here")
     args = ap.parse_args()
-    rounds, requests = (3, 32) if args.quick else (5, 64)
+    rounds, pairs = (3, 4) if args.quick else (5, 10)
     import torch
 
     from kvtier.cli.stack import LocalStack
@@ -160,26 +180,29 @@ def main() -> int:
                 server.ttft(tokens(5, PREFIX_TOKENS + SUFFIX_TOKENS))
                 throughput(server, 3, 8)
             ttft = measure_ttft(a, b, stack, token, rounds)
-            with_connector, without = (
-                (0.0, 0.0) if args.skip_throughput else measure_throughput(b, c, requests)
-            )
+            ratios = [] if args.skip_throughput else measure_throughput(b, c, pairs, THROUGHPUT_REQUESTS)
         finally:
             for server in servers:
                 server.stop()
             stack.down()
-    ratio = ttft["loaded_ms"] / ttft["recomputed_ms"]
+            if args.log_dir is not None:
+                args.log_dir.mkdir(parents=True, exist_ok=True)
+                for log in run_dir.glob("*.log"):
+                    shutil.copy(log, args.log_dir)
+    ttft_ratios = ttft["ratios"]
     other = (
         ttft["loaded_ms"] - ttft["lookup_ms"] - ttft["allocate_ms"] - rates["load_ms"] - ttft["tail_step_ms"]
     )
     print(f"loaded TTFT {ttft['loaded_ms']:.0f} ms = LookupPrefix {ttft['lookup_ms']:.1f} ms + Allocate (pin) "
           f"{ttft['allocate_ms']:.1f} ms + copy of {ttft['hit_blocks']} blocks {rates['load_ms']:.1f} ms + one step "
-          f"computing the {ttft['tail_tokens']}-token tail {ttft['tail_step_ms']:.0f} ms + the rest (the lookup's "
-          f"'not yet' steps, HTTP) {other:.0f} ms; recompute {ttft['recomputed_ms']:.0f} ms")  # fmt: skip
+          f"computing the {ttft['tail_tokens']}-token tail {ttft['tail_step_ms']:.0f} ms + the rest (scheduling, "
+          f"HTTP of a 2,000-token prompt) {other:.0f} ms; recompute {ttft['recomputed_ms']:.0f} ms; vLLM's own "
+          f"prefix cache holding the prefix (the floor for any KV cache) {ttft['local_ms']:.0f} ms")  # fmt: skip
     model_name = f"hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} heads, float32"
     print(
         f"vLLM + kvtier ({model_name}, {args.engine_threads} thread(s) per engine): TTFT with A's 2,000-token "
-        f"prefix loaded {ratio:.2f}x recompute (<= 0.3); no-reuse throughput with/without the connector "
-        f"{f'{with_connector / without:.3f}' if without else 'not measured'} (>= 0.95); loads {rates['load_gbs']:.2f} GB/s, saves "
+        f"prefix loaded {spread(ttft_ratios)} recompute (<= 0.3); no-reuse throughput with/without the connector "
+        f"{spread(ratios) if ratios else 'not measured'} (>= 0.95); loads {rates['load_gbs']:.2f} GB/s, saves "
         f"{rates['save_gbs']:.2f} GB/s vs a plain copy {rates['memcpy_gbs']:.2f} GB/s; load average "
         f"{os.getloadavg()[0]:.1f}"
     )

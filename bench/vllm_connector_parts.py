@@ -115,10 +115,7 @@ def wait_saved(cache_address: str, token: str, prompt: list[int]) -> None:
     deadline = time.monotonic() + 120
     try:
         while time.monotonic() < deadline:
-            reply = client.lookup_prefix([prompt])
-            held = reply.num_cached_tokens[0] + sum(
-                t[0] for t in (reply.num_host_tokens, reply.num_disk_tokens) if t
-            )
+            held = client.lookup_prefix([prompt])[0].total
             if held >= want:
                 return
             time.sleep(0.05)  # the save lands after the step: polled with a deadline

@@ -179,13 +179,10 @@ def held_tokens(stack, tokens: list[int], salt: str = "") -> tuple[int, int, int
     """(device, host, disk) tokens of `tokens` the cache service holds under `salt`."""
     client = cache_client(stack)
     try:
-        reply = client.lookup_prefix([tokens], tenant_salt=salt)
+        [hit] = client.lookup_prefix([tokens], tenant_salt=salt)
     finally:
         client.close()
-    return (
-        reply.num_cached_tokens[0],
-        *(t[0] if t else 0 for t in (reply.num_host_tokens, reply.num_disk_tokens)),
-    )
+    return hit.num_cached_tokens, hit.below.get("host", 0), hit.below.get("disk", 0)
 
 
 def wait_saved(stack, tokens: list[int], salt: str = "") -> None:
@@ -208,6 +205,95 @@ def test_prefix_computed_by_one_engine_is_loaded_by_another(stack):
     assert b.external_hits() - before == (LONG_PREFIX - 1) // BLOCK_SIZE * BLOCK_SIZE
     # The connector's own lines reach vLLM's log (its logger is a child of vLLM's "vllm").
     assert "kvtier connector:" in b.log() and "attached to" in b.log(), b.log()[-3000:]
+
+
+def scheduler_side(address: str, tmp_path: Path, **settings):
+    """The connector's scheduler side (kvtier.vllm.lookups) on its own lease, as vLLM's scheduler drives it."""
+    from kvtier.vllm.cache_link import CacheLink
+    from kvtier.vllm.config import ConnectorConfig
+    from kvtier.vllm.lookups import Lookups
+
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    cfg = ConnectorConfig.from_extra_config(
+        {"cache_address": address, "token_file": str(token_file), **settings}
+    )
+    link = CacheLink(cfg, "scheduler")
+    link.start()
+    return link, Lookups(link, BLOCK_SIZE, 4096, cfg.lookup_wait_ms / 1e3)
+
+
+def vllm_request(rid: str, tokens: list[int]):
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(rid, tokens, SamplingParams(max_tokens=1), None)
+
+
+def test_scheduler_answers_a_held_prefix_in_its_first_ask_with_a_long_lookup_wait(stack, tmp_path):
+    """Asked on arrival (vLLM's on_new_request), the cache's answer is there when the scheduler
+    first asks: the held prefix A saved is counted (and pinned) at once, a miss is 0 at once; no
+    step is lost to "not yet". (The wait is raised from its default so a loaded machine's slow
+    calls cannot turn this into a "not yet".)"""
+    link, lookups = scheduler_side(stack["cache"].address, tmp_path, lookup_wait_ms=60_000)
+    try:
+        held, fresh = vllm_request("held", PREFIX), vllm_request("fresh", prompt(90, 300))
+        for request in (held, fresh):
+            lookups.on_new_request(request)
+        assert lookups.num_new_matched_tokens(held, 0) == (
+            (LONG_PREFIX - 1) // BLOCK_SIZE * BLOCK_SIZE,
+            False,
+        )
+        assert lookups.num_new_matched_tokens(fresh, 0) == (0, False)
+        # vLLM's own prefix cache covering every block kvtier could load: answered without a call.
+        assert lookups.num_new_matched_tokens(
+            vllm_request("local", PREFIX), LONG_PREFIX // BLOCK_SIZE * BLOCK_SIZE
+        ) == (0, False)
+        lookups.update_state_after_alloc(held, [], 0)  # not loaded after all: the pin is freed
+    finally:
+        lookups.close()
+        link.close()
+
+
+def test_a_hung_cache_service_costs_the_scheduler_one_lookup_wait(model_dirs, tmp_path):
+    """With the cache service stopped (SIGSTOP: calls hang, nothing refuses), the first new request's
+    ask waits its step's lookup_wait_ms and answers "not yet"; in the next steps, new requests are
+    answered "not yet" without waiting until that call comes back. Then answers resume."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    args = [
+        "--model",
+        str(model_dirs[0]),
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--num-blocks",
+        "64",
+        "--lease-ttl",
+        "60",
+    ]
+    with cache_service(tmp_path / "run", *args) as cache:
+        link, lookups = scheduler_side(cache.address, tmp_path, lookup_wait_ms=1000, rpc_timeout_s=60)
+        requests = [vllm_request(f"r{i}", prompt(100 + i, 300)) for i in range(4)]
+        took = []
+        try:
+            os.kill(cache.proc.pid, signal.SIGSTOP)
+            for request in requests:
+                lookups.on_new_request(request)
+                start = time.monotonic()
+                assert lookups.num_new_matched_tokens(request, 0) == (None, False)
+                took.append(time.monotonic() - start)
+                lookups.build_meta(SchedulerOutput.make_empty())  # the scheduler's step ends
+            assert took[0] >= 0.9 and max(took[1:]) < 0.5, took
+        finally:
+            os.kill(cache.proc.pid, signal.SIGCONT)
+        try:
+            for request in requests:
+                wait_until(
+                    lambda r=request: lookups.num_new_matched_tokens(r, 0) == (0, False), 60, "an answer"
+                )
+        finally:
+            lookups.close()
+            link.close()
 
 
 def test_cache_salt_separates_tenants(stack):

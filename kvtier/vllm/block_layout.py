@@ -199,12 +199,19 @@ class BlockCopier:
                     src = src.to(cache.device)
                 self._move(layer, self._rows(cache, v, n), src, to_vllm=True)
 
-    def read_blocks(self, vllm_block_ids: torch.Tensor | list[int]) -> torch.Tensor:
-        """vLLM blocks as kvtier blocks: a new tensor ``[n, num_layers, 2, block_size, heads, head_dim]``
-        (one pass per layer and run of consecutive ids; an index op more when they are scattered)."""
+    def staging(self, n: int) -> torch.Tensor:
+        """Room for ``n`` blocks read out of vLLM's cache (``read_blocks``' ``into``)."""
+        return torch.empty((n, self.num_layers, self.elements), dtype=self.kv_caches[0].dtype,
+                           device=self.kv_caches[0].device)  # fmt: skip
+
+    def read_blocks(
+        self, vllm_block_ids: torch.Tensor | list[int], into: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """vLLM blocks as kvtier blocks ``[n, num_layers, 2, block_size, heads, head_dim]``, in the
+        first rows of ``into`` (a ``staging`` tensor) or a new tensor (one pass per layer and run of
+        consecutive ids; an index op more when they are scattered)."""
         n = len(vllm_block_ids)
-        out = torch.empty((n, self.num_layers, self.elements), dtype=self.kv_caches[0].dtype,
-                          device=self.kv_caches[0].device)  # fmt: skip
+        out = self.staging(n) if into is None else into[:n]
         ids = [int(i) for i in vllm_block_ids]
         stretches = runs(ids, list(range(n)))
         if stretches is not None and all(self._rows(c, 0, 1) is not None for c in self.kv_caches):

@@ -8,6 +8,7 @@
 | ``rpc_timeout_s`` | ``KVTIER_RPC_TIMEOUT_S`` | 5 | deadline of each cache call (a lookup answers "no hit" after it) |
 | ``attach_timeout_s`` | ``KVTIER_ATTACH_TIMEOUT_S`` | 60 | how long startup waits for the cache service before vLLM stops |
 | ``max_staged_save_mib`` | ``KVTIER_MAX_STAGED_SAVE_MIB`` | 256 | KV staged for saves and not yet written; more is dropped with a WARNING |
+| ``lookup_wait_ms`` | ``KVTIER_LOOKUP_WAIT_MS`` | 5 | how long one scheduler step waits for lookups' answers, all together (0: never; unanswered requests wait for the next step) |
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ _KEYS = {
     "rpc_timeout_s": "KVTIER_RPC_TIMEOUT_S",
     "attach_timeout_s": "KVTIER_ATTACH_TIMEOUT_S",
     "max_staged_save_mib": "KVTIER_MAX_STAGED_SAVE_MIB",
+    "lookup_wait_ms": "KVTIER_LOOKUP_WAIT_MS",
 }
+_MAY_BE_ZERO = {"lookup_wait_ms"}
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,7 @@ class ConnectorConfig:
     rpc_timeout_s: float = 5.0
     attach_timeout_s: float = 60.0
     max_staged_save_mib: float = 256.0
+    lookup_wait_ms: float = 5.0
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
@@ -53,7 +57,7 @@ class ConnectorConfig:
             return value if value is not None else os.environ.get(_KEYS[key]) or None
 
         numbers = {}
-        for key in ("rpc_timeout_s", "attach_timeout_s", "max_staged_save_mib"):
+        for key in ("rpc_timeout_s", "attach_timeout_s", "max_staged_save_mib", "lookup_wait_ms"):
             raw = pick(key)
             if raw is None:
                 continue
@@ -61,8 +65,10 @@ class ConnectorConfig:
                 numbers[key] = float(raw)
             except (TypeError, ValueError):
                 raise ValueError(f"kvtier connector: {key} = {raw!r} is not a number") from None
-            if numbers[key] <= 0:
-                raise ValueError(f"kvtier connector: {key} must be > 0, got {raw!r}")
+            if numbers[key] < 0 or (numbers[key] == 0 and key not in _MAY_BE_ZERO):
+                raise ValueError(
+                    f"kvtier connector: {key} must be {'>=' if key in _MAY_BE_ZERO else '>'} 0, got {raw!r}"
+                )
         return cls(
             cache_address=pick("cache_address") or auth.default_cache_address(),
             token_file=pick("token_file"),

@@ -72,7 +72,7 @@ class KvtierConnector(KVConnectorBase_V1):
             client = self.link.start()
             self._first_pool = pool_kv(client.pool)
             max_model_len = min(client.pool.max_model_len or 1 << 62, vllm_config.model_config.max_model_len)
-            self.lookups = Lookups(self.link, self.block_size, max_model_len)
+            self.lookups = Lookups(self.link, self.block_size, max_model_len, self.cfg.lookup_wait_ms / 1e3)
         else:
             self.link = CacheLink(self.cfg, "worker")
 
@@ -168,6 +168,9 @@ class KvtierConnector(KVConnectorBase_V1):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         return self.lookups.num_new_matched_tokens(request, num_computed_tokens)
+
+    def on_new_request(self, request: Request) -> None:
+        self.lookups.on_new_request(request)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

@@ -1,24 +1,32 @@
 """The scheduler side: which leading blocks of a request the cache service holds, and what to do
 with vLLM's blocks this step.
 
-vLLM's scheduler asks ``get_num_new_matched_tokens`` from its loop and must not wait on a network
-call, so the first ask submits the cache calls to a background thread and answers "not yet"
-(None); vLLM asks again at its next step and gets the count once the calls are done. The calls:
-``LookupPrefix`` (read-only: the hit over every tier, device, host and disk), then, only if the
-hit is longer than vLLM's own, ``Allocate`` of the prompt up to one token past it, which pins the
-hit's pool blocks under this engine's lease (and promotes host and disk blocks into the pool).
+vLLM's scheduler asks ``get_num_new_matched_tokens`` from its loop, which must not wait on a
+network call for long. So the cache is asked as each request arrives (``on_new_request``:
+``LookupPrefix``, read-only, the hit over every tier, many arriving prompts per call, on their own
+thread: ``kvtier.vllm.prefix_queries``); when the scheduler asks, the answer is usually there. A
+miss (nothing past vLLM's own hit) is answered at once. A hit longer than vLLM's own is pinned:
+``Allocate`` of the prompt up to one token past it, on a background thread, pins the hit's pool
+blocks under this engine's lease (and promotes host and disk blocks into the pool). The scheduler
+waits for these answers at most ``lookup_wait_ms`` per step, all requests together, then answers
+"not yet" (None) and vLLM asks again at its next step; a wait that runs out stops waits until its
+answer comes, so a slow or hung cache service costs one such wait, not one per step. Prompts
+whose every loadable block vLLM's own prefix cache already holds (one block or less, or a local
+hit) are never looked up.
+
 The hit is whole blocks, below the last prompt token (vLLM must compute that one). The loads are
 synchronous in vLLM's sense (``load_kv_async`` False): the worker copies the hit before the
 forward of the same step that computes the rest of the prompt (a local memory copy of a few
 milliseconds costs less than the engine step an asynchronous load waits for), and the pool
 sequence is freed when the worker reports the copy done (its ``KvtierWorkerMeta``). A single
-thread makes every cache call of this side, so a Free always follows its Allocate.
+thread makes every Allocate and Free of this side, so a Free always follows its Allocate.
 """
 
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from kvtier.cache_errors import CacheCallError, NoFreeBlocks
@@ -27,6 +35,7 @@ from kvtier.sequence_types import AllocateItem
 from kvtier.vllm import LOGGER
 from kvtier.vllm.cache_link import CacheDown, CacheLink
 from kvtier.vllm.plan import KvtierMetadata, LoadItem, SaveItem
+from kvtier.vllm.prefix_queries import PrefixQueries
 
 log = logging.getLogger(LOGGER)
 
@@ -78,7 +87,7 @@ def request_key(request) -> tuple[list[int], str, str] | None:
 
 
 class Lookups:
-    def __init__(self, link: CacheLink, block_size: int, max_model_len: int):
+    def __init__(self, link: CacheLink, block_size: int, max_model_len: int, lookup_wait_s: float = 0.0):
         self.link = link
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -87,20 +96,27 @@ class Lookups:
         self._loading: dict[str, Hit] = {}  # loads sent to the worker, until it reports them done
         self._pending_loads: list[LoadItem] = []
         self._tracks: dict[str, Track] = {}
+        self._queries = PrefixQueries(link)
+        self._held: dict[str, Future] = {}  # LookupPrefix asked on arrival, until the scheduler asks
+        self.lookup_wait_s = lookup_wait_s
+        self._wait_left_s = lookup_wait_s  # of this scheduler step's
+        self._unanswered: Future | None = None  # a wait that ran out: no more waits until it is answered
 
     # ------------------------------------------------------------ vLLM's calls, in the order they come
+
+    def on_new_request(self, request) -> None:
+        """Ask the cache how much of the prompt it holds now, before the scheduler asks us."""
+        key = self._lookup_key(request, 0)
+        if key is not None:
+            self._held[request.request_id] = self._queries.submit(*key)
 
     def num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         future = self._lookups.get(request.request_id)
         if future is None:
-            key = request_key(request)
-            if key is None or not self.link.attached or len(key[0]) > self.max_model_len:
+            future = self._start_lookup(request, num_computed_tokens)
+            if future is None:
                 return 0, False
-            tokens, salt, adapter = key
-            self._lookups[request.request_id] = self._executor.submit(
-                self._lookup, tokens, salt, adapter, request.request_id, num_computed_tokens
-            )
-            return None, False  # vLLM asks again next step
+            self._lookups[request.request_id] = future
         if not future.done():
             return None, False
         hit = future.result().hit
@@ -134,6 +150,7 @@ class Lookups:
 
     def build_meta(self, scheduler_output) -> KvtierMetadata:
         """This step's loads (admitted since the last step) and saves (prompt blocks it completes)."""
+        self._wait_left_s = self.lookup_wait_s  # build_meta ends a scheduler step
         meta = KvtierMetadata(loads=self._pending_loads)
         self._pending_loads = []
         scheduled = scheduler_output.num_scheduled_tokens
@@ -165,6 +182,7 @@ class Lookups:
                 self._free(hit)
 
     def request_finished(self, request) -> None:
+        self._held.pop(request.request_id, None)
         future = self._lookups.pop(request.request_id, None)
         if future is not None:  # never admitted: its pinned blocks go (once the calls are done)
             future.add_done_callback(lambda f: self._free(f.result().hit))
@@ -172,9 +190,51 @@ class Lookups:
         # A load already sent stays in _loading: the worker reports it done even for a finished request.
 
     def close(self) -> None:
+        self._queries.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------ helpers
+
+    def _lookup_key(self, request, num_computed_tokens: int) -> tuple[list[int], str, str] | None:
+        """The request's (tokens, salt, adapter) if the cache could hold blocks past vLLM's own hit."""
+        key = request_key(request)
+        if key is None or not self.link.attached or len(key[0]) > self.max_model_len:
+            return None
+        if (len(key[0]) - 1) // self.block_size * self.block_size <= num_computed_tokens:
+            return None  # vLLM's own hit covers every block kvtier could load (or the prompt is one block)
+        return key
+
+    def _start_lookup(self, request, num_computed_tokens: int) -> Future | None:
+        """The request's lookup (a Future of its Lookup), or None: nothing to look up."""
+        held = self._held.pop(request.request_id, None)
+        key = self._lookup_key(request, num_computed_tokens)
+        if key is None:
+            return None
+        if held is None:  # not asked on arrival (preempted, or the cache was away then)
+            held = self._queries.submit(*key)
+        self._wait(held)
+        want = (len(key[0]) - 1) // self.block_size * self.block_size
+        if held.done() and min(held.result(), want) <= num_computed_tokens:
+            future: Future = Future()  # a miss (the common case): no pin to ask for
+            future.set_result(Lookup(held.result(), None))
+            return future
+        future = self._executor.submit(self._lookup, held, *key, request.request_id, num_computed_tokens)
+        self._wait(future)
+        return future
+
+    def _wait(self, future: Future) -> None:
+        """Wait for an answer, up to what is left of this scheduler step's ``lookup_wait_s`` (all
+        lookups of a step together): answered within it, the request is scheduled in this step
+        instead of the next. A wait that runs out stops waits until its answer comes (a slow or
+        hung cache service costs the scheduler one wait, not one per step)."""
+        if self._wait_left_s <= 0 or future.done():
+            return
+        if self._unanswered is not None and not self._unanswered.done():
+            return
+        start = time.perf_counter()
+        wait([future], timeout=self._wait_left_s)
+        self._wait_left_s -= time.perf_counter() - start
+        self._unanswered = None if future.done() else future
 
     def _plan_save(self, track: Track, computed_after_step: int, saves: list[SaveItem]) -> None:
         full = min(computed_after_step, len(track.token_ids)) // self.block_size
@@ -191,11 +251,14 @@ class Lookups:
         )
         track.saved_blocks = full
 
-    def _lookup(self, tokens: list[int], salt: str, adapter: str, rid: str, num_computed: int) -> Lookup:
+    def _lookup(
+        self, held: Future, tokens: list[int], salt: str, adapter: str, rid: str, num_computed: int
+    ) -> Lookup:
         """On the lookup thread: never raises (a failed call is no hit)."""
         try:
-            return self._lookup_calls(tokens, salt, adapter, rid, num_computed)
-        except CacheDown as e:
+            held_tokens = held.result(timeout=2 * self.link.cfg.rpc_timeout_s)
+            return self._lookup_calls(held_tokens, tokens, salt, adapter, rid, num_computed)
+        except (CacheDown, TimeoutError) as e:
             log.debug("kvtier lookup for %s: no answer (%s)", rid, e)
         except CacheCallError as e:
             log.warning("kvtier lookup for %s refused: %s: %s", rid, e.code, e.details)
@@ -204,17 +267,13 @@ class Lookups:
         return Lookup(0, None)
 
     def _lookup_calls(
-        self, tokens: list[int], salt: str, adapter: str, rid: str, num_computed: int
+        self, held: int, tokens: list[int], salt: str, adapter: str, rid: str, num_computed: int
     ) -> Lookup:
+        """Pin the hit LookupPrefix found (``held`` tokens) with an Allocate of the prompt up to it."""
         bs = self.block_size
         generation, spec = self.link.snapshot()
         if spec is None:
             raise CacheDown("not attached")
-        [prefix] = self.link.call(
-            lambda c: c.lookup_prefix([tokens], tenant_salt=salt, adapter_id=adapter),
-            expect_generation=generation,
-        )
-        held = prefix.total
         want = min(held, (len(tokens) - 1) // bs * bs)
         if want <= num_computed:
             return Lookup(held, None)

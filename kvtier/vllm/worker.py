@@ -11,7 +11,8 @@ one mapped, or whose pinning lease may have lapsed before the copy ended, is rep
 blocks: vLLM then recomputes them (``kv_load_failure_policy: recompute``), never uses them.
 
 Saves (``stage``): at the end of the step that computed them, a request's new full prompt blocks
-are copied out of vLLM's cache into a staging tensor (one batched copy per layer), so vLLM keeps
+are copied out of vLLM's cache into a staging tensor (one batched copy per layer; the tensor of
+an earlier save is reused once written: fresh memory costs a page fault per page), so vLLM keeps
 no block for us and a preemption cannot race a save. A background thread then asks ``Allocate``
 for the prompt up to those blocks, writes the staged blocks into the new pool blocks (those past
 what the cache already holds), and ``Free``s the sequence with a commit of them: published for
@@ -69,6 +70,7 @@ class WorkerSide:
         self._queue: queue.Queue = queue.Queue()
         self._staged_bytes = 0
         self._staged_lock = threading.Lock()
+        self._spare: torch.Tensor | None = None  # the largest staging tensor written and free again
         self._dropped_since_warning = 0
         self._warned_at = 0.0
         self._idle = threading.Event()
@@ -144,8 +146,11 @@ class WorkerSide:
                 self._idle.clear()
         if full:
             return self._dropped(len(ids), "max_staged_save_mib of saves already wait for the cache service")
-        blocks = self.copier.read_blocks(ids)
-        self._queue.put((saves, blocks, size))
+        with self._staged_lock:  # a written staging tensor is reused: fresh memory costs a page fault a page
+            spare = self._spare if self._spare is not None and len(self._spare) >= len(ids) else None
+            self._spare = None if spare is not None else self._spare
+        staging = spare if spare is not None else self.copier.staging(len(ids))
+        self._queue.put((saves, self.copier.read_blocks(ids, into=staging), staging, size))
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait until every staged save is written or dropped (tests, benchmarks, shutdown)."""
@@ -164,7 +169,7 @@ class WorkerSide:
             job = self._queue.get()
             if job is None:
                 return
-            saves, blocks, size = job
+            saves, blocks, staging, size = job
             try:
                 self._write(saves, blocks)
             except CacheDown as e:
@@ -176,6 +181,8 @@ class WorkerSide:
                 self._dropped(len(blocks), "an error (logged above)")
             finally:
                 with self._staged_lock:
+                    if self._spare is None or len(staging) > len(self._spare):
+                        self._spare = staging
                     self._staged_bytes -= size
                     if self._staged_bytes == 0 and self._queue.empty():
                         self._idle.set()
