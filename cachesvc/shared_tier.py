@@ -355,16 +355,17 @@ class SharedTier(Tier):
         return bool(removed and removed[0])
 
     def _forget(self, key: bytes, tenant: str | None = None) -> bool:
-        """The store lacks ``key`` (or its object is bad; as ``tenant``, None: any): forgotten if
-        known as that tenant, and a REMOVED event either way, so the router, which may have it
-        from another node's events, stops predicting it. At most one per walk (the first miss)."""
+        """The store lacks ``key`` (or its object is bad) as ``tenant`` (None: any): forgotten, and
+        a REMOVED event even if this node never knew it (the router may have it from another
+        node's events). At most one per walk (the first miss); a key known as another tenant stays."""
         with self._lock:
             known_as = self._known.get(key)
-            forgotten = known_as is not None and tenant in (None, known_as)
-            if forgotten:
+            if known_as is not None and tenant not in (None, known_as):
+                return False
+            if known_as is not None:
                 del self._known[key]
             self._removed((key,))
-            return forgotten
+            return known_as is not None
 
     def take_events(self) -> list[EventRecord]:
         events = self._events

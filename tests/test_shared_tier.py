@@ -277,6 +277,36 @@ def test_what_a_node_finds_the_store_lost_leaves_its_events_and_the_routers_inde
     assert predicted_hit(b, hashes, prompt_len).below == {"shared": 2 * BS}
 
 
+def test_blocks_the_device_evicts_go_to_the_store_as_the_tenant_that_published_them(node_a, node_b):
+    """Policy ``evict`` with the shared tier the only tier below: the block manager records the
+    publishing sequence's tenant per block and returns it with the evictions; the stack hands
+    them down as that tenant, and promotes as the asking sequence's tenant."""
+    from kvtier.cachesvc.block_manager import BlockManager
+    from kvtier.cachesvc.lower_tiers import TierStack
+
+    bm = BlockManager(4, BS)
+    bm.keep_evicted = True
+    pool = torch.zeros((4, LAYOUT.block_bytes), dtype=torch.uint8)
+    stack = TierStack(pool, [node_a])
+    tokens = list(range(1100, 1100 + 2 * BS))
+    extra = extra_key(LAYOUT.model_fingerprint, "tenant:big")
+    ids = bm.allocate(2)
+    bm.publish_blocks(ids, [], 0, 2, tokens, extra, tenant="big")
+    pool[ids] = rows(2, seed=16)
+    bm.free(ids[::-1])
+    new = bm.allocate(4)  # every block: the two published ones are evicted
+    keys = chain(tokens, salt="tenant:big")
+    assert sorted(zip(bm.evicted_ids, bm.evicted_keys)) == sorted(zip(ids, keys))
+    assert [bm.block_tenants[i] for i in ids] == ["big", "big"]
+    stack.keep_evicted(bm)
+    assert node_a.clients.of("big").wait_written(30.0)
+    assert node_b.lookup_chain(keys, "big") == 2 and node_b.lookup_chain(keys, "small") == 0
+    assert node_b.lookup_chain(keys) == 0  # nor the default tenant's
+    assert stack.held_keys(pack_token_ids(tokens), extra, BS, 0, 2, [], "big") == keys
+    assert stack.promote(keys, new[:2], "big") == 2 and torch.equal(pool[new[:2]], rows(2, seed=16))
+    assert stack.promote(keys, new[2:], "small") == 0
+
+
 def test_the_masters_tenant_policy_is_written_from_the_api_keys_file(store):
     """One tenant per api-keys tenant plus the default, a tenant's ``shared_gib`` its quota, an even
     share of the rest for the others, as the master itself reports them (its admin API); the
