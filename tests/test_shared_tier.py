@@ -296,7 +296,7 @@ def test_blocks_the_device_evicts_go_to_the_store_as_the_tenant_that_published_t
     bm.free(ids[::-1])
     new = bm.allocate(4)  # every block: the two published ones are evicted
     keys = chain(tokens, salt="tenant:big")
-    assert sorted(zip(bm.evicted_ids, bm.evicted_keys)) == sorted(zip(ids, keys))
+    assert sorted(zip(bm.evicted_ids, bm.evicted_keys, strict=True)) == sorted(zip(ids, keys, strict=True))
     assert [bm.block_tenants[i] for i in ids] == ["big", "big"]
     stack.keep_evicted(bm)
     assert node_a.clients.of("big").wait_written(30.0)
