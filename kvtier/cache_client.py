@@ -91,7 +91,7 @@ def allocate_fields(item: AllocateItem) -> dict:
 
 T = TypeVar("T")
 Reply = T | Awaitable[T]  # the value on a sync channel, an awaitable of it on an aio one
-UNAVAILABLE = ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+RETRYABLE = ("UNAVAILABLE", "DEADLINE_EXCEEDED")  # with an expired lease: CacheUnavailable
 
 
 def call_error(e: grpc.RpcError) -> CacheCallError:
@@ -104,7 +104,7 @@ def call_error(e: grpc.RpcError) -> CacheCallError:
             return TenantLimited(details, tenant, code)
         return NoFreeBlocks(details, code)
     reason = status.reason_of(e)
-    if code in UNAVAILABLE or (code == "NOT_FOUND" and reason == status.LEASE_EXPIRED):
+    if code in RETRYABLE or (code == "NOT_FOUND" and reason == status.LEASE_EXPIRED):
         return CacheUnavailable(f"cache service: {code}: {details}", code, reason, details)
     kind = InvalidRequest if code == "INVALID_ARGUMENT" else CacheCallError
     return kind(f"cache service refused the call: {code}: {details}", code, reason, details)
