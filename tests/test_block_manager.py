@@ -438,8 +438,10 @@ def test_pressure_trace_evicts_only_what_the_unpublished_free_blocks_cannot_cove
     assert now.hit_tokens >= before.hit_tokens > 0
 
 
-def test_the_before_after_bench_runs_two_trees_in_one_process() -> None:
-    """bench/block_manager_ab.py, small: HEAD's packages against the working tree's, side by side."""
+@pytest.mark.parametrize("tiers", [[], ["--tiers", "both"]], ids=["tiers-off", "each-tree-its-host-cache"])
+def test_the_before_after_bench_runs_two_trees_in_one_process(tiers: list[str]) -> None:
+    """bench/block_manager_ab.py, small: HEAD's packages against the working tree's, side by side
+    (with ``--tiers both``, each tree over its own host cache, whose figures it prints)."""
     repo = Path(__file__).resolve().parent.parent
     if subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True).returncode:
         pytest.skip("not a git checkout: the bench exports a revision with git archive")
@@ -452,6 +454,7 @@ def test_the_before_after_bench_runs_two_trees_in_one_process() -> None:
             "--quick",
             "--repeats",
             "1",
+            *tiers,
         ],
         capture_output=True,
         text=True,
@@ -461,6 +464,9 @@ def test_the_before_after_bench_runs_two_trees_in_one_process() -> None:
     rows = {m[1]: m[2].split() for m in re.finditer(r"^(before|after) +([\d. ]+)$", out, re.M)}
     assert set(rows) == {"before", "after"}, out
     assert all(len(v) == 6 and float(v[0]) > 0 for v in rows.values()), out
+    host = re.findall(r"^(before|after)'s host cache, last run: (\d+) blocks stored", out, re.M)
+    assert [name for name, _ in host] == (["before", "after"] if tiers else []), out
+    assert all(int(stored) > 0 for _, stored in host), out
     headline = out.strip().splitlines()[-1]
     assert re.fullmatch(
         r"headline: after [\d.]+ vs before [\d.]+ µs per lifecycle, after/before [\d.]+", headline
