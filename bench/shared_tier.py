@@ -14,9 +14,13 @@ Three measurements, each against its baseline:
 3. **Throughput**: the shared tier's stores and loads of pool-sized blocks (bench model's block,
    every check included) against a plain client loop of the same objects (``put`` / ``get`` on
    ``MooncakeDistributedStore``), in one process.
+4. **Tenants**: the same throughput through a strict multi-tenant master (what ``kvtier up
+   --api-keys`` runs), the blocks spread over 4 tenants (4 Mooncake clients on one transfer
+   engine) against all of them as the default tenant (one client), alternating, same store.
 
-    python bench/shared_tier.py            # 3 rounds, 40 chats
-    python bench/shared_tier.py --quick    # 1 round, 24 chats
+    python bench/shared_tier.py                   # 3 rounds, 40 chats
+    python bench/shared_tier.py --quick           # 1 round, 24 chats
+    python bench/shared_tier.py --throughput-only # measurements 3 and 4
 
 The model is bench/prefix_ttft.py's random 8-layer Llama. The last line is the headline.
 """
@@ -239,15 +243,90 @@ def throughput(work: Path, block_bytes: int, num_blocks: int) -> dict[str, float
     }
 
 
+def tenant_throughput(work: Path, block_bytes: int, num_blocks: int, num_tenants: int = 4) -> dict:
+    """MB/s of put and get as ``num_tenants`` tenants (round robin) and as the default tenant, under
+    strict multi-tenant mode; median of 3 alternating rounds each. Loads: one job per tenant's run
+    in both cases (the same job sizes)."""
+    import json
+
+    import torch
+
+    from kvtier.block_hash import extra_key
+    from kvtier.cachesvc.disk_records import RecordLayout
+    from kvtier.cachesvc.shared_tier import SharedTier
+    from kvtier.cachesvc.store_client import StoreAddress, StoreClient
+    from kvtier.cachesvc.tiers import Blocks, Job
+    from kvtier.cli.store_master import StoreMaster
+
+    layout = RecordLayout("bench", 16, "float32", (block_bytes // 4,), block_bytes)
+    rows = torch.randint(0, 256, (num_blocks, block_bytes), dtype=torch.uint8)
+    names = [f"t{i}" for i in range(num_tenants)]
+    keys_file = work / "tenants.json"
+    keys_file.write_text(
+        json.dumps({"tenants": {t: {"keys": [f"sk-bench-{t}-0123456789abcdef"]} for t in names}})
+    )
+    mb, out = num_blocks * block_bytes / 1e6, {}
+    with StoreMaster(work / "tenant-store", store_gib=1.25, api_keys=str(keys_file)) as master:
+        client = StoreClient(StoreAddress.parse(master.url, master.metadata_url), timeout_s=30.0)
+        client.connect()
+        tier = SharedTier(client, layout)
+        clients = [tier.clients.of(t) for t in ("", *names)]
+        while not all(c.available for c in clients):
+            time.sleep(0.05)
+        for r in range(6):
+            mode = ("tenants", "default")[r % 2 if r < 2 else (r + 1) % 2]
+            tenants = [names[i % num_tenants] if mode == "tenants" else "" for i in range(num_blocks)]
+            keys = [extra_key("bench", f"{r}:{t}") + i.to_bytes(64, "big") for i, t in enumerate(tenants)]
+            t0 = time.perf_counter()
+            tier.submit_store(Blocks(keys, rows, list(range(num_blocks)), tenants))
+            assert all(c.wait_written(DEADLINE_S) for c in clients)
+            put_s = time.perf_counter() - t0
+            dst, done = torch.empty_like(rows), 0
+            t0 = time.perf_counter()
+            for j in range(num_tenants):  # the blocks of one tenant (or one quarter) per job
+                ids = list(range(j, num_blocks, num_tenants))
+                tier.submit_load(Job(j, Blocks([keys[i] for i in ids], dst, ids), tenants[j]))
+                done += tier.finished_jobs()[0].num_done
+            get_s = time.perf_counter() - t0
+            assert done == num_blocks and torch.equal(dst, rows), (mode, done, tier.counts())
+            out.setdefault(mode, []).append((mb / put_s, mb / get_s))
+        tier.close()
+    return {m: tuple(statistics.median(x[k] for x in v) for k in (0, 1)) for m, v in out.items()}
+
+
+def print_throughput(work: Path) -> tuple[dict, dict]:
+    block_bytes = (
+        8 * 2 * 16 * 4 * 64 * 4
+    )  # the bench model's block: 8 layers, K and V, 16 tokens, 4 x 64 fp32
+    mbs = throughput(work, block_bytes, 256)
+    print(f"throughput of 256 blocks of {block_bytes >> 10} KiB through one store (MB/s):")
+    print(
+        f"  shared tier: put {mbs['put']:7.1f}  get {mbs['get']:7.1f}   (encode + checksum + checks included)"
+    )
+    print(f"  plain client loop: put {mbs['plain_put']:7.1f}  get {mbs['plain_get']:7.1f}", flush=True)
+    tenants = tenant_throughput(work, block_bytes, 256)
+    print("the same through a strict multi-tenant master, median of 3 alternating rounds (MB/s):")
+    for mode, (put, get) in tenants.items():
+        name = "as 4 tenants (4 clients)" if mode == "tenants" else "as the default tenant"
+        print(f"  {name:<26} put {put:7.1f}  get {get:7.1f}", flush=True)
+    return mbs, tenants
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3, help="TTFT measurements")
     ap.add_argument("--chats", type=int, default=40, help="chats of the hit-rate workload")
     ap.add_argument("--model", help="local HF model dir (default: bench/prefix_ttft.py's random Llama)")
     ap.add_argument("--quick", action="store_true", help="1 round, 24 chats")
+    ap.add_argument("--throughput-only", action="store_true", help="measurements 3 and 4 only")
     args = ap.parse_args()
     rounds, num_chats = (1, 24) if args.quick else (args.rounds, args.chats)
     work = Path(tempfile.mkdtemp(prefix="kvtier-bench-shared-"))
+    if args.throughput_only:
+        _, tenants = print_throughput(work)
+        (put, get), (put1, get1) = tenants["tenants"], tenants["default"]
+        print(f"headline: as 4 tenants put {put / put1:.2f}x, get {get / get1:.2f}x the default tenant's")
+        return 0
     model = args.model or str(make_model_dir(work / "model"))
     os.environ["KVTIER_TOKEN"] = TOKEN
 
@@ -273,21 +352,14 @@ def main() -> int:
     for name, rate in rates.items():
         print(f"  {name:<24} {rate:6.3f}  ({rate / rates['no restart']:.2f}x no restart)", flush=True)
 
-    block_bytes = (
-        8 * 2 * 16 * 4 * 64 * 4
-    )  # the bench model's block: 8 layers, K and V, 16 tokens, 4 x 64 fp32
-    mbs = throughput(work, block_bytes, 256)
-    print(f"throughput of 256 blocks of {block_bytes >> 10} KiB through one store (MB/s):")
-    print(
-        f"  shared tier: put {mbs['put']:7.1f}  get {mbs['get']:7.1f}   (encode + checksum + checks included)"
-    )
-    print(f"  plain client loop: put {mbs['plain_put']:7.1f}  get {mbs['plain_get']:7.1f}")
+    mbs, tenants = print_throughput(work)
     restart_ratio = rates["restart, shared tier"] / rates["no restart"]
     print(
         f"headline: a {PREFIX_TOKENS}-token prefix from the store on another node {store:.0f} ms = "
         f"{store / recompute:.2f}x recompute (target <= 0.3x); hit rate across a restart {restart_ratio:.2f}x "
         f"of none with the shared tier, {rates['restart, no shared tier'] / rates['no restart']:.2f}x without "
-        f"(target >= 0.9x); get {mbs['get']:.0f} MB/s vs a plain loop's {mbs['plain_get']:.0f}"
+        f"(target >= 0.9x); get {mbs['get']:.0f} MB/s vs a plain loop's {mbs['plain_get']:.0f}; as 4 tenants "
+        f"get {tenants['tenants'][1] / tenants['default'][1]:.2f}x the default tenant's"
     )
     return 0
 
