@@ -92,13 +92,9 @@ class SharedTier(Tier):
     medium = medium("shared")
 
     def __init__(
-        self,
-        client: StoreClient,
-        layout: RecordLayout,
-        *,
-        policy: str = "through",
-        max_tenants: int = MAX_TENANTS,
-    ) -> None:
+        self, client: StoreClient, layout: RecordLayout, *, policy="through", max_tenants=MAX_TENANTS,
+        known_keys=KNOWN_KEYS,
+    ) -> None:  # fmt: skip
         if policy not in POLICIES:
             raise ValueError(f"--shared-tier-policy {policy!r} is not one of {POLICIES}")
         self.client = client  # the default tenant's
@@ -110,6 +106,7 @@ class SharedTier(Tier):
         # Keys the store held when this node last asked or wrote them, most recent last, and their
         # tenant: the cheap ``held`` view (a hint: a load still checks the store and the object).
         self._known: OrderedDict[bytes, str] = OrderedDict()
+        self.known_keys = known_keys  # its bound
         self._epoch = client.breaker.epoch  # the store's objects may be gone after it was down
         self._view = _StoreView(self, "")
         self._scratch_rows = None  # _scratch's buffer
@@ -171,7 +168,7 @@ class SharedTier(Tier):
             for i, key in enumerate(keys):
                 known[key] = tenant if isinstance(tenant, str) else tenant[i]
                 known.move_to_end(key)
-            while len(known) > KNOWN_KEYS:
+            while len(known) > self.known_keys:
                 dropped.append(known.popitem(last=False)[0])
             self._removed(dropped)
 

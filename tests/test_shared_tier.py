@@ -327,6 +327,25 @@ def test_the_masters_tenant_policy_is_written_from_the_api_keys_file(store):
             ApiKeys.parse({"tenants": {"small": entry}})
 
 
+def test_a_nodes_view_of_the_store_is_bounded_and_its_events_say_what_it_forgets(store):
+    """The keys a node says the store holds (its STORED events less its REMOVED ones: what the
+    router's index of the shared tier holds for it) never exceed ``known_keys``: the oldest are
+    forgotten with a REMOVED event."""
+    tier = SharedTier(client(store), LAYOUT, known_keys=4)
+    try:
+        said: set[bytes] = set()
+        for seed in range(3):
+            keys = chain(list(range(1200 + 100 * seed, 1200 + 100 * seed + 3 * BS)))
+            store_blocks(tier, keys, rows(3, seed=20 + seed))
+            for kind, keys_of, _ in tier.take_events():
+                said = said | set(keys_of) if kind == tier_kind(True, "shared") else said - set(keys_of)
+            assert len(said) == tier.counts().blocks <= 4
+        assert said == set(keys) | {chain(list(range(1300, 1300 + 3 * BS)))[-1]}  # the 4 newest
+        assert tier.lookup_chain(keys) == 3  # what it forgot the store still holds: asked, found
+    finally:
+        tier.close()
+
+
 def test_store_url_is_checked():
     assert StoreAddress.parse("mooncake://10.0.0.5:50051") == StoreAddress(
         "10.0.0.5:50051", "http://10.0.0.5:8080/metadata"
