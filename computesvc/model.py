@@ -31,6 +31,7 @@ from transformers import (
 )
 
 from kvtier import kv_dtypes
+from kvtier.computesvc.cpu_linear import pack_linears
 from kvtier.computesvc.paged_attention import ATTN_IMPLEMENTATION, PagedBatch, use_paged_attention
 from kvtier.generation_config import GENERATION_CONFIG, describe, read_generation_defaults
 from kvtier.memory_plan import check_replica_fits, model_needs
@@ -221,7 +222,9 @@ class ModelRunner:
     device and in its dtype, or in a quantized dtype (kvtier.kv_dtypes) with `kv_scales`
     [num_blocks, num_layers, 2, block_size, num_kv_heads] float32 (kvtier.pool: the scales live
     in each block). Layer l reads and writes the views pool[:, l, 0] and pool[:, l, 1] (no
-    copies), so what the runner writes is what the cache service sees.
+    copies), so what the runner writes is what the cache service sees. A float32 model on CPU
+    has its linears swapped for prepacked oneDNN ones when the first runner is made
+    (computesvc.cpu_linear; its state dict then no longer holds their weights).
     """
 
     def __init__(
@@ -252,6 +255,8 @@ class ModelRunner:
                 f"[num_blocks, {', '.join(map(str, expected))}] (layers, K/V, block_size, kv heads, head_dim)"
             )
         check_pool_readable(pool, kv_scales, model)
+        # float32 on CPU: every linear runs oneDNN on a prepacked weight (in place, once per model).
+        pack_linears(model)
         self.model = model
         self.pool = pool
         self.block_size = block_size

@@ -78,6 +78,13 @@ class Request:
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_at(self, position: int) -> int:
+        """The token at `position` of `token_ids`, without building that list."""
+        prompt = len(self.prompt_token_ids)
+        return (
+            self.prompt_token_ids[position] if position < prompt else self.output_token_ids[position - prompt]
+        )
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

@@ -48,7 +48,7 @@ from kvtier.computesvc.paged_attention import LeaseExpired
 from kvtier.computesvc.preemption import Ledger
 from kvtier.computesvc.preemptor import Preemptor
 from kvtier.computesvc.request import Request, Status, commit_items, mark_committed
-from kvtier.computesvc.token_emitter import TokenEmitter
+from kvtier.computesvc.token_emitter import Picks, TokenEmitter
 
 log = logging.getLogger("kvtier.compute")
 
@@ -361,23 +361,25 @@ class Scheduler:
             )
             for req, n in chunks
         ]
+        # The chunks that finish their prompt: their logits give the first completion tokens.
+        done = [(req, i) for i, (req, n) in enumerate(chunks) if req.num_computed + n == req.num_tokens]
+        rows = torch.tensor([i for _, i in done], dtype=torch.long)
+
+        def forward() -> Picks | None:
+            logits = self.runner.prefill(inputs)
+            return self.emitter.pick([r for r, _ in done], logits.index_select(0, rows)) if done else None
+
         started = time.perf_counter()
         with self.observer.prefill_span(chunks):
-            logits = await asyncio.get_running_loop().run_in_executor(
-                self.runner.executor, self.runner.prefill, inputs
-            )
+            picks = await asyncio.get_running_loop().run_in_executor(self.runner.executor, forward)
         self.ledger.rates.observe_prefill(sum(n for _, n in chunks), time.perf_counter() - started)
-        done: list[tuple[Request, int]] = []
-        for i, (req, n) in enumerate(chunks):
+        for req, n in chunks:
             req.num_computed += n
-            if req.num_computed == req.num_tokens:
-                done.append((req, i))
         if done:
             # Publish the prompts before their first tokens go out: a request that starts when it
             # sees one (the other n choices of a prompt, a client's next turn) then hits them.
             await self._commit([r for r, _ in done])
-            rows = torch.tensor([i for _, i in done])
-            self.emitter.emit([r for r, _ in done], logits.index_select(0, rows), self.cache.max_model_len)
+            self.emitter.deliver([r for r, _ in done], picks, self.cache.max_model_len)
         return True
 
     # ------------------------------------------------------------ decode
@@ -393,20 +395,22 @@ class Scheduler:
         decoding = [r for r in decoding if r.status is Status.RUNNING and self.preemptor.has_slot(r)]
         if not decoding:
             return False
+        tokens = [r.token_at(r.num_computed) for r in decoding]
+        positions = [r.num_computed for r in decoding]
+        tables = [r.block_table for r in decoding]
+
+        def forward() -> Picks:
+            # Sampled on the forward thread too (TokenEmitter.pick: one OpenMP team for every op).
+            return self.emitter.pick(decoding, self.runner.decode(tokens, positions, tables))
+
         started = time.perf_counter()
         with self.observer.decode_span(decoding):
-            logits = await asyncio.get_running_loop().run_in_executor(
-                self.runner.executor,
-                self.runner.decode,
-                [r.token_ids[r.num_computed] for r in decoding],
-                [r.num_computed for r in decoding],
-                [r.block_table for r in decoding],
-            )
+            picks = await asyncio.get_running_loop().run_in_executor(self.runner.executor, forward)
         self.ledger.rates.observe_decode(time.perf_counter() - started)
         for req in decoding:
             req.num_computed += 1
         self.observer.on_decode_step()
-        self.emitter.emit(decoding, logits, self.cache.max_model_len)
+        self.emitter.deliver(decoding, picks, self.cache.max_model_len)
         return True
 
     async def _commit(self, reqs: list[Request]) -> None:

@@ -1,9 +1,9 @@
 """Token emission: a step's logits become each request's next token, streamed to its caller.
 
-`TokenEmitter.emit` samples one token per request (its penalties, its per-position seed, its
-logprobs), records it, times it (time to first token, inter-token gaps), turns it into text
-(computesvc.output) and puts the request's `StepOutput` on its queue, or its final one when it
-stops. A request whose sampling or output fails fails alone (`RequestFailed`); the rest of its
+`TokenEmitter.pick` samples one token per request (its penalties, its per-position seed, its
+logprobs) on the forward thread, right after the forward; `deliver`, on the event loop, records
+it, times it (time to first token, inter-token gaps), turns it into text (computesvc.output) and
+puts the request's `StepOutput` on its queue, or its final one when it stops. A request whose sampling or output fails fails alone (`RequestFailed`); the rest of its
 batch carries on. `finish` ends any request, with a finish reason or an error. Which requests
 run, and when, is the scheduler's policy (computesvc.scheduler); this module never calls the
 cache.
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -23,6 +24,16 @@ from kvtier.computesvc.sampling import PenaltyState, Sampler, position_seed
 from kvtier.computesvc.structured_output import advance, mask_logits
 
 log = logging.getLogger("kvtier.compute")
+
+
+@dataclass
+class Picks:
+    """What `TokenEmitter.pick` chose for a batch: one token per request (-1 where it failed),
+    {row: why} for the rows that failed alone, and each row's logprobs (None unless asked)."""
+
+    tokens: list[int]
+    failed: dict[int, str]
+    logprobs: list
 
 
 class RequestFailed(Exception):
@@ -41,10 +52,14 @@ class TokenEmitter:
         """`request` resumes after a failover: its text continues, not restarts."""
         self.output.resume(request)
 
-    def emit(self, reqs: list[Request], logits: torch.Tensor, max_len: int) -> None:
-        """Sample one token per request from its row of `logits` [len(reqs), vocab] and stream it
-        (with its logprobs, from these raw logits, when the request asked for them). `max_len`:
-        the model's length limit, where a request stops."""
+    def pick(self, reqs: list[Request], logits: torch.Tensor) -> Picks:
+        """One token per request from its row of `logits` [len(reqs), vocab] (with its logprobs,
+        from these raw logits, when the request asked for them); records nothing.
+
+        NOTE: the torch half of emitting: the scheduler runs it on the forward thread, right after
+        the forward that made `logits`, so every torch op of the replica runs in one OpenMP team
+        (an argmax on the event loop's thread started a second team whose spinning threads took
+        the cores from the next forward's)."""
         penalties = None
         if any(r.params.penalized for r in reqs):
             for r in reqs:
@@ -70,6 +85,12 @@ class TokenEmitter:
         if any(p.logprobs is not None for p in params):
             ks = [None if i in failed else p.logprobs for i, p in enumerate(params)]
             logprobs = self.sampler.logprobs(logits, ks, tokens)
+        return Picks(tokens, failed, logprobs)
+
+    def deliver(self, reqs: list[Request], picks: Picks, max_len: int) -> None:
+        """Record each request's picked token, time it, turn it into text and stream it (or end
+        the request: a stop, `max_len` the model's length limit, or its own failure)."""
+        tokens, failed, logprobs = picks.tokens, picks.failed, picks.logprobs
         now = time.monotonic()
         for i, (req, token, lp) in enumerate(zip(reqs, tokens, logprobs, strict=True)):
             if i in failed:
