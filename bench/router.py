@@ -264,7 +264,8 @@ def measure(args: argparse.Namespace, stacks: list, model: str, env: dict, work:
     another over the same nodes, the policies' order rotated by one each repeat (the machine's
     drift does not favour one). Returns {"probe": (cold, warm ms), "calibrations": [[req/s]],
     "rates": [req/s offered], "repeats": [{policy: figures}]}."""
-    from bench import router_timeline
+    import router_timeline
+
     from kvtier.cli.stack import start, wait_gateway
 
     chats = workload(args)

@@ -11,8 +11,8 @@ phases:
    cache service, takes blocks and stops heartbeating (its lease must expire and its later
    calls get NOT_FOUND).
 
-A thread reads GetStats every 0.25 s and counts invariant violations (free + used != total,
-used or host used out of range, per-lease sequences not adding up). At the end, once every
+A thread reads GetStats every 0.25 s and counts invariant violations (free + used + fenced !=
+total, used or host used out of range, per-lease sequences not adding up). At the end, once every
 client is done and the dead replicas' leases have expired, every block still referenced is a
 leaked block. Failed requests are those that ended in any status other than RESOURCE_EXHAUSTED
 despite failover.
@@ -72,9 +72,10 @@ class InvariantWatch:
                 continue
             self.samples += 1
             self.peak_used = max(self.peak_used, s.num_blocks_used)
-            if s.num_blocks_free + s.num_blocks_used != s.num_blocks_total:
+            if not blocks_add_up(s):
                 self.violations.append(
-                    f"free {s.num_blocks_free} + used {s.num_blocks_used} != {s.num_blocks_total}"
+                    f"free {s.num_blocks_free} + used {s.num_blocks_used} + fenced {s.num_blocks_fenced} "
+                    f"!= {s.num_blocks_total}"
                 )
             if not 0 <= s.num_blocks_used <= s.num_blocks_total:
                 self.violations.append(f"used {s.num_blocks_used} outside [0, {s.num_blocks_total}]")
@@ -91,6 +92,12 @@ class InvariantWatch:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(10)
+
+
+def blocks_add_up(s) -> bool:
+    """free + used + fenced = total (a SIGKILLed writer's open blocks are fenced, neither free nor
+    used, for --fence-hold-s)."""
+    return s.num_blocks_free + s.num_blocks_used + s.num_blocks_fenced == s.num_blocks_total
 
 
 class SilentClient:
@@ -215,8 +222,8 @@ def main(argv=None) -> int:
     violations = list(watch.violations) + unexpected
     if not silent_expired:
         violations.append("the silent client's lease did not expire with NOT_FOUND naming it")
-    if stats.num_blocks_free + stats.num_blocks_used != stats.num_blocks_total:
-        violations.append("final stats: free + used != total")
+    if not blocks_add_up(stats):
+        violations.append("final stats: free + used + fenced != total")
     return report(args, out, stats, watch, violations, faults, run_dir, (t0, baseline_end, end))
 
 
