@@ -155,7 +155,8 @@ def main() -> int:
     hit_blocks = PREFIX_TOKENS // BLOCK_SIZE
     rates = copy_rates(args.layers, args.kv_heads, head_dim, "cuda" if gpu else "cpu", blocks=hit_blocks)
     print(f"copies of {hit_blocks} blocks (float32 on {'cuda' if gpu else 'cpu'}, vLLM's layout {rates['layout']}): "
-          f"load {rates['load_gbs']:.2f} GB/s ({rates['load_ms']:.1f} ms), save {rates['save_gbs']:.2f} GB/s, "
+          f"load {rates['load_gbs']:.2f} GB/s ({rates['load_ms']:.1f} ms), save {rates['save_gbs']:.2f} GB/s (in vLLM's "
+          f"step: {rates['stage_ms']:.1f} ms), "
           f"plain copy {rates['memcpy_gbs']:.2f} GB/s (load average {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="kvtier-vllm-bench-") as tmp:
         run_dir = Path(tmp)

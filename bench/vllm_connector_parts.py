@@ -153,7 +153,6 @@ def copy_rates(
 
     from kvtier.pool import private_pool
     from kvtier.vllm.block_layout import BlockCopier, probe_layout
-    from kvtier.vllm.worker import write_rows
 
     dtype, total = torch.float32, 4 * blocks
     shape = (total, heads, BLOCK_SIZE, 2 * head_dim)
@@ -184,7 +183,14 @@ def copy_rates(
         return min(times)
 
     load_s = timed(lambda: copier.load(pool, pool_ids, vllm_ids))
-    save_s = timed(lambda: write_rows(pool, pool_ids, copier.read_blocks(vllm_ids), list(range(blocks))))
+    staging = copier.staging(blocks)
+
+    def save() -> None:
+        staged, raw = copier.stage(vllm_ids, into=staging)
+        copier.write_staged(pool, pool_ids, staged, list(range(blocks)), raw)
+
+    stage_s = timed(lambda: copier.stage(vllm_ids, into=staging))
+    save_s = timed(save)
     memcpy_s = timed(lambda: flat_dst.index_copy_(0, p_t, flat_src.index_select(0, v_t)))
     size = blocks * copier.block_bytes
     return {
@@ -192,5 +198,6 @@ def copy_rates(
         "load_gbs": size / load_s / 1e9,
         "load_ms": load_s * 1e3,
         "save_gbs": size / save_s / 1e9,
+        "stage_ms": stage_s * 1e3,
         "memcpy_gbs": size / memcpy_s / 1e9,
     }

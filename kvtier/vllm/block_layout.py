@@ -131,6 +131,19 @@ def runs(a: list[int], b: list[int]) -> list[tuple[int, int, int]] | None:
     return found
 
 
+def write_rows(pool: torch.Tensor, pool_ids: list[int], blocks: torch.Tensor, rows: list[int]) -> None:
+    """``pool[pool_ids[i]] = blocks[rows[i]]``: a copy per run of consecutive ids, else one index op."""
+    stretches = runs(pool_ids, rows)
+    if stretches is None:
+        index = torch.tensor(rows, device=blocks.device)
+        pool.index_copy_(
+            0, torch.tensor(pool_ids, device=pool.device), blocks.index_select(0, index).to(pool.device)
+        )
+        return
+    for p, r, n in stretches:
+        pool[p : p + n].copy_(blocks[r : r + n])
+
+
 class BlockCopier:
     """Whole blocks between vLLM's per-layer caches and kvtier's pool, batched.
 
@@ -198,6 +211,43 @@ class BlockCopier:
                 if src.device != cache.device:
                     src = src.to(cache.device)
                 self._move(layer, self._rows(cache, v, n), src, to_vllm=True)
+
+    def stage(self, vllm_block_ids: list[int], into: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """vLLM blocks copied into ``into``'s first rows (a ``staging`` tensor) as cheaply as memory
+        allows, for ``write_staged``: (rows, raw). Raw: still in vLLM's layout, a plain copy per layer
+        and run of consecutive ids (the relayout is left to ``write_staged``, off vLLM's step);
+        else in kvtier's (``read_blocks``: scattered ids, or a layout as kvtier's)."""
+        ids = [int(i) for i in vllm_block_ids]
+        stretches = runs(ids, list(range(len(ids))))
+        if (
+            stretches is None
+            or all(g is None for g in self.gathers)
+            or any(self._rows(c, 0, 1) is None for c in self.kv_caches)
+        ):
+            return self.read_blocks(ids, into=into).view(len(ids), self.num_layers, self.elements), False
+        out = into[: len(ids)]
+        for v, o, n in stretches:
+            for layer, cache in enumerate(self.kv_caches):
+                out[o : o + n, layer].copy_(self._rows(cache, v, n))
+        return out, True
+
+    def write_staged(self, pool: torch.Tensor, pool_ids: list[int], staged: torch.Tensor, rows: list[int],
+                     raw: bool) -> None:  # fmt: skip
+        """``pool[pool_ids[i]] = staged[rows[i]]`` in kvtier's layout; ``staged, raw`` from ``stage``."""
+        if raw:
+            stretches = runs(pool_ids, rows)
+            if stretches is None:  # scattered pool blocks: into kvtier's layout, then one index op
+                blocks = self.staging(len(rows))
+                for layer in range(self.num_layers):
+                    self._move(layer, blocks[:, layer], staged[rows, layer], to_vllm=False)
+                staged, rows = blocks, list(range(len(rows)))
+            else:
+                flat = pool.view(pool.shape[0], self.num_layers, self.elements)
+                for p, r, n in stretches:
+                    for layer in range(self.num_layers):
+                        self._move(layer, flat[p : p + n, layer], staged[r : r + n, layer], to_vllm=False)
+                return
+        write_rows(pool, pool_ids, staged.view(len(staged), self.num_layers, *self.block_shape), rows)
 
     def staging(self, n: int) -> torch.Tensor:
         """Room for ``n`` blocks read out of vLLM's cache (``read_blocks``' ``into``)."""

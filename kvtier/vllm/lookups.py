@@ -9,8 +9,11 @@ miss (nothing past vLLM's own hit) is answered at once. A hit longer than vLLM's
 ``Allocate`` of the prompt up to one token past it, on a background thread, pins the hit's pool
 blocks under this engine's lease (and promotes host and disk blocks into the pool). The scheduler
 waits for these answers at most ``lookup_wait_ms`` per step, all requests together, then answers
-"not yet" (None) and vLLM asks again at its next step; a wait that runs out stops waits until its
-answer comes, so a slow or hung cache service costs one such wait, not one per step. Prompts
+"not yet" (None) and vLLM asks again at its next step (and waits again). The waits matter twice:
+the request is scheduled in the step that asks, and the calls' threads get the GIL (vLLM's busy
+loop holds it; a gRPC call that waits a switch interval for each of its turns takes several
+steps). While an answer has been awaited for more than a second (a slow or hung cache service),
+no step waits. Prompts
 whose every loadable block vLLM's own prefix cache already holds (one block or less, or a local
 hit) are never looked up.
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -38,6 +42,8 @@ from kvtier.vllm.plan import KvtierMetadata, LoadItem, SaveItem
 from kvtier.vllm.prefix_queries import PrefixQueries
 
 log = logging.getLogger(LOGGER)
+
+STUCK_S = 1.0  # an answer awaited longer than this: the scheduler stops waiting for answers
 
 
 def pool_name(spec: PoolSpec) -> str:
@@ -100,7 +106,7 @@ class Lookups:
         self._held: dict[str, Future] = {}  # LookupPrefix asked on arrival, until the scheduler asks
         self.lookup_wait_s = lookup_wait_s
         self._wait_left_s = lookup_wait_s  # of this scheduler step's
-        self._unanswered: Future | None = None  # a wait that ran out: no more waits until it is answered
+        self._in_flight: deque[tuple[float, Future]] = deque()  # (asked at, answer), oldest first
 
     # ------------------------------------------------------------ vLLM's calls, in the order they come
 
@@ -108,7 +114,7 @@ class Lookups:
         """Ask the cache how much of the prompt it holds now, before the scheduler asks us."""
         key = self._lookup_key(request, 0)
         if key is not None:
-            self._held[request.request_id] = self._queries.submit(*key)
+            self._held[request.request_id] = self._asked(self._queries.submit(*key))
 
     def num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         future = self._lookups.get(request.request_id)
@@ -118,7 +124,9 @@ class Lookups:
                 return 0, False
             self._lookups[request.request_id] = future
         if not future.done():
-            return None, False
+            self._wait(future)
+            if not future.done():
+                return None, False
         hit = future.result().hit
         if hit is None or hit.num_tokens <= num_computed_tokens:
             return 0, False
@@ -211,30 +219,41 @@ class Lookups:
         if key is None:
             return None
         if held is None:  # not asked on arrival (preempted, or the cache was away then)
-            held = self._queries.submit(*key)
+            held = self._asked(self._queries.submit(*key))
         self._wait(held)
         want = (len(key[0]) - 1) // self.block_size * self.block_size
         if held.done() and min(held.result(), want) <= num_computed_tokens:
             future: Future = Future()  # a miss (the common case): no pin to ask for
             future.set_result(Lookup(held.result(), None))
             return future
-        future = self._executor.submit(self._lookup, held, *key, request.request_id, num_computed_tokens)
+        future = self._asked(
+            self._executor.submit(self._lookup, held, *key, request.request_id, num_computed_tokens)
+        )
         self._wait(future)
         return future
+
+    def _asked(self, future: Future) -> Future:
+        self._in_flight.append((time.monotonic(), future))
+        return future
+
+    def _stuck(self) -> bool:
+        """Whether an answer has been awaited for more than STUCK_S (the cache service is slow or hung)."""
+        while self._in_flight and self._in_flight[0][1].done():
+            self._in_flight.popleft()
+        return bool(self._in_flight) and time.monotonic() - self._in_flight[0][0] > STUCK_S
 
     def _wait(self, future: Future) -> None:
         """Wait for an answer, up to what is left of this scheduler step's ``lookup_wait_s`` (all
         lookups of a step together): answered within it, the request is scheduled in this step
-        instead of the next. A wait that runs out stops waits until its answer comes (a slow or
-        hung cache service costs the scheduler one wait, not one per step)."""
-        if self._wait_left_s <= 0 or future.done():
-            return
-        if self._unanswered is not None and not self._unanswered.done():
+        instead of the next. The wait also lets the calls' threads run: vLLM's busy loop holds the
+        GIL, and a call that waits for it a switch interval (5 ms) at a time takes steps. While an
+        answer is awaited for more than STUCK_S, no step waits (a hung cache service costs the
+        scheduler a second of waits, not one per step for ever)."""
+        if self._wait_left_s <= 0 or future.done() or self._stuck():
             return
         start = time.perf_counter()
         wait([future], timeout=self._wait_left_s)
         self._wait_left_s -= time.perf_counter() - start
-        self._unanswered = None if future.done() else future
 
     def _plan_save(self, track: Track, computed_after_step: int, saves: list[SaveItem]) -> None:
         full = min(computed_after_step, len(track.token_ids)) // self.block_size

@@ -33,7 +33,7 @@ from kvtier.cache_errors import CacheCallError
 from kvtier.pool import attach_pool
 from kvtier.sequence_types import AllocateItem, CommitItem
 from kvtier.vllm import LOGGER
-from kvtier.vllm.block_layout import BlockCopier, runs
+from kvtier.vllm.block_layout import BlockCopier
 from kvtier.vllm.cache_link import CacheDown, CacheLink
 from kvtier.vllm.lookups import pool_name
 from kvtier.vllm.plan import LoadItem, SaveItem
@@ -41,19 +41,6 @@ from kvtier.vllm.plan import LoadItem, SaveItem
 log = logging.getLogger(LOGGER)
 
 WARN_EVERY_S = 10.0  # a dropped save is logged at most this often (with the count since)
-
-
-def write_rows(pool: torch.Tensor, pool_ids: list[int], blocks: torch.Tensor, rows: list[int]) -> None:
-    """``pool[pool_ids[i]] = blocks[rows[i]]``: a copy per run of consecutive ids, else one index op."""
-    stretches = runs(pool_ids, rows)
-    if stretches is None:
-        index = torch.tensor(rows, device=blocks.device)
-        pool.index_copy_(
-            0, torch.tensor(pool_ids, device=pool.device), blocks.index_select(0, index).to(pool.device)
-        )
-        return
-    for p, r, n in stretches:
-        pool[p : p + n].copy_(blocks[r : r + n])
 
 
 class WorkerSide:
@@ -150,7 +137,8 @@ class WorkerSide:
             spare = self._spare if self._spare is not None and len(self._spare) >= len(ids) else None
             self._spare = None if spare is not None else self._spare
         staging = spare if spare is not None else self.copier.staging(len(ids))
-        self._queue.put((saves, self.copier.read_blocks(ids, into=staging), staging, size))
+        blocks, raw = self.copier.stage(ids, into=staging)
+        self._queue.put((saves, blocks, raw, staging, size))
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait until every staged save is written or dropped (tests, benchmarks, shutdown)."""
@@ -169,9 +157,9 @@ class WorkerSide:
             job = self._queue.get()
             if job is None:
                 return
-            saves, blocks, staging, size = job
+            saves, blocks, raw, staging, size = job
             try:
-                self._write(saves, blocks)
+                self._write(saves, blocks, raw)
             except CacheDown as e:
                 self._dropped(len(blocks), f"the cache service is away: {e}")
             except CacheCallError as e:
@@ -187,7 +175,7 @@ class WorkerSide:
                     if self._staged_bytes == 0 and self._queue.empty():
                         self._idle.set()
 
-    def _write(self, saves: list[SaveItem], blocks: torch.Tensor) -> None:
+    def _write(self, saves: list[SaveItem], blocks: torch.Tensor, raw: bool) -> None:
         """Allocate the saves' prompts, write the staged blocks past each hit, commit and free them."""
         generation, spec = self.link.snapshot()
         pool = self.pool(pool_name(spec)) if spec is not None else None
@@ -206,7 +194,7 @@ class WorkerSide:
             offset += full - save.first_block
         lease_ttl = self.link.client.lease_ttl_s if self.link.client is not None else 0.0
         if pool_ids and time.monotonic() < self.link.valid_until() - lease_ttl / 4:
-            write_rows(pool.tensor, pool_ids, blocks, list(rows))
+            self.copier.write_staged(pool.tensor, pool_ids, blocks, list(rows), raw)
         else:
             commits = []  # not written: nothing to publish
         self.link.call(lambda c: c.free([s.sequence_id for s in seqs], commits), expect_generation=generation)
