@@ -16,6 +16,11 @@ per record capped the writer near 200 records/s and a burst of evictions skipped
 segments because the tier evicts single blocks in LRU order: an eviction is one unlink, with no
 segment compaction.
 
+Passing down: once a store asks for it (``submit_store(..., pass_down=True)``: the shared tier
+below, under ``--shared-tier-policy evict``), the writer reads each record it evicts back (checked
+in full; a bad one is only dropped) before the unlink, and the next such store returns them with
+their tenants (a record carries its block's: one written before a restart goes down as its too).
+
 Opening a directory rebuilds the index from the records themselves (``cachesvc.disk_scan``:
 length, header, this pool's layout and the key matching the file name for every record, the
 checksum too for those read in the first ``verify_s`` seconds, so the open takes bounded time);
@@ -53,6 +58,7 @@ from kvtier.cachesvc.disk_records import (
     encode,
     file_name,
     record_bytes,
+    tenant_field,
 )
 from kvtier.cachesvc.disk_scan import read_file, scan
 from kvtier.cachesvc.events import EventRecord, tier_kind
@@ -111,24 +117,18 @@ class DiskTier(Tier):
         self._index: OrderedDict[bytes, int] = OrderedDict()
         self._bytes = 0
         self._counts = dict.fromkeys(
-            (
-                "hits",
-                "misses",
-                "promotions",
-                "writes",
-                "write_groups",
-                "skipped_writes",
-                "evictions",
-                "dropped_at_startup",
-                "dropped_on_read",
-            ),
+            ("hits", "misses", "promotions", "writes", "write_groups", "skipped_writes", "evictions")
+            + ("dropped_at_startup", "dropped_on_read", "passed_down"),
             0,
         )
-        self._queue: deque[tuple[bytes, bytes | None, np.ndarray]] = deque()
+        self._queue: deque[tuple[bytes, bytes | None, np.ndarray, str]] = deque()
         self._pending: set[bytes] = set()  # keys queued or being written (NOT_YET), under _queue_cond
         self._queue_cond = threading.Condition()
         self._writing = 0
         self._closed = False
+        # Evicted blocks read back for the tier below (key, tenant, payload; at most queue_blocks).
+        self._pass_down = False
+        self._out: deque[tuple[bytes, str, memoryview]] = deque()
         self._lock_fd = open_dir(self.path)
         try:
             self._scan(verify_s)
@@ -159,13 +159,14 @@ class DiskTier(Tier):
 
     # ------------------------------------------------------------------ the service's side
 
-    def offer(self, key: bytes, parent_hash: bytes | None, payload) -> bool:
-        """Queue one block for writing; False (counted as skipped) if the queue is full or the tier off.
+    def offer(self, key: bytes, parent_hash: bytes | None, payload, tenant: str = "") -> bool:
+        """Queue one ``tenant``'s block for writing; False (counted as skipped) if the queue is full or the tier off.
 
         ``payload`` is the block's bytes (any bytes-like object or a CPU tensor); it is copied
         here, so the caller may reuse its memory when this returns. Never blocks on the disk.
-        ValueError for a key or payload that does not fit this tier's layout.
+        ValueError for a key, payload or tenant that does not fit this tier's layout.
         """
+        tenant_field(tenant)
         check_key(self.layout, key, parent_hash)
         with self._queue_cond:
             taken = self._taken(key)
@@ -179,7 +180,7 @@ class DiskTier(Tier):
         with self._queue_cond:
             taken = self._taken(key)  # again: the key may have been queued, or the queue filled, meanwhile
             if taken is None:
-                self._queue.append((key, parent_hash, data))
+                self._queue.append((key, parent_hash, data, tenant))
                 self._pending.add(key)
                 self._queue_cond.notify()
         return taken is None or taken
@@ -206,17 +207,28 @@ class DiskTier(Tier):
         return self._index
 
     def submit_store(self, blocks: Blocks, pass_down: bool = False) -> Blocks | None:
-        """Queue ``blocks`` (``offer`` each, parent hash = the key's first 32 bytes); evictions
-        happen on the writer thread and are not passed down (None)."""
+        """Queue ``blocks`` (``offer`` each, parent hash = the key's first 32 bytes, with its
+        tenant). Evictions happen on the writer thread: with ``pass_down``, the blocks evicted
+        since the last such call (read back; from then on), else None."""
         rows = blocks.rows
         if rows.is_cuda:  # a cuda pool's rows, written through: one copy to host memory
             rows = rows[list(blocks.row_ids)].cpu()
             ids = range(len(blocks.keys))
         else:
             ids = blocks.row_ids
-        for key, i in zip(blocks.keys, ids, strict=True):
-            self.offer(key, key[:KEY_PREFIX_BYTES], rows[i])
-        return None
+        self._pass_down |= pass_down  # before the offers: the writer may evict for them at once
+        tenants = blocks.tenants or [""] * len(blocks.keys)
+        for key, i, tenant in zip(blocks.keys, ids, tenants, strict=True):
+            self.offer(key, key[:KEY_PREFIX_BYTES], rows[i], tenant)
+        if not pass_down:
+            return None
+        out = [self._out.popleft() for _ in range(len(self._out))]  # the writer may append meanwhile
+        if not out:
+            return None
+        import torch
+
+        data = torch.from_numpy(np.stack([np.frombuffer(payload, np.uint8) for _, _, payload in out]))
+        return Blocks([k for k, _, _ in out], data, range(len(out)), [t for _, t, _ in out])
 
     def submit_load(self, job: Job) -> None:
         """Read, check and copy the job's leading recorded keys into its rows (``load_into``); a
@@ -249,19 +261,6 @@ class DiskTier(Tier):
             evictions=st["evictions"], stored=st["writes"], skipped=st["skipped_writes"],
             queue_depth=st["queue_depth"], extra=st,
         )  # fmt: skip
-
-    def lookup_chain(self, keys: list[bytes]) -> int:
-        """How many leading ``keys`` have a record (not verified until ``load``). Changes nothing."""
-        index = self._index
-        n = 0
-        if not self.enabled:
-            return 0
-        with self.lock:
-            for key in keys:
-                if key not in index:
-                    break
-                n += 1
-        return n
 
     def contains(self, key: bytes) -> bool:
         return self.enabled and key in self._index
@@ -359,15 +358,15 @@ class DiskTier(Tier):
             finally:
                 with cond:
                     self._writing = 0
-                    self._pending.difference_update(key for key, _, _ in group)
+                    self._pending.difference_update(entry[0] for entry in group)
                     cond.notify_all()
 
-    def _write_group(self, group: list[tuple[bytes, bytes | None, np.ndarray]]) -> None:
+    def _write_group(self, group: list[tuple[bytes, bytes | None, np.ndarray, str]]) -> None:
         """Records of ``group`` (those not written yet), made durable together
         (``disk_files.write_records``) after LRU records make room for them; then they enter the index."""
         records = [
-            (key, encode(self.layout, key, parent, payload))
-            for key, parent, payload in group
+            (key, encode(self.layout, key, parent, payload, tenant))
+            for key, parent, payload, tenant in group
             if key not in self._index
         ]
         if not records:
@@ -392,7 +391,8 @@ class DiskTier(Tier):
         self._changed(True, [key for key, _ in records])
 
     def _evict_to(self, limit: int) -> None:
-        """Delete least recently used records until the index holds at most ``limit`` bytes."""
+        """Delete least recently used records until the index holds at most ``limit`` bytes (each
+        read back first for the tier below, once a store asked to pass down: ``_read_back``)."""
         while True:
             with self.lock:
                 if self._bytes <= limit or not self._index:
@@ -401,8 +401,23 @@ class DiskTier(Tier):
                 self._bytes -= size
                 self._counts["evictions"] += 1
             self._changed(False, [key])
+            if self._pass_down and len(self._out) < self.queue_blocks:
+                self._read_back(key)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path / file_name(key))
+
+    def _read_back(self, key: bytes) -> None:
+        """Queue evicted ``key``'s block (key, tenant, payload) for the tier below, if its record
+        passes every check (a bad or vanished one is only dropped)."""
+        name = file_name(key)
+        try:
+            data, _ = read_file(self.path / name, self.layout)
+            _, payload, tenant = decode(self.layout, data, name, key, with_tenant=True)
+        except (BadRecord, OSError) as e:
+            log.warning("disk tier %s: evicted %s not passed down: %s", self.path, name, e)
+            return
+        self._out.append((key, tenant, payload))
+        self._counts["passed_down"] += 1
 
     def _forget(self, key: bytes, *, unlink: bool) -> None:
         with self.lock:
@@ -427,11 +442,6 @@ class DiskTier(Tier):
             self._index.clear()
             self._bytes = 0
         self._changed(False, dropped)
-
-    def indexed_keys(self) -> list[bytes]:
-        """The keys of the indexed records, least recently used first (a copy)."""
-        with self.lock:
-            return list(self._index)
 
     def _changed(self, stored: bool, keys: list[bytes]) -> None:
         """One event record of ``keys`` entering (``stored``) or leaving the index (no block ids)."""

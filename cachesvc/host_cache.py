@@ -11,7 +11,8 @@ go: its slots claimed together (free ones, then the LRU victims', popped by
 ``cachesvc.slot_lru`` without a Python step per entry), its keys added in one update, one event
 record per batch. An entry is its key and slot only (its parent hash is its key's first 32
 bytes): no object per cached block for the garbage collector. The blocks it evicts are returned
-(their bytes copied aside) when a tier below will take them, and only counted otherwise. Every
+(their bytes copied aside, with their tenants: a slot keeps the tenant of the block it holds)
+when a tier below will take them, and only counted otherwise. Every
 copy is complete when the call returns, so a device block handed to ``submit_store`` may be
 reused, and a block filled by ``submit_load`` read, at once. Single-threaded: the cache
 service's loop calls every method.
@@ -46,8 +47,13 @@ class HostCache(HostArea, Tier):
         self._counts = dict.fromkeys(("hits", "promotions", "evictions", "stored", "skipped"), 0)
         self._events: list[EventRecord] = []
         self._loaded: list[JobResult] = []
-        # While a store passes evictions down: (keys, their bytes) per evicting step, else None.
-        self._out: list[tuple[list[bytes], torch.Tensor]] | None = None
+        # While a store passes evictions down: (keys, their bytes, their tenants) per evicting
+        # step, else None.
+        self._out: list[tuple[list[bytes], torch.Tensor, list[str]]] | None = None
+        # Each slot's block's tenant ("" the default), kept by the stores that may pass blocks
+        # down (submit_store, whose evictions reach the shared tier as their tenant's); keep_rows
+        # runs only with nothing below and keeps none (its slots' tenants are never read).
+        self._tenants = [""] * num_slots
 
     @classmethod
     def from_budget(cls, budget_bytes: int, block_bytes: int, **kwargs) -> HostCache:
@@ -77,16 +83,20 @@ class HostCache(HostArea, Tier):
             return None
         self._out = [] if pass_down else None
         views = [flat_bytes(rows[i]) for i in ids]
+        tenants = blocks.tenants or [""] * len(keys)
         if not self._entries.slots.keys().isdisjoint(keys):
-            keys, views, _ = self._skip_held(keys, views)
-        self._take(keys, views, self.copy_in)
+            keys, at, _ = self._skip_held(keys, range(len(keys)))
+            views, tenants = [views[k] for k in at], [tenants[k] for k in at]
+        self._take(keys, views, self.copy_in, tenants)
         out, self._out = self._out, None
         if not out:
             return None
         if len(out) == 1:
-            return Blocks(out[0][0], out[0][1], range(len(out[0][0])))
-        data = torch.cat([d for _, d in out])
-        return Blocks([k for ks, _ in out for k in ks], data, range(len(data)))
+            return Blocks(out[0][0], out[0][1], range(len(out[0][0])), out[0][2])
+        data = torch.cat([d for _, d, _ in out])
+        return Blocks(
+            [k for ks, _, _ in out for k in ks], data, range(len(data)), [t for *_, ts in out for t in ts]
+        )
 
     def direct_store(self, rows: torch.Tensor) -> Callable[[Sequence[int], Sequence[bytes]], int] | None:
         """``keep_rows`` bound to ``rows`` (a CPU pool); None with a side stream or a cuda pool."""
@@ -194,26 +204,30 @@ class HostCache(HostArea, Tier):
         self._counts["stored"] += n
         return n
 
-    def _take(self, keys: Sequence[bytes], sources: Sequence, copy: Callable) -> int:
+    def _take(self, keys: Sequence[bytes], sources: Sequence, copy: Callable, tenants=None) -> int:
         """Take blocks ``keys``, none held, distinct, block i's bytes from ``sources[i]`` through
-        ``copy(slots, sources)``; return how many were taken."""
+        ``copy(slots, sources)`` (its tenant ``tenants[i]``, None: not kept); return how many were taken."""
         room = len(self._free) + len(self._entries)
         if len(keys) <= room:  # one round: the rule
-            return self._store(keys, sources, copy)
+            return self._store(keys, sources, copy, tenants)
         # A batch larger than the cache goes in rounds of `room`: a round is copied before the
         # next one evicts it, so what a tier below receives is the block, not the slot's old bytes.
         held = 0
         while keys and room:
-            held += self._store(keys[:room], sources[:room], copy)
-            keys, sources = keys[room:], sources[room:]
+            held += self._store(keys[:room], sources[:room], copy, tenants and tenants[:room])
+            keys, sources, tenants = keys[room:], sources[room:], tenants and tenants[room:]
             room = len(self._free) + len(self._entries)
         self._counts["skipped"] += len(keys)  # every slot is swap's
         return held
 
-    def _store(self, keys: Sequence[bytes], sources: Sequence, copy: Callable) -> int:
+    def _store(self, keys: Sequence[bytes], sources: Sequence, copy: Callable, tenants=None) -> int:
         """``_take`` of at most as many blocks as there are free or cached slots."""
         slots, _ = self._claim(len(keys), self._out is not None)
         self._entries.add(keys, slots)
+        if tenants is not None:
+            of = self._tenants
+            for slot, tenant in zip(slots, tenants, strict=True):
+                of[slot] = tenant
         self._events.append((_STORED, tuple(keys), tuple(slots)))
         copy(slots, sources)
         self._counts["stored"] += len(slots)
@@ -247,10 +261,10 @@ class HostCache(HostArea, Tier):
         self._counts["evictions"] += len(keys)
         self._events.append((_REMOVED, tuple(keys), tuple(victims)))
         evicted = None
-        if pass_down:
-            evicted = Blocks(keys, self.slots[victims], range(len(keys)))  # a copy: the slots are reused
+        if pass_down:  # a copy: the slots are reused
+            evicted = Blocks(keys, self.slots[victims], range(len(keys)), [self._tenants[s] for s in victims])
             if self._out is not None:
-                self._out.append((keys, evicted.rows))
+                self._out.append((keys, evicted.rows, evicted.tenants))
         return slots + victims, evicted
 
     def _replaced(self, victims: Sequence[bytes], keys: Sequence[bytes], slots: Sequence[int]) -> None:

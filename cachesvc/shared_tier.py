@@ -30,7 +30,7 @@ watermark); this tier evicts nothing.
 Tenants: a block is stored, looked up and loaded by its tenant's client (``Blocks.tenants``,
 ``Job.tenant``, ``held_for``; ``store_client.TenantClients``), so under the master's strict
 multi-tenant mode a tenant's blocks count against its quota and no tenant sees another's objects.
-A block of unknown tenant (what host and disk pass down) is the default tenant's.
+A block of unknown tenant is the default's (host and disk pass their blocks' tenants down).
 
 What this node knows the store holds (``_known``, at most KNOWN_KEYS, oldest forgotten first) is
 what its KV events say: a key leaves it with a REMOVED event (medium ``shared``) when forgotten,

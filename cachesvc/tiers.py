@@ -25,7 +25,8 @@ The contract every tier keeps (tests/test_tier_contract.py runs it against each 
   writing may go on behind it. Never blocks on a slow medium: a block it cannot take now is
   skipped and counted (``TierCounts.skipped``). A key already held (or queued) is only touched.
   With ``pass_down`` it returns the blocks it evicted to make room, their bytes in rows of their
-  own (the slots they left are reused at once), for the tier below; else None. A store's source
+  own (the slots they left are reused at once) and their tenants, for the tier below (a tier
+  that evicts on its own thread, the disk's writer: those since its last such store); else None. A store's source
   rows are released when it returns, so a store reports no job result.
 - ``submit_load(job)``: copy the job's leading held keys into ``rows[row_ids[i]]``, stopping at
   the first it cannot give (a record failing its checks is a miss); ``finished_jobs`` reports
@@ -35,8 +36,9 @@ The contract every tier keeps (tests/test_tier_contract.py runs it against each 
   (host memory, disk reads) reports at once.
 - ``discard(key)``: forget a block without passing it down.
 - tenants: ``Blocks.tenants`` and ``Job.tenant`` say whose blocks move, ``held_for(tenant)`` and
-  ``lookup_chain(keys, tenant)`` look as that tenant. Only the shared tier reads them (a tenant's
-  objects count against its quota in the store and live in its namespace); the others ignore them.
+  ``lookup_chain(keys, tenant)`` look as that tenant. A tier that passes blocks down keeps each
+  block's tenant and returns it with its evictions; only the shared tier stores and looks up as
+  it (a tenant's objects count against its quota in the store and live in its namespace).
 - ``take_events()``: its KV-event records since the last call (``cachesvc.events``: one record
   per batch, ``tier_kind(stored, medium.name)``).
 - ``counts()``, ``close()``.
@@ -86,8 +88,9 @@ class Blocks:
     rows: torch.Tensor
     row_ids: Sequence[int]
     # Block i's tenant (kvtier's name; "" the default tenant), where the caller knows it: the
-    # device's evictions and publications do. Empty: every block the default tenant's (host and
-    # disk keep no tenant, so what they pass down has none). Only the shared tier reads it.
+    # device's evictions and publications do, and host and disk keep it (a slot's, a record's)
+    # and pass it down with their evictions. Empty: every block the default tenant's. The shared
+    # tier stores as it.
     tenants: Sequence[str] = ()
 
     def __len__(self) -> int:

@@ -384,3 +384,75 @@ def test_a_full_filesystem_is_a_startup_error_and_filling_up_later_disables_the_
     assert tier.lookup_chain([key_of(0)]) == 0 and tier.load(key_of(0)) is None
     assert not [p for p in os.listdir(small_filesystem) if p.endswith(".tmp")]  # the torn write was removed
     tier.close()
+
+
+def test_a_records_tenant_survives_a_restart_and_goes_down_with_its_evicted_block(tmp_path):
+    """Each record carries its block's tenant (any name the service takes, up to 256 UTF-8 bytes,
+    in a field of fixed size: every record of a layout is one of two sizes); after a restart the
+    blocks the tier evicts go down to the tier below (``pass_down``) as their tenants'."""
+    tenants = {0: "acme", 1: "", 2: "é" * 128}
+    tier = open_tier(tmp_path / "disk", blocks=3)
+    for i, tenant in tenants.items():
+        assert tier.offer(key_of(i), None, payload_of(i), tenant)
+    with pytest.raises(ValueError, match="tenant name of 257 bytes"):
+        tier.offer(key_of(9), None, payload_of(9), "x" * 257)
+    assert tier.flush(FLUSH_S)
+    tier.close()
+    assert len({(tmp_path / "disk" / file_name(key_of(i))).stat().st_size for i in tenants}) == 1
+    again = open_tier(tmp_path / "disk", blocks=3)
+    try:
+        assert again.submit_store(blocks_of([]), pass_down=True) is None  # a tier below from now on
+        first = again.submit_store(blocks_of([3, 4, 5]), pass_down=True)  # the writer evicts behind it
+        assert again.flush(FLUSH_S)
+        got = handed_down(first, again.submit_store(blocks_of([]), pass_down=True))
+        assert got == {key_of(i): (tenant, payload_of(i)) for i, tenant in tenants.items()}
+        assert again.submit_store(blocks_of([]), pass_down=True) is None  # each handed down once
+    finally:
+        again.close()
+
+
+def handed_down(*downs) -> dict:
+    """key -> (tenant, bytes) of what ``submit_store`` calls returned for the tier below."""
+    return {
+        k: (t, bytes(d.rows[i].numpy()))
+        for d in downs
+        if d is not None
+        for k, t, i in zip(d.keys, d.tenants, d.row_ids, strict=True)
+    }
+
+
+def blocks_of(indices: list[int]):
+    """``Blocks`` of ``indices``' keys and payloads, default tenant."""
+    from kvtier.cachesvc.tiers import Blocks
+
+    rows = torch.tensor([list(payload_of(i)) for i in indices], dtype=torch.uint8).reshape(
+        -1, LAYOUT.block_bytes
+    )
+    return Blocks([key_of(i) for i in indices], rows, range(len(indices)))
+
+
+def test_an_earlier_formats_record_or_a_bad_tenant_field_is_dropped_at_start(tmp_path, caplog):
+    """A KVTBLK02 record (no tenant) is dropped at the first start, the line naming an earlier
+    format; a record whose tenant field is not a length, a name and zeros is dropped though its
+    checksum matches."""
+    from kvtier.cachesvc.disk_records import checksum, tenant_field
+
+    tier = open_tier(tmp_path / "disk")
+    write(tier, [0, 1])
+    tier.close()
+    old, bad = (tmp_path / "disk" / file_name(key_of(i)) for i in (0, 1))
+    old.write_bytes(b"KVTBLK02" + old.read_bytes()[8:])
+    data = bytearray(bad.read_bytes())
+    at = data.index(tenant_field(""))
+    data[at : at + 2] = (300).to_bytes(2, "little")
+    data[-32:] = checksum(bytes(data[:-32])).digest()
+    bad.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="kvtier.cache"):
+        again = open_tier(tmp_path / "disk")
+    again.close()
+    assert again.stats()["dropped_at_startup"] == 2 and not old.exists() and not bad.exists()
+    assert (
+        f"dropped {old.name}: magic b'KVTBLK02' is not b'KVTBLK03' (an earlier kvtier's format)"
+        in caplog.text
+    )
+    assert f"dropped {bad.name}: unreadable header: tenant field is not a length" in caplog.text

@@ -273,7 +273,7 @@ def test_swap_shares_the_host_cache_area_swap_first_and_gives_up_cached_blocks_t
     disk = tiers.by_name["disk"]
     assert disk.flush(FLUSH_S) and disk.counts().blocks == 2  # the two given up went down, whole
     # The least recently used: freed in reverse table order, the chain's tail left the pool first.
-    assert sorted(int(disk.load(k)[0]) for k in disk.indexed_keys()) == [31, 32]
+    assert sorted(int(disk.load(k)[0]) for k in list(disk.held())) == [31, 32]
     table.check_invariants()
     host.check_invariants()
     (back,), _, _ = table.swap_in("lease", [small.sequence_id])

@@ -5,8 +5,8 @@ real media (host memory, a directory of record files, ...) with room for ``CAPAC
 ``LAYOUT``. Adding a tier adds one entry. The suite pins what the tier stack (cachesvc/lower_tiers.py)
 relies on: lookup's three answers, stores that read their rows before returning, loads that copy
 the leading held run byte-exact and report it through ``finished_jobs``, LRU eviction within the
-capacity (evicted blocks handed back with their bytes when asked), discard, KV-event records
-named by the tier's medium, and counts.
+capacity (evicted blocks handed back with their bytes and tenants when asked), discard, KV-event
+records named by the tier's medium, and counts.
 """
 
 from __future__ import annotations
@@ -93,11 +93,37 @@ def rows_of(indices) -> torch.Tensor:
     return torch.stack([torch.full((LAYOUT.block_bytes,), i % 251 + 1, dtype=torch.uint8) for i in indices])
 
 
-def store(tier: Tier, indices, pass_down: bool = False):
+def tenant_of(i: int) -> str:
+    """Block i's tenant in the tests that name them: the default, or one of two named tenants."""
+    return ("", "acme", "globex.eu-1")[i % 3]
+
+
+def store(tier: Tier, indices, pass_down: bool = False, tenants: bool = False):
     indices = list(indices)
+    named = [tenant_of(i) for i in indices] if tenants else ()
     return tier.submit_store(
-        Blocks([key_of(i) for i in indices], rows_of(indices), range(len(indices))), pass_down
+        Blocks([key_of(i) for i in indices], rows_of(indices), range(len(indices)), named), pass_down
     )
+
+
+def passed_down(tier: Tier, first: Blocks | None, n: int) -> tuple[list[bytes], torch.Tensor, list[str]]:
+    """The ``n`` blocks a tier handed back for the tier below as ``(keys, bytes, tenants)``: those
+    ``first`` (a store's return) holds, then what later pass-down stores of nothing return (a
+    write-behind tier evicts on its writer, after the store that made it)."""
+    keys, rows, tenants = [], [], []
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        if first is not None:
+            keys += first.keys
+            rows += [first.rows[i] for i in first.row_ids]
+            tenants += first.tenants or [""] * len(first)
+        if len(keys) >= n:
+            return keys, torch.stack(rows), tenants
+        assert time.monotonic() < deadline, f"{tier.medium.name}: {len(keys)} of {n} evictions passed down"
+        time.sleep(0.005)
+        first = tier.submit_store(
+            Blocks([], torch.zeros((0, LAYOUT.block_bytes), dtype=torch.uint8), []), True
+        )
 
 
 def settle(tier: Tier, indices) -> None:
@@ -184,11 +210,30 @@ def test_more_blocks_than_the_capacity_evict_the_least_recently_used(tier):
     ]  # fmt: skip
     counts = tier.counts()
     assert counts.blocks == CAPACITY and counts.evictions == 2
-    if evicted is not None:  # handed back for the tier below, with their bytes
-        assert list(evicted.keys) == [key_of(0), key_of(1)]
-        assert torch.equal(torch.stack([evicted.rows[i] for i in evicted.row_ids]), rows_of([0, 1]))
+    keys, rows, tenants = passed_down(tier, evicted, 2)  # handed back for the tier below, with their bytes
+    assert keys == [key_of(0), key_of(1)] and torch.equal(rows, rows_of([0, 1])) and tenants == ["", ""]
     removed = [key for stored, key in events_of(tier) if not stored]
     assert removed == [key_of(0), key_of(1)]
+
+
+def test_blocks_passed_down_carry_the_tenants_they_were_stored_with(tier):
+    """What a tier hands down reaches the tier below (the shared tier) as its tenant's, however
+    it was stored: alone, in a batch, or past the tier's capacity in one go."""
+    if tier.medium.across_nodes:
+        pytest.skip("the shared tier is the last: the store evicts on its own and passes nothing down")
+    store(tier, [0], pass_down=True, tenants=True)
+    store(tier, range(1, CAPACITY), pass_down=True, tenants=True)
+    settle(tier, range(CAPACITY))
+    events_of(tier)
+    first = store(tier, range(CAPACITY, 2 * CAPACITY + 2), pass_down=True, tenants=True)  # more than it holds
+    settle(tier, range(2 * CAPACITY + 2))
+    removed = [key for stored, key in events_of(tier) if not stored]
+    assert len(removed) >= CAPACITY  # every block it held made room
+    keys, rows, tenants = passed_down(tier, first, len(removed))
+    assert keys == removed  # each evicted block handed down once, in eviction order
+    blocks = [int(row[0]) - 1 for row in rows]  # rows_of: block i's bytes are i + 1
+    assert keys == [key_of(i) for i in blocks] and tenants == [tenant_of(i) for i in blocks]
+    assert set(tenants) == {"", "acme", "globex.eu-1"}
 
 
 def test_discard_forgets_a_block_without_passing_it_down(tier):
