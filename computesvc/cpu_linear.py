@@ -65,5 +65,6 @@ def pack_linears(model: torch.nn.Module) -> int:
     ]
     for parent, name, child in swaps:
         setattr(parent, name, PackedLinear(child))
-    log.info("%d linears run on oneDNN-prepacked weights", len(swaps))
+    if swaps:
+        log.info("%d linears run on oneDNN-prepacked weights", len(swaps))
     return len(swaps)
