@@ -5,9 +5,11 @@ quota of 2.5 blocks) and "big", and the default tenant.
 First the tier alone (two SharedTier instances stand for two nodes: a block stored by one loads
 on the other; a damaged object, another model's object under our name and another tenant's
 chain are never served; a tenant at its quota is refused and counted while others store on; no
-tenant sees another's object under the same name; what a node finds the store lost leaves its
-events and the router's index; a killed master costs bounded calls and the tier comes back on
-its own), then real nodes (test_shared_tier_e2e.py's stack)."""
+tenant sees another's object under the same name; what the host cache and the disk (also after a
+restart) pass down under policy ``evict`` is stored as its block's tenant's and hits for that
+tenant only; what a node finds the store lost leaves its events and the router's index; a
+killed master costs bounded calls and the tier comes back on its own), then real nodes
+(test_shared_tier_e2e.py's stack)."""
 
 from __future__ import annotations
 
@@ -305,6 +307,71 @@ def test_blocks_the_device_evicts_go_to_the_store_as_the_tenant_that_published_t
     assert stack.held_keys(pack_token_ids(tokens), extra, BS, 0, 2, [], "big") == keys
     assert stack.promote(keys, new[:2], "big") == 2 and torch.equal(pool[new[:2]], rows(2, seed=16))
     assert stack.promote(keys, new[2:], "small") == 0
+
+
+def written(tier: SharedTier, *tenants: str) -> None:
+    for tenant in tenants:
+        assert tier.clients.of(tenant).wait_written(30.0), tier.clients.of(tenant).stats()
+
+
+def only_tenant_sees(node: SharedTier, keys: list[bytes], tenant: str, src: torch.Tensor) -> None:
+    """``keys`` are in the store as ``tenant``'s, byte-exact, and no other tenant finds them."""
+    assert node.lookup_chain(keys, tenant) == len(keys)
+    for other in {"", "small", "big"} - {tenant}:
+        assert node.lookup_chain(keys, other) == 0, f"{other or 'the default'} sees {tenant}'s blocks"
+    done, dst = load_blocks(node, keys, tenant)
+    assert done == len(keys) and torch.equal(dst, src)
+
+
+def test_blocks_the_host_cache_evicts_reach_the_store_as_their_tenants(node_a, node_b):
+    """Policy ``evict``, the host cache (2 slots) above the store: big's blocks pushed out by the
+    default tenant's go down as big's; the default's, given up for swap's slots, as the default's."""
+    from kvtier.cachesvc.host_cache import HostCache
+    from kvtier.cachesvc.lower_tiers import TierStack
+
+    pool = torch.cat([rows(2, seed=41), rows(2, seed=42)])
+    host = HostCache(2, LAYOUT.block_bytes)
+    host.attach_pool(pool)
+    stack = TierStack(pool, [host, node_a])
+    big = chain(list(range(2000, 2000 + 2 * BS)), salt="tenant:big")
+    default = chain(list(range(2100, 2100 + 2 * BS)))
+    stack.keep([0, 1], big, ["big", "big"])
+    stack.keep([2, 3], default)  # evicts big's two
+    written(node_a, "big")
+    only_tenant_sees(node_b, big, "big", pool[:2])
+    assert node_b.lookup_chain(default) == 0  # still in the host cache only
+    stack.reserve(host, 2)  # swap's slots: the default's blocks are given up, down the stack
+    written(node_a, "")
+    only_tenant_sees(node_b, default, "", pool[2:])
+
+
+def test_a_disk_record_evicted_after_a_restart_reaches_the_store_as_its_tenant(node_a, node_b, tmp_path):
+    """Policy ``evict``, host (1 slot), disk (4 records) and the store: big's blocks go down to
+    the disk, which is closed and opened again (a restart: its index from the records); the
+    default tenant's blocks then push big's records out of the disk, read back as big's and
+    stored as big's, byte-exact."""
+    from kvtier.cachesvc.disk_tier import DiskTier
+    from kvtier.cachesvc.host_cache import HostCache
+    from kvtier.cachesvc.lower_tiers import TierStack
+
+    budget = 4 * RECORD
+    big = chain(list(range(2200, 2200 + 3 * BS)), salt="tenant:big")
+    pool = rows(8, seed=43)
+    disk = DiskTier(tmp_path / "disk", budget, LAYOUT)
+    TierStack(pool, [HostCache(1, LAYOUT.block_bytes), disk, node_a]).keep([0, 1, 2], big, ["big"] * 3)
+    assert disk.flush(30.0) and disk.counts().blocks == 2  # the host cache keeps the third
+    disk.close()
+    disk = DiskTier(tmp_path / "disk", budget, LAYOUT)  # the restart
+    try:
+        assert disk.counts().blocks == 2
+        stack = TierStack(pool, [HostCache(1, LAYOUT.block_bytes), disk, node_a])
+        stack.keep([3, 4, 5, 6, 7], chain(list(range(2300, 2300 + 5 * BS))))  # 4 reach the disk: big's go
+        assert disk.flush(30.0) and disk.counts().extra["passed_down"] >= 2
+        stack.keep([0], chain(list(range(2400, 2400 + BS))))  # the next store to the disk hands them down
+        written(node_a, "big", "")
+        only_tenant_sees(node_b, big[:2], "big", pool[:2])
+    finally:
+        disk.close()
 
 
 def test_the_masters_tenant_policy_is_written_from_the_api_keys_file(store):
