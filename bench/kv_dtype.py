@@ -314,7 +314,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:24} decode tok/s {', '.join(f'{d} {v:.0f}' for d, v in speeds.items())}", flush=True)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
+    print(headline(report), flush=True)
     return 0
+
+
+def headline(report: dict) -> str:
+    """The last line: each shipped dtype's worst perplexity increase over the model's own dtype
+    (every model and length measured) and its blocks per GiB against float32's."""
+    parts = []
+    for dtype in SHIPPED:
+        rows = [q for q in report["quality"] if q["scheme"] == dtype]
+        if not rows:
+            continue
+        worst = max(q["perplexity_increase_pct"] for q in rows)
+        gain = [
+            c[dtype] / c["float32"] for c in report["capacity"].values() if dtype in c and c.get("float32")
+        ]
+        parts.append(f"{dtype} ppl {worst:+.3f}% at worst, {min(gain, default=float('nan')):.2f}x blocks/GiB")
+    return "headline: " + "; ".join(parts) + " (against the model's own float32 KV)"
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ kernels are held to the same torch path in tests/test_kernels_triton.py.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import sys
 from dataclasses import dataclass
@@ -167,6 +168,13 @@ def test_quality_on_the_seeded_test_model_stays_within_bounds():
     for scheme in ("fp8_e4m3", "int8"):
         assert results[scheme].greedy_agreement >= 0.5, results[scheme]
     assert results["int8"].mean_kl <= 1e-4, results["int8"]
+    report = {
+        "quality": [dataclasses.asdict(q) for q in results.values()],
+        "capacity": {"tiny": bench.blocks_per_gib(model)},
+    }
+    line = bench.headline(report)
+    assert line.startswith("headline: fp8_e4m3 ppl "), line
+    assert "int8 ppl " in line and "3.20x blocks/GiB" in line, line
 
 
 def test_the_runner_refuses_a_pool_it_cannot_read_naming_both_dtypes():
