@@ -389,6 +389,7 @@ class DiskTier(Tier):
             self._counts["writes"] += len(records)
             self._counts["write_groups"] += 1
         self._changed(True, [key for key, _ in records])
+        self._evict_to(self.budget_bytes)  # a group larger than the budget: its oldest records go too
 
     def _evict_to(self, limit: int) -> None:
         """Delete least recently used records until the index holds at most ``limit`` bytes (each
