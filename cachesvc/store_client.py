@@ -157,7 +157,7 @@ class StoreClient:
             store = store_class()
             engine = self.engine.handle(self.hostname, self.address.metadata)
             rc = "no transfer engine" if engine is None else store.setup(
-                self.hostname, self.address.metadata, self.segment_bytes, self.buffer_bytes, "tcp", "",
+                self.engine.name, self.address.metadata, self.segment_bytes, self.buffer_bytes, "tcp", "",
                 self.address.master, engine, False, "", store_tenant(self.tenant),
             )  # fmt: skip
             if rc == 0:
@@ -416,7 +416,8 @@ class TenantClients:
 
 def _local_hostname(master: str) -> str:
     """The address this process offers the store's transfer engine: 127.0.0.1 beside a local
-    master, else this host's name (``MC_LOCAL_HOSTNAME`` or ``KVTIER_STORE_HOSTNAME`` overrides)."""
+    master, else this host's name (``KVTIER_STORE_HOSTNAME`` overrides); the engine adds a port of
+    its own unless it names one (``store_engine.engine_name``)."""
     explicit = os.environ.get("KVTIER_STORE_HOSTNAME")
     if explicit:
         return explicit

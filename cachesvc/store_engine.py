@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -88,25 +89,40 @@ class Breaker:
         return False
 
 
+def engine_name(hostname: str) -> str:
+    """``hostname`` with a port of its own (one free now), unless it names one: the engine's name in
+    the metadata server. Every engine needs its own: two nodes on one host both named 127.0.0.1
+    (Mooncake's default port 12001) collide, the second's registration is refused ("Duplicate
+    rpc_meta key") and its tier stays down until a retry, which then took over the first's entry."""
+    if hostname.rpartition(":")[2].isdigit():
+        return hostname
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return f"{hostname}:{s.getsockname()[1]}"
+
+
 class StoreEngine:
     """The one Mooncake transfer engine of a process, shared by every tenant's client: started by
-    the first client to connect; buffers registered with it once, for all of them."""
+    the first client to connect, under a name of its own (``engine_name``: the clients' setup uses
+    it too); buffers registered with it once, for all of them."""
 
     def __init__(self) -> None:
         self._engine = None
+        self.name = ""  # once started
         self._lock = threading.Lock()
         self._registered: set[int] = set()
 
     def handle(self, hostname: str, metadata: str):
-        """The engine for ``setup(engine=...)``, started on first use; None if it could not start."""
+        """The engine for ``setup(engine=...)``, started on first use (each try under a new
+        ``engine_name`` of ``hostname``); None if it could not start."""
         with self._lock:
             if self._engine is None:
                 from mooncake.engine import TransferEngine
 
-                engine = TransferEngine()
-                if engine.initialize(hostname, metadata, "tcp", "") != 0:
+                engine, name = TransferEngine(), engine_name(hostname)
+                if engine.initialize(name, metadata, "tcp", "") != 0:
                     return None
-                self._engine = engine
+                self._engine, self.name = engine, name
             return self._engine.get_engine()
 
     def register(self, ptr: int, size: int) -> int:

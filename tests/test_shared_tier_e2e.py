@@ -90,6 +90,16 @@ def stored_on(node, at_least: int, timeout_s: float = 60.0) -> None:
     wait_until(lambda: shared_row(node).num_stored_blocks >= at_least, timeout_s, f"{at_least} blocks stored")
 
 
+def test_every_node_connects_to_the_store_at_its_first_try(stack):
+    """Both nodes run on one host: each transfer engine registers under a name of its own (two
+    named 127.0.0.1 collided, the second node's tier was down for its first probe interval and
+    whether the next test hit on B depended on how long the replicas took to start)."""
+    connected = "shared tier: connected to mooncake://"
+    for node in stack.nodes:
+        wait_until(lambda n=node: connected in n.cache.log(), 60.0, "the node's store client connected")
+        assert "cannot connect to the store's master" not in node.cache.log(), node.run_dir
+
+
 def test_a_prefix_computed_on_node_a_hits_on_node_b_through_the_store(stack):
     a, b = stack.nodes
     tokens = prompt(1)
