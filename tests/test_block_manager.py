@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from bench_scripts import bench_script
 
 from kvtier.block_hash import InvalidHashInput, extra_key, hash_block, hash_full_blocks, pack_token_ids
 from kvtier.cachesvc.block_manager import BlockManager
@@ -424,8 +425,7 @@ def test_pressure_trace_evicts_only_what_the_unpublished_free_blocks_cannot_cove
     """bench/block_manager.py's pressure trace, small: the policy evicts a cached block only when
     no unpublished free block is left, and hits at least as many tokens as the policy before it
     (every freed block to the tail, duplicates never offered), which broke that bound."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-    import block_manager as bench  # noqa: PLC0415
+    bench = bench_script("block_manager")
 
     args = bench.parse_args(["--sequences", "160", "--decode", "8", "--wave", "8"])
     args.prefixes, args.prefix_len, args.prompt_len = 24, 64, 100  # a partial last block per prompt

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from bench_scripts import bench_script
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "gpu_evidence.sh"
@@ -64,8 +65,7 @@ def test_real_run_without_cuda_stops_and_says_why(tmp_path):
 
 
 def test_gpu_stack_agreement_counts_exact_matches_and_the_agreeing_prefix():
-    sys.path.insert(0, str(REPO / "bench"))
-    from gpu_stack import agreement
+    agreement = bench_script("gpu_stack").agreement
 
     got = [[1, 2, 3], [1, 2, 9], [7, 2, 3]]
     want = [[1, 2, 3], [1, 2, 3], [1, 2, 3]]

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
+from bench_scripts import bench_script
 from servers import ModuleLoop
 from test_kernels import HEAD_LAYOUT_IDS, HEAD_LAYOUTS, PagedBatch, make_paged_batch
 
@@ -154,8 +153,7 @@ def test_quality_on_the_seeded_test_model_stays_within_bounds():
     Measured (256 tokens, 32 greedy): ppl +0.02 to +0.2%, KL <= 3e-4, fp8_e4m3 and int8 agree on
     every greedy token. The bounds leave room for other seeds, not for a broken scheme: a cache
     that dropped the scales or read the wrong token's scale moves ppl by tens of percent."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-    import kv_dtype as bench  # noqa: PLC0415
+    bench = bench_script("kv_dtype")
 
     model = bench.build_model("tiny-llama gqa 4/2 d16")
     with torch.inference_mode():
@@ -220,8 +218,7 @@ def test_a_stack_with_an_int8_cache_serves_what_the_runner_computes_and_reports_
     from kvtier.compute_client import ComputeClient
     from kvtier.model_spec import ModelShape
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-    import kv_dtype as bench  # noqa: PLC0415
+    bench = bench_script("kv_dtype")
 
     prompt = bench.text_tokens()[:40]
     expected = bench.greedy(bench.build_model("tiny-llama gqa 4/2 d16"), "int8", prompt, 12)

@@ -14,12 +14,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from bench_scripts import bench_script
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-
-from serve_report import RUN_METRICS, SUMMARY_METRICS  # noqa: E402
-from serve_workloads import WORKLOADS  # noqa: E402
+REPORT = bench_script("serve_report")
+RUN_METRICS, SUMMARY_METRICS = REPORT.RUN_METRICS, REPORT.SUMMARY_METRICS
+WORKLOADS = bench_script("serve_workloads").WORKLOADS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
