@@ -82,7 +82,7 @@ def build_parser(prog: str = "python -m kvtier.computesvc") -> argparse.Argument
         type=int,
         default=1,
         help="torch CPU threads of this replica (replicas share the node's cores: give each its share; "
-        "`kvtier up` chooses one replica on every usable CPU; the startup line says what runs, threads "
+        "`kvtier up` chooses for the machine (a replica of one thread per CPU on a 2-CPU box, else one replica on every usable CPU); the startup line says what runs, threads "
         "and allocator)",
     )
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together in one batch")

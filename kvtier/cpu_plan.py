@@ -110,22 +110,34 @@ class CpuPlan:
         return f"{self.replicas} replica(s) x {self.threads} thread(s) on {self.cpus} CPUs ({self.why}); preload: {libs}"
 
 
+SMALL_BOX = 2  # CPUs up to which the default is one replica of one thread per CPU (plan_cpu)
+
+
 def plan_cpu(
     replicas: int | None = None, threads: int | None = None, cpus: int | None = None, device: str = "cpu"
 ) -> CpuPlan:
     """The layout of a node's compute: what the user pinned (None: not pinned), the rest chosen.
 
-    NOTE: one replica using every CPU is the default (measured, 2 CPUs, the 27M Llama of
-    bench/serve_vs_vllm.py: decode 466 tok/s against 231 with two replicas of one thread,
-    shared-prefix 274 against 264):
-    one replica batches every request's decode into one forward, whose matmuls split across the
-    threads. device "cuda": the GPU runs the model; two replicas of one thread, as before.
+    NOTE: on a small box (SMALL_BOX CPUs or fewer) the default is a replica of one thread per
+    CPU. Measured, 2 CPUs, the 27M Llama of bench/serve_vs_vllm.py against vLLM's CPU engine in
+    the same runs (2026-12-04, three runs each way): 2 x 1 gave shared-prefix 0.90-0.96x, unique
+    1.26-1.33x, decode 0.75-0.81x; 1 x 2 gave 0.70-0.79x, 1.05-1.09x, 0.67-0.71x. A team of 2
+    OpenMP threads on 2 cores waits at every barrier for whichever thread the event loop, the
+    cache service or a neighbour has descheduled (a decode step 20 ms quiet, 160-1700 ms at load
+    4-13; one thread 27-60 ms); vLLM's CPU engine likewise runs its model on one thread and keeps
+    the other core for its scheduler. (Before sampling moved to the forward thread, 1 x 2 had
+    measured better: decode 466 tok/s against 231.) A bigger box gets one replica on every CPU,
+    whose batched forward splits its matmuls across the threads, without N copies of the weights
+    (not measured here: this machine has 2 CPUs). device "cuda": the GPU runs the model; two
+    replicas of one thread, as before.
     """
     cpus = cpus or usable_cpus()
     preload = tuple(allocator_libs())
     if device != "cpu":
         return CpuPlan(replicas or 2, threads or 1, cpus, preload, "a GPU runs the model")
     if replicas is None and threads is None:
+        if cpus <= SMALL_BOX:
+            return CpuPlan(cpus, 1, cpus, preload, "a replica of one thread per CPU on a small box")
         return CpuPlan(1, cpus, cpus, preload, "one replica on every CPU")
     if threads is None:
         return CpuPlan(replicas, max(1, cpus // replicas), cpus, preload, "the CPUs split between replicas")

@@ -20,6 +20,10 @@ def test_default_layout_is_one_replica_on_every_cpu():
     plan = plan_cpu(cpus=8)
     assert (plan.replicas, plan.threads) == (1, 8)
     assert "1 replica(s) x 8 thread(s) on 8 CPUs" in plan.describe()
+    small = plan_cpu(cpus=2)  # a small box: a replica of one thread per CPU
+    assert (small.replicas, small.threads) == (2, 1)
+    assert "2 replica(s) x 1 thread(s) on 2 CPUs" in small.describe()
+    assert (plan_cpu(cpus=1).replicas, plan_cpu(cpus=1).threads) == (1, 1)
 
 
 def test_pinned_replicas_split_the_cpus_and_pinned_threads_fill_them():
@@ -69,14 +73,17 @@ def test_kvtier_up_default_prints_its_layout_and_the_replica_runs_it(tmp_path):
         proc.wait(120)
     printed = "".join(seen)
     cpus = usable_cpus()
-    assert f"compute: 1 replica(s) x {cpus} thread(s) on {cpus} CPUs" in printed, printed
+    plan = plan_cpu(cpus=cpus)
+    assert f"compute: {plan.replicas} replica(s) x {plan.threads} thread(s) on {cpus} CPUs" in printed, (
+        printed
+    )
     libs = allocator_libs()
     for lib in libs:
         assert Path(lib).name in printed
     replica_log = (tmp_path / "compute-0.log").read_text()
     running = re.search(r"CPU: (\d+) torch thread\(s\) of (\d+) usable CPUs, allocator (.+)", replica_log)
     assert running, replica_log[-3000:]
-    assert (int(running[1]), int(running[2])) == (cpus, cpus)
+    assert (int(running[1]), int(running[2])) == (plan.threads, cpus)
     expected = ["tcmalloc"] * any("tcmalloc" in p for p in libs) + ["Intel OpenMP"] * any(
         Path(p).name in IOMP_NAMES for p in libs
     )

@@ -315,8 +315,8 @@ def _stack_flags(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument("--block-size", type=int, default=16, choices=(8, 16, 32, 64), help="tokens per KV block (default: 16)")  # fmt: skip
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together per replica")
-    p.add_argument("--threads", type=int, help="torch CPU threads per replica (default: chosen for the machine, printed at start: one replica on "
-        "every usable CPU, tcmalloc preloaded where installed; with a GPU 2 replicas x 1 thread)")  # fmt: skip
+    p.add_argument("--threads", type=int, help="torch CPU threads per replica (default: chosen for the machine, printed at start: a replica of one "
+        "thread per CPU on a 2-CPU box, else one replica on every usable CPU; tcmalloc preloaded where installed; with a GPU 2 x 1)")  # fmt: skip
     p.add_argument(
         "--compute-flag",
         action="append",
