@@ -93,6 +93,14 @@ def wait_until(predicate: Callable[[], object], timeout_s: float, what: str):
         time.sleep(0.05)  # polling a state change with a deadline, not waiting for readiness
 
 
+async def wait_until_async(predicate: Callable[[], object], timeout_s: float, what: str) -> None:
+    """`wait_until` on the running loop (its tasks, a router's followers say, run meanwhile)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s:.0f}s waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
 class ModuleLoop:
     """One asyncio event loop for a whole test module (tests/conftest.py closes a module's `LOOP`).
 

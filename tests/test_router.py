@@ -4,13 +4,12 @@ routes around a node that stops answering and resyncs when it comes back."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 
 import httpx
 import pytest
-from servers import TOKEN, ModuleLoop, cache_service, child_env, tls_cache_service
+from servers import TOKEN, ModuleLoop, cache_service, child_env, tls_cache_service, wait_until_async
 
 from kvtier.cache_client import AllocateItem, CacheClient
 from kvtier.cli.stack import LocalStack, start, wait_gateway
@@ -172,14 +171,6 @@ def test_kv_aware_prefers_the_held_prefix_until_the_load_term_outweighs_it(two_c
 
 def predicted(router: Router, node: int, p: list[int]) -> int:
     return router.predicted_tokens(router.states[node], router.block_hashes(p, "", "", BS), len(p))
-
-
-async def wait_until_async(predicate, timeout_s: float, what: str) -> None:
-    """Poll `predicate` on the running loop (the router's tasks run meanwhile) until it holds."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout_s:.0f}s waiting for {what}"
-        await asyncio.sleep(0.05)
 
 
 def test_a_node_that_stops_answering_is_routed_around_and_resynced_when_back(tmp_path) -> None:

@@ -14,7 +14,7 @@ import json
 import signal
 
 import pytest
-from servers import ModuleLoop, child_env, greedy_request, wait_until
+from servers import ModuleLoop, child_env, greedy_request, wait_until, wait_until_async
 
 from kvtier.block_hash import extra_key, hash_preimage, pack_token_ids
 from kvtier.cache_client import CacheClient
@@ -224,8 +224,6 @@ def test_the_routers_shared_index_drops_what_the_store_lost(stack):
     """A real router follows both nodes: the prefix A wrote through is a shared hit it predicts on
     B; once the store has lost it (removed through its own client), B's lookup misses, B's event
     says so and the router's index of the shared tier shrinks: the hit is no longer predicted."""
-    import asyncio
-    import time
 
     from kvtier.api_keys import tenant_salt
     from kvtier.cachesvc.shared_tier import object_name
@@ -247,22 +245,16 @@ def test_the_routers_shared_index_drops_what_the_store_lost(stack):
     def shared_on_b() -> int:
         return predicted_hit(on_b, hashes, len(tokens)).below.get("shared", 0)
 
-    async def until(check, what: str) -> None:
-        deadline = time.monotonic() + 60.0
-        while not check():
-            assert time.monotonic() < deadline, f"the router: {what}"
-            await asyncio.sleep(0.05)
-
     LOOP.run(router.start())
     try:
-        LOOP.run(until(lambda: shared_on_b() >= PREFIX - BS, "A's prefix predicted on B"))
+        LOOP.run(wait_until_async(lambda: shared_on_b() >= PREFIX - BS, 60.0, "A's prefix predicted on B"))
         raw = raw_client(stack, "acme")
         try:
             assert raw.batch_remove([object_name(layout, k) for k in keys], True) == [0] * len(keys)
         finally:
             raw.close()
         assert generate(b, tokens).cached_prompt_tokens == 0  # a miss: recomputed
-        LOOP.run(until(lambda: shared_on_b() == 0, "the lost prefix dropped"))
+        LOOP.run(wait_until_async(lambda: shared_on_b() == 0, 60.0, "the lost prefix dropped"))
     finally:
         LOOP.run(router.close())
 
