@@ -156,7 +156,7 @@ class SharedTier(Tier):
         if self._epoch != self.client.breaker.epoch:  # the store was down: it may have restarted empty
             self._epoch = self.client.breaker.epoch
             with self._lock:
-                self._removed(tuple(self._known))
+                self._announce(False, tuple(self._known))
                 self._known.clear()
         return self._known
 
@@ -170,12 +170,13 @@ class SharedTier(Tier):
                 known.move_to_end(key)
             while len(known) > self.known_keys:
                 dropped.append(known.popitem(last=False)[0])
-            self._removed(dropped)
+            self._announce(False, dropped)
 
-    def _removed(self, keys: Sequence[bytes]) -> None:
-        """REMOVED events for keys this node no longer says the store holds."""
+    def _announce(self, stored: bool, keys: Sequence[bytes]) -> None:
+        """One event record: ``keys`` written to the store (``stored``), or keys this node no
+        longer says the store holds."""
         if keys:
-            self._events.append((tier_kind(False, self.medium.name), tuple(keys), (-1,) * len(keys)))
+            self._events.append((tier_kind(stored, self.medium.name), tuple(keys), (-1,) * len(keys)))
 
     # -- stores -----------------------------------------------------------------------------------
 
@@ -205,7 +206,7 @@ class SharedTier(Tier):
         if stored:
             self._counts["stored"] += len(stored)
             self._remember(stored, tenants)
-            self._events.append((tier_kind(True, self.medium.name), tuple(stored), (-1,) * len(stored)))
+            self._announce(True, stored)
         return None
 
     def _written(self, key: bytes, ok: bool) -> None:
@@ -361,7 +362,7 @@ class SharedTier(Tier):
                 return False
             if known_as is not None:
                 del self._known[key]
-            self._removed((key,))
+            self._announce(False, (key,))
             return known_as is not None
 
     def take_events(self) -> list[EventRecord]:

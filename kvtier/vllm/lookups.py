@@ -208,9 +208,13 @@ class Lookups:
         key = request_key(request)
         if key is None or not self.link.attached or len(key[0]) > self.max_model_len:
             return None
-        if (len(key[0]) - 1) // self.block_size * self.block_size <= num_computed_tokens:
+        if self._loadable(key[0]) <= num_computed_tokens:
             return None  # vLLM's own hit covers every block kvtier could load (or the prompt is one block)
         return key
+
+    def _loadable(self, tokens: list[int]) -> int:
+        """The most leading tokens of a prompt a hit can give: whole blocks below its last token."""
+        return (len(tokens) - 1) // self.block_size * self.block_size
 
     def _start_lookup(self, request, num_computed_tokens: int) -> Future | None:
         """The request's lookup (a Future of its Lookup), or None: nothing to look up."""
@@ -221,8 +225,7 @@ class Lookups:
         if held is None:  # not asked on arrival (preempted, or the cache was away then)
             held = self._asked(self._queries.submit(*key))
         self._wait(held)
-        want = (len(key[0]) - 1) // self.block_size * self.block_size
-        if held.done() and min(held.result(), want) <= num_computed_tokens:
+        if held.done() and min(held.result(), self._loadable(key[0])) <= num_computed_tokens:
             future: Future = Future()  # a miss (the common case): no pin to ask for
             future.set_result(Lookup(held.result(), None))
             return future
@@ -293,7 +296,7 @@ class Lookups:
         generation, spec = self.link.snapshot()
         if spec is None:
             raise CacheDown("not attached")
-        want = min(held, (len(tokens) - 1) // bs * bs)
+        want = min(held, self._loadable(tokens))
         if want <= num_computed:
             return Lookup(held, None)
         item = AllocateItem(tokens[: want + 1], tenant_salt=salt, adapter_id=adapter, request_id=rid)
