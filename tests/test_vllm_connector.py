@@ -315,8 +315,16 @@ def test_restarted_engine_hits_its_prefixes_in_every_tier(stack):
     """A is SIGKILLed and started again; meanwhile B's prompts push A's prefix out of the pool, past
     the host cache, onto disk. A new hits it there, and a later prompt in the host cache."""
     a, b = stack["A"], stack["B"]
-    old_leases = {lease.client_name for lease in leases(stack) if lease.client_name.startswith("vllm")}
+
+    def engine_leases() -> set[str]:
+        return {lease.client_name for lease in leases(stack) if lease.client_name.startswith("vllm")}
+
+    old_leases = engine_leases()
     a.kill()
+    # The killed engine's two leases (scheduler, worker) expire and leave nothing behind: B's two are
+    # all that is left. Before the fillers: a sequence A's scheduler had pinned (a lookup's hit) holds
+    # the prefix's blocks until then, and blocks released during the fillers would outlive them.
+    wait_until(lambda: len(engine_leases()) == 2, 30, "the killed engine's leases expiring")
     a.start()
     fillers = [prompt(100 + i, 1000) for i in range(12)]  # 31 blocks each: the pool holds 160, the host 128
     filler_outputs = [b.complete(tokens) for tokens in fillers]
@@ -335,11 +343,7 @@ def test_restarted_engine_hits_its_prefixes_in_every_tier(stack):
     assert a.complete(fillers[in_host[-1]]) == filler_outputs[in_host[-1]]
     assert a.external_hits() - before == 1088 + 992, "the prompt in the host cache was not loaded"
 
-    # The killed engine's two leases (scheduler, worker) expired and left nothing behind: B's two and
-    # the new A's two are all that is left.
-    def engine_leases() -> set[str]:
-        return {lease.client_name for lease in leases(stack) if lease.client_name.startswith("vllm")}
-
+    # B's two leases and the new A's two are all that is left.
     wait_until(lambda: len(engine_leases()) == 4 and len(old_leases & engine_leases()) == 2, 30,
                "the killed engine's leases expiring")  # fmt: skip
     wait_until(lambda: all(lease.num_sequences == 0 for lease in leases(stack)), 30, "every sequence freed")
