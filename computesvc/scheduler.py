@@ -367,7 +367,11 @@ class Scheduler:
 
         def forward() -> Picks | None:
             logits = self.runner.prefill(inputs)
-            return self.emitter.pick([r for r, _ in done], logits.index_select(0, rows)) if done else None
+            return (
+                self.emitter.pick([r for r, _ in done], logits.index_select(0, rows.to(logits.device)))
+                if done
+                else None
+            )
 
         started = time.perf_counter()
         with self.observer.prefill_span(chunks):

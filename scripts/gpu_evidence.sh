@@ -189,6 +189,14 @@ if ! "$PY" -c "import torch, triton, sys; sys.exit(0 if torch.cuda.is_available(
     exit 2
 fi
 
+# The folders cachesvc/, computesvc/, kernels/ and gateway/ import only as kvtier.* through the
+# install's package-dir mapping: an interpreter without kvtier installed gets this checkout,
+# editable, with nothing fetched (no dependencies, no index, no build isolation).
+if ! "$PY" -c "import kvtier.cachesvc, kvtier.kernels" >/dev/null 2>&1; then
+    step install-kvtier 120 "$OUT/install-kvtier.log" \
+        "$PY" -m pip install --no-deps --no-index --no-build-isolation -e "$ROOT"
+fi
+
 # Setup: install what is missing, never replacing the CUDA torch / triton.
 missing=$(missing_packages)
 if [ -n "$missing" ] && [ "${GPU_EVIDENCE_NO_INSTALL:-0}" != 1 ]; then
