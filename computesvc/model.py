@@ -31,9 +31,11 @@ from transformers import (
 )
 
 from kvtier import kv_dtypes
+from kvtier.computesvc.cpu_forward import OwnForward, fuse_linears, is_fused
 from kvtier.computesvc.cpu_linear import pack_linears
 from kvtier.computesvc.paged_attention import ATTN_IMPLEMENTATION, PagedBatch, use_paged_attention
 from kvtier.generation_config import GENERATION_CONFIG, describe, read_generation_defaults
+from kvtier.kernels import DecodePlans, backend
 from kvtier.memory_plan import check_replica_fits, model_needs
 from kvtier.model_spec import TINY_LLAMA_CONFIG, ModelShape
 from kvtier.tokenizer import load_tokenizer
@@ -224,7 +226,11 @@ class ModelRunner:
     in each block). Layer l reads and writes the views pool[:, l, 0] and pool[:, l, 1] (no
     copies), so what the runner writes is what the cache service sees. A float32 model on CPU
     has its linears swapped for prepacked oneDNN ones when the first runner is made
-    (computesvc.cpu_linear; its state dict then no longer holds their weights).
+    (computesvc.cpu_linear; its state dict then no longer holds their weights). On CPU the
+    runner runs its own forward (computesvc.cpu_forward), which fuses the model's q/k/v and
+    gate/up linears: the model then runs only under ModelRunner. `own_forward=False` keeps
+    transformers' forward with the paged attention hook, the path CUDA takes, on a model no
+    runner fused.
     """
 
     def __init__(
@@ -233,6 +239,8 @@ class ModelRunner:
         pool: torch.Tensor,
         block_size: int,
         kv_scales: torch.Tensor | None = None,
+        *,
+        own_forward: bool = True,
     ):
         config = model.config
         if config._attn_implementation != ATTN_IMPLEMENTATION:
@@ -255,8 +263,13 @@ class ModelRunner:
                 f"[num_blocks, {', '.join(map(str, expected))}] (layers, K/V, block_size, kv heads, head_dim)"
             )
         check_pool_readable(pool, kv_scales, model)
-        # float32 on CPU: every linear runs oneDNN on a prepacked weight (in place, once per model).
+        # On CPU the runner's own layer loop (q/k/v and gate/up fused in place, once per model),
+        # then, in float32, every linear on a oneDNN-prepacked weight (in place, once per model).
+        if not own_forward and is_fused(model):
+            raise ValueError("this model's linears were fused for the runner's own forward: it runs no other")
+        fused = own_forward and fuse_linears(model)
         pack_linears(model)
+        self.own_forward = OwnForward(model) if fused else None
         self.model = model
         self.pool = pool
         self.block_size = block_size
@@ -325,7 +338,12 @@ class ModelRunner:
         slots = [
             self._slots(table, pos, pos + 1)[0] for pos, table in zip(positions, block_tables, strict=True)
         ]
-        batch = self._batch(slots, block_tables, [p + 1 for p in positions], None, max_query_len=1)
+        lens = [p + 1 for p in positions]
+        batch = self._batch(slots, block_tables, lens, None, max_query_len=1)
+        if backend(self.device) == "torch":  # what every layer reads, worked out once for the step
+            batch.decode_plans = DecodePlans(
+                block_tables, lens, self.block_size, self.device, self.num_blocks
+            )
         return self._forward(token_ids, positions, batch, logits_to_keep=0)
 
     def _check_block_table(self, i: int, table: list[int], num_tokens: int) -> None:
@@ -383,9 +401,12 @@ class ModelRunner:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token ids {bad[:8]} outside the vocabulary [0, {self.vocab_size})")
-        input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
-        position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        position_ids = torch.tensor(positions, dtype=torch.long, device=self.device)
         with torch.inference_mode():
+            if self.own_forward is not None:
+                return self.own_forward(input_ids, position_ids, batch, logits_to_keep).float()
+            input_ids, position_ids = input_ids[None], position_ids[None]
             out = self.model(
                 input_ids=input_ids,
                 position_ids=position_ids,

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 
-from kvtier.kernels import paged_decode_attention, paged_prefill_attention, write_kv
+from kvtier.kernels import DecodePlans, paged_decode_attention, paged_prefill_attention, write_kv
 
 ATTN_IMPLEMENTATION = "kvtier_paged"
 
@@ -53,6 +53,9 @@ class PagedBatch:
     # The monotonic time after which this process may no longer hold its blocks (lease fencing),
     # read before every layer's write: a renewal that lands mid-step moves it on.
     write_deadline: Callable[[], float] = _no_deadline
+    # The torch path's decode plans of this step (kvtier.kernels.DecodePlans: one per window size,
+    # made by the first layer that needs it); None for prefill and on other backends.
+    decode_plans: DecodePlans | None = None
 
 
 class LeaseExpired(RuntimeError):
@@ -83,11 +86,29 @@ def paged_attention_forward(
         raise RuntimeError(
             f"{ATTN_IMPLEMENTATION} attention runs only under ModelRunner (no kvtier_batch given)"
         )
-    batch = kvtier_batch
-    layer = module.layer_idx
     q = query[0].transpose(0, 1).contiguous()
     k = key[0].transpose(0, 1).contiguous()
     v = value[0].transpose(0, 1).contiguous()
+    scale = module.scaling if scaling is None else scaling
+    # transformers passes each layer's own window (None on full-attention layers of mixed models).
+    window = kwargs.get("sliding_window")
+    out = attend(kvtier_batch, module.layer_idx, q, k, v, scale, int(window) if window else None)
+    return out.unsqueeze(0), None
+
+
+def attend(
+    batch: PagedBatch,
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """One layer's paged attention: q [T, num_heads, head_dim], k and v [T, num_kv_heads,
+    head_dim] of the batch's T new tokens after RoPE. Checks the lease fence, writes k and v into
+    the layer's pool blocks, then attends over each sequence's blocks (its last `window` positions
+    when given). Returns [T, num_heads, head_dim]."""
     k_cache, v_cache = batch.k_caches[layer], batch.v_caches[layer]
     # NOTE: checked before every layer's write, so a process paused mid-forward (stalled, or
     # SIGSTOPped) past its lease never writes into blocks the cache may have reassigned.
@@ -101,12 +122,9 @@ def paged_attention_forward(
     if batch.k_scales is not None and batch.v_scales is not None:
         scales = {"k_scale": batch.k_scales[layer], "v_scale": batch.v_scales[layer]}
     write_kv(k, v, k_cache, v_cache, batch.slot_mapping, **scales)
-    scale = module.scaling if scaling is None else scaling
-    # transformers passes each layer's own window (None on full-attention layers of mixed models).
-    window = kwargs.get("sliding_window")
-    window = int(window) if window else None
     if batch.cu_query_lens is None:
-        out = paged_decode_attention(
+        plan = None if batch.decode_plans is None else batch.decode_plans.get(window)
+        return paged_decode_attention(
             q,
             k_cache,
             v_cache,
@@ -115,22 +133,21 @@ def paged_attention_forward(
             scale,
             max_seq_len=batch.max_seq_len,
             window=window,
+            plan=plan,
             **scales,
         )
-    else:
-        out = paged_prefill_attention(
-            q,
-            k_cache,
-            v_cache,
-            batch.block_tables,
-            batch.cu_query_lens,
-            batch.seq_lens,
-            scale,
-            max_query_len=batch.max_query_len,
-            window=window,
-            **scales,
-        )
-    return out.unsqueeze(0), None
+    return paged_prefill_attention(
+        q,
+        k_cache,
+        v_cache,
+        batch.block_tables,
+        batch.cu_query_lens,
+        batch.seq_lens,
+        scale,
+        max_query_len=batch.max_query_len,
+        window=window,
+        **scales,
+    )
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)

@@ -31,9 +31,10 @@ import os
 import torch
 
 from kvtier import kv_dtypes
+from kvtier.kernels.decode_plan import DecodePlan, DecodePlans
 from kvtier.kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv_ref
 
-__all__ = ["backend", "paged_decode_attention", "paged_prefill_attention", "write_kv"]
+__all__ = ["DecodePlans", "backend", "paged_decode_attention", "paged_prefill_attention", "write_kv"]
 
 _DTYPES = tuple(kv_dtypes.torch_dtype(name) for name in kv_dtypes.MODEL_DTYPES)
 _QUANTIZED = tuple(kv_dtypes.torch_dtype(name) for name in kv_dtypes.QUANTIZED_DTYPES)
@@ -62,6 +63,7 @@ def paged_decode_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     window: int | None = None,
+    plan: DecodePlan | None = None,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged context (MHA, GQA, MQA).
 
@@ -76,6 +78,8 @@ def paged_decode_attention(
     `window` positions; table entries of blocks wholly before them may be placeholders), None
     for full attention.
 
+    Torch only: plan, the step's `DecodePlans.get(window)` for these tables and lengths (what
+    each layer reads, worked out once per step; made here when None).
     Triton only: num_splits forces the flash-decoding split count (default: a heuristic from
     batch and context length); max_seq_len, an upper bound of seq_lens, sizes the splits
     (default: max_blocks * block_size of block_tables, read without a device sync).
@@ -94,7 +98,7 @@ def paged_decode_attention(
     kind = backend(q.device)
     if kind == "torch":
         return paged_decode_attention_ref(
-            q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, window
+            q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, window, plan
         )
     from kvtier.kernels import decode_attention
 

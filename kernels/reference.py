@@ -28,6 +28,7 @@ import threading
 import torch
 
 from kvtier import kv_dtypes
+from kvtier.kernels.decode_plan import DecodePlan, SharedPrefixes, plan_decode
 
 
 class _Workspace(threading.local):
@@ -80,6 +81,7 @@ def paged_decode_attention_ref(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     window: int | None = None,
+    plan: DecodePlan | None = None,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged context.
 
@@ -90,45 +92,88 @@ def paged_decode_attention_ref(
     h // (num_heads // num_kv_heads). k_scale, v_scale: [num_blocks, block_size, num_kv_heads]
     float32 for a quantized cache, else None. window: a sliding window in tokens (the query reads
     only its last `window` positions, itself included; table entries of blocks wholly before it
-    may be placeholders, any id: they are never attended), None for full attention.
-    Returns [num_seqs, num_heads, head_dim] in q's dtype.
+    may be placeholders, any id: they are never attended), None for full attention. plan: the
+    step's `decode_plan.plan_decode` of these tables, lengths and window, made once for all
+    layers (built here when None). Returns [num_seqs, num_heads, head_dim] in q's dtype.
     """
     num_seqs, num_heads, head_dim = q.shape
     num_blocks_total, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    device = q.device
-    lens_list = seq_lens.tolist()
-    max_len = max(lens_list, default=0)
-    if max_len == 0:
+    if plan is None:
+        tables, lens = block_tables.tolist(), seq_lens.tolist()
+        plan = plan_decode(tables, lens, block_size, q.device, window, num_blocks_total)
+    if max(plan.lens, default=0) == 0:
         return torch.zeros_like(q)
-    # Positions below a sequence's `lows` entry lie before its window.
-    lows_list = [max(0, n - window) if window else 0 for n in lens_list]
-    first = min(lows_list) // block_size  # blocks wholly before every window are not read
-    num_blocks = -(-max_len // block_size)
-    ids = block_tables[:, first:num_blocks].to(device=device, dtype=torch.long).clamp(0, num_blocks_total - 1)
-    ids = ids.reshape(-1)
-    k = _gather_blocks(k_cache, ids, num_seqs, k_scale, "k")  # [S, T, Hkv, D]
-    v = _gather_blocks(v_cache, ids, num_seqs, v_scale, "v")
-    pos = torch.arange(first * block_size, num_blocks * block_size, device=device)
-    lens = seq_lens.to(device=device, dtype=torch.long)
-    visible = pos[None, :] < lens[:, None]  # [S, T]
-    if window:
-        visible &= pos[None, :] >= torch.tensor(lows_list, device=device)[:, None]
+    k = _gather_blocks(k_cache, plan.ids, num_seqs, k_scale, "k").float()  # [S, T, Hkv, D]
+    v = _gather_blocks(v_cache, plan.ids, num_seqs, v_scale, "v").float()  # no copy when fp32
     # NOTE: the G query heads sharing a KV head are that head's "query tokens" (one KV read per KV
     # head, no repeat), through SDPA's flash CPU kernel over the gathered blocks: one fused pass,
     # no scores in memory. A padding row (no visible key) would give NaN: it is zeroed below.
-    k, v = k.float(), v.float()  # no copy for a float32 cache
-    o = torch.nn.functional.scaled_dot_product_attention(
-        q.float().reshape(num_seqs, num_kv_heads, group, head_dim),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        attn_mask=visible[:, None, None, :],
-        scale=scale,
-    )  # [S, Hkv, G, D]
-    out = o.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
-    if min(lens_list) == 0:
+    queries = q.float().reshape(num_seqs, num_kv_heads, group, head_dim)
+    if plan.shared is None:
+        o = torch.nn.functional.scaled_dot_product_attention(
+            queries,
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=plan.visible[:, None, None, :],
+            scale=scale,
+        )  # [S, Hkv, G, D]
+        out = o.reshape(num_seqs, num_heads, head_dim)
+    else:
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            queries, k.transpose(1, 2), v.transpose(1, 2), attn_mask=plan.bias, scale=scale
+        )
+        if plan.alone_empty is not None:  # no key of its own: the kernel's log-sum-exp reads 0
+            lse.masked_fill_(plan.alone_empty, float("-inf"))
+        own = o.reshape(num_seqs, num_heads, head_dim), lse.reshape(num_seqs, num_heads)
+        out = _merge(own, _attend_prefixes(queries, k_cache, v_cache, plan.shared, k_scale, v_scale, scale))
+    out = out.to(q.dtype)
+    if min(plan.lens) == 0:
+        lens = torch.tensor(plan.lens, device=q.device)
         out.masked_fill_((lens == 0)[:, None, None], 0.0)
     return out
+
+
+def _attend_prefixes(
+    queries: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    shared: SharedPrefixes,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group's prefix attended once by the query heads of all its members: returns, per
+    sequence, the output [S, H, D] and log-sum-exp [S, H] over its group's prefix (zeros and
+    -inf for a sequence in no group)."""
+    num_seqs, num_kv_heads, group, head_dim = queries.shape
+    groups, members = shared.groups, shared.members
+    k = _gather_blocks(k_cache, shared.ids, groups, k_scale, "pk").float()  # [groups, P, Hkv, D]
+    v = _gather_blocks(v_cache, shared.ids, groups, v_scale, "pv").float()
+    rows = queries[shared.rows].view(groups, members, num_kv_heads, group, head_dim)
+    rows = rows.transpose(1, 2).reshape(groups, num_kv_heads, members * group, head_dim)
+    bias = shared.bias
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        rows, k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias, scale=scale
+    )  # [groups, Hkv, members * G, D], [groups, Hkv, members * G]
+    o = o.view(groups, num_kv_heads, members, group, head_dim).transpose(1, 2)
+    lse = lse.view(groups, num_kv_heads, members, group).transpose(1, 2)
+    num_heads = num_kv_heads * group
+    out = queries.new_zeros(num_seqs, num_heads, head_dim)
+    out[shared.seqs] = o.reshape(-1, num_heads, head_dim)[shared.real]
+    out_lse = queries.new_full((num_seqs, num_heads), float("-inf"))
+    out_lse[shared.seqs] = lse.reshape(-1, num_heads)[shared.real]
+    return out, out_lse
+
+
+def _merge(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Softmax attention over two disjoint key sets from each one's output [S, H, D] and
+    log-sum-exp [S, H] (-inf: that set is empty)."""
+    (out_a, lse_a), (out_b, lse_b) = a, b
+    top = torch.maximum(lse_a, lse_b)
+    w_a, w_b = (lse_a - top).exp_(), (lse_b - top).exp_()
+    total = w_a + w_b
+    return out_a * (w_a / total)[..., None] + out_b * (w_b / total)[..., None]
 
 
 def paged_prefill_attention_ref(

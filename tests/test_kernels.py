@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from kvtier import kernels
 from kvtier.kernels.decode_attention import choose_num_splits
+from kvtier.kernels.decode_plan import plan_decode
 from kvtier.kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv_ref
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -182,6 +183,36 @@ def test_decode_reference_matches_sdpa_on_contiguous_kv(dtype, heads, block_size
 
     assert out.dtype == dtype and out.shape == q.shape
     torch.testing.assert_close(out.float(), direct_decode(q, batch, scale), **tolerance(dtype))
+
+
+@pytest.mark.parametrize("heads", HEAD_LAYOUTS, ids=HEAD_LAYOUT_IDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_over_shared_prefixes_reads_each_prefix_once_and_matches_sdpa(dtype, heads):
+    num_heads, num_kv_heads = heads
+    bs = 16
+    # Sequences 0-2 share 3 blocks; 3 and 4 share 2, and 4's whole context is those 2 blocks;
+    # 5 starts with 0's first block but holds only one block whole (too short to join); 6 shares
+    # nothing; 7 is a padding row.
+    seq_lens = [3 * bs + 9, 5 * bs, 3 * bs + 1, 2 * bs + 7, 2 * bs, bs + 3, 4 * bs + 2, 0]
+    batch = make_paged_batch(seq_lens, num_kv_heads, 64, bs, dtype, shared_prefix_blocks=0)
+    tables = batch.block_tables
+    tables[1, :3] = tables[2, :3] = tables[0, :3]
+    tables[4, :2] = tables[3, :2]
+    tables[5, 0] = tables[0, 0]
+    plan = plan_decode(tables.tolist(), seq_lens, bs)
+    assert plan.shared is not None and plan.shared.groups == 2
+    assert sorted(plan.shared.seqs.tolist()) == [0, 1, 2, 3, 4]
+    q = torch.randn(len(seq_lens), num_heads, 64).to(dtype)
+
+    out = paged_decode_attention_ref(
+        q, batch.k_cache, batch.v_cache, tables, batch.seq_lens, 0.125, plan=plan
+    )
+
+    torch.testing.assert_close(out.float(), direct_decode(q, batch, 0.125), **tolerance(dtype))
+    assert torch.equal(out[7], torch.zeros_like(out[7]))
+    # Without a plan the reference makes the same one.
+    alone = paged_decode_attention_ref(q, batch.k_cache, batch.v_cache, tables, batch.seq_lens, 0.125)
+    torch.testing.assert_close(alone, out, atol=0, rtol=0)
 
 
 def test_decode_reference_reads_long_contexts_of_unequal_lengths():

@@ -28,6 +28,7 @@ from kvtier.computesvc.model import (
     load_model,
 )
 from kvtier.computesvc.paged_attention import LeaseExpired, use_paged_attention
+from kvtier.kernels.decode_plan import plan_decode
 from kvtier.model_spec import TINY_LLAMA_CONFIG, ModelShape
 from kvtier.tokenizer import build_byte_tokenizer
 
@@ -169,6 +170,55 @@ def test_prefix_hit_prefills_only_the_suffix_and_matches_generate(eager_model, p
         out.append(int(logits.argmax(-1)))
 
     assert out == hf_greedy(eager_model, second, 8)
+
+
+def test_sequences_over_one_shared_prefix_decode_together_like_generate(eager_model, paged_model):
+    # Three prompts over the same two cached blocks decode in one batch: the torch path attends
+    # the shared blocks once for all three (cascade) and each sequence's own blocks apart.
+    runner = ModelRunner(paged_model, make_pool(paged_model), BLOCK_SIZE)
+    blocks = ShuffledBlocks(NUM_BLOCKS, seed=6)
+    cached = 2 * BLOCK_SIZE
+    prompts = [prompt(cached + 1, salt=8)[:cached] + prompt(n, salt=9 + n)[1:] for n in (4, 12, 20)]
+    shared = blocks.take(2)
+    tables = [shared + blocks.take(blocks_for(len(p) + 10) - 2) for p in prompts]
+    runner.prefill([PrefillInput(prompts[0][:cached], 0, tables[0])])
+    logits = runner.prefill(
+        [PrefillInput(p[cached:], cached, t) for p, t in zip(prompts, tables, strict=True)]
+    )
+    outputs = [[tok] for tok in logits.argmax(-1).tolist()]
+    lens = [len(p) + 1 for p in prompts]
+    assert plan_decode(tables, lens, BLOCK_SIZE).shared is not None  # the step forms a group
+    for _ in range(9):
+        logits = runner.decode(
+            [out[-1] for out in outputs],
+            [len(p) + len(out) - 1 for p, out in zip(prompts, outputs, strict=True)],
+            tables,
+        )
+        for out, tok in zip(outputs, logits.argmax(-1).tolist(), strict=True):
+            out.append(tok)
+
+    assert outputs == [hf_greedy(eager_model, p, 10) for p in prompts]
+
+
+def test_transformers_forward_with_the_paged_hook_matches_generate(eager_model):
+    # The path CUDA runs (transformers' forward, attention through the hook), checked on CPU.
+    model = build_tiny_model(seed=0)
+    use_paged_attention(model)
+    runner = ModelRunner(model, make_pool(model), BLOCK_SIZE, own_forward=False)
+    assert runner.own_forward is None and hasattr(model.model.layers[0].self_attn, "q_proj")
+    prompts = [prompt(n, salt=4) for n in (5, 16, 33)]
+    got = paged_greedy(runner, prompts, 12, ShuffledBlocks(NUM_BLOCKS, seed=2))
+    assert got == [hf_greedy(eager_model, p, 12) for p in prompts]
+
+
+def test_a_cpu_runner_runs_its_own_forward_over_fused_linears(paged_model):
+    runner = ModelRunner(paged_model, make_pool(paged_model), BLOCK_SIZE)
+    attn, mlp = paged_model.model.layers[0].self_attn, paged_model.model.layers[0].mlp
+    assert runner.own_forward is not None
+    assert hasattr(attn, "qkv_proj") and not hasattr(attn, "q_proj")
+    assert hasattr(mlp, "gate_up_proj") and not hasattr(mlp, "gate_proj")
+    with pytest.raises(ValueError, match="fused"):
+        ModelRunner(paged_model, make_pool(paged_model), BLOCK_SIZE, own_forward=False)
 
 
 def test_chunked_prefill_matches_generate(eager_model, paged_model):
