@@ -5,7 +5,10 @@ queue out in one batched `Allocate`, as many requests as there are free seats an
 compute in the step's budget. A request is charged its tokens less those surely a prefix hit
 (`sure_hits`: whole blocks it shares with the committed prompt of a sequence running here, which
 holds them), as vLLM charges only uncached tokens; a prompt that shares nothing is charged
-whole, as before. Prefill chunks by the same budget, so a step never computes more. A batch the pool cannot hold is halved until it fits; a batch with an
+whole, as before. A request that shares whole blocks with a prompt admitted in the same batch or
+still prefilling here waits (keeping its place) until that prompt is committed, and then hits it:
+admitted at once it would compute the same blocks again (a shared-prefix burst computed each
+system prompt up to 3 times in one step). Prefill chunks by the same budget, so a step never computes more. A batch the pool cannot hold is halved until it fits; a batch with an
 item the cache refuses (INVALID_ARGUMENT) or that can never fit (ExceedsLimit, checked before
 room) is retried one request per call, so only those requests fail (`RequestRefused`, or the
 ExceedsLimit itself). A head that finds no room fails at once when it can never fit
@@ -45,27 +48,48 @@ QUOTA_RETRY_S = 0.05
 MAX_QUOTA_RETRY_S = 0.5
 
 
+def by_first_block(reqs: list[Request], block_size: int) -> dict[tuple, list[Request]]:
+    """`reqs` by (salt, first prompt block): the key under which another prompt's Allocate can
+    hit their blocks."""
+    found: dict[tuple, list[Request]] = {}
+    for r in reqs:
+        found.setdefault((r.tenant_salt, tuple(r.prompt_token_ids[:block_size])), []).append(r)
+    return found
+
+
 def committed_prompts(running: list[Request], block_size: int) -> dict[tuple, list[Request]]:
     """The sequences running here whose committed prompt blocks are all still held (no window
-    released any), by (salt, first block): while a sequence holds a committed block, the cache
+    released any), by `by_first_block`: while a sequence holds a committed block, the cache
     cannot evict it, so an Allocate of the same tokens under the same salt hits it."""
-    held: dict[tuple, list[Request]] = {}
-    for r in running:
-        if r.status is Status.RUNNING and not r.num_released_blocks and r.num_committed >= block_size:
-            held.setdefault((r.tenant_salt, tuple(r.prompt_token_ids[:block_size])), []).append(r)
-    return held
+    return by_first_block(
+        [
+            r
+            for r in running
+            if r.status is Status.RUNNING and not r.num_released_blocks and r.num_committed >= block_size
+        ],
+        block_size,
+    )
 
 
-def sure_hits(req: Request, held: dict[tuple, list[Request]], block_size: int) -> int:
+def prefilling_prompts(running: list[Request], block_size: int) -> dict[tuple, list[Request]]:
+    """The sequences running here still prefilling their prompt (committed once it is done), by
+    `by_first_block`."""
+    return by_first_block([r for r in running if r.status is Status.RUNNING and r.prefilling], block_size)
+
+
+def sure_hits(req: Request, held: dict[tuple, list[Request]], block_size: int, committed: bool = True) -> int:
     """Leading tokens of `req` its Allocate surely finds cached: the whole blocks of its prompt
     that a sequence in `held` (`committed_prompts`) committed, capped as the cache caps a hit
-    (the last prompt token is always computed). 0 when it shares no block with one."""
+    (the last prompt token is always computed). 0 when it shares no block with one. With
+    `committed` False, the blocks the sequences in `held` will commit once prefilled (their
+    whole prompt blocks), committed or not."""
     bs = block_size
     prompt = req.prompt_token_ids
     cap = (len(prompt) - 1) // bs
     best = 0
     for r in held.get((req.tenant_salt, tuple(prompt[:bs])), ()):
-        limit = min(cap, r.num_committed // bs, len(r.prompt_token_ids) // bs)
+        done = r.num_committed if committed else len(r.prompt_token_ids)
+        limit = min(cap, done // bs, len(r.prompt_token_ids) // bs)
         n = 1
         while n < limit and prompt[n * bs : (n + 1) * bs] == r.prompt_token_ids[n * bs : (n + 1) * bs]:
             n += 1
@@ -117,13 +141,21 @@ class Admission:
         room = self.config.max_num_seqs - len(running)
         budget = self.config.max_num_batched_tokens
         batch: list[Request] = []
-        held = committed_prompts(running, self.block_size) if room > 0 else {}
+        bs = self.block_size
+        held = committed_prompts(running, bs) if room > 0 else {}
+        computing = prefilling_prompts(running, bs) if room > 0 else {}  # + this batch, below
         for req in (r for r in waiting if r.tenant not in held_back):
-            cost = req.num_tokens - sure_hits(req, held, self.block_size)
-            if len(batch) >= room or (batch and cost > budget):
+            if len(batch) >= room:
+                break
+            hit = sure_hits(req, held, bs)
+            if sure_hits(req, computing, bs, committed=False) > hit:
+                continue  # its blocks are being computed: it hits them once they are committed
+            cost = req.num_tokens - hit
+            if batch and cost > budget:
                 break
             batch.append(req)
             budget -= cost
+            computing.setdefault((req.tenant_salt, tuple(req.prompt_token_ids[:bs])), []).append(req)
         seqs: list[SequenceBlocks] = []  # none when no room (max_num_seqs running)
         while batch:
             try:

@@ -91,3 +91,17 @@ def test_prompts_that_share_nothing_are_charged_whole_as_before(service):
     counts = asyncio.run(admitted_per_step(service.address, reqs))
     assert counts == [4, 4, 4], counts  # 4 x 500 tokens fit 2048, a fifth does not
     assert all(r.num_cached_prompt_tokens == 0 for r in reqs)
+
+
+def test_requests_sharing_a_prompt_still_being_computed_wait_for_it_and_hit_it(service):
+    # Two system prompts, six requests each, all at once. Admitted at once, the third request
+    # (system 0 again) computed system 0's 512 tokens a second time in the same step, and more
+    # copies followed; now it waits one step for the first request's commit and hits it.
+    rng = random.Random(2)
+    systems = [[rng.randrange(256) for _ in range(512)] for _ in range(2)]
+    prompts = [systems[i % 2] + [rng.randrange(256) for _ in range(32)] for i in range(12)]
+    reqs = requests(prompts, "dedup")
+    counts = asyncio.run(admitted_per_step(service.address, reqs))
+    hits = [r.num_cached_prompt_tokens for r in reqs]
+    assert counts == [2, 10], (counts, hits)
+    assert hits[:2] == [0, 0] and all(h >= 512 for h in hits[2:]), (counts, hits)
