@@ -64,11 +64,15 @@ async def admitted_per_step(address: str, reqs: list[Request]) -> list[int]:
         pool.close()
 
 
+def shared_prompts(seed: int, num_systems: int, count: int) -> list[list[int]]:
+    """`count` prompts: one of `num_systems` 512-token system prompts in turn + a 32-token question."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(256) for _ in range(512)] for _ in range(num_systems)]
+    return [systems[i % num_systems] + [rng.randrange(256) for _ in range(32)] for i in range(count)]
+
+
 def test_a_shared_prefix_burst_is_charged_its_uncached_tokens_and_admitted_in_few_steps(service):
-    rng = random.Random(0)
-    systems = [[rng.randrange(256) for _ in range(512)] for _ in range(8)]
-    prompts = [systems[i % 8] + [rng.randrange(256) for _ in range(32)] for i in range(48)]
-    reqs = requests(prompts, "shared")
+    reqs = requests(shared_prompts(0, 8, 48), "shared")
     counts = asyncio.run(admitted_per_step(service.address, reqs))
     # Charged whole (544 tokens), 3 requests fit a step: 16 steps. The first 8 (one per system
     # prompt) are charged whole, then each of the others 32 tokens + its last partial block.
@@ -97,10 +101,7 @@ def test_requests_sharing_a_prompt_still_being_computed_wait_for_it_and_hit_it(s
     # Two system prompts, six requests each, all at once. Admitted at once, the third request
     # (system 0 again) computed system 0's 512 tokens a second time in the same step, and more
     # copies followed; now it waits one step for the first request's commit and hits it.
-    rng = random.Random(2)
-    systems = [[rng.randrange(256) for _ in range(512)] for _ in range(2)]
-    prompts = [systems[i % 2] + [rng.randrange(256) for _ in range(32)] for i in range(12)]
-    reqs = requests(prompts, "dedup")
+    reqs = requests(shared_prompts(2, 2, 12), "dedup")
     counts = asyncio.run(admitted_per_step(service.address, reqs))
     hits = [r.num_cached_prompt_tokens for r in reqs]
     assert counts == [2, 10], (counts, hits)
