@@ -27,6 +27,7 @@ Then the HTTP front doors on shared-prefix: kvtier's gateway against vLLM's Open
     python bench/serve_vs_vllm.py              # 2 rounds ABBA + HTTP (~10 min on 2 cores)
     python bench/serve_vs_vllm.py --quick      # smaller workloads, 1 round, no HTTP
     python bench/serve_vs_vllm.py --replicas 2 --threads 1   # another kvtier layout
+    python bench/serve_vs_vllm.py --workloads decode         # one workload alone, to iterate
 
 Targets (issue 35): shared-prefix >= 1.0x, unique >= 0.8x, decode >= 1.0x. The last line is the headline.
 """
@@ -216,8 +217,8 @@ async def measure_pass(system, work: Workload, prompts, salt: str, idle) -> dict
 async def compare(systems: list, workloads: dict[str, Workload], rounds: int, check: int) -> dict:
     """ABBA passes of `systems` (two) on each workload; median figures and greedy parity."""
     results: dict = {}
-    for w, (name, work) in enumerate(workloads.items()):
-        prompts = work.prompts(seed=w)
+    for name, work in workloads.items():
+        prompts = work.prompts(seed=list(FULL).index(name))  # the same whichever are run
         for s in systems:  # warm-up, not measured: a few of the workload's own shapes
             await s.generate(prompts[:4], 4, f"warm-{s.name}-{name}")
         passes: dict[str, list[dict]] = {s.name: [] for s in systems}
@@ -314,8 +315,9 @@ def report(results: dict, http: dict | None) -> int:
 async def run(args, model: Path, tmp: Path) -> tuple[dict, dict | None]:
     from vllm_engine import OfflineVllm, VllmHttpServer
 
-    workloads = QUICK if args.quick else FULL
-    stack, plan = kvtier_stack(tmp / "run", model, args, gateway=not args.quick)
+    workloads = {n: w for n, w in (QUICK if args.quick else FULL).items() if n in args.workloads}
+    over_http = "http" in args.workloads and not args.quick
+    stack, plan = kvtier_stack(tmp / "run", model, args, gateway=over_http)
     print(f"kvtier layout: {plan.describe()}", flush=True)
     engine = OfflineVllm(model, threads=args.vllm_threads)
     await asyncio.to_thread(engine.start)
@@ -327,14 +329,14 @@ async def run(args, model: Path, tmp: Path) -> tuple[dict, dict | None]:
         await asyncio.to_thread(engine.stop)
     http = None
     try:
-        if not args.quick:
+        if over_http:
             server = VllmHttpServer(model, args.vllm_threads, free_port(), tmp / "vllm-http.log")
             await asyncio.to_thread(server.start)
             gw = HttpSystem("kvtier-http", stack.gateway.address, [stack.gateway.proc.pid, *kv.pids])
             vs = HttpSystem("vllm-http", server.url, [server.pid], model=str(model))
             vs.client = True
             try:
-                http = await compare([gw, vs], {"shared-prefix": workloads["shared-prefix"]}, args.rounds, 0)
+                http = await compare([gw, vs], {"shared-prefix": FULL["shared-prefix"]}, args.rounds, 0)
             finally:
                 await gw.close()
                 await vs.close()
@@ -354,7 +356,15 @@ def main() -> int:
     ap.add_argument("--threads", type=int, help="torch threads per kvtier replica (default: kvtier up's)")
     ap.add_argument("--vllm-threads", type=int, default=os.cpu_count() or 1, help="vLLM's OpenMP threads")
     ap.add_argument("--json", help="also write the figures to this file")
+    ap.add_argument(
+        "--workloads",
+        type=lambda text: text.split(","),
+        default=[*FULL, "http"],
+        help=f"which to run, comma-separated (default: all: {','.join([*FULL, 'http'])}; http = shared-prefix over HTTP)",
+    )
     args = ap.parse_args()
+    if unknown := set(args.workloads) - {*FULL, "http"}:
+        ap.error(f"unknown workloads: {', '.join(sorted(unknown))}")
     from http_api import make_model_dir
 
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-vs-vllm-"))
