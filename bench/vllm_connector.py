@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 
 from models import random_llama_dir
-from vllm_connector_parts import BLOCK_SIZE, Server, copy_rates, throughput, tokens, wait_saved
+from vllm_connector_parts import BLOCK_SIZE, Server, copy_rates, thread_cpu, throughput, tokens, wait_saved
 
 PREFIX_TOKENS = 2000
 SUFFIX_TOKENS = 32
@@ -127,9 +127,78 @@ def measure_throughput(b: Server, c: Server, pairs: int, requests: int) -> list[
     return ratios
 
 
+ROLES = {
+    "C": None,
+    "N": "null",
+    "B": "kv_both",
+    "I": "kv_both/no-index",
+    "P": "kv_producer",
+    "Q": "kv_consumer",
+}
+ROLE_NAMES = {"C": "without", "N": "a connector that does nothing", "B": "both", "I": "both, no block index",
+              "P": "saves only", "Q": "lookups only"}  # fmt: skip
+
+
+def measure_attribution(servers: dict[str, Server], cache_pid: int, rounds: int, requests: int) -> None:
+    """Each part of the connector's cost alone: the no-reuse workload on C (no connector), N (a
+    connector that does nothing: vLLM's hooks alone), B (both sides), I (both, every prompt asked:
+    no block index), P (kv_producer: saves, no lookups) and Q (kv_consumer: lookups, no saves), in
+    a rotated order each round; per engine its tok/s over C's in the same round and the CPU seconds
+    per request of its processes' threads and of the cache service."""
+    ratios: dict[str, list[float]] = {name: [] for name in servers}
+    cpu: dict[str, dict[str, float]] = {name: {} for name in servers}
+    order = list(servers)
+    for rnd in range(rounds):
+        rate = {}
+        for i in range(len(order)):
+            name = order[(rnd + i) % len(order)]
+            server = servers[name]
+            time.sleep(SETTLE_S)
+            before = thread_cpu([server.proc.pid]), thread_cpu([cache_pid])
+            rate[name] = throughput(server, 1000 + 10 * rnd + i, requests)
+            after = thread_cpu([server.proc.pid]), thread_cpu([cache_pid])
+            for side, b, a in (("", before[0], after[0]), ("cache/", before[1], after[1])):
+                for key, seconds in a.items():
+                    cpu[name][side + key] = cpu[name].get(side + key, 0.0) + seconds - b.get(key, 0.0)
+        for name in servers:
+            ratios[name].append(rate[name] / rate["C"])
+        print(f"round {rnd}: " + ", ".join(f"{n} {rate[n]:.0f} tok/s ({rate[n] / rate['C']:.3f})" for n in servers)
+              + f" (load average {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
+    runs = rounds * requests
+    for name in servers:
+        per_request = {k: v / runs * 1e3 for k, v in cpu[name].items()}
+        total = sum(per_request.values())
+        top = sorted(per_request.items(), key=lambda kv: -kv[1])
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in top if v >= 0.05)
+        print(
+            f"{name} ({ROLE_NAMES[name]}): {spread(ratios[name])} of C; CPU ms per request {total:.1f}: {parts}"
+        )
+
+
 def spread(ratios: list[float]) -> str:
     """The median of per-round ratios and their range."""
     return f"{statistics.median(ratios):.3f}x [{min(ratios):.2f}-{max(ratios):.2f}, {len(ratios)} rounds]"
+
+
+def report(args, ttft: dict[str, float], ratios: list[float], rates: dict[str, float]) -> None:
+    """Where the loaded TTFT goes, then the headline."""
+    ttft_ratios = ttft["ratios"]
+    other = (
+        ttft["loaded_ms"] - ttft["lookup_ms"] - ttft["allocate_ms"] - rates["load_ms"] - ttft["tail_step_ms"]
+    )
+    print(f"loaded TTFT {ttft['loaded_ms']:.0f} ms = LookupPrefix {ttft['lookup_ms']:.1f} ms + Allocate (pin) "
+          f"{ttft['allocate_ms']:.1f} ms + copy of {ttft['hit_blocks']} blocks {rates['load_ms']:.1f} ms + one step "
+          f"computing the {ttft['tail_tokens']}-token tail {ttft['tail_step_ms']:.0f} ms + the rest (scheduling, "
+          f"HTTP of a 2,000-token prompt) {other:.0f} ms; recompute {ttft['recomputed_ms']:.0f} ms; vLLM's own "
+          f"prefix cache holding the prefix (the floor for any KV cache) {ttft['local_ms']:.0f} ms")  # fmt: skip
+    model_name = f"hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} heads, float32"
+    print(
+        f"vLLM + kvtier ({model_name}, {args.engine_threads} thread(s) per engine): TTFT with A's 2,000-token "
+        f"prefix loaded {spread(ttft_ratios)} recompute (<= 0.3); no-reuse throughput with/without the connector "
+        f"{spread(ratios) if ratios else 'not measured'} (>= 0.95); loads {rates['load_gbs']:.2f} GB/s, saves "
+        f"{rates['save_gbs']:.2f} GB/s vs a plain copy {rates['memcpy_gbs']:.2f} GB/s; load average "
+        f"{os.getloadavg()[0]:.1f}"
+    )
 
 
 def main() -> int:
@@ -141,6 +210,8 @@ def main() -> int:
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--engine-threads", type=int, default=1, help="OpenMP threads of each vLLM engine")
     ap.add_argument("--skip-throughput", action="store_true", help="TTFT and copies only")
+    ap.add_argument("--attribute", action="store_true",
+                    help="no TTFT: the no-reuse throughput of C, B, and the connector's saves or lookups alone")  # fmt: skip
     ap.add_argument("--log-dir", type=Path, help="keep the engines' and the cache service's logs here")
     args = ap.parse_args()
     rounds, pairs = (3, 4) if args.quick else (5, 10)
@@ -172,41 +243,35 @@ def main() -> int:
                       "--num-blocks", str(num_blocks), "--compute-replicas", "0"]  # fmt: skip
         stack = LocalStack(run_dir, cache_args=cache_args, num_replicas=0, env=env)
         stack.start_cache()
-        servers = [Server(n, model, run_dir, env, connector=n != "C", gpu=gpu) for n in ("A", "B", "C")]
+        names = ROLES if args.attribute else {"A": "kv_both", "B": "kv_both", "C": None}
+        servers = {n: Server(n, model, run_dir, env, role=role, gpu=gpu) for n, role in names.items()}
         try:
-            for server in servers:
+            for server in servers.values():
                 server.wait()
-            a, b, c = servers
-            for server in servers:  # first requests pay one-time setup (oneDNN primitives): not measured
+            for (
+                server
+            ) in servers.values():  # first requests pay one-time setup (oneDNN primitives): not measured
                 server.ttft(tokens(5, PREFIX_TOKENS + SUFFIX_TOKENS))
                 throughput(server, 3, 8)
-            ttft = measure_ttft(a, b, stack, token, rounds)
+            if args.attribute:
+                measure_attribution(servers, stack.cache.proc.pid, 2 * pairs, THROUGHPUT_REQUESTS)
+                return 0
+            b, c = servers["B"], servers["C"]
+            ttft = measure_ttft(servers["A"], b, stack, token, rounds)
             ratios = [] if args.skip_throughput else measure_throughput(b, c, pairs, THROUGHPUT_REQUESTS)
         finally:
-            for server in servers:
+            for server in servers.values():
                 server.stop()
+                if args.attribute:  # the connector's own counts, logged as it shut down
+                    for line in server.log.read_text(errors="replace").splitlines():
+                        if "kvtier scheduler:" in line or "kvtier worker:" in line:
+                            print(f"{server.name}: {line.split('] ', 1)[-1]}")
             stack.down()
             if args.log_dir is not None:
                 args.log_dir.mkdir(parents=True, exist_ok=True)
                 for log in run_dir.glob("*.log"):
                     shutil.copy(log, args.log_dir)
-    ttft_ratios = ttft["ratios"]
-    other = (
-        ttft["loaded_ms"] - ttft["lookup_ms"] - ttft["allocate_ms"] - rates["load_ms"] - ttft["tail_step_ms"]
-    )
-    print(f"loaded TTFT {ttft['loaded_ms']:.0f} ms = LookupPrefix {ttft['lookup_ms']:.1f} ms + Allocate (pin) "
-          f"{ttft['allocate_ms']:.1f} ms + copy of {ttft['hit_blocks']} blocks {rates['load_ms']:.1f} ms + one step "
-          f"computing the {ttft['tail_tokens']}-token tail {ttft['tail_step_ms']:.0f} ms + the rest (scheduling, "
-          f"HTTP of a 2,000-token prompt) {other:.0f} ms; recompute {ttft['recomputed_ms']:.0f} ms; vLLM's own "
-          f"prefix cache holding the prefix (the floor for any KV cache) {ttft['local_ms']:.0f} ms")  # fmt: skip
-    model_name = f"hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} heads, float32"
-    print(
-        f"vLLM + kvtier ({model_name}, {args.engine_threads} thread(s) per engine): TTFT with A's 2,000-token "
-        f"prefix loaded {spread(ttft_ratios)} recompute (<= 0.3); no-reuse throughput with/without the connector "
-        f"{spread(ratios) if ratios else 'not measured'} (>= 0.95); loads {rates['load_gbs']:.2f} GB/s, saves "
-        f"{rates['save_gbs']:.2f} GB/s vs a plain copy {rates['memcpy_gbs']:.2f} GB/s; load average "
-        f"{os.getloadavg()[0]:.1f}"
-    )
+    report(args, ttft, ratios, rates)
     return 0
 
 

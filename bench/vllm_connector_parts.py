@@ -15,14 +15,55 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 BLOCK_SIZE = 32
-KV_CONFIG = json.dumps(
-    {
-        "kv_connector": "KvtierConnector",
-        "kv_connector_module_path": "kvtier.vllm.connector",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-    }
-)
+
+
+NULL_CONNECTOR = '''"""A KV connector that does nothing: what vLLM's connector hooks cost by themselves."""
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
+
+
+class NullConnector(KVConnectorBase_V1):
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return 0, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        pass
+
+    def build_connector_meta(self, scheduler_output):
+        return KVConnectorMetadata()
+
+    def start_load_kv(self, forward_context, **kwargs):
+        pass
+
+    def wait_for_layer_load(self, layer_name):
+        pass
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
+        pass
+
+    def wait_for_save(self):
+        pass
+'''
+
+
+def kv_config(role: str) -> str:
+    """vLLM's --kv-transfer-config for KvtierConnector in ``role`` (kv_both, kv_producer: saves
+    only, kv_consumer: loads only; "kv_both/no-index": kv_both with ``block_index`` false), or
+    "null": NULL_CONNECTOR (its module on the engine's path)."""
+    role, _, variant = role.partition("/")
+    connector, module = (
+        ("NullConnector", "null_connector")
+        if role == "null"
+        else ("KvtierConnector", "kvtier.vllm.connector")
+    )
+    return json.dumps(
+        {
+            "kv_connector": connector,
+            "kv_connector_module_path": module,
+            "kv_role": "kv_both" if role == "null" else role,
+            "kv_load_failure_policy": "recompute",
+            **({"kv_connector_extra_config": {"block_index": False}} if variant == "no-index" else {}),
+        }
+    )
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -37,20 +78,25 @@ def free_port() -> int:
 
 
 class Server:
-    """A vLLM OpenAI server; `connector` adds KvtierConnector (the only difference between engines)."""
+    """A vLLM OpenAI server; `role` adds KvtierConnector in that kv_role (the only difference
+    between engines; None: without it)."""
 
     def __init__(
-        self, name: str, model: Path, run_dir: Path, env: dict[str, str], connector: bool, gpu: bool
+        self, name: str, model: Path, run_dir: Path, env: dict[str, str], role: str | None, gpu: bool
     ):
         self.name, self.model, self.port = name, str(model), free_port()
         command = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--host", "127.0.0.1",
             "--port", str(self.port), "--block-size", str(BLOCK_SIZE), "--max-model-len", "4096",
             "--enforce-eager", "--distributed-executor-backend", "uni", "--dtype", "float32",
-        ] + (["--kv-transfer-config", KV_CONFIG] if connector else [])  # fmt: skip
+        ] + (["--kv-transfer-config", kv_config(role)] if role else [])  # fmt: skip
         if gpu:  # three engines and the pool share one device
             command += ["--gpu-memory-utilization", "0.2"]
         self.log = run_dir / f"{name}.log"
+        if role == "null":  # a bench-only module, on this engine's path only
+            (run_dir / "null").mkdir(exist_ok=True)
+            (run_dir / "null" / "null_connector.py").write_text(NULL_CONNECTOR)
+            env = {**env, "PYTHONPATH": str(run_dir / "null")}
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
                 command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -105,6 +151,40 @@ def throughput(server: Server, seed: int, count: int, concurrency: int = 8) -> f
     with ThreadPoolExecutor(concurrency) as pool:
         generated = sum(pool.map(lambda p: server.complete(p, 32), prompts))
     return generated / (time.perf_counter() - start)
+
+
+def thread_cpu(root_pids: list[int]) -> dict[str, float]:
+    """CPU seconds so far of every thread of ``root_pids`` and their descendants, by
+    "process/thread": the process's name, then "main" (the thread whose id is the process's),
+    the thread's own OS name (the connector's: kvtier-save, kvtier-prefix, kvtier-lookup; gRPC's
+    and OpenMP's name theirs), or "python threads" (unnamed: the process's name)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    todo, cpu = list(root_pids), {}
+    while todo:
+        pid = todo.pop()
+        todo += parents.get(pid, [])
+        try:
+            process = Path(f"/proc/{pid}/comm").read_text().strip()
+            tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                text = (task / "stat").read_text()
+            except OSError:
+                continue
+            comm, rest = text[text.index("(") + 1 : text.rindex(")")], text.rsplit(")", 1)[1].split()
+            thread = "main" if task.name == str(pid) else "python threads" if comm == process else comm
+            key = f"{process}/{thread}"
+            cpu[key] = cpu.get(key, 0.0) + (int(rest[11]) + int(rest[12])) / tick
+    return cpu
 
 
 def wait_saved(cache_address: str, token: str, prompt: list[int]) -> None:

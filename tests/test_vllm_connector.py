@@ -207,8 +207,9 @@ def test_prefix_computed_by_one_engine_is_loaded_by_another(stack):
     assert "kvtier connector:" in b.log() and "attached to" in b.log(), b.log()[-3000:]
 
 
-def scheduler_side(address: str, tmp_path: Path, **settings):
-    """The connector's scheduler side (kvtier.vllm.lookups) on its own lease, as vLLM's scheduler drives it."""
+def scheduler_side(address: str, tmp_path: Path, loads: bool = True, saves: bool = True, **settings):
+    """The connector's scheduler side (kvtier.vllm.lookups) on its own lease, as vLLM's scheduler
+    drives it; ``loads``/``saves`` as vLLM's kv_role sets them (both: kv_both)."""
     from kvtier.vllm.cache_link import CacheLink
     from kvtier.vllm.config import ConnectorConfig
     from kvtier.vllm.lookups import Lookups
@@ -220,14 +221,22 @@ def scheduler_side(address: str, tmp_path: Path, **settings):
     )
     link = CacheLink(cfg, "scheduler")
     link.start()
-    return link, Lookups(link, BLOCK_SIZE, 4096, cfg.lookup_wait_ms / 1e3)
+    return link, Lookups(link, BLOCK_SIZE, 4096, cfg.lookup_wait_ms / 1e3, loads=loads, saves=saves)
 
 
-def vllm_request(rid: str, tokens: list[int]):
+def vllm_request(rid: str, tokens: list[int], salt: str | None = None):
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
-    return Request(rid, tokens, SamplingParams(max_tokens=1), None)
+    return Request(rid, tokens, SamplingParams(max_tokens=1), None, cache_salt=salt)
+
+
+def commit(client: CacheClient, tokens: list[int], salt: str = "") -> None:
+    """Publish `tokens`' full blocks in the cache as a save does (Allocate, then Free with a commit)."""
+    from kvtier.sequence_types import AllocateItem, CommitItem
+
+    [seq] = client.allocate([AllocateItem(tokens, tenant_salt=salt)])
+    client.free([seq.sequence_id], [CommitItem(seq.sequence_id, [], len(tokens) // BLOCK_SIZE * BLOCK_SIZE)])
 
 
 def test_scheduler_answers_a_held_prefix_in_its_first_ask_with_a_long_lookup_wait(stack, tmp_path):
@@ -255,11 +264,45 @@ def test_scheduler_answers_a_held_prefix_in_its_first_ask_with_a_long_lookup_wai
         link.close()
 
 
-def test_a_hung_cache_service_costs_the_scheduler_one_long_lookup_wait(model_dirs, tmp_path):
+def test_a_consumer_engine_only_loads_and_a_producer_only_saves(stack, tmp_path):
+    """vLLM's kv_role: a kv_consumer's scheduler side plans no save of what it computes; a
+    kv_producer's answers a prefix the cache holds 0, asking nothing, and saves what it computes."""
+    from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+
+    hit = (LONG_PREFIX - 1) // BLOCK_SIZE * BLOCK_SIZE
+    for role, loads, saves in (("kv_consumer", True, False), ("kv_producer", False, True)):
+        link, lookups = scheduler_side(stack["cache"].address, tmp_path, loads, saves, lookup_wait_ms=60_000)
+        try:  # the block index has followed the cache's events: the fresh prompt is not asked
+            index = lookups._index
+            wait_until(lambda i=index: i is None or i.complete, 60, "the block index to follow")
+            held, fresh = vllm_request("held", PREFIX), vllm_request("fresh", prompt(300, 100))
+            for request in (held, fresh):
+                lookups.on_new_request(request)
+            assert lookups.num_new_matched_tokens(held, 0) == ((hit if loads else 0), False), role
+            lookups.update_state_after_alloc(held, [], 0)  # not loaded after all: a pin is freed
+            assert lookups.num_new_matched_tokens(fresh, 0) == (0, False), role
+            lookups.update_state_after_alloc(fresh, [7, 8, 9, 10], 0)
+            step = SchedulerOutput.make_empty()
+            step.scheduled_new_reqs = [NewRequestData.from_request(fresh, ([7, 8, 9, 10],))]
+            step.num_scheduled_tokens = {"fresh": 100}
+            saves_planned = lookups.build_meta(step).saves
+            assert [s.vllm_block_ids for s in saves_planned] == ([[7, 8, 9]] if saves else []), role
+            assert lookups.stats["asked"] == (1 if loads else 0), (role, lookups.stats)
+        finally:
+            lookups.close()
+            link.close()
+
+
+def test_a_hung_cache_service_costs_the_scheduler_one_long_lookup_wait_and_a_sure_miss_nothing(
+    model_dirs, tmp_path
+):
     """With the cache service stopped (SIGSTOP: calls hang, nothing refuses), the first new request's
     ask waits its step's lookup_wait_ms and answers "not yet"; once an answer has been awaited for
     more than a second, new requests are answered "not yet" without waiting until the calls come
-    back. Then answers resume. (lookup_wait_ms is raised from its default to outlast that second.)"""
+    back. Then answers resume. (lookup_wait_ms is raised from its default to outlast that second.)
+    A prompt whose first block the cache never announced under its salt (the block index has
+    followed the cache's events since its first) is answered 0 at once even then: no call is made
+    for it. Those whose first block it did announce (unsalted, or under the same salt) are asked."""
     from vllm.v1.core.sched.output import SchedulerOutput
 
     args = [
@@ -274,24 +317,49 @@ def test_a_hung_cache_service_costs_the_scheduler_one_long_lookup_wait(model_dir
     ]
     with cache_service(tmp_path / "run", *args) as cache:
         link, lookups = scheduler_side(cache.address, tmp_path, lookup_wait_ms=2000, rpc_timeout_s=60)
-        requests = [vllm_request(f"r{i}", prompt(100 + i, 300)) for i in range(4)]
-        took = []
+        client = CacheClient.connect(cache.address, TOKEN, timeout_s=10.0)
+        client.attach("test-publisher")
+        root = prompt(99, BLOCK_SIZE)
+        commit(client, root + prompt(98, 2 * BLOCK_SIZE))
+        commit(client, root, salt="alice")
+        client.close()
+        index = lookups._index
+        wait_until(
+            lambda: index.complete and not index.surely_missed(root, "alice", ""), 60, "the index to follow"
+        )
+        # First block held: asked (r3 under the salt that holds it). Never announced: answered locally.
+        requests = [
+            vllm_request(f"r{i}", root + prompt(100 + i, 268), "alice" if i == 3 else None) for i in range(4)
+        ]
+        misses = [
+            vllm_request("fresh", prompt(200, 300)),
+            vllm_request("other salt", root + prompt(201, 268), "bob"),
+        ]
+        took, took_misses = [], []
         try:
             os.kill(cache.proc.pid, signal.SIGSTOP)
+            for request in misses:
+                lookups.on_new_request(request)
+                start = time.monotonic()
+                assert lookups.num_new_matched_tokens(request, 0) == (0, False)
+                took_misses.append(time.monotonic() - start)
             for request in requests:
                 lookups.on_new_request(request)
                 start = time.monotonic()
                 assert lookups.num_new_matched_tokens(request, 0) == (None, False)
                 took.append(time.monotonic() - start)
                 lookups.build_meta(SchedulerOutput.make_empty())  # the scheduler's step ends
-            assert took[0] >= 1.9 and max(took[1:]) < 0.5, took
+            assert max(took_misses) < 0.5 and took[0] >= 1.9 and max(took[1:]) < 0.5, (took_misses, took)
         finally:
             os.kill(cache.proc.pid, signal.SIGCONT)
         try:
-            for request in requests:
+            for request in requests:  # the held first block is their hit, pinned; then released
                 wait_until(
-                    lambda r=request: lookups.num_new_matched_tokens(r, 0) == (0, False), 60, "an answer"
+                    lambda r=request: lookups.num_new_matched_tokens(r, 0) == (BLOCK_SIZE, False),
+                    60,
+                    "an answer",
                 )
+                lookups.update_state_after_alloc(request, [], 0)
         finally:
             lookups.close()
             link.close()

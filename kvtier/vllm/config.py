@@ -9,6 +9,7 @@
 | ``attach_timeout_s`` | ``KVTIER_ATTACH_TIMEOUT_S`` | 60 | how long startup waits for the cache service before vLLM stops |
 | ``max_staged_save_mib`` | ``KVTIER_MAX_STAGED_SAVE_MIB`` | 256 | KV staged for saves and not yet written; more is dropped with a WARNING |
 | ``lookup_wait_ms`` | ``KVTIER_LOOKUP_WAIT_MS`` | 5 | how long one scheduler step waits for lookups' answers, all together (0: never; unanswered requests wait for the next step) |
+| ``block_index`` | ``KVTIER_BLOCK_INDEX`` | true | follow the cache's block events to answer a prompt whose first block it never announced as a miss without asking (``kvtier.vllm.block_index``; about 100 bytes per cached block); false: ask for every prompt |
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ _KEYS = {
     "attach_timeout_s": "KVTIER_ATTACH_TIMEOUT_S",
     "max_staged_save_mib": "KVTIER_MAX_STAGED_SAVE_MIB",
     "lookup_wait_ms": "KVTIER_LOOKUP_WAIT_MS",
+    "block_index": "KVTIER_BLOCK_INDEX",
 }
 _MAY_BE_ZERO = {"lookup_wait_ms"}
 
@@ -41,6 +43,7 @@ class ConnectorConfig:
     attach_timeout_s: float = 60.0
     max_staged_save_mib: float = 256.0
     lookup_wait_ms: float = 5.0
+    block_index: bool = True
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
@@ -69,11 +72,19 @@ class ConnectorConfig:
                 raise ValueError(
                     f"kvtier connector: {key} must be {'>=' if key in _MAY_BE_ZERO else '>'} 0, got {raw!r}"
                 )
+        flags = {}
+        raw = pick("block_index")
+        if raw is not None:
+            flag = str(raw).strip().lower()
+            if flag not in ("true", "false", "1", "0"):
+                raise ValueError(f"kvtier connector: block_index = {raw!r} is not true or false")
+            flags["block_index"] = flag in ("true", "1")
         return cls(
             cache_address=pick("cache_address") or auth.default_cache_address(),
             token_file=pick("token_file"),
             tls_ca=pick("tls_ca"),
             **numbers,
+            **flags,
         )
 
     def token(self) -> str:

@@ -72,7 +72,11 @@ class KvtierConnector(KVConnectorBase_V1):
             client = self.link.start()
             self._first_pool = pool_kv(client.pool)
             max_model_len = min(client.pool.max_model_len or 1 << 62, vllm_config.model_config.max_model_len)
-            self.lookups = Lookups(self.link, self.block_size, max_model_len, self.cfg.lookup_wait_ms / 1e3)
+            role = self._kv_transfer_config
+            self.lookups = Lookups(
+                self.link, self.block_size, max_model_len, self.cfg.lookup_wait_ms / 1e3,
+                loads=role.is_kv_consumer, saves=role.is_kv_producer, block_index=self.cfg.block_index,
+            )  # fmt: skip
         else:
             self.link = CacheLink(self.cfg, "worker")
 

@@ -37,7 +37,8 @@ from kvtier.cache_errors import CacheCallError, NoFreeBlocks
 from kvtier.pool import PoolSpec
 from kvtier.sequence_types import AllocateItem
 from kvtier.vllm import LOGGER
-from kvtier.vllm.cache_link import CacheDown, CacheLink
+from kvtier.vllm.block_index import BlockIndex
+from kvtier.vllm.cache_link import CacheDown, CacheLink, name_os_thread
 from kvtier.vllm.plan import KvtierMetadata, LoadItem, SaveItem
 from kvtier.vllm.prefix_queries import PrefixQueries
 
@@ -93,32 +94,54 @@ def request_key(request) -> tuple[list[int], str, str] | None:
 
 
 class Lookups:
-    def __init__(self, link: CacheLink, block_size: int, max_model_len: int, lookup_wait_s: float = 0.0):
+    """``loads``/``saves``: vLLM's ``kv_role`` (a ``kv_producer`` only saves: no request is looked
+    up; a ``kv_consumer`` only loads: no block is saved). ``block_index``: answer sure misses from
+    ``kvtier.vllm.block_index`` (the setting of that name)."""
+
+    def __init__(
+        self,
+        link: CacheLink,
+        block_size: int,
+        max_model_len: int,
+        lookup_wait_s: float = 0.0,
+        *,
+        loads: bool = True,
+        saves: bool = True,
+        block_index: bool = True,
+    ):
         self.link = link
+        self.loads, self.saves = loads, saves
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvtier-lookup")
+        self._executor = ThreadPoolExecutor(
+            1, thread_name_prefix="kvtier-lookup", initializer=name_os_thread, initargs=("kvtier-lookup",)
+        )
         self._lookups: dict[str, Future] = {}
         self._loading: dict[str, Hit] = {}  # loads sent to the worker, until it reports them done
         self._pending_loads: list[LoadItem] = []
         self._tracks: dict[str, Track] = {}
         self._queries = PrefixQueries(link)
+        self._index = BlockIndex(link, block_size) if loads and block_index else None
         self._held: dict[str, Future] = {}  # LookupPrefix asked on arrival, until the scheduler asks
         self.lookup_wait_s = lookup_wait_s
         self._wait_left_s = lookup_wait_s  # of this scheduler step's
         self._in_flight: deque[tuple[float, Future]] = deque()  # (asked at, answer), oldest first
+        # Logged at close: prompts looked up, answered by the block index, asked; "not yet" answers; waits.
+        self.stats = {"looked_up": 0, "index_misses": 0, "asked": 0, "not_yet": 0, "waited_s": 0.0}
 
     # ------------------------------------------------------------ vLLM's calls, in the order they come
 
     def on_new_request(self, request) -> None:
         """Ask the cache how much of the prompt it holds now, before the scheduler asks us."""
-        key = self._lookup_key(request, 0)
+        key = self._lookup_key(request, 0) if self.loads else None
         if key is not None:
-            self._held[request.request_id] = self._asked(self._queries.submit(*key))
+            self._held[request.request_id] = self._ask_held(key)
 
     def num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         future = self._lookups.get(request.request_id)
         if future is None:
+            if not self.loads:
+                return 0, False
             future = self._start_lookup(request, num_computed_tokens)
             if future is None:
                 return 0, False
@@ -126,6 +149,7 @@ class Lookups:
         if not future.done():
             self._wait(future)
             if not future.done():
+                self.stats["not_yet"] += 1
                 return None, False
         hit = future.result().hit
         if hit is None or hit.num_tokens <= num_computed_tokens:
@@ -150,7 +174,7 @@ class Lookups:
             self._loading[rid] = hit
         elif hit is not None:
             self._free(hit)
-        if future is not None or rid not in self._tracks:
+        if self.saves and (future is not None or rid not in self._tracks):
             key = request_key(request)
             if key is not None and len(key[0]) <= self.max_model_len:
                 held = lookup.held_tokens // self.block_size if lookup is not None else None
@@ -198,6 +222,14 @@ class Lookups:
         # A load already sent stays in _loading: the worker reports it done even for a finished request.
 
     def close(self) -> None:
+        st = self.stats
+        log.info(
+            "kvtier scheduler: %d prompts looked up: %d answered by the block index, %d asked; %d \"not yet\" "
+            "answers; %.0f ms waited for answers",
+            st["looked_up"], st["index_misses"], st["asked"], st["not_yet"], st["waited_s"] * 1e3,
+        )  # fmt: skip
+        if self._index is not None:
+            self._index.close()
         self._queries.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
@@ -223,7 +255,7 @@ class Lookups:
         if key is None:
             return None
         if held is None:  # not asked on arrival (preempted, or the cache was away then)
-            held = self._asked(self._queries.submit(*key))
+            held = self._ask_held(key)
         self._wait(held)
         if held.done() and min(held.result(), self._loadable(key[0])) <= num_computed_tokens:
             future: Future = Future()  # a miss (the common case): no pin to ask for
@@ -234,6 +266,17 @@ class Lookups:
         )
         self._wait(future)
         return future
+
+    def _ask_held(self, key: tuple[list[int], str, str]) -> Future:
+        """How much of the prompt the cache holds: 0 at once when the block index says none, else asked."""
+        self.stats["looked_up"] += 1
+        if self._index is not None and self._index.surely_missed(*key):
+            self.stats["index_misses"] += 1
+            known: Future = Future()
+            known.set_result(0)
+            return known
+        self.stats["asked"] += 1
+        return self._asked(self._queries.submit(*key))
 
     def _asked(self, future: Future) -> Future:
         self._in_flight.append((time.monotonic(), future))
@@ -256,7 +299,9 @@ class Lookups:
             return
         start = time.perf_counter()
         wait([future], timeout=self._wait_left_s)
-        self._wait_left_s -= time.perf_counter() - start
+        waited = time.perf_counter() - start
+        self._wait_left_s -= waited
+        self.stats["waited_s"] += waited
 
     def _plan_save(self, track: Track, computed_after_step: int, saves: list[SaveItem]) -> None:
         full = min(computed_after_step, len(track.token_ids)) // self.block_size

@@ -17,7 +17,7 @@ from concurrent.futures import Future
 
 from kvtier.cache_errors import CacheCallError
 from kvtier.vllm import LOGGER
-from kvtier.vllm.cache_link import CacheDown, CacheLink
+from kvtier.vllm.cache_link import CacheDown, CacheLink, name_os_thread
 
 log = logging.getLogger(LOGGER)
 
@@ -43,6 +43,7 @@ class PrefixQueries:
         self._queue.put(None)
 
     def _run(self) -> None:
+        name_os_thread("kvtier-prefix")
         while True:
             jobs = [self._queue.get()]
             while jobs[-1] is not None and len(jobs) < MAX_PROMPTS_PER_CALL:

@@ -34,7 +34,7 @@ from kvtier.pool import attach_pool
 from kvtier.sequence_types import AllocateItem, CommitItem
 from kvtier.vllm import LOGGER
 from kvtier.vllm.block_layout import BlockCopier
-from kvtier.vllm.cache_link import CacheDown, CacheLink
+from kvtier.vllm.cache_link import CacheDown, CacheLink, name_os_thread
 from kvtier.vllm.lookups import pool_name
 from kvtier.vllm.plan import LoadItem, SaveItem
 
@@ -49,7 +49,8 @@ class WorkerSide:
         self.copier = copier
         self.block_size = block_size
         self.max_staged_bytes = max_staged_bytes
-        self.stats = {"loaded_blocks": 0, "failed_blocks": 0, "saved_blocks": 0, "dropped_blocks": 0}
+        self.stats = {"loaded_blocks": 0, "failed_blocks": 0, "saved_blocks": 0, "dropped_blocks": 0,
+                      "writes": 0, "staged_s": 0.0}  # fmt: skip
         self._pools: dict[str, object] = {}  # pool name -> mapping, the current attach's only
         self._pool_lock = threading.Lock()
         self._finished_loads: set[str] = set()
@@ -136,9 +137,11 @@ class WorkerSide:
         with self._staged_lock:  # a written staging tensor is reused: fresh memory costs a page fault a page
             spare = self._spare if self._spare is not None and len(self._spare) >= len(ids) else None
             self._spare = None if spare is not None else self._spare
+        start = time.perf_counter()
         staging = spare if spare is not None else self.copier.staging(len(ids))
         blocks, raw = self.copier.stage(ids, into=staging)
         self._queue.put((saves, blocks, raw, staging, size))
+        self.stats["staged_s"] += time.perf_counter() - start
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait until every staged save is written or dropped (tests, benchmarks, shutdown)."""
@@ -153,6 +156,7 @@ class WorkerSide:
             self._warned_at, self._dropped_since_warning = now, 0
 
     def _write_forever(self) -> None:
+        name_os_thread("kvtier-save")
         while True:
             job = self._queue.get()
             if job is None:
@@ -199,8 +203,16 @@ class WorkerSide:
             commits = []  # not written: nothing to publish
         self.link.call(lambda c: c.free([s.sequence_id for s in seqs], commits), expect_generation=generation)
         self.stats["saved_blocks"] += len(pool_ids) if commits else 0
+        self.stats["writes"] += 1
 
     def close(self) -> None:
+        st = self.stats
+        log.info(
+            "kvtier worker: %d blocks loaded, %d failed; %d saved in %d writes (%.0f ms staging them in vLLM's "
+            "steps), %d dropped",
+            st["loaded_blocks"], st["failed_blocks"], st["saved_blocks"], st["writes"], st["staged_s"] * 1e3,
+            st["dropped_blocks"],
+        )  # fmt: skip
         self._queue.put(None)
         self._writer.join(timeout=5)
         with self._pool_lock:

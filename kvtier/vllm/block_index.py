@@ -1,0 +1,118 @@
+"""Which blocks the cache service holds, followed from its block events: misses answered locally.
+
+Most prompts of a workload without reuse start with a block nobody computed before. The cache
+announces every block that enters or leaves one of its media (``WatchEvents``: BlockStored,
+BlockRemoved, per medium), so the scheduler side can tell such a prompt is a miss without asking:
+one thread follows the stream and keeps the hashes each medium holds. A prompt whose first
+block's hash (``kvtier.block_hash``: the model's fingerprint, the request's salt and adapter at
+the chain's root) is on no medium is then ``surely_missed``: the scheduler answers 0 with no call,
+no wait and no thread woken. Anything else is asked as before (``LookupPrefix``, and the pin's
+``Allocate`` before any load): the index only ever costs hits (a block stored a moment ago and
+not yet streamed), never serves one.
+
+The index answers only while it is complete: it has seen every event since the cache's first
+(the stream began at event 1; the service keeps its newest 65,536 events, so an engine started
+later than that, or a stream that broke since, asks every prompt until the stream is reopened
+from an event 1: after a cache restart) and no medium is shared across nodes (another node's
+writes to the shared tier are announced by that node's cache only). Memory: about 100 bytes per
+block the cache holds on any medium, as the router's index (``kvtier.gateway.index_follower``,
+which kvtier.vllm may not import: the router's runs on an asyncio loop and scores whole chains
+per node; this one runs on a thread of vLLM's scheduler process and reads first blocks only).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from kvtier.block_hash import BlockHash, extra_key, hash_block
+from kvtier.cache_errors import CacheCallError
+from kvtier.media import medium
+from kvtier.sequence_types import BlockStored
+from kvtier.vllm import LOGGER
+from kvtier.vllm.cache_link import CacheLink, name_os_thread
+
+log = logging.getLogger(LOGGER)
+
+RETRY_S = 1.0  # between attempts to reopen a stream that failed (the link re-attaches meanwhile)
+
+
+class BlockIndex:
+    def __init__(self, link: CacheLink, block_size: int):
+        self.link = link
+        self.block_size = block_size
+        self.complete = False  # every event since the cache's first is applied; no shared medium
+        self._held: dict[str, set[BlockHash]] = {}  # medium -> the hashes of the blocks it holds
+        self._extra: dict[tuple[str, str, str], bytes] = {}
+        self._stream = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._follow_forever, name="kvtier-index", daemon=True)
+        self._thread.start()
+
+    def surely_missed(self, tokens: list[int], salt: str, adapter: str) -> bool:
+        """Whether the cache holds no block of this prompt (False: it may; ask it)."""
+        spec = self.link.client.pool if self.complete and self.link.client is not None else None
+        if spec is None or len(tokens) < self.block_size:
+            return False
+        key = (spec.model_fingerprint, salt, adapter)
+        extra = self._extra.get(key)
+        if extra is None:
+            extra = self._extra[key] = extra_key(*key)
+        root = hash_block(None, tokens[: self.block_size], extra)
+        return self.complete and not any(root in held for held in list(self._held.values()))
+
+    def close(self) -> None:
+        self._closed = True
+        stream = self._stream
+        if stream is not None:
+            stream.cancel()
+
+    def _follow_forever(self) -> None:
+        name_os_thread("kvtier-index")
+        while not self._closed:
+            client = self.link.client
+            if client is not None:
+                try:
+                    self._follow(client)
+                except CacheCallError as e:
+                    log.debug("kvtier: the block event stream ended (%s: %s); reopening", e.code, e.details)
+                except Exception as e:  # e.g. the link closed this client as it re-attached
+                    log.warning("kvtier: following the block events failed (%r); reopening", e)
+            self.complete = False
+            if not self._closed:
+                time.sleep(RETRY_S)
+
+    def _follow(self, client) -> None:
+        """Apply the events from the first the cache keeps; complete once it is its very first."""
+        self.complete = False
+        self._held = {}
+        shared = [t.medium for t in client.get_stats().tiers if _across_nodes(t.medium)]
+        self._stream = stream = client.watch_events(since_event_id=0)
+        if self._closed:
+            return
+        last = 0
+        for event_id, event in stream:
+            if event_id <= last:
+                return  # ids went back: the cache restarted
+            if last == 0:
+                self.complete = event_id == 1 and not shared
+                if not self.complete:
+                    log.info(
+                        "kvtier: every lookup is asked: %s",
+                        f"medium {shared[0]} is shared across nodes" if shared
+                        else f"the cache's events before {event_id} were dropped",
+                    )  # fmt: skip
+            last = event_id
+            held = self._held.setdefault(event.medium or "device", set())
+            if isinstance(event, BlockStored):
+                held.add(event.block_hash)
+            else:
+                held.discard(event.block_hash)
+
+
+def _across_nodes(name: str) -> bool:
+    try:
+        return medium(name).across_nodes
+    except ValueError:
+        return True  # a medium this connector does not know: do not answer for it
