@@ -488,6 +488,74 @@ class BackendLayer:
         ops.cpu_attn_reshape_and_cache(key, value, *view.chunk(2, dim=2), slot_mapping, self.isa)
 
 
+def test_saves_staged_while_the_writer_waits_are_written_together_each_block_where_published(
+    model_dirs, tmp_path
+):
+    """The worker's writer takes every save staged while it was busy in one Allocate and one Free
+    (here it waits on a SIGSTOPped cache service while two more are staged); each block lands in
+    the pool block the cache published for it, equal to vLLM's."""
+    import torch
+
+    from kvtier.sequence_types import AllocateItem
+    from kvtier.vllm.block_layout import BlockCopier, probe_layout
+    from kvtier.vllm.cache_link import CacheLink
+    from kvtier.vllm.config import ConnectorConfig
+    from kvtier.vllm.plan import SaveItem
+    from kvtier.vllm.worker import WorkerSide
+
+    args = [
+        "--model",
+        str(model_dirs[0]),
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--num-blocks",
+        "64",
+        "--lease-ttl",
+        "60",
+    ]
+    with cache_service(tmp_path / "run", *args) as cache:
+        (tmp_path / "token").write_text(TOKEN)
+        cfg = ConnectorConfig.from_extra_config(
+            {"cache_address": cache.address, "token_file": str(tmp_path / "token")}
+        )
+        link = CacheLink(cfg, "worker")
+        client = link.start()
+        _, num_layers, _, _, heads, head_dim = client.pool.shape
+        caches = [torch.zeros(16, heads, BLOCK_SIZE, 2 * head_dim) for _ in range(num_layers)]
+        gathers = [
+            probe_layout(BackendLayer(torch.float32, head_dim), c, BLOCK_SIZE, heads, head_dim)
+            for c in caches
+        ]
+        for cache_layer in caches:
+            cache_layer.copy_(torch.randn_like(cache_layer))
+        copier = BlockCopier(caches, gathers, (2, BLOCK_SIZE, heads, head_dim))
+        worker = WorkerSide(link, copier, BLOCK_SIZE, 64 << 20)
+        worker.map_pool(client)
+        prompts = [prompt(400 + i, 2 * BLOCK_SIZE) for i in range(3)]
+        saves = [SaveItem(p, "", "", 0, [2 * i, 2 * i + 1]) for i, p in enumerate(prompts)]
+        try:
+            os.kill(cache.proc.pid, signal.SIGSTOP)
+            worker.stage([saves[0]])
+            wait_until(lambda: worker._queue.empty(), 30, "the writer to take the first save")
+            worker.stage([saves[1]])
+            worker.stage([saves[2]])
+        finally:
+            os.kill(cache.proc.pid, signal.SIGCONT)
+        try:
+            assert worker.wait_idle(60)
+            assert worker.stats["saved_blocks"] == 6 and worker.stats["writes"] == 2, worker.stats
+            seqs = client.allocate([AllocateItem(p + [1]) for p in prompts])
+            pool = worker.pool(next(iter(worker._pools))).tensor
+            for save, seq in zip(saves, seqs, strict=True):
+                assert seq.num_cached_tokens == 2 * BLOCK_SIZE
+                published = pool[torch.tensor(seq.block_table[:2])].view(2, num_layers, -1)
+                assert torch.equal(published, copier.read_blocks(save.vllm_block_ids).view(2, num_layers, -1))
+            client.free([seq.sequence_id for seq in seqs])
+        finally:
+            worker.close()
+            link.close()
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_block_copies_match_the_backend_s_own_writes(dtype):
     # The copier's runs of consecutive ids, its scattered-id fallback (more than MAX_RUNS runs) and

@@ -158,51 +158,73 @@ class WorkerSide:
     def _write_forever(self) -> None:
         name_os_thread("kvtier-save")
         while True:
-            job = self._queue.get()
-            if job is None:
+            jobs = [self._queue.get()]
+            while jobs[-1] is not None:  # saves staged meanwhile go in the same two calls
+                try:
+                    jobs.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            closing = jobs[-1] is None
+            if closing:
+                jobs.pop()
+            if jobs:
+                self._write_jobs(jobs)
+            if closing:
                 return
-            saves, blocks, raw, staging, size = job
-            try:
-                self._write(saves, blocks, raw)
-            except CacheDown as e:
-                self._dropped(len(blocks), f"the cache service is away: {e}")
-            except CacheCallError as e:
-                self._dropped(len(blocks), f"{e.code}: {e.details}")
-            except Exception:
-                log.exception("kvtier: a save failed")
-                self._dropped(len(blocks), "an error (logged above)")
-            finally:
-                with self._staged_lock:
+
+    def _write_jobs(self, jobs: list[tuple]) -> None:
+        """Write the staged saves ``jobs`` (``stage``'s), dropping them if the cache cannot take them."""
+        num_blocks = sum(len(job[1]) for job in jobs)
+        try:
+            self._write(jobs)
+        except CacheDown as e:
+            self._dropped(num_blocks, f"the cache service is away: {e}")
+        except CacheCallError as e:
+            self._dropped(num_blocks, f"{e.code}: {e.details}")
+        except Exception:
+            log.exception("kvtier: a save failed")
+            self._dropped(num_blocks, "an error (logged above)")
+        finally:
+            with self._staged_lock:
+                for _, _, _, staging, size in jobs:
                     if self._spare is None or len(staging) > len(self._spare):
                         self._spare = staging
                     self._staged_bytes -= size
-                    if self._staged_bytes == 0 and self._queue.empty():
-                        self._idle.set()
+                if self._staged_bytes == 0 and self._queue.empty():
+                    self._idle.set()
 
-    def _write(self, saves: list[SaveItem], blocks: torch.Tensor, raw: bool) -> None:
-        """Allocate the saves' prompts, write the staged blocks past each hit, commit and free them."""
+    def _write(self, jobs: list[tuple]) -> None:
+        """Allocate the saves' prompts (one call for every job), write each job's staged blocks past
+        each hit, commit and free them (one call)."""
         generation, spec = self.link.snapshot()
         pool = self.pool(pool_name(spec)) if spec is not None else None
         if pool is None:
             raise CacheDown("no pool mapped")
-        items = [AllocateItem(s.token_ids, tenant_salt=s.tenant_salt, adapter_id=s.adapter_id) for s in saves]
+        items = [AllocateItem(s.token_ids, tenant_salt=s.tenant_salt, adapter_id=s.adapter_id)
+                 for job in jobs for s in job[0]]  # fmt: skip
         seqs = self.link.call(lambda c: c.allocate(items), expect_generation=generation)
-        pool_ids, rows, commits, offset = [], [], [], 0
-        for save, seq in zip(saves, seqs, strict=True):
-            hit, full = seq.num_cached_tokens // self.block_size, len(save.token_ids) // self.block_size
-            # Blocks between the cache's hit and ours would be unwritten: publish only a gapless chain.
-            if hit >= save.first_block:
-                pool_ids += seq.block_table[hit:full]
-                rows += range(offset + hit - save.first_block, offset + full - save.first_block)
-                commits.append(CommitItem(seq.sequence_id, [], full * self.block_size))
-            offset += full - save.first_block
+        replies, writes, commits = iter(seqs), [], []
+        for saves, blocks, raw, _, _ in jobs:
+            pool_ids, rows, offset = [], [], 0
+            for save in saves:
+                seq = next(replies)
+                hit, full = seq.num_cached_tokens // self.block_size, len(save.token_ids) // self.block_size
+                # Blocks between the cache's hit and ours would be unwritten: publish only a gapless chain.
+                if hit >= save.first_block:
+                    pool_ids += seq.block_table[hit:full]
+                    rows += range(offset + hit - save.first_block, offset + full - save.first_block)
+                    commits.append(CommitItem(seq.sequence_id, [], full * self.block_size))
+                offset += full - save.first_block
+            if pool_ids:
+                writes.append((pool_ids, blocks, rows, raw))
         lease_ttl = self.link.client.lease_ttl_s if self.link.client is not None else 0.0
-        if pool_ids and time.monotonic() < self.link.valid_until() - lease_ttl / 4:
-            self.copier.write_staged(pool.tensor, pool_ids, blocks, list(rows), raw)
+        if writes and time.monotonic() < self.link.valid_until() - lease_ttl / 4:
+            for pool_ids, blocks, rows, raw in writes:
+                self.copier.write_staged(pool.tensor, pool_ids, blocks, list(rows), raw)
         else:
             commits = []  # not written: nothing to publish
         self.link.call(lambda c: c.free([s.sequence_id for s in seqs], commits), expect_generation=generation)
-        self.stats["saved_blocks"] += len(pool_ids) if commits else 0
+        self.stats["saved_blocks"] += sum(len(w[0]) for w in writes) if commits else 0
         self.stats["writes"] += 1
 
     def close(self) -> None:
