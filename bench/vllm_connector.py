@@ -131,18 +131,18 @@ ROLES = {
     "C": None,
     "N": "null",
     "B": "kv_both",
-    "I": "kv_both/no-index",
+    "I": "kv_both/index",
     "P": "kv_producer",
     "Q": "kv_consumer",
 }
-ROLE_NAMES = {"C": "without", "N": "a connector that does nothing", "B": "both", "I": "both, no block index",
+ROLE_NAMES = {"C": "without", "N": "a connector that does nothing", "B": "both", "I": "both, with the block index",
               "P": "saves only", "Q": "lookups only"}  # fmt: skip
 
 
 def measure_attribution(servers: dict[str, Server], cache_pid: int, rounds: int, requests: int) -> None:
     """Each part of the connector's cost alone: the no-reuse workload on C (no connector), N (a
-    connector that does nothing: vLLM's hooks alone), B (both sides), I (both, every prompt asked:
-    no block index), P (kv_producer: saves, no lookups) and Q (kv_consumer: lookups, no saves), in
+    connector that does nothing: vLLM's hooks alone), B (both sides), I (both, sure misses answered
+    by the block index), P (kv_producer: saves, no lookups) and Q (kv_consumer: lookups, no saves), in
     a rotated order each round; per engine its tok/s over C's in the same round and the CPU seconds
     per request of its processes' threads and of the cache service."""
     ratios: dict[str, list[float]] = {name: [] for name in servers}

@@ -47,7 +47,7 @@ class NullConnector(KVConnectorBase_V1):
 
 def kv_config(role: str) -> str:
     """vLLM's --kv-transfer-config for KvtierConnector in ``role`` (kv_both, kv_producer: saves
-    only, kv_consumer: loads only; "kv_both/no-index": kv_both with ``block_index`` false), or
+    only, kv_consumer: loads only; "kv_both/index": kv_both with ``block_index`` on), or
     "null": NULL_CONNECTOR (its module on the engine's path)."""
     role, _, variant = role.partition("/")
     connector, module = (
@@ -61,7 +61,7 @@ def kv_config(role: str) -> str:
             "kv_connector_module_path": module,
             "kv_role": "kv_both" if role == "null" else role,
             "kv_load_failure_policy": "recompute",
-            **({"kv_connector_extra_config": {"block_index": False}} if variant == "no-index" else {}),
+            **({"kv_connector_extra_config": {"block_index": True}} if variant == "index" else {}),
         }
     )
 

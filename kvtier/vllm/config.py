@@ -9,7 +9,7 @@
 | ``attach_timeout_s`` | ``KVTIER_ATTACH_TIMEOUT_S`` | 60 | how long startup waits for the cache service before vLLM stops |
 | ``max_staged_save_mib`` | ``KVTIER_MAX_STAGED_SAVE_MIB`` | 256 | KV staged for saves and not yet written; more is dropped with a WARNING |
 | ``lookup_wait_ms`` | ``KVTIER_LOOKUP_WAIT_MS`` | 5 | how long one scheduler step waits for lookups' answers, all together (0: never; unanswered requests wait for the next step) |
-| ``block_index`` | ``KVTIER_BLOCK_INDEX`` | true | follow the cache's block events to answer a prompt whose first block it never announced as a miss without asking (``kvtier.vllm.block_index``; about 100 bytes per cached block); false: ask for every prompt |
+| ``block_index`` | ``KVTIER_BLOCK_INDEX`` | false | follow the cache's block events to answer a prompt whose first block it never announced as a miss without asking (``kvtier.vllm.block_index``; about 100 bytes per cached block; the cache streams every block it stores to each engine that follows). Off: every prompt is asked on arrival |
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class ConnectorConfig:
     attach_timeout_s: float = 60.0
     max_staged_save_mib: float = 256.0
     lookup_wait_ms: float = 5.0
-    block_index: bool = True
+    block_index: bool = False
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorConfig:

@@ -107,7 +107,7 @@ class Lookups:
         *,
         loads: bool = True,
         saves: bool = True,
-        block_index: bool = True,
+        block_index: bool = False,
     ):
         self.link = link
         self.loads, self.saves = loads, saves
