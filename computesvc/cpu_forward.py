@@ -80,7 +80,7 @@ class OwnForward:
             )
             hidden += layer.o_proj(out.view(num_tokens, -1))
             gate_up = layer.gate_up(_norm(layer.post_norm, hidden))
-            hidden += layer.down(layer.act(gate_up[:, :inter]) * gate_up[:, inter:])
+            hidden += layer.down(layer.act(gate_up[:, :inter]).mul_(gate_up[:, inter:]))
         if not isinstance(logits_to_keep, int):
             hidden = hidden[logits_to_keep]
         return self.model.lm_head(_norm(base.norm, hidden))
@@ -152,5 +152,5 @@ def _norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """transformers' rotary embedding (rotate-half form) of x [T, heads, head_dim]."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1).mul_(sin)
+    return rotated.add_(x * cos)  # (x * cos) + (rotated * sin), each rounded as transformers does

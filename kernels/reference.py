@@ -206,6 +206,8 @@ def paged_prefill_attention_ref(
     out = torch.zeros_like(q)
     starts = cu_query_lens.tolist()
     lens = seq_lens.tolist()
+    tables = block_tables.to(device=q.device, dtype=torch.long)
+    masks: dict[tuple[int, int, int], torch.Tensor | None] = {}  # equal shapes share a mask
     for i, seq_len in enumerate(lens):
         q_start, q_end = starts[i], starts[i + 1]
         query_len = q_end - q_start
@@ -213,18 +215,14 @@ def paged_prefill_attention_ref(
             continue
         # The keys read start at the block holding the first query's earliest visible position.
         first = max(0, seq_len - query_len - window + 1) // block_size * block_size if window else 0
-        table = block_tables[i, first // block_size : -(-seq_len // block_size)]
-        blocks = table.to(device=q.device, dtype=torch.long)
-        k = _read_tokens(k_cache, k_scale, blocks, seq_len - first)  # [L, Hkv, D] fp32
-        v = _read_tokens(v_cache, v_scale, blocks, seq_len - first)
+        blocks = tables[i, first // block_size : -(-seq_len // block_size)]
+        k = _read_tokens(k_cache, k_scale, blocks, seq_len - first, "k")  # [L, Hkv, D] fp32
+        v = _read_tokens(v_cache, v_scale, blocks, seq_len - first, "v")
         qi = q[q_start:q_end].float().transpose(0, 1)[None]  # [1, H, Q, D]
-        mask = None
-        if window or query_len != seq_len:
-            q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
-            k_pos = torch.arange(first, seq_len, device=q.device)
-            mask = k_pos[None, :] <= q_pos[:, None]  # [Q, L]
-            if window:
-                mask &= k_pos[None, :] > q_pos[:, None] - window
+        key = (seq_len, query_len, first)
+        if key not in masks:
+            masks[key] = _prefill_mask(seq_len, query_len, first, window, q.device)
+        mask = masks[key]
         # NOTE: SDPA's flash CPU kernel (it takes only 4-d inputs: 3-d ones fall back to the math
         # path, which materialises the scores) instead of explicit scores + softmax: same fp32
         # math, this is the CPU path of every prefill. A whole prompt needs no mask (is_causal).
@@ -268,16 +266,29 @@ def write_kv_ref(
             cache[blocks, offsets], scales[blocks, offsets] = quantize_ref(new[keep], cache.dtype)
 
 
+def _prefill_mask(
+    seq_len: int, query_len: int, first: int, window: int | None, device: torch.device
+) -> torch.Tensor | None:
+    """The additive mask [Q, L] (0 / -inf) of `query_len` new tokens ending a sequence of
+    `seq_len` over its keys from position `first`: causal, and within `window` when given. None
+    for a whole prompt without a window (SDPA's is_causal does it)."""
+    if not window and query_len == seq_len:
+        return None
+    q_pos = torch.arange(seq_len - query_len, seq_len, device=device)
+    k_pos = torch.arange(first, seq_len, device=device)
+    visible = k_pos[None, :] <= q_pos[:, None]
+    if window:
+        visible &= k_pos[None, :] > q_pos[:, None] - window
+    # A float mask: SDPA would turn a boolean one into this on every call.
+    return torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))
+
+
 def _read_tokens(
-    cache: torch.Tensor, scales: torch.Tensor | None, blocks: torch.Tensor, num_tokens: int
+    cache: torch.Tensor, scales: torch.Tensor | None, blocks: torch.Tensor, num_tokens: int, slot: str
 ) -> torch.Tensor:
     """The first `num_tokens` tokens of the cache's `blocks`, [num_tokens, num_kv_heads, head_dim]
-    fp32, dequantized when `scales` are given."""
-    _, _, num_kv_heads, head_dim = cache.shape
-    out = cache[blocks].reshape(-1, num_kv_heads, head_dim)[:num_tokens].float()
-    if scales is not None:
-        out.mul_(scales[blocks].reshape(-1, num_kv_heads)[:num_tokens, :, None])
-    return out
+    fp32 (dequantized when `scales` are given), in the workspace `slot` (`_gather_blocks`)."""
+    return _gather_blocks(cache, blocks, 1, scales, slot)[0, :num_tokens].float()
 
 
 def _gather_blocks(
