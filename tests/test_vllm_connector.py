@@ -501,7 +501,7 @@ def test_saves_staged_while_the_writer_waits_are_written_together_each_block_whe
 ):
     """The worker's writer takes every save staged while it was busy in one Allocate and one Free
     (here it waits on a SIGSTOPped cache service while two more are staged); each block lands in
-    the pool block the cache published for it, equal to vLLM's."""
+    the pool block the cache published for it, equal to vLLM's. The writer runs niced."""
     import torch
 
     from kvtier.sequence_types import AllocateItem
@@ -509,7 +509,7 @@ def test_saves_staged_while_the_writer_waits_are_written_together_each_block_whe
     from kvtier.vllm.cache_link import CacheLink
     from kvtier.vllm.config import ConnectorConfig
     from kvtier.vllm.plan import SaveItem
-    from kvtier.vllm.worker import WorkerSide
+    from kvtier.vllm.worker import WRITER_NICENESS, WorkerSide
 
     with own_cache_service(model_dirs, tmp_path) as cache:
         (tmp_path / "token").write_text(TOKEN)
@@ -542,6 +542,8 @@ def test_saves_staged_while_the_writer_waits_are_written_together_each_block_whe
         try:
             assert worker.wait_idle(60)
             assert worker.stats["saved_blocks"] == 6 and worker.stats["writes"] == 2, worker.stats
+            # The writer is background work: below vLLM's threads in the OS's eyes.
+            assert os.getpriority(os.PRIO_PROCESS, worker._writer.native_id) == WRITER_NICENESS > 0
             seqs = client.allocate([AllocateItem(p + [1]) for p in prompts])
             pool = worker.pool(next(iter(worker._pools))).tensor
             for save, seq in zip(saves, seqs, strict=True):

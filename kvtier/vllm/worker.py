@@ -22,7 +22,9 @@ or too much is staged already, the save is dropped with a WARNING: a later reque
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -40,6 +42,7 @@ from kvtier.vllm.plan import LoadItem, SaveItem
 
 log = logging.getLogger(LOGGER)
 
+WRITER_NICENESS = 10  # the save writer's OS priority (nice), below vLLM's threads
 WARN_EVERY_S = 10.0  # a dropped save is logged at most this often (with the count since)
 
 
@@ -157,6 +160,10 @@ class WorkerSide:
 
     def _write_forever(self) -> None:
         name_os_thread("kvtier-save")
+        # Saves are background work: on a busy box the OS runs vLLM's threads first (a save that
+        # waits is staged; past max_staged_save_mib it is dropped, never the engine slowed).
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
         while True:
             jobs = [self._queue.get()]
             while jobs[-1] is not None:  # saves staged meanwhile go in the same two calls
