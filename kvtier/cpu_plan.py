@@ -126,7 +126,10 @@ def plan_cpu(
     cache service or a neighbour has descheduled (a decode step 20 ms quiet, 160-1700 ms at load
     4-13; one thread 27-60 ms); vLLM's CPU engine likewise runs its model on one thread and keeps
     the other core for its scheduler. (Before sampling moved to the forward thread, 1 x 2 had
-    measured better: decode 466 tok/s against 231.) A bigger box gets one replica on every CPU,
+    measured better: decode 466 tok/s against 231.) Rechecked after admission stopped computing a
+    shared prompt twice (the stack alone, alternated, load 1.9-2.9): 2 x 1 decode 751-765 tok/s,
+    1 x 2 630-658; shared-prefix 756-1086 against 603-618 (1 x 2 spends less CPU per token, but
+    waits). A bigger box gets one replica on every CPU,
     whose batched forward splits its matmuls across the threads, without N copies of the weights
     (not measured here: this machine has 2 CPUs). device "cuda": the GPU runs the model; two
     replicas of one thread, as before.
