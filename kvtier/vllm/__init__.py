@@ -11,6 +11,7 @@ pays for it. The path of one request is described in docs/architecture.md ("vLLM
 - ``block_layout``  vLLM's KV block layout, learned from its own attention write; batched copies
 - ``plan``          the per-step metadata the scheduler side hands the workers (loads, saves)
 - ``lookups``       scheduler side: which leading blocks the cache holds, off the scheduler's thread
+- ``block_index``   (optional) the cache's block events followed: sure misses answered without a call
 - ``worker``        worker side: hits copied in; new full blocks staged out, written and committed
 - ``connector``     the ``KVConnectorBase_V1`` itself, routing vLLM's calls to the two sides
 """

@@ -18,6 +18,10 @@ writes to the shared tier are announced by that node's cache only). Memory: abou
 block the cache holds on any medium, as the router's index (``kvtier.gateway.index_follower``,
 which kvtier.vllm may not import: the router's runs on an asyncio loop and scores whole chains
 per node; this one runs on a thread of vLLM's scheduler process and reads first blocks only).
+
+Off by default (``block_index``): lookups asked on arrival already cost the engine nothing
+measurable, and every follower makes the cache service stream each block it stores to it
+(bench/README.md, "where the no-reuse throughput goes").
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ steps). While an answer has been awaited for more than a second (a slow or hung 
 no step waits. Prompts
 whose every loadable block vLLM's own prefix cache already holds (one block or less, or a local
 hit) are never looked up.
+With ``block_index`` on, a prompt whose first block the cache never announced is answered 0 on
+arrival without a call (``kvtier.vllm.block_index``).
 
 The hit is whole blocks, below the last prompt token (vLLM must compute that one). The loads are
 synchronous in vLLM's sense (``load_kv_async`` False): the worker copies the hit before the
