@@ -21,8 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-# A group pays off when its members share at least this many whole blocks.
+# A group needs at least this many whole blocks in common; the split pays off (an extra SDPA call
+# and the merge in every layer) when the groups spare at least MIN_SPARED_BLOCKS block reads.
 MIN_SHARED_BLOCKS = 2
+MIN_SPARED_BLOCKS = 16
 
 
 @dataclass(frozen=True)
@@ -88,17 +90,18 @@ def plan_decode(
     device: torch.device | str = "cpu",
     window: int | None = None,
     num_blocks: int | None = None,
+    min_spared_blocks: int = MIN_SPARED_BLOCKS,
 ) -> DecodePlan:
     """The plan of a decode step: `tables[i]` the block ids of sequence i (entries past its
     length ignored), `lens[i]` its context length with the new token (0: padding row). With a
     sliding `window` (tokens) a sequence reads only its last `window` positions and no group is
     formed. `num_blocks` (the pool's) clamps placeholder ids the way the kernels' callers may
-    leave them past a window."""
+    leave them past a window. Groups are formed when they spare `min_spared_blocks` block reads."""
     max_len = max(lens, default=0)
     lows = [max(0, n - window) if window else 0 for n in lens]
     shared = None
     if not window and device_has_lse_attention(device):
-        shared, starts = _shared_prefixes(tables, lens, block_size, device)
+        shared, starts = _shared_prefixes(tables, lens, block_size, device, min_spared_blocks)
     if shared is None:  # every sequence reads from the block holding the earliest window start
         starts = [min(lows, default=0) // block_size] * len(lens)
     ends = [-(-n // block_size) for n in lens]
@@ -128,11 +131,11 @@ def plan_decode(
 def device_has_lse_attention(device: torch.device | str) -> bool:
     """Whether the shared-prefix merge can run here: it needs the log-sum-exp that SDPA's CPU
     flash kernel returns (`aten::_scaled_dot_product_flash_attention_for_cpu`)."""
-    return torch.device(device).type == "cpu" and os.environ.get("KVTIER_CASCADE", "1") != "0"
+    return torch.device(device).type == "cpu"
 
 
 def _shared_prefixes(
-    tables: list[list[int]], lens: list[int], block_size: int, device: torch.device | str
+    tables: list[list[int]], lens: list[int], block_size: int, device: torch.device | str, min_spared: int
 ) -> tuple[SharedPrefixes | None, list[int]]:
     """Group sequences by their first block; a group keeps the blocks all its members hold
     whole (every member sees all their positions). Returns the groups and, per sequence, how
@@ -150,7 +153,7 @@ def _shared_prefixes(
         if len(common) >= MIN_SHARED_BLOCKS:
             groups.append((members, len(common)))
     skips = [0] * len(lens)
-    if not groups:
+    if not groups or sum((len(members) - 1) * p for members, p in groups) < max(min_spared, 1):
         return None, skips
     blocks = max(p for _, p in groups)
     width = max(len(members) for members, _ in groups)

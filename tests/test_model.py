@@ -173,13 +173,13 @@ def test_prefix_hit_prefills_only_the_suffix_and_matches_generate(eager_model, p
 
 
 def test_sequences_over_one_shared_prefix_decode_together_like_generate(eager_model, paged_model):
-    # Three prompts over the same two cached blocks decode in one batch: the torch path attends
-    # the shared blocks once for all three (cascade) and each sequence's own blocks apart.
+    # Five prompts over the same four cached blocks decode in one batch: the torch path attends
+    # the shared blocks once for all five (cascade) and each sequence's own blocks apart.
     runner = ModelRunner(paged_model, make_pool(paged_model), BLOCK_SIZE)
     blocks = ShuffledBlocks(NUM_BLOCKS, seed=6)
-    cached = 2 * BLOCK_SIZE
-    prompts = [prompt(cached + 1, salt=8)[:cached] + prompt(n, salt=9 + n)[1:] for n in (4, 12, 20)]
-    shared = blocks.take(2)
+    cached = 4 * BLOCK_SIZE
+    prompts = [prompt(cached + 1, salt=8)[:cached] + prompt(n, salt=9 + n)[1:] for n in (2, 4, 12, 17, 20)]
+    shared = blocks.take(4)
     tables = [shared + blocks.take(blocks_for(len(p) + 10) - 2) for p in prompts]
     runner.prefill([PrefillInput(prompts[0][:cached], 0, tables[0])])
     logits = runner.prefill(
