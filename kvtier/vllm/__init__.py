@@ -9,6 +9,7 @@ pays for it. The path of one request is described in docs/architecture.md ("vLLM
 - ``cache_link``    one lease on the cache service: attach, heartbeat, re-attach after an outage
 - ``engine_check``  the engine against the pool (model, layers, heads, head size, dtype, block size)
 - ``block_layout``  vLLM's KV block layout, learned from its own attention write; batched copies
+- ``transfers``     a load (hit -> vLLM blocks) and a save (vLLM blocks -> pool), plain data
 - ``plan``          the per-step metadata the scheduler side hands the workers (loads, saves)
 - ``lookups``       scheduler side: which leading blocks the cache holds, off the scheduler's thread
 - ``block_index``   (optional) the cache's block events followed: sure misses answered without a call

@@ -11,27 +11,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-
-@dataclass
-class LoadItem:
-    """Copy a request's hit from pool blocks into its vLLM blocks, before this step's forward."""
-
-    req_id: str
-    pool_name: str  # the pool the hit is in (kvtier.vllm.lookups.pool_name)
-    pool_block_ids: list[int]
-    vllm_block_ids: list[int]
-    valid_until: float  # time.monotonic() deadline of the lease that pins the pool blocks; 0 = not pinned
-
-
-@dataclass
-class SaveItem:
-    """A request's full prompt blocks computed this step, to be written to the pool and committed."""
-
-    token_ids: list[int]  # the prompt up to the end of the last block to save (a whole number of blocks)
-    tenant_salt: str  # vLLM's cache_salt ("" for none): only equal salts share blocks
-    adapter_id: str  # the LoRA adapter's name ("" for the base model)
-    first_block: int  # index of the first block to save; blocks before it are already in kvtier
-    vllm_block_ids: list[int]  # blocks [first_block, len(token_ids) // block_size) in vLLM's cache
+from kvtier.vllm.transfers import LoadItem, SaveItem
 
 
 @dataclass

@@ -38,7 +38,7 @@ from kvtier.vllm import LOGGER
 from kvtier.vllm.block_layout import BlockCopier
 from kvtier.vllm.cache_link import CacheDown, CacheLink, name_os_thread
 from kvtier.vllm.lookups import pool_name
-from kvtier.vllm.plan import LoadItem, SaveItem
+from kvtier.vllm.transfers import LoadItem, SaveItem
 
 log = logging.getLogger(LOGGER)
 

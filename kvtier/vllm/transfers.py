@@ -1,0 +1,32 @@
+"""What the worker side moves: a hit to load into vLLM's blocks, new full blocks to save.
+
+Plain data with no vLLM import, so the copies can be driven (and tested on a GPU) without vLLM;
+``plan`` carries them in vLLM's per-step connector metadata. Units: tokens unless a name says
+blocks; block ids are vLLM's (``vllm_block_ids``) or the pool's (``pool_block_ids``), in token order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class LoadItem:
+    """Copy a request's hit from pool blocks into its vLLM blocks, before this step's forward."""
+
+    req_id: str
+    pool_name: str  # the pool the hit is in (kvtier.vllm.lookups.pool_name)
+    pool_block_ids: list[int]
+    vllm_block_ids: list[int]
+    valid_until: float  # time.monotonic() deadline of the lease that pins the pool blocks; 0 = not pinned
+
+
+@dataclass
+class SaveItem:
+    """A request's full prompt blocks computed this step, to be written to the pool and committed."""
+
+    token_ids: list[int]  # the prompt up to the end of the last block to save (a whole number of blocks)
+    tenant_salt: str  # vLLM's cache_salt ("" for none): only equal salts share blocks
+    adapter_id: str  # the LoRA adapter's name ("" for the base model)
+    first_block: int  # index of the first block to save; blocks before it are already in kvtier
+    vllm_block_ids: list[int]  # blocks [first_block, len(token_ids) // block_size) in vLLM's cache
