@@ -46,6 +46,12 @@ WRITER_NICENESS = 10  # the save writer's OS priority (nice), below vLLM's threa
 WARN_EVERY_S = 10.0  # a dropped save is logged at most this often (with the count since)
 
 
+def landed(tensor: torch.Tensor) -> None:
+    """Wait until the copies this thread queued on ``tensor``'s GPU have run (nothing on CPU)."""
+    if tensor.is_cuda:
+        torch.cuda.current_stream(tensor.device).synchronize()
+
+
 class WorkerSide:
     def __init__(self, link: CacheLink, copier: BlockCopier, block_size: int, max_staged_bytes: int):
         self.link = link
@@ -96,6 +102,7 @@ class WorkerSide:
             ok = pool is not None and time.monotonic() < item.valid_until
             if ok:
                 self.copier.load(pool.tensor, item.pool_block_ids, item.vllm_block_ids)
+                landed(pool.tensor)
                 # NOTE: checked after the read: bytes read while the lease pinned them are the hit's.
                 ok = time.monotonic() < item.valid_until
             if ok:
@@ -143,7 +150,11 @@ class WorkerSide:
         start = time.perf_counter()
         staging = spare if spare is not None else self.copier.staging(len(ids))
         blocks, raw = self.copier.stage(ids, into=staging)
-        self._queue.put((saves, blocks, raw, staging, size))
+        # On a GPU the copy is queued on vLLM's stream: the writer waits for this event, not vLLM.
+        ready = torch.cuda.Event() if staging.is_cuda else None
+        if ready is not None:
+            ready.record()
+        self._queue.put((saves, blocks, raw, staging, size, ready))
         self.stats["staged_s"] += time.perf_counter() - start
 
     def wait_idle(self, timeout_s: float) -> bool:
@@ -193,7 +204,7 @@ class WorkerSide:
             self._dropped(num_blocks, "an error (logged above)")
         finally:
             with self._staged_lock:
-                for _, _, _, staging, size in jobs:
+                for _, _, _, staging, size, _ in jobs:
                     if self._spare is None or len(staging) > len(self._spare):
                         self._spare = staging
                     self._staged_bytes -= size
@@ -211,7 +222,9 @@ class WorkerSide:
                  for job in jobs for s in job[0]]  # fmt: skip
         seqs = self.link.call(lambda c: c.allocate(items), expect_generation=generation)
         replies, writes, commits = iter(seqs), [], []
-        for saves, blocks, raw, _, _ in jobs:
+        for saves, blocks, raw, _, _, ready in jobs:
+            if ready is not None:
+                ready.synchronize()
             pool_ids, rows, offset = [], [], 0
             for save in saves:
                 seq = next(replies)
@@ -228,6 +241,7 @@ class WorkerSide:
         if writes and time.monotonic() < self.link.valid_until() - lease_ttl / 4:
             for pool_ids, blocks, rows, raw in writes:
                 self.copier.write_staged(pool.tensor, pool_ids, blocks, list(rows), raw)
+            landed(pool.tensor)  # written before they are published (and their staging reused)
         else:
             commits = []  # not written: nothing to publish
         self.link.call(lambda c: c.free([s.sequence_id for s in seqs], commits), expect_generation=generation)
