@@ -210,6 +210,8 @@ def main() -> int:
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--engine-threads", type=int, default=1, help="OpenMP threads of each vLLM engine")
     ap.add_argument("--skip-throughput", action="store_true", help="TTFT and copies only")
+    ap.add_argument("--copies-only", action="store_true",
+                    help="the copy rates only (no engine: runs without vLLM, as on a GPU machine without its build)")  # fmt: skip
     ap.add_argument("--attribute", action="store_true",
                     help="no TTFT: the no-reuse throughput of C, B, and the connector's saves or lookups alone")  # fmt: skip
     ap.add_argument("--log-dir", type=Path, help="keep the engines' and the cache service's logs here")
@@ -229,6 +231,8 @@ def main() -> int:
           f"load {rates['load_gbs']:.2f} GB/s ({rates['load_ms']:.1f} ms), save {rates['save_gbs']:.2f} GB/s (in vLLM's "
           f"step: {rates['stage_ms']:.1f} ms), "
           f"plain copy {rates['memcpy_gbs']:.2f} GB/s (load average {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
+    if args.copies_only:
+        return 0
     with tempfile.TemporaryDirectory(prefix="kvtier-vllm-bench-") as tmp:
         run_dir = Path(tmp)
         os.chmod(run_dir, 0o700)

@@ -222,13 +222,28 @@ class _CpuLayer:
         ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, self.isa)
 
 
+class _FlashLayer:
+    """vLLM 0.32's FlashAttention KV write (GPU): ``[blocks, heads, block_size, 2 x head_dim]``,
+    written through ``kv_cache.transpose(1, 2).split(head_dim, -1)`` (its ``do_kv_cache_update``)."""
+
+    def __init__(self, head_dim: int):
+        self.head_dim = head_dim
+        self.impl = self
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        caches = kv_cache.transpose(1, 2).split(self.head_dim, dim=-1)
+        where = (slot_mapping // BLOCK_SIZE, slot_mapping % BLOCK_SIZE)
+        for cache, rows in zip(caches, (key, value), strict=True):
+            cache[where] = rows
+
+
 def copy_rates(
     num_layers: int, heads: int, head_dim: int, device: str, blocks: int, repeats: int = 7
 ) -> dict[str, float]:
     """GB/s of the connector's loads and saves of `blocks` blocks (float32) against a plain copy of
     the same bytes, and the load's ms. On CPU with vLLM's CPU layout, learned from its write op; on
-    a GPU (device to device) with a layout as kvtier's (the connector learns the real one inside the
-    engine). The ids are consecutive on both sides, as a fresh request's blocks mostly are."""
+    a GPU (device to device) with its FlashAttention layout (``_FlashLayer``: vLLM's CUDA build is
+    not installed there). The ids are consecutive on both sides, as a fresh request's blocks mostly are."""
     import torch
 
     from kvtier.pool import private_pool
@@ -237,11 +252,8 @@ def copy_rates(
     dtype, total = torch.float32, 4 * blocks
     shape = (total, heads, BLOCK_SIZE, 2 * head_dim)
     caches = [torch.randn(shape, device=device, dtype=dtype) for _ in range(num_layers)]
-    if device == "cpu":
-        layer = _CpuLayer(dtype, head_dim)
-        gathers = [probe_layout(layer, cache, BLOCK_SIZE, heads, head_dim) for cache in caches]
-    else:
-        gathers = [torch.arange(2 * BLOCK_SIZE * heads * head_dim, device=device)] * num_layers
+    layer = _CpuLayer(dtype, head_dim) if device == "cpu" else _FlashLayer(head_dim)
+    gathers = [probe_layout(layer, cache, BLOCK_SIZE, heads, head_dim) for cache in caches]
     copier = BlockCopier(caches, gathers, (2, BLOCK_SIZE, heads, head_dim))
     pool = private_pool([total, num_layers, 2, BLOCK_SIZE, heads, head_dim], "float32", device).tensor
     vllm_ids = list(range(blocks, 2 * blocks))

@@ -7,7 +7,9 @@
 #   pytest-cuda.log        the CUDA tests of the pool (IPC handle opened in another process, device
 #   junit-cuda.xml         UUID check), the pinned swap tier on a side stream, the real device
 #                          memory plan and replica check, the model runner's Triton path vs generate,
-#                          the prefix cache's pinned host tier and a cuda pool's keep/promote via disk
+#                          the prefix cache's pinned host tier and a cuda pool's keep/promote via disk,
+#                          the vLLM connector's worker side (CUDA IPC attach, saves and loads device
+#                          to device between two engines' caches in vLLM's FlashAttention layout)
 #   pytest-kernels.log     tests/test_kernels_triton.py on the GPU (realistic shapes)
 #   junit-kernels.xml
 #   bench-decode.txt       bench/decode_attention.py: paged vs contiguous, KV-read bandwidth as a
@@ -18,6 +20,8 @@
 #                          generate (bf16 through the stack, fp32 through the runner), serving
 #                          throughput vs generate and generate_batch; gpu_stack.json; cache.log (the
 #                          logged device memory plan), compute-*.log
+#   connector-copies.txt   bench/vllm_connector.py --copies-only: the connector's load / save GB/s
+#                          device to device vs a plain copy of the same blocks (TinyLlama's geometry)
 #   vllm-connector.txt     bench/vllm_connector.py --quick (issue 33), when vLLM's CUDA build is
 #                          installed (never installed here: it brings its own torch): a cuda cache
 #                          service and three vLLM engines on the device, TTFT of a prefix another
@@ -142,6 +146,7 @@ CUDA_TESTS=(
     tests/test_model.py::test_greedy_on_cuda_with_triton_kernels_matches_generate
     tests/test_host_cache.py::test_cuda_cache_sees_writes_queued_just_before_it
     tests/test_lower_tiers.py::test_a_cuda_pool_keeps_and_promotes_through_pinned_host_memory_and_disk
+    "tests/test_vllm_worker_device.py::test_one_engine_s_saved_blocks_load_into_another_s_cache_byte_for_byte[cuda]"
 )
 KERNEL_TESTS=(tests/test_kernels_triton.py)
 PYTEST=("$PY" -m pytest -o addopts="" -p no:cacheprovider -q -rA)
@@ -227,6 +232,8 @@ if "$PY" -c "import vllm" >/dev/null 2>&1; then
     step vllm-connector 200 "$OUT/vllm-connector.txt" "$PY" bench/vllm_connector.py --quick
 else
     log "step vllm-connector: SKIPPED (vLLM is not installed for $PY; pip install 'kvtier[vllm]' to include it)"
+    step connector-copies 60 "$OUT/connector-copies.txt" "$PY" bench/vllm_connector.py --copies-only \
+        --hidden 2048 --layers 22 --heads 32 --kv-heads 4
 fi
 step pytest-kernels 150 "$OUT/pytest-kernels.log" "${PYTEST[@]}" --junitxml="$OUT/junit-kernels.xml" "${KERNEL_TESTS[@]}"
 step bench-decode 120 "$OUT/bench-decode.txt" "$PY" bench/decode_attention.py --plot "$OUT/decode_attention.png"
@@ -241,6 +248,7 @@ step bench-decode 120 "$OUT/bench-decode.txt" "$PY" bench/decode_attention.py --
     [ -f "$OUT/bench-swap.txt" ] && grep '^headline' "$OUT/bench-swap.txt" | sed 's/^/  swap: /'
     [ -f "$OUT/gpu-stack.txt" ] && grep '^headline' "$OUT/gpu-stack.txt" | sed 's/^/  stack: /'
     [ -f "$OUT/vllm-connector.txt" ] && echo "  vLLM connector: $(tail -1 "$OUT/vllm-connector.txt")"
+    [ -f "$OUT/connector-copies.txt" ] && echo "  connector copies: $(tail -1 "$OUT/connector-copies.txt")"
     [ -f "$OUT/gpu_stack/cache.log" ] && echo "  device memory plan (cache service log):" \
         && grep -A8 'device memory plan for' "$OUT/gpu_stack/cache.log" | sed 's/^/    /'
 } | tee -a "$SUMMARY"
