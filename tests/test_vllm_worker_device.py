@@ -25,8 +25,7 @@ from kvtier.sequence_types import AllocateItem
 from kvtier.vllm.block_layout import BlockCopier, probe_layout
 from kvtier.vllm.cache_link import CacheLink
 from kvtier.vllm.config import ConnectorConfig
-from kvtier.vllm.lookups import pool_name
-from kvtier.vllm.transfers import LoadItem, SaveItem
+from kvtier.vllm.transfers import LoadItem, SaveItem, pool_name
 from kvtier.vllm.worker import WorkerSide
 
 VLLM_BLOCKS = 16  # blocks in each engine's own KV cache
@@ -129,3 +128,13 @@ def test_one_engine_s_saved_blocks_load_into_another_s_cache_byte_for_byte(backe
         finally:
             a.close()
             b.close()
+
+
+def test_the_worker_side_imports_without_vllm():
+    # The GPU machine has no vLLM build: this file must collect there (the module above imports
+    # the worker side at the top), so nothing it needs may import vLLM.
+    import subprocess
+    import sys
+
+    code = "import sys; sys.modules['vllm'] = None; import kvtier.vllm.worker, kvtier.vllm.transfers"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

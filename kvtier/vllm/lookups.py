@@ -36,22 +36,17 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from kvtier.cache_errors import CacheCallError, NoFreeBlocks
-from kvtier.pool import PoolSpec
 from kvtier.sequence_types import AllocateItem
 from kvtier.vllm import LOGGER
 from kvtier.vllm.block_index import BlockIndex
 from kvtier.vllm.cache_link import CacheDown, CacheLink, name_os_thread
-from kvtier.vllm.plan import KvtierMetadata, LoadItem, SaveItem
+from kvtier.vllm.plan import KvtierMetadata
 from kvtier.vllm.prefix_queries import PrefixQueries
+from kvtier.vllm.transfers import LoadItem, SaveItem, pool_name
 
 log = logging.getLogger(LOGGER)
 
 STUCK_S = 1.0  # an answer awaited longer than this: the scheduler stops waiting for answers
-
-
-def pool_name(spec: PoolSpec) -> str:
-    """What names one pool allocation: its shared-memory segment, or its CUDA IPC handle."""
-    return spec.shm_name or spec.cuda_ipc_handle.hex()
 
 
 @dataclass

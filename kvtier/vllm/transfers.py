@@ -9,13 +9,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvtier.pool import PoolSpec
+
+
+def pool_name(spec: PoolSpec) -> str:
+    """What names one pool allocation: its shared-memory segment, or its CUDA IPC handle."""
+    return spec.shm_name or spec.cuda_ipc_handle.hex()
+
 
 @dataclass
 class LoadItem:
     """Copy a request's hit from pool blocks into its vLLM blocks, before this step's forward."""
 
     req_id: str
-    pool_name: str  # the pool the hit is in (kvtier.vllm.lookups.pool_name)
+    pool_name: str  # the pool the hit is in (``pool_name``)
     pool_block_ids: list[int]
     vllm_block_ids: list[int]
     valid_until: float  # time.monotonic() deadline of the lease that pins the pool blocks; 0 = not pinned

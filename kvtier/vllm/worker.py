@@ -37,8 +37,7 @@ from kvtier.sequence_types import AllocateItem, CommitItem
 from kvtier.vllm import LOGGER
 from kvtier.vllm.block_layout import BlockCopier
 from kvtier.vllm.cache_link import CacheDown, CacheLink, name_os_thread
-from kvtier.vllm.lookups import pool_name
-from kvtier.vllm.transfers import LoadItem, SaveItem
+from kvtier.vllm.transfers import LoadItem, SaveItem, pool_name
 
 log = logging.getLogger(LOGGER)
 
