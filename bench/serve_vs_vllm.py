@@ -11,23 +11,29 @@ block size 32, every request of a pass sent at once:
 
 Systems: kvtier = the local stack as `kvtier up` lays it out by default (kvtier.cpu_plan: replicas,
 threads, allocator preload; cache service and replicas are real processes) driven over gRPC
-(ComputeClient, streamed); vLLM = its offline `LLM.generate` in a child process, in its best
-configuration here (every CPU in one engine, tcmalloc + Intel OpenMP preloaded: bench/vllm_engine.py).
-Each pass has its own cache_salt on both (a cold prefix cache, shared within the pass). Warm-up
-passes are not measured. Rounds run ABBA (kvtier, vLLM, vLLM, kvtier, ...); each system's figure
-is the median of its passes. Greedy parity: the first --check requests of every measured pass must
+(ComputeClient); vLLM = its offline `LLM.generate` in a child process, in its best configuration
+here (every CPU in one engine, tcmalloc + Intel OpenMP preloaded: bench/vllm_engine.py).
+`LLM.generate` returns whole completions (vLLM's RequestOutputKind.FINAL_ONLY), so kvtier is asked
+for them the same way: `final_only` requests, one reply each when it finishes, what a user who
+wants whole completions asks for (OpenAI's `stream: false`); `--streamed` asks for a message per
+token instead. Each pass has its own cache_salt on both (a cold prefix cache, shared within the
+pass). Warm-up passes are not measured. Rounds run ABBA (kvtier, vLLM, vLLM, kvtier, ...), each
+pass once the other system is quiet (`settle`: vLLM's worker spins for a second after its last
+step); each system's figure is the median of its passes. Greedy parity: the first --check requests of every measured pass must
 equal vLLM's tokens of the same workload. Per pass: output tok/s, output tokens per CPU-second of
 the system's processes (kvtier: cache service, replicas and this client; vLLM: its process tree;
 over HTTP both count this client), the 1-minute load average (the machine may be shared), and
 the CPU the other system used while it waited.
 
 Then the HTTP front doors on shared-prefix: kvtier's gateway against vLLM's OpenAI server
-(`python -m vllm.entrypoints.openai.api_server`), streamed /v1/completions with token-id prompts.
+(`python -m vllm.entrypoints.openai.api_server`), streamed /v1/completions with token-id prompts
+on both sides.
 
     python bench/serve_vs_vllm.py              # 2 rounds ABBA + HTTP (~10 min on 2 cores)
     python bench/serve_vs_vllm.py --quick      # smaller workloads, 1 round, no HTTP
     python bench/serve_vs_vllm.py --replicas 2 --threads 1   # another kvtier layout
     python bench/serve_vs_vllm.py --workloads decode         # one workload alone, to iterate
+    python bench/serve_vs_vllm.py --streamed                 # kvtier streams every token over gRPC
 
 Targets (issue 35): shared-prefix >= 1.0x, unique >= 0.8x, decode >= 1.0x. The last line is the headline.
 """
@@ -108,28 +114,33 @@ def tree_cpu_seconds(pids: list[int], client: bool = False) -> float:
 
 
 class KvtierGrpc:
-    """kvtier's replicas behind ComputeClient: all of a pass's requests at once, streamed."""
+    """kvtier's replicas behind ComputeClient: all of a pass's requests at once, each answered
+    whole (`final_only`) or streamed a message per token."""
 
     name = "kvtier"
+    client = True  # this process receives the replies: its CPU counts
 
-    def __init__(self, stack):
+    def __init__(self, stack, final_only: bool = True):
         from kvtier.compute_client import ComputeClient
 
-        self.stack = stack
-        self.client = ComputeClient(stack.compute_addresses, TOKEN)
-
-    client = True  # this process streams the replies: its CPU counts
+        self.stack, self.final_only = stack, final_only
+        self.compute = ComputeClient(stack.compute_addresses, TOKEN)
 
     @property
     def pids(self) -> list[int]:
         return [p.proc.pid for p in [self.stack.cache, *self.stack.replicas]]
 
     async def one(self, prompt: list[int], max_tokens: int, salt: str) -> list[int]:
-        request = self.client.request(
-            prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True, cache_salt=salt
+        request = self.compute.request(
+            prompt_token_ids=prompt,
+            max_tokens=max_tokens,
+            temperature=0,
+            ignore_eos=True,
+            cache_salt=salt,
+            final_only=self.final_only,
         )
         tokens: list[int] = []
-        async for reply in self.client.stream(request):
+        async for reply in self.compute.stream(request):
             tokens += reply.token_ids
         return tokens
 
@@ -196,6 +207,22 @@ class HttpSystem:
             await self.http.close()
 
 
+async def settle(system, timeout_s: float = 10.0, window_s: float = 0.25, quiet: float = 0.05) -> float:
+    """Wait until `system`'s processes use under `quiet` of a CPU (over `window_s`), at most
+    `timeout_s`; the seconds waited. NOTE: vLLM's worker busy-polls its shared-memory queue for
+    a second after its last step (vllm's SpinCondition, busy_loop_s = 1); without the wait that
+    second lands in the other system's next pass (~1 CPU-s of a kvtier decode pass, ~10% of it),
+    which no user running one system sees. kvtier's processes are quiet between passes anyway."""
+    t0 = time.perf_counter()
+    cpu = tree_cpu_seconds(system.pids)
+    while time.perf_counter() - t0 < timeout_s:
+        await asyncio.sleep(window_s)
+        cpu, last = tree_cpu_seconds(system.pids), cpu
+        if cpu - last < quiet * window_s:
+            break
+    return time.perf_counter() - t0
+
+
 async def measure_pass(system, work: Workload, prompts, salt: str, idle) -> dict:
     """One measured pass of `system`; `idle`, the other system (waiting), whose CPU use is recorded."""
     load0, cpu0 = os.getloadavg()[0], tree_cpu_seconds(system.pids, system.client)
@@ -225,12 +252,13 @@ async def compare(systems: list, workloads: dict[str, Workload], rounds: int, ch
         for r in range(rounds):
             for s in systems if r % 2 == 0 else systems[::-1]:
                 other = systems[1] if s is systems[0] else systems[0]
+                waited = await settle(other)
                 p = await measure_pass(s, work, prompts, f"{s.name}-{name}-{r}", other)
                 passes[s.name].append(p)
                 print(
                     f"  {name:>13} round {r} {s.name:>9}: {p['tokens']} tok in {p['seconds']:6.2f} s = "
                     f"{p['tok_s']:7.1f} tok/s, {p['tok_per_cpu_s']:6.1f} tok/CPU-s, load {p['load']:.1f} "
-                    f"(idle {other.name}: {p['idle_cpu_s']:.2f} CPU-s)",
+                    f"(idle {other.name}: {p['idle_cpu_s']:.2f} CPU-s, settled in {waited:.1f} s)",
                     flush=True,
                 )
         a, b = (passes[s.name] for s in systems)
@@ -322,7 +350,7 @@ async def run(args, model: Path, tmp: Path) -> tuple[dict, dict | None]:
     engine = OfflineVllm(model, threads=args.vllm_threads)
     await asyncio.to_thread(engine.start)
     await asyncio.to_thread(stack.up)
-    kv = KvtierGrpc(stack)
+    kv = KvtierGrpc(stack, final_only=not args.streamed)
     try:
         results = await compare([kv, OfflineSystem(engine)], workloads, args.rounds, args.check)
     finally:
@@ -342,7 +370,7 @@ async def run(args, model: Path, tmp: Path) -> tuple[dict, dict | None]:
                 await vs.close()
                 await asyncio.to_thread(server.stop)
     finally:
-        await kv.client.close()
+        await kv.compute.close()
         await asyncio.to_thread(stack.down)
     return results, http
 
@@ -356,6 +384,11 @@ def main() -> int:
     ap.add_argument("--threads", type=int, help="torch threads per kvtier replica (default: kvtier up's)")
     ap.add_argument("--vllm-threads", type=int, default=os.cpu_count() or 1, help="vLLM's OpenMP threads")
     ap.add_argument("--json", help="also write the figures to this file")
+    ap.add_argument(
+        "--streamed",
+        action="store_true",
+        help="kvtier's gRPC passes stream a message per token (default: whole completions)",
+    )
     ap.add_argument(
         "--workloads",
         type=lambda text: text.split(","),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
@@ -185,6 +186,7 @@ class ComputeServicer(compute_pb2_grpc.ComputeServiceServicer):
                 self.replica.scheduler.abort(req)
 
         context.add_done_callback(on_done)
+        held: list[StepOutput] = []  # a final_only request's outputs, sent as one when it finishes
         try:
             while not finished:
                 out: StepOutput = await req.outputs.get()
@@ -209,6 +211,11 @@ class ComputeServicer(compute_pb2_grpc.ComputeServiceServicer):
                     trailer = status.details_trailer(code, message, status.EXCEEDS_LIMIT) if never else ()
                     await context.abort(code, message, trailing_metadata=trailer)
                 finished = bool(out.finish_reason)
+                if request.final_only:
+                    held.append(out)
+                    if not finished:
+                        continue
+                    out = _merged(held)
                 yield self._reply(req, out)
             span.set_attribute("kvtier.cached_tokens", max(0, req.num_cached_prompt_tokens))
             span.set_attribute("kvtier.generated_tokens", len(req.output_token_ids))
@@ -240,6 +247,19 @@ class ComputeServicer(compute_pb2_grpc.ComputeServiceServicer):
                 )
             )
         return reply
+
+
+def _merged(outs: list[StepOutput]) -> StepOutput:
+    """A request's step outputs as one: every token, text and logprob in order, the last one's
+    finish reason and usage, the first one's time to first token."""
+    logprobs = [lp for out in outs for lp in out.logprobs or ()]
+    return dataclasses.replace(
+        outs[-1],
+        token_ids=[token for out in outs for token in out.token_ids],
+        text="".join(out.text for out in outs),
+        time_to_first_token_s=outs[0].time_to_first_token_s,
+        logprobs=logprobs or None,
+    )
 
 
 async def _abort_cache_unavailable(context, message: str) -> None:

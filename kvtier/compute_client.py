@@ -149,11 +149,13 @@ class ComputeClient:
         request_id: str = "",
         cache_salt: str = "",
         structured_output: compute_pb2.StructuredOutput | None = None,
+        final_only: bool = False,
         **sampling: int | float | None,
     ) -> compute_pb2.GenerateRequest:
         """A GenerateRequest. `sampling`: the optional fields of kvtier.sampling_schema
         (max_tokens=, temperature=, ...); one left None or out stays unset, and the replica then
-        uses the model's default (its generation_config.json's, else the schema's)."""
+        uses the model's default (its generation_config.json's, else the schema's). `final_only`:
+        the whole completion in one reply, when it finishes (as `stream: false` returns it)."""
         unknown = sorted(set(sampling) - set(sampling_schema.NAMES))
         if unknown:
             raise TypeError(f"unknown sampling fields {unknown}; known: {', '.join(sampling_schema.NAMES)}")
@@ -175,6 +177,7 @@ class ComputeClient:
             prompt_token_ids=prompt_token_ids or [],
             sampling=params,
             cache_salt=cache_salt,
+            final_only=final_only,
         )
 
     async def stream(
@@ -202,7 +205,7 @@ class ComputeClient:
                 attempt_request.CopyFrom(request)
                 attempt_request.resume_token_ids.extend(delivered)
             call = self._stubs[i].Generate(attempt_request, metadata=metadata)
-            timeout, awaited = self.first_token_timeout_s, "its first reply"
+            timeout, awaited = self._first_reply_timeout(request), "its first reply"
             try:
                 while True:
                     try:
@@ -241,6 +244,17 @@ class ComputeClient:
                 # replica generating: cancelling makes it abort the sequence and free its blocks.
                 call.cancel()  # a no-op once the call has finished
         raise last_error if last_error else RuntimeError("no replica answered")
+
+    def _first_reply_timeout(self, request: compute_pb2.GenerateRequest) -> float | None:
+        """How long an attempt waits for its first reply. A final_only request's is its only one,
+        sent when it finishes: it gets the streamed deadlines added up over its max_tokens (none
+        when max_tokens is unset); keepalive still fails over a frozen replica within seconds."""
+        if not request.final_only:
+            return self.first_token_timeout_s
+        first, each = self.first_token_timeout_s, self.progress_timeout_s
+        if first is None or each is None or not request.sampling.HasField("max_tokens"):
+            return None
+        return first + each * request.sampling.max_tokens
 
     async def complete(
         self, request: compute_pb2.GenerateRequest, max_attempts: int | None = None

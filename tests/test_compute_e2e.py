@@ -237,6 +237,53 @@ def test_32_concurrent_streams_across_two_replicas_each_match_running_alone(stac
         assert messages > 1, f"stream {k} arrived in one message: not streamed"
 
 
+def test_a_final_only_request_gets_its_whole_streamed_completion_in_one_reply(stack, reference):
+    ids = prompt(40, salt=7)
+    # Different salts: the second request computes its prompt too instead of hitting the first's.
+    requests = [
+        greedy_request(ids, 20, logprobs=2, cache_salt=str(final_only), final_only=final_only)
+        for final_only in (False, True)
+    ]
+
+    async def replies(request) -> list:
+        client = ComputeClient(stack.compute_addresses[:1], TOKEN)
+        try:
+            return [reply async for reply in client.stream(request)]
+        finally:
+            await client.close()
+
+    streamed, whole = (run(replies(r)) for r in requests)
+    assert len(streamed) > 1 and len(whole) == 1
+    (one,) = whole
+    assert list(one.token_ids) == [t for r in streamed for t in r.token_ids] == reference.greedy(ids, 20)
+    assert one.text == "".join(r.text for r in streamed)
+    assert list(one.logprobs) == [lp for r in streamed for lp in r.logprobs]
+    assert one.finish_reason == streamed[-1].finish_reason == "length"
+    assert one.usage == streamed[-1].usage
+    assert one.usage.completion_tokens == 20 and one.time_to_first_token_s > 0
+
+
+def test_a_final_only_request_may_take_longer_than_the_first_token_deadline(stack, reference, caplog):
+    # Its one reply comes when it finishes: the client waits for the streamed deadlines added up
+    # over max_tokens, not for the first token's alone (which 200 tokens take longer than).
+    ids = prompt(12, salt=8)
+    request = greedy_request(ids, 200, final_only=True)
+
+    async def whole() -> tuple[Completion, float]:
+        client = ComputeClient(stack.compute_addresses, TOKEN, first_token_timeout_s=0.2)
+        t0 = time.monotonic()
+        try:
+            return await client.complete(request), time.monotonic() - t0
+        finally:
+            await client.close()
+
+    with caplog.at_level(logging.WARNING, logger="kvtier.client"):
+        out, took = run(whole())
+    assert out.token_ids == reference.greedy(ids, 200)
+    assert took > 0.2, "finished within the first-token deadline: the test shows nothing"
+    assert not caplog.records, "the request was failed over"
+
+
 def test_client_leaving_mid_stream_frees_its_sequence(stack):
     async def read_three_then_leave() -> int:
         client = ComputeClient([stack.replicas[0].address], TOKEN)
