@@ -556,22 +556,80 @@ def test_saves_staged_while_the_writer_waits_are_written_together_each_block_whe
             link.close()
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_block_copies_match_the_backend_s_own_writes(dtype):
-    # The copier's runs of consecutive ids, its scattered-id fallback (more than MAX_RUNS runs) and
-    # a reversed order, against vLLM's own KV write op, byte for byte in both directions.
+class ScrambledLayer:
+    """A KV write that moves each element of a block to a random place: no strided view (the
+    copier's element-by-element path)."""
+
+    def __init__(self, heads: int, head_dim: int):
+        self.heads, self.head_dim, self.impl = heads, head_dim, self
+        self.perm = torch_perm(2 * BLOCK_SIZE * heads * head_dim)
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        import torch
+
+        blocks, offsets = slot_mapping // BLOCK_SIZE, slot_mapping % BLOCK_SIZE
+        heads, dims = torch.arange(self.heads)[None, :, None], torch.arange(self.head_dim)[None, None, :]
+        flat = kv_cache.view(kv_cache.shape[0], -1)
+        for part, rows in enumerate((key, value)):
+            index = ((part * BLOCK_SIZE + offsets)[:, None, None] * self.heads + heads) * self.head_dim + dims
+            flat[blocks[:, None, None].expand_as(index), self.perm[index]] = rows
+
+
+class SplitLayer:
+    """A cache ``[blocks, 2, block_size, heads, head_dim]`` viewed on K and V planes apart in
+    memory (``[2, blocks, ...]``): a block is not one piece (the copier stages it in kvtier's layout)."""
+
+    impl = property(lambda self: self)
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        blocks, offsets = slot_mapping // BLOCK_SIZE, slot_mapping % BLOCK_SIZE
+        kv_cache[blocks, 0, offsets] = key
+        kv_cache[blocks, 1, offsets] = value
+
+
+def torch_perm(n: int):
+    import torch
+
+    return torch.randperm(n, generator=torch.Generator().manual_seed(n))
+
+
+LAYOUTS = ["cpu-float32", "cpu-bfloat16", "scrambled", "split"]
+
+
+def layout_caches(layout: str, num_layers: int, heads: int, head_dim: int):
+    """(the backend's write per layer, the caches) of ``layout``, 64 blocks each."""
+    import torch
+
+    dtype = torch.bfloat16 if layout == "cpu-bfloat16" else torch.float32
+    if layout == "split":
+        planes = [torch.zeros(2, 64, BLOCK_SIZE, heads, head_dim) for _ in range(num_layers)]
+        return [SplitLayer() for _ in planes], [p.transpose(0, 1) for p in planes]
+    caches = [torch.zeros(64, heads, BLOCK_SIZE, 2 * head_dim, dtype=dtype) for _ in range(num_layers)]
+    if layout == "scrambled":
+        return [ScrambledLayer(heads, head_dim) for _ in caches], caches
+    return [BackendLayer(dtype, head_dim) for _ in caches], caches
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_block_copies_match_the_backend_s_own_writes(layout):
+    # The copier's runs of consecutive ids, its scattered-id paths (more than MAX_RUNS runs, on
+    # either side) and a reversed order, against the backend's own KV write op (vLLM's CPU one in
+    # float32 and bfloat16; a scrambled one, no strided view; one whose blocks are not one piece),
+    # byte for byte in both directions.
     import torch
 
     from kvtier.vllm.block_layout import MAX_RUNS, BlockCopier, probe_layout
 
-    dtype, heads, head_dim, num_layers = getattr(torch, dtype), 2, 64, 3
-    layers = [BackendLayer(dtype, head_dim) for _ in range(num_layers)]
-    caches = [torch.zeros(64, heads, BLOCK_SIZE, 2 * head_dim, dtype=dtype) for _ in range(num_layers)]
+    heads, head_dim, num_layers = 2, 64, 3
+    layers, caches = layout_caches(layout, num_layers, heads, head_dim)
+    dtype = caches[0].dtype
     gathers = [
         probe_layout(layer, cache, BLOCK_SIZE, heads, head_dim)
         for layer, cache in zip(layers, caches, strict=True)
     ]
     copier = BlockCopier(caches, gathers, (2, BLOCK_SIZE, heads, head_dim))
+    strided = layout != "scrambled"
+    assert (copier.parts[0] is not None) == strided and copier.raw == (layout != "split")
     pool = torch.zeros(80, num_layers, 2, BLOCK_SIZE, heads, head_dim, dtype=dtype)
     for ids in (
         [5, 6, 7, 8],
@@ -591,16 +649,15 @@ def test_block_copies_match_the_backend_s_own_writes(dtype):
         for cache, by_vllm in zip(caches, written, strict=True):
             cache.copy_(by_vllm)
         assert torch.equal(copier.read_blocks(ids), kv), f"read {ids}"
-        pool_ids = list(range(10, 10 + n)) if n % 2 == 0 else [70 - i for i in range(n)]
         staged, raw = copier.stage(ids, into=copier.staging(n))  # a save: staged, then written
-        for targets in (pool_ids, [70 - i for i in range(n)]):
+        for targets in (list(range(10, 10 + n)), [70 - i for i in range(n)]):
             saved = torch.zeros_like(pool)
             copier.write_staged(saved, targets, staged, list(range(n)), raw)
             assert torch.equal(saved[torch.tensor(targets)], kv), f"save {ids} -> {targets} (raw {raw})"
-        pool[torch.tensor(pool_ids)] = kv
-        for cache in caches:
-            cache.zero_()
-        copier.load(pool, pool_ids, ids)
-        assert all(torch.equal(c, w) for c, w in zip(caches, written, strict=True)), (
-            f"load {pool_ids} -> {ids}"
-        )
+            pool[torch.tensor(targets)] = kv
+            for cache in caches:
+                cache.zero_()
+            copier.load(pool, targets, ids)
+            assert all(torch.equal(c, w) for c, w in zip(caches, written, strict=True)), (
+                f"load {targets} -> {ids}"
+            )

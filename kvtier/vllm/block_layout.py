@@ -10,16 +10,20 @@ vLLM's null block (block 0, never given to a request; its bytes are put back) an
 gives, for every element of a vLLM block, the kvtier position it holds. A write that is not a
 one-to-one move of elements (a quantized cache, a backend that writes elsewhere) is refused.
 
-Copies are batched over blocks and done per layer, never per token; on a GPU they run device to
-device. Blocks whose ids run consecutively on both sides (what a fresh request gets from vLLM's
-free list and from the pool, most of the time) are copied in one pass straight from one tensor
-into the other through strided views (``runs``); scattered ids go through index ops (index_select,
-the permutation, index_copy_), which cost two more passes over the bytes.
+The layouts vLLM's backends use are transposes and packings of kvtier's dims, so each part of a
+layer block (K, V) is one strided view of vLLM's block (``strided_parts``): a relayout is then one
+``copy_`` between two strided views per part and run of consecutive block ids, at about the speed
+of a plain copy, and a staged save (vLLM's bytes as they are, every layer a constant stride apart)
+is relaid out for every layer in one copy per part. Blocks whose ids are scattered go through one
+index op (``index_select`` / ``index_copy_``: plain row copies) on the scattered side. A layout
+that is no strided view is still copied, element by element through an index. Nothing is copied
+per token; on a GPU the copies run device to device.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -73,230 +77,259 @@ def probe_layout(
     return gather
 
 
-def bit_moves(gather: torch.Tensor, parts: int = 2) -> list[tuple[dict[int, int], list[int]]] | None:
-    """``gather`` as strided views, when it is one: per part of kvtier's block (K, then V), the raw
-    bits it holds fixed (bit -> value) and, for each of the part's index bits from the highest, the
-    raw bit it moves to; None when a size is not a power of two or a part is not a bit permutation.
+@dataclass(frozen=True)
+class Part:
+    """One part of a layer block (its K or its V) as strided dims: each dim's size, in kvtier's
+    order, with its stride (elements) in kvtier's block and in vLLM's, and where the part starts in each."""
 
-    NOTE: vLLM's layouts are transposes and packings of power-of-two dims, which are exactly such
-    bit permutations; a strided copy of them runs at memory speed, an element gather at a fraction.
+    sizes: tuple[int, ...]
+    kvtier_strides: tuple[int, ...]
+    vllm_strides: tuple[int, ...]
+    kvtier_start: int
+    vllm_start: int
+
+
+def _radices(size: int) -> list[int]:
+    """``size`` as the digits of a mixed-radix index, highest first: its odd factor (when not 1),
+    then a 2 for each factor of two (so a dim split or packed by powers of two is still strided)."""
+    twos = (size & -size).bit_length() - 1
+    return ([size >> twos] if size >> twos > 1 else []) + [2] * twos
+
+
+def strided_parts(offsets: torch.Tensor, block_shape: tuple[int, ...]) -> list[Part] | None:
+    """``offsets`` (for each element of kvtier's layer block ``block_shape``, in its order, where it
+    lies in vLLM's block) as one ``Part`` per index of ``block_shape[0]``; None when a part is not
+    one strided view with positive strides.
+
+    NOTE: each part is checked whole: its offsets must equal a base plus a stride per digit of its
+    index (``_radices`` of each dim), and digits whose strides continue each other are merged, so a
+    transpose of whole dims comes out as a handful of dims (CPU ``vec``: K ``[32, 2, 64]`` with
+    strides ``[1, 4096, 32]``) that torch copies in one loop.
     """
-    elements = gather.numel()
-    bits = elements.bit_length() - 1
-    if elements != 1 << bits or elements % parts:
-        return None
-    size = elements // parts
-    part_bits = size.bit_length() - 1
-    index = torch.arange(size, device=gather.device)
-    moves = []
-    for part in range(parts):
-        sub = gather[part * size : (part + 1) * size]
+    size = math.prod(block_shape[1:])
+    radices = [r for dim in block_shape[1:] for r in _radices(dim)]
+    units, unit = [], 1  # the digits' strides in kvtier's (contiguous) part
+    for r in reversed(radices):
+        units.insert(0, unit)
+        unit *= r
+    index = torch.arange(size, device=offsets.device)
+    parts = []
+    for p in range(block_shape[0]):
+        sub = offsets[p * size : (p + 1) * size]
         base = int(sub[0])
-        steps = [int(sub[1 << b]) - base for b in range(part_bits)]
-        if any(d <= 0 or d & (d - 1) or base & d for d in steps) or len(set(steps)) != part_bits:
+        steps = [int(sub[u]) - base for u in units]
+        if any(step <= 0 for step in steps):
             return None
-        rebuilt = base + sum(((index >> b) & 1) * d for b, d in enumerate(steps))
+        rebuilt = base + sum(
+            ((index // u) % r) * step for u, r, step in zip(units, radices, steps, strict=True)
+        )
         if not torch.equal(rebuilt, sub):
             return None
-        used = {d.bit_length() - 1 for d in steps}
-        fixed = {r: (base >> r) & 1 for r in range(bits) if r not in used}
-        moves.append((fixed, [steps[b].bit_length() - 1 for b in reversed(range(part_bits))]))
-    return moves
+        dims: list[list[int]] = []  # [size, kvtier stride, vLLM stride], highest first
+        for r, u, step in zip(radices, units, steps, strict=True):
+            if dims and dims[-1][2] == step * r:
+                dims[-1] = [dims[-1][0] * r, u, step]
+            else:
+                dims.append([r, u, step])
+        parts.append(Part(*(tuple(d[i] for d in dims) for i in range(3)), p * size, base))  # type: ignore[arg-type]
+    return parts
 
 
-def _part_view(rows: torch.Tensor, bits: int, fixed: dict[int, int], order: list[int]) -> torch.Tensor:
-    """The view of ``rows`` ``[n, 2**bits]`` holding one part, its dims in the part's bit order."""
-    view = rows.view(rows.shape[0], *[2] * bits)
-    for raw_bit in sorted(fixed):  # dim of raw bit r is bits - r; lowest bits first keeps dims valid
-        view = view.select(bits - raw_bit, fixed[raw_bit])
-    remaining = [r for r in reversed(range(bits)) if r not in fixed]  # the view's dims, highest bit first
-    return view.permute(0, *[1 + remaining.index(r) for r in order])
+def block_offsets(cache: torch.Tensor) -> torch.Tensor:
+    """For each element of a block of ``cache`` (``[num_blocks, ...]``), in its logical order, its
+    offset in memory (elements) from the block's first one."""
+    block = cache[0]
+    offsets = torch.zeros((), dtype=torch.int64, device=cache.device)
+    for size, stride in zip(block.shape, block.stride(), strict=True):
+        offsets = offsets.unsqueeze(-1) + torch.arange(size, device=cache.device) * stride
+    return offsets.reshape(-1)
 
 
-MAX_RUNS = 16  # more runs than this: one batched index op per layer beats a copy per run
+MAX_RUNS = 16  # more runs than this: one index op (a plain pass more over the bytes) beats a copy per run
 
 
-def runs(a: list[int], b: list[int]) -> list[tuple[int, int, int]] | None:
+def runs(a: list[int], b: list[int], limit: int | None = MAX_RUNS) -> list[tuple[int, int, int]] | None:
     """``(a_start, b_start, length)`` of the maximal stretches where both id lists count up by one,
-    or None when there are more than ``MAX_RUNS`` of them."""
+    or None when there are more than ``limit`` of them."""
     found: list[tuple[int, int, int]] = []
     for i, (x, y) in enumerate(zip(a, b, strict=True)):
         if i and x == a[i - 1] + 1 and y == b[i - 1] + 1:
             start_a, start_b, length = found[-1]
             found[-1] = (start_a, start_b, length + 1)
-        elif len(found) == MAX_RUNS:
+        elif len(found) == limit:
             return None
         else:
             found.append((x, y, 1))
     return found
 
 
-def write_rows(pool: torch.Tensor, pool_ids: list[int], blocks: torch.Tensor, rows: list[int]) -> None:
-    """``pool[pool_ids[i]] = blocks[rows[i]]``: a copy per run of consecutive ids, else one index op."""
-    stretches = runs(pool_ids, rows)
-    if stretches is None:
-        index = torch.tensor(rows, device=blocks.device)
-        pool.index_copy_(
-            0, torch.tensor(pool_ids, device=pool.device), blocks.index_select(0, index).to(pool.device)
-        )
-        return
-    for p, r, n in stretches:
-        pool[p : p + n].copy_(blocks[r : r + n])
+# A place of blocks: (tensor, first element past its storage offset, block stride, layer stride).
+Place = tuple[torch.Tensor, int, int, int]
+
+
+def _at(tensor: torch.Tensor, block: int, layer: int = 0) -> Place:
+    """Block ``block`` (layer ``layer``) of a vLLM cache, the pool or a staging tensor ``[n, layers, ...]``."""
+    return tensor, block * tensor.stride(0) + layer * tensor.stride(1), tensor.stride(0), tensor.stride(1)
+
+
+def _view(place: Place, n: int, layers: int, start: int, sizes, strides) -> torch.Tensor:
+    """``n`` blocks (and ``layers`` layers, if not 0) at ``place``, each as the dims ``sizes, strides`` from ``start``."""
+    tensor, first, block_stride, layer_stride = place
+    lead = ((n, block_stride), (layers, layer_stride)) if layers else ((n, block_stride),)
+    return tensor.as_strided(
+        (*(d for d, _ in lead), *sizes),
+        (*(s for _, s in lead), *strides),
+        tensor.storage_offset() + first + start,
+    )
 
 
 class BlockCopier:
     """Whole blocks between vLLM's per-layer caches and kvtier's pool, batched.
 
     ``kv_caches``: vLLM's caches in layer order, each ``[num_blocks, ...]``; ``gathers``: each
-    layer's ``probe_layout``; ``pool``: the pool's element tensor ``[num_blocks, num_layers, 2,
-    block_size, num_kv_heads, head_dim]`` on the same device.
+    layer's ``probe_layout``; ``block_shape``: kvtier's layer block ``[2, block_size, heads,
+    head_dim]``. Pools, staging and blocks in kvtier's layout are ``[n, num_layers, ...]`` on the
+    caches' device (any strides between blocks and between layers; each layer block contiguous).
     """
 
     def __init__(
         self, kv_caches: list[torch.Tensor], gathers: list[torch.Tensor], block_shape: tuple[int, ...]
     ):
         self.kv_caches = kv_caches
-        self.block_shape = block_shape  # [2, block_size, num_kv_heads, head_dim]
+        self.block_shape = tuple(block_shape)  # [2, block_size, num_kv_heads, head_dim]
         self.elements = math.prod(block_shape)
-        self.block_bytes = (
-            len(kv_caches) * self.elements * kv_caches[0].element_size()
-        )  # one block, all layers
+        # One block, every layer:
+        self.block_bytes = len(kv_caches) * self.elements * kv_caches[0].element_size()
         identity = torch.arange(self.elements, device=gathers[0].device)
-        # NOTE: a layout equal to kvtier's (an identity permutation) skips the gather, one copy less.
-        self.gathers = [None if torch.equal(g, identity) else g for g in gathers]
-        self.scatters = [None if g is None else torch.argsort(g) for g in self.gathers]
-        self.moves = [None if g is None else bit_moves(g, parts=block_shape[0]) for g in self.gathers]
-        self.bits = self.elements.bit_length() - 1
+        self.gathers = [None if torch.equal(g, identity) else g for g in gathers]  # None: kvtier's own layout
+        # Where each kvtier element of a layer block lies in vLLM's block (memory), and as strided views.
+        self.offsets = [block_offsets(c)[g.to(c.device)] for c, g in zip(kv_caches, gathers, strict=True)]
+        self.parts = [strided_parts(o, self.block_shape) for o in self.offsets]
+        # Raw staging (vLLM's bytes as they are) needs each block in one piece; one copy per part for
+        # every layer needs the layers laid out alike.
+        self.raw = all(c[0].is_contiguous() for c in kv_caches)
+        self.alike = self.parts[0] is not None and all(p == self.parts[0] for p in self.parts)
+        self._blocks: torch.Tensor | None = None  # write_staged's room for scattered pool blocks, reused
 
     @property
     def num_layers(self) -> int:
         return len(self.kv_caches)
 
-    def _rows(self, cache: torch.Tensor, start: int, n: int) -> torch.Tensor | None:
-        """vLLM blocks ``[start, start + n)`` of one layer's cache as a ``[n, elements]`` view, or
-        None if the cache's blocks are not laid out contiguously."""
-        part = cache[start : start + n]
-        return part.view(n, self.elements) if part.is_contiguous() else None
+    def _move(self, n: int, vllm: Place, kvtier: Place, to_vllm: bool, layer: int | None) -> None:
+        """``n`` blocks between vLLM's layout at ``vllm`` and kvtier's at ``kvtier``: of one layer,
+        or of every layer (``layer`` None: both places hold them a layer stride apart, laid out alike)."""
+        parts = self.parts[layer or 0]
+        layers = self.num_layers if layer is None else 0
+        if parts is None:  # no strided view: element by element through the offsets (one layer)
+            tensor, first, block_stride, _ = vllm
+            flat = tensor.as_strided((tensor.untyped_storage().nbytes() // tensor.element_size(),), (1,), 0)
+            starts = torch.arange(n, device=tensor.device) * block_stride + tensor.storage_offset() + first
+            index = starts[:, None] + self.offsets[layer or 0]
+            rows = _view(kvtier, n, 0, 0, (self.elements,), (1,))
+            if to_vllm:
+                flat[index] = rows.to(tensor.device)
+            else:
+                rows.copy_(flat[index])
+            return
+        for part in parts:
+            v = _view(vllm, n, layers, part.vllm_start, part.sizes, part.vllm_strides)
+            k = _view(kvtier, n, layers, part.kvtier_start, part.sizes, part.kvtier_strides)
+            (v if to_vllm else k).copy_(k if to_vllm else v)
 
-    def _move(self, layer: int, dst: torch.Tensor, src: torch.Tensor, to_vllm: bool) -> None:
-        """One layer of ``n`` blocks, ``[n, elements]`` views both, from kvtier's order into vLLM's
-        (``to_vllm``) or back, in one pass."""
-        gather, moves = self.gathers[layer], self.moves[layer]
-        n = src.shape[0]
-        if gather is None:
-            dst.copy_(src)
-        elif moves is None:
-            dst.copy_(src[:, self.scatters[layer]] if to_vllm else src[:, gather])
-        else:
-            kvtier = src if to_vllm else dst
-            parts = kvtier.view(n, len(moves), -1)
-            vllm = dst if to_vllm else src
-            for part, (fixed, order) in enumerate(moves):
-                strided = _part_view(vllm, self.bits, fixed, order)
-                plain = parts[:, part].view(n, *[2] * len(order))
-                (strided if to_vllm else plain).copy_(plain if to_vllm else strided)
+    def _pairs(self, vllm, vllm_ids: list[int], kvtier: torch.Tensor, kvtier_ids: list[int], to_vllm: bool,
+               limit: int | None = None) -> bool:  # fmt: skip
+        """Blocks ``vllm_ids`` of ``vllm`` (the caches, or a staging tensor) and ``kvtier_ids`` of
+        ``kvtier``, pairwise: a copy per run of consecutive ids and part (every layer in one from a
+        staging tensor of layers laid out alike; else one per layer). False, with nothing copied,
+        when there are more than ``limit`` runs."""
+        stretches = runs(vllm_ids, kvtier_ids, limit)
+        if stretches is None:
+            return False
+        staged = isinstance(vllm, torch.Tensor)
+        for v, k, n in stretches:
+            if staged and self.alike:
+                self._move(n, _at(vllm, v), _at(kvtier, k), to_vllm, None)
+                continue
+            for layer in range(self.num_layers):
+                at = _at(vllm, v, layer) if staged else _at(vllm[layer], v)
+                self._move(n, at, _at(kvtier, k, layer), to_vllm, layer)
+        return True
 
     def load(self, pool: torch.Tensor, pool_ids: list[int], vllm_ids: list[int]) -> None:
-        """Pool blocks (``pool``: the pool's element tensor) into vLLM's blocks, in one pass per
-        layer and run of consecutive ids; an index op per layer when the ids are scattered."""
-        stretches = runs(pool_ids, vllm_ids)
-        if stretches is None or any(self._rows(c, 0, 1) is None for c in self.kv_caches):
-            device = self.kv_caches[0].device
-            blocks = pool.index_select(0, torch.tensor(pool_ids, device=pool.device)).to(device)
-            return self.write_blocks(torch.tensor(vllm_ids, device=device), blocks)
-        flat = pool.view(pool.shape[0], self.num_layers, self.elements)
-        for p, v, n in stretches:
-            for layer, cache in enumerate(self.kv_caches):
-                src = flat[p : p + n, layer]
-                if src.device != cache.device:
-                    src = src.to(cache.device)
-                self._move(layer, self._rows(cache, v, n), src, to_vllm=True)
+        """Pool blocks (``pool``: the pool's element tensor) into vLLM's blocks: a strided copy per
+        layer, part and run of consecutive ids; an index op more on the side whose ids are scattered."""
+        n = len(pool_ids)
+        if runs(pool_ids, list(range(n))) is None:  # scattered pool blocks: gathered by one index op
+            pool, pool_ids = pool.index_select(0, torch.tensor(pool_ids, device=pool.device)), list(range(n))
+        if self._pairs(self.kv_caches, vllm_ids, pool, pool_ids, True, MAX_RUNS if self.raw else None):
+            return
+        rows = self.staging(n)  # scattered vLLM blocks: relaid out together, placed by one index op a layer
+        self._pairs(rows, list(range(n)), pool, pool_ids, to_vllm=True)
+        index = torch.tensor(vllm_ids, device=rows.device)
+        for layer, cache in enumerate(self.kv_caches):
+            cache.index_copy_(0, index, rows[:, layer].view(n, *cache.shape[1:]))
 
     def stage(self, vllm_block_ids: list[int], into: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """vLLM blocks copied into ``into``'s first rows (a ``staging`` tensor) as cheaply as memory
-        allows, for ``write_staged``: (rows, raw). Raw: still in vLLM's layout, a plain copy per layer
-        and run of consecutive ids (the relayout is left to ``write_staged``, off vLLM's step);
-        else in kvtier's (``read_blocks``: scattered ids, or a layout as kvtier's)."""
+        allows, for ``write_staged``: (rows, raw). Raw: vLLM's bytes as they are, a plain copy per
+        layer and run of consecutive ids, or one index op per layer for scattered ids (the relayout
+        is left to ``write_staged``, off vLLM's step); else (a block not in one piece) in kvtier's
+        layout (``read_blocks``)."""
         ids = [int(i) for i in vllm_block_ids]
-        stretches = runs(ids, list(range(len(ids))))
-        if (
-            stretches is None
-            or all(g is None for g in self.gathers)
-            or any(self._rows(c, 0, 1) is None for c in self.kv_caches)
-        ):
-            return self.read_blocks(ids, into=into).view(len(ids), self.num_layers, self.elements), False
-        out = into[: len(ids)]
-        for v, o, n in stretches:
+        n = len(ids)
+        if not self.raw:
+            return self.read_blocks(ids, into=into), False
+        out = into[:n]
+        stretches = runs(ids, list(range(n)))
+        if stretches is None:
+            index = torch.tensor(ids, device=out.device)
             for layer, cache in enumerate(self.kv_caches):
-                out[o : o + n, layer].copy_(self._rows(cache, v, n))
+                torch.index_select(cache, 0, index, out=out[:, layer].view(n, *cache.shape[1:]))
+            return out, True
+        for v, o, m in stretches:
+            for layer, cache in enumerate(self.kv_caches):
+                out[o : o + m, layer].view(m, *cache.shape[1:]).copy_(cache[v : v + m])
         return out, True
 
     def write_staged(self, pool: torch.Tensor, pool_ids: list[int], staged: torch.Tensor, rows: list[int],
                      raw: bool) -> None:  # fmt: skip
-        """``pool[pool_ids[i]] = staged[rows[i]]`` in kvtier's layout; ``staged, raw`` from ``stage``."""
-        if raw:
+        """``pool[pool_ids[i]] = staged[rows[i]]`` in kvtier's layout; ``staged, raw`` from ``stage``.
+        Raw rows are relaid out on the way: a strided copy per part and run of consecutive ids, for
+        every layer at once (layers laid out alike); scattered pool blocks through one index op."""
+        if not raw:
             stretches = runs(pool_ids, rows)
-            if stretches is None:  # scattered pool blocks: into kvtier's layout, then one index op
-                blocks = self.staging(len(rows))
-                for layer in range(self.num_layers):
-                    self._move(layer, blocks[:, layer], staged[rows, layer], to_vllm=False)
-                staged, rows = blocks, list(range(len(rows)))
-            else:
-                flat = pool.view(pool.shape[0], self.num_layers, self.elements)
-                for p, r, n in stretches:
-                    for layer in range(self.num_layers):
-                        self._move(layer, flat[p : p + n, layer], staged[r : r + n, layer], to_vllm=False)
-                return
-        write_rows(pool, pool_ids, staged.view(len(staged), self.num_layers, *self.block_shape), rows)
+            if stretches is None:
+                index = torch.tensor(rows, device=staged.device)
+                pool.index_copy_(0, torch.tensor(pool_ids, device=pool.device), staged.index_select(0, index))
+            for p, r, n in stretches or []:
+                pool[p : p + n].copy_(staged[r : r + n])
+            return
+        if self._pairs(staged, rows, pool, pool_ids, to_vllm=False, limit=MAX_RUNS):
+            return
+        n = len(rows)
+        if self._blocks is None or len(self._blocks) < n:  # reused: fresh memory costs a page fault a page
+            self._blocks = torch.empty(
+                (n, self.num_layers, *self.block_shape), dtype=staged.dtype, device=pool.device
+            )
+        self._pairs(staged, rows, self._blocks, list(range(n)), to_vllm=False)
+        pool.index_copy_(0, torch.tensor(pool_ids, device=pool.device), self._blocks[:n])
 
     def staging(self, n: int) -> torch.Tensor:
-        """Room for ``n`` blocks read out of vLLM's cache (``read_blocks``' ``into``)."""
-        return torch.empty((n, self.num_layers, self.elements), dtype=self.kv_caches[0].dtype,
-                           device=self.kv_caches[0].device)  # fmt: skip
+        """Room for ``n`` blocks of vLLM's cache, ``[n, num_layers, elements]``, each layer's blocks
+        side by side (so one index op fills a layer)."""
+        cache = self.kv_caches[0]
+        return torch.empty(
+            (self.num_layers, n, self.elements), dtype=cache.dtype, device=cache.device
+        ).transpose(0, 1)
 
     def read_blocks(
         self, vllm_block_ids: torch.Tensor | list[int], into: torch.Tensor | None = None
     ) -> torch.Tensor:
         """vLLM blocks as kvtier blocks ``[n, num_layers, 2, block_size, heads, head_dim]``, in the
-        first rows of ``into`` (a ``staging`` tensor) or a new tensor (one pass per layer and run of
-        consecutive ids; an index op more when they are scattered)."""
-        n = len(vllm_block_ids)
-        out = self.staging(n) if into is None else into[:n]
+        first rows of ``into`` (a ``staging`` tensor) or a new tensor: a strided copy per layer, part
+        and run of consecutive ids."""
         ids = [int(i) for i in vllm_block_ids]
-        stretches = runs(ids, list(range(n)))
-        if stretches is not None and all(self._rows(c, 0, 1) is not None for c in self.kv_caches):
-            for v, o, length in stretches:
-                for layer, cache in enumerate(self.kv_caches):
-                    self._move(layer, out[o : o + length, layer], self._rows(cache, v, length), to_vllm=False)
-            return out.view(n, self.num_layers, *self.block_shape)
-        vllm_block_ids = torch.as_tensor(ids, device=self.kv_caches[0].device)
-        for layer, (cache, gather) in enumerate(zip(self.kv_caches, self.gathers, strict=True)):
-            rows = cache.index_select(0, vllm_block_ids).reshape(n, self.elements)
-            moves = self.moves[layer]
-            if gather is None:
-                out[:, layer] = rows
-            elif moves is None:
-                out[:, layer] = rows.index_select(1, gather)
-            else:
-                parts = out[:, layer].view(n, len(moves), -1)
-                for part, (fixed, order) in enumerate(moves):
-                    dst = parts[:, part].view(n, *[2] * len(order))
-                    dst.copy_(_part_view(rows, self.bits, fixed, order))
-        return out.view(n, self.num_layers, *self.block_shape)
-
-    def write_blocks(self, vllm_block_ids: torch.Tensor, blocks: torch.Tensor) -> None:
-        """Store kvtier blocks ``[n, num_layers, 2, block_size, heads, head_dim]`` into vLLM's blocks."""
-        n = len(vllm_block_ids)
-        flat = blocks.reshape(n, self.num_layers, self.elements)
-        for layer, (cache, scatter) in enumerate(zip(self.kv_caches, self.scatters, strict=True)):
-            moves = self.moves[layer]
-            if scatter is None:
-                rows = flat[:, layer]
-            elif moves is None:
-                rows = flat[:, layer][:, scatter]
-            else:
-                rows = torch.empty((n, self.elements), dtype=flat.dtype, device=flat.device)
-                parts = flat[:, layer].reshape(n, len(moves), -1)
-                for part, (fixed, order) in enumerate(moves):
-                    _part_view(rows, self.bits, fixed, order).copy_(parts[:, part].view(n, *[2] * len(order)))
-            cache.index_copy_(0, vllm_block_ids, rows.reshape(n, *cache.shape[1:]))
+        n = len(ids)
+        blocks = (self.staging(n) if into is None else into[:n]).unflatten(2, self.block_shape)
+        self._pairs(self.kv_caches, ids, blocks, list(range(n)), to_vllm=False)
+        return blocks
