@@ -499,9 +499,11 @@ class BackendLayer:
 def test_saves_staged_while_the_writer_waits_are_written_together_each_block_where_published(
     model_dirs, tmp_path
 ):
-    """The worker's writer takes every save staged while it was busy in one Allocate and one Free
-    (here it waits on a SIGSTOPped cache service while two more are staged); each block lands in
-    the pool block the cache published for it, equal to vLLM's. The writer runs niced."""
+    """The worker's writer takes every save staged while it gathered (save_batch_ms) or was busy in
+    one Allocate and one Free (here the cache service is SIGSTOPped while three saves are staged,
+    the last two after the writer took the first: one write if they came within its gathering, two
+    if it was already waiting on the cache, never three); each block lands in the pool block the
+    cache published for it, equal to vLLM's. The writer runs niced."""
     import torch
 
     from kvtier.sequence_types import AllocateItem
@@ -541,7 +543,7 @@ def test_saves_staged_while_the_writer_waits_are_written_together_each_block_whe
             os.kill(cache.proc.pid, signal.SIGCONT)
         try:
             assert worker.wait_idle(60)
-            assert worker.stats["saved_blocks"] == 6 and worker.stats["writes"] == 2, worker.stats
+            assert worker.stats["saved_blocks"] == 6 and worker.stats["writes"] in (1, 2), worker.stats
             # The writer is background work: below vLLM's threads in the OS's eyes.
             assert os.getpriority(os.PRIO_PROCESS, worker._writer.native_id) == WRITER_NICENESS > 0
             seqs = client.allocate([AllocateItem(p + [1]) for p in prompts])

@@ -8,6 +8,7 @@
 | ``rpc_timeout_s`` | ``KVTIER_RPC_TIMEOUT_S`` | 5 | deadline of each cache call (a lookup answers "no hit" after it) |
 | ``attach_timeout_s`` | ``KVTIER_ATTACH_TIMEOUT_S`` | 60 | how long startup waits for the cache service before vLLM stops |
 | ``max_staged_save_mib`` | ``KVTIER_MAX_STAGED_SAVE_MIB`` | 256 | KV staged for saves and not yet written; more is dropped with a WARNING |
+| ``save_batch_ms`` | ``KVTIER_SAVE_BATCH_MS`` | 50 | how long the save writer gathers further saves before it writes them all in one Allocate and one Free (the cache's cost is mostly per call: a save is published up to this much later; 0: write each at once) |
 | ``lookup_wait_ms`` | ``KVTIER_LOOKUP_WAIT_MS`` | 5 | how long one scheduler step waits for lookups' answers, all together (0: never; unanswered requests wait for the next step) |
 | ``block_index`` | ``KVTIER_BLOCK_INDEX`` | false | follow the cache's block events to answer a prompt whose first block it never announced as a miss without asking (``kvtier.vllm.block_index``; about 100 bytes per cached block; the cache streams every block it stores to each engine that follows). Off: every prompt is asked on arrival |
 """
@@ -29,9 +30,10 @@ _KEYS = {
     "attach_timeout_s": "KVTIER_ATTACH_TIMEOUT_S",
     "max_staged_save_mib": "KVTIER_MAX_STAGED_SAVE_MIB",
     "lookup_wait_ms": "KVTIER_LOOKUP_WAIT_MS",
+    "save_batch_ms": "KVTIER_SAVE_BATCH_MS",
     "block_index": "KVTIER_BLOCK_INDEX",
 }
-_MAY_BE_ZERO = {"lookup_wait_ms"}
+_MAY_BE_ZERO = {"lookup_wait_ms", "save_batch_ms"}
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,7 @@ class ConnectorConfig:
     attach_timeout_s: float = 60.0
     max_staged_save_mib: float = 256.0
     lookup_wait_ms: float = 5.0
+    save_batch_ms: float = 50.0
     block_index: bool = False
 
     @classmethod
@@ -60,7 +63,13 @@ class ConnectorConfig:
             return value if value is not None else os.environ.get(_KEYS[key]) or None
 
         numbers = {}
-        for key in ("rpc_timeout_s", "attach_timeout_s", "max_staged_save_mib", "lookup_wait_ms"):
+        for key in (
+            "rpc_timeout_s",
+            "attach_timeout_s",
+            "max_staged_save_mib",
+            "lookup_wait_ms",
+            "save_batch_ms",
+        ):
             raw = pick(key)
             if raw is None:
                 continue

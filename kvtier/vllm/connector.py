@@ -105,7 +105,11 @@ class KvtierConnector(KVConnectorBase_V1):
         gathers = [probe_layout(layers[name], kv_caches[name], *geometry) for name in names]
         copier = BlockCopier([kv_caches[name] for name in names], gathers, (2, *geometry))
         self.worker = WorkerSide(
-            self.link, copier, self.block_size, int(self.cfg.max_staged_save_mib * 2**20)
+            self.link,
+            copier,
+            self.block_size,
+            int(self.cfg.max_staged_save_mib * 2**20),
+            batch_s=self.cfg.save_batch_ms / 1e3,
         )
         self.worker.map_pool(client)
         self.link.on_attached.append(self.worker.map_pool)

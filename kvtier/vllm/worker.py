@@ -13,10 +13,12 @@ blocks: vLLM then recomputes them (``kv_load_failure_policy: recompute``), never
 Saves (``stage``): at the end of the step that computed them, a request's new full prompt blocks
 are copied out of vLLM's cache into a staging tensor (one batched copy per layer; the tensor of
 an earlier save is reused once written: fresh memory costs a page fault per page), so vLLM keeps
-no block for us and a preemption cannot race a save. A background thread then asks ``Allocate``
-for the prompt up to those blocks, writes the staged blocks into the new pool blocks (those past
-what the cache already holds), and ``Free``s the sequence with a commit of them: published for
-every engine, they go down the host and disk tiers like any block. If the cache service is away,
+no block for us and a preemption cannot race a save. A background thread then gathers the saves
+staged within ``save_batch_ms`` (the cache service's cost is mostly per call), asks ``Allocate``
+for their prompts up to those blocks in one call, writes the staged blocks into the new pool
+blocks (those past what the cache already holds; relaid out on the way, ``block_layout``), and
+``Free``s the sequences with a commit of them in one call: published for every engine, they go
+down the host and disk tiers like any block. If the cache service is away,
 or too much is staged already, the save is dropped with a WARNING: a later request recomputes.
 """
 
@@ -43,6 +45,8 @@ log = logging.getLogger(LOGGER)
 
 WRITER_NICENESS = 10  # the save writer's OS priority (nice), below vLLM's threads
 WARN_EVERY_S = 10.0  # a dropped save is logged at most this often (with the count since)
+SAVE_BATCH_S = 0.05  # ConnectorConfig.save_batch_ms's default
+MAX_SPARES = 8  # written staging tensors kept for reuse
 
 
 def landed(tensor: torch.Tensor) -> None:
@@ -52,11 +56,13 @@ def landed(tensor: torch.Tensor) -> None:
 
 
 class WorkerSide:
-    def __init__(self, link: CacheLink, copier: BlockCopier, block_size: int, max_staged_bytes: int):
+    def __init__(self, link: CacheLink, copier: BlockCopier, block_size: int, max_staged_bytes: int,
+                 batch_s: float = SAVE_BATCH_S):  # fmt: skip
         self.link = link
         self.copier = copier
         self.block_size = block_size
         self.max_staged_bytes = max_staged_bytes
+        self.batch_s = batch_s  # how long the writer gathers saves before it writes them together
         self.stats = {"loaded_blocks": 0, "failed_blocks": 0, "saved_blocks": 0, "dropped_blocks": 0,
                       "writes": 0, "staged_s": 0.0}  # fmt: skip
         self._pools: dict[str, object] = {}  # pool name -> mapping, the current attach's only
@@ -66,7 +72,7 @@ class WorkerSide:
         self._queue: queue.Queue = queue.Queue()
         self._staged_bytes = 0
         self._staged_lock = threading.Lock()
-        self._spare: torch.Tensor | None = None  # the largest staging tensor written and free again
+        self._spares: list[torch.Tensor] = []  # staging tensors written and free again, smallest first
         self._dropped_since_warning = 0
         self._warned_at = 0.0
         self._idle = threading.Event()
@@ -144,8 +150,9 @@ class WorkerSide:
         if full:
             return self._dropped(len(ids), "max_staged_save_mib of saves already wait for the cache service")
         with self._staged_lock:  # a written staging tensor is reused: fresh memory costs a page fault a page
-            spare = self._spare if self._spare is not None and len(self._spare) >= len(ids) else None
-            self._spare = None if spare is not None else self._spare
+            spare = next((t for t in self._spares if len(t) >= len(ids)), None)
+            if spare is not None:
+                self._spares.remove(spare)
         start = time.perf_counter()
         staging = spare if spare is not None else self.copier.staging(len(ids))
         blocks, raw = self.copier.stage(ids, into=staging)
@@ -176,9 +183,11 @@ class WorkerSide:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
         while True:
             jobs = [self._queue.get()]
-            while jobs[-1] is not None:  # saves staged meanwhile go in the same two calls
+            # Saves staged meanwhile, and those staged within batch_s, go in the same two calls.
+            deadline = time.monotonic() + self.batch_s
+            while jobs[-1] is not None:
                 try:
-                    jobs.append(self._queue.get_nowait())
+                    jobs.append(self._queue.get(timeout=max(0.0, deadline - time.monotonic())))
                 except queue.Empty:
                     break
             closing = jobs[-1] is None
@@ -204,9 +213,9 @@ class WorkerSide:
         finally:
             with self._staged_lock:
                 for _, _, _, staging, size, _ in jobs:
-                    if self._spare is None or len(staging) > len(self._spare):
-                        self._spare = staging
+                    self._spares.append(staging)
                     self._staged_bytes -= size
+                self._spares = sorted(self._spares, key=len)[-MAX_SPARES:]
                 if self._staged_bytes == 0 and self._queue.empty():
                     self._idle.set()
 
