@@ -22,8 +22,8 @@ pass once the other system is quiet (`settle`: vLLM's worker spins for a second 
 step); each system's figure is the median of its passes. Greedy parity: the first --check requests of every measured pass must
 equal vLLM's tokens of the same workload. Per pass: output tok/s, output tokens per CPU-second of
 the system's processes (kvtier: cache service, replicas and this client; vLLM: its process tree;
-over HTTP both count this client), the 1-minute load average (the machine may be shared), and
-the CPU the other system used while it waited.
+over HTTP both count this client), the 1-minute load average (the machine may be shared), the
+CPU the other system used while it waited, and the CPU of every other process on the machine.
 
 Then the HTTP front doors on shared-prefix: kvtier's gateway against vLLM's OpenAI server
 (`python -m vllm.entrypoints.openai.api_server`), streamed /v1/completions with token-id prompts
@@ -207,6 +207,12 @@ class HttpSystem:
             await self.http.close()
 
 
+def busy_cpu_seconds() -> float:
+    """CPU seconds the machine's processes have used (user, nice, system, interrupts)."""
+    t = psutil.cpu_times()
+    return t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+
+
 async def settle(system, timeout_s: float = 10.0, window_s: float = 0.25, quiet: float = 0.05) -> float:
     """Wait until `system`'s processes use under `quiet` of a CPU (over `window_s`), at most
     `timeout_s`; the seconds waited. NOTE: vLLM's worker busy-polls its shared-memory queue for
@@ -226,9 +232,10 @@ async def settle(system, timeout_s: float = 10.0, window_s: float = 0.25, quiet:
 async def measure_pass(system, work: Workload, prompts, salt: str, idle) -> dict:
     """One measured pass of `system`; `idle`, the other system (waiting), whose CPU use is recorded."""
     load0, cpu0 = os.getloadavg()[0], tree_cpu_seconds(system.pids, system.client)
-    idle0 = tree_cpu_seconds(idle.pids)
+    idle0, box0 = tree_cpu_seconds(idle.pids), busy_cpu_seconds()
     outs, seconds = await system.generate(prompts, work.max_tokens, salt)
     cpu = tree_cpu_seconds(system.pids, system.client) - cpu0
+    idle_cpu = tree_cpu_seconds(idle.pids) - idle0
     tokens = sum(len(o) for o in outs)
     return {
         "tok_s": tokens / seconds,
@@ -236,7 +243,8 @@ async def measure_pass(system, work: Workload, prompts, salt: str, idle) -> dict
         "seconds": seconds,
         "tokens": tokens,
         "load": (load0 + os.getloadavg()[0]) / 2,
-        "idle_cpu_s": tree_cpu_seconds(idle.pids) - idle0,
+        "idle_cpu_s": idle_cpu,
+        "others_cpu_s": busy_cpu_seconds() - box0 - cpu - idle_cpu,
         "outs": outs,
     }
 
@@ -258,7 +266,8 @@ async def compare(systems: list, workloads: dict[str, Workload], rounds: int, ch
                 print(
                     f"  {name:>13} round {r} {s.name:>9}: {p['tokens']} tok in {p['seconds']:6.2f} s = "
                     f"{p['tok_s']:7.1f} tok/s, {p['tok_per_cpu_s']:6.1f} tok/CPU-s, load {p['load']:.1f} "
-                    f"(idle {other.name}: {p['idle_cpu_s']:.2f} CPU-s, settled in {waited:.1f} s)",
+                    f"(idle {other.name}: {p['idle_cpu_s']:.2f} CPU-s, settled in {waited:.1f} s; "
+                    f"other processes: {p['others_cpu_s']:.2f} CPU-s)",
                     flush=True,
                 )
         a, b = (passes[s.name] for s in systems)

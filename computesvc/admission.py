@@ -8,9 +8,10 @@ holds them), as vLLM charges only uncached tokens; a prompt that shares nothing 
 whole, as before. A request that shares whole blocks with a prompt admitted in the same batch or
 still prefilling here waits (keeping its place) until that prompt is committed, and then hits it:
 admitted at once it would compute the same blocks again (a shared-prefix burst computed each
-system prompt up to 3 times in one step). Prefill chunks by the same budget, so a step never computes more. A batch the pool cannot hold is halved until it fits; a batch with an
-item the cache refuses (INVALID_ARGUMENT) or that can never fit (ExceedsLimit, checked before
-room) is retried one request per call, so only those requests fail (`RequestRefused`, or the
+system prompt up to 3 times in one step). Prefill chunks by the same budget, so a step never
+computes more. A batch the pool cannot hold is halved until it fits; a batch with an item the
+cache refuses (INVALID_ARGUMENT) or that can never fit (ExceedsLimit, checked before room) is
+retried one request per call, so only those requests fail (`RequestRefused`, or the
 ExceedsLimit itself). A head that finds no room fails at once when it can never fit
 (ExceedsLimit), or once it has waited `admit_timeout_s` with nothing running, and it never holds
 up other tenants: the oldest request of another tenant may still fit. The scheduler

@@ -7,8 +7,8 @@ same math over the same modules' weights with fewer ops:
 - q, k and v come from one linear (their weights concatenated at load, `qkv_proj`), gate and up
   from another (`gate_up_proj`), so a layer runs four matmuls instead of seven and RoPE turns
   q and k in one pass;
-- RMSNorm is `torch.nn.functional.rms_norm` (float32) and residual adds are in place;
-- attention is computation.paged_attention.attend, the same fence, pool write and kernels the
+- RMSNorm is `torch.nn.functional.rms_norm` (float32); residual adds and SiLU * up are in place;
+- attention is computesvc.paged_attention.attend: the same fence, pool write and kernels the
   transformers hook runs.
 Rotary embeddings come from the model's own `rotary_emb` module (every RoPE scaling it knows).
 
@@ -64,8 +64,9 @@ class OwnForward:
         batch: PagedBatch,
         logits_to_keep: int | torch.Tensor,
     ) -> torch.Tensor:
-        """input_ids, positions: [T] of the batch's new tokens. Returns the lm head's logits of
-        every token (logits_to_keep 0) or of those indexed, in the model's dtype."""
+        """input_ids, positions: [T] of the batch's new tokens. Returns the lm head's logits, in
+        the model's dtype: of every token when `logits_to_keep` is an int (the runner passes 0),
+        else of the rows that tensor indexes."""
         base = self.model.model
         heads, qk_heads, inter = self.num_heads, self.num_heads + self.num_kv_heads, self.intermediate
         hidden = base.embed_tokens(input_ids)  # [T, hidden]

@@ -1,8 +1,8 @@
 """What every layer of one decode step reads, worked out once per step (the torch path).
 
 `plan_decode` turns the step's block tables and lengths (host lists, which the model runner has
-anyway) into the index tensors `reference.paged_decode_attention_ref` uses in every layer: the
-blocks each sequence reads and which of their positions it sees. Without a plan that function
+anyway) into the tensors `reference.paged_decode_attention_ref` uses in every layer: the blocks
+each sequence reads and the mask of the positions it sees among them. Without a plan that function
 builds one per call, from the tensors; a plan is only an optimisation and changes no result
 beyond float rounding.
 
@@ -51,16 +51,16 @@ class SharedPrefixes:
 class DecodePlan:
     """The reads of one decode step. lens: each sequence's context length (0: a padding row).
     ids: [num_seqs * n] the blocks each sequence reads itself (after its group's shared prefix,
-    if any), sequence-major, padded with block 0. visible: [num_seqs, n * block_size] bool, the
-    positions among them the sequence sees. shared: the groups' prefixes, or None. bias: with
-    groups, `visible` as an additive float32 mask (0 / -inf); alone_empty: [num_seqs, 1, 1]
-    bool, the sequences that see none of their own blocks (all in the prefix), or None."""
+    if any), sequence-major, padded with block 0. bias: [num_seqs, 1, 1, n * block_size]
+    float32, 0 on the positions among them the sequence sees, -inf elsewhere (an additive mask:
+    SDPA would turn a boolean one into it in every layer). shared: the groups' prefixes, or
+    None. alone_empty: with groups, [num_seqs, 1, 1] bool, the sequences that see none of their
+    own blocks (all in the prefix), or None."""
 
     lens: list[int]
     ids: torch.Tensor
-    visible: torch.Tensor
+    bias: torch.Tensor
     shared: SharedPrefixes | None
-    bias: torch.Tensor | None = None
     alone_empty: torch.Tensor | None = None
 
 
@@ -120,12 +120,12 @@ def plan_decode(
     base = torch.tensor([start * block_size for start in starts], dtype=torch.long)[:, None]
     pos = base + torch.arange(width * block_size)[None, :]
     visible = (pos < torch.tensor(lens, dtype=torch.long)[:, None]) & (pos >= torch.tensor(lows)[:, None])
+    bias = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))[:, None, None, :].to(device)
     if shared is None:
-        return DecodePlan(lens, ids.to(device), visible.to(device), None)
-    bias = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))[:, None, None, :]
+        return DecodePlan(lens, ids.to(device), bias, None)
     empty = ~visible.any(1)
     alone_empty = empty[:, None, None].to(device) if empty.any() else None
-    return DecodePlan(lens, ids.to(device), visible.to(device), shared, bias.to(device), alone_empty)
+    return DecodePlan(lens, ids.to(device), bias, shared, alone_empty)
 
 
 def device_has_lse_attention(device: torch.device | str) -> bool:
@@ -155,28 +155,28 @@ def _shared_prefixes(
     skips = [0] * len(lens)
     if not groups or sum((len(members) - 1) * p for members, p in groups) < max(min_spared, 1):
         return None, skips
-    blocks = max(p for _, p in groups)
-    width = max(len(members) for members, _ in groups)
-    ids, rows, real, seqs, short = [], [], [], [], []
+    blocks = max(p for _, p in groups)  # every group's prefix is padded to the longest
+    seats = max(len(members) for members, _ in groups)  # and its rows to the largest group's
+    ids, rows, real, seqs, prefix_blocks = [], [], [], [], []
     for g, (members, p) in enumerate(groups):
         prefix = tables[members[0]][:p]
         ids += prefix + [prefix[0]] * (blocks - p)
-        short.append(p)
-        for slot in range(width):
+        prefix_blocks.append(p)
+        for slot in range(seats):
             rows.append(members[slot] if slot < len(members) else members[0])
-        real += [g * width + slot for slot in range(len(members))]
+        real += [g * seats + slot for slot in range(len(members))]
         seqs += members
         for seq in members:
             skips[seq] = p
     bias = None
-    if min(short) < blocks:
-        keys = torch.arange(blocks * block_size)[None, :] < torch.tensor(short)[:, None] * block_size
+    if min(prefix_blocks) < blocks:
+        keys = torch.arange(blocks * block_size)[None, :] < torch.tensor(prefix_blocks)[:, None] * block_size
         bias = torch.zeros(keys.shape).masked_fill_(~keys, float("-inf"))[:, None, None, :].to(device)
 
     def tensor(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
 
     found = SharedPrefixes(
-        tensor(ids), bias, tensor(rows), tensor(real), tensor(seqs), len(groups), width, blocks
+        tensor(ids), bias, tensor(rows), tensor(real), tensor(seqs), len(groups), seats, blocks
     )
     return found, skips

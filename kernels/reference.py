@@ -115,7 +115,7 @@ def paged_decode_attention_ref(
             queries,
             k.transpose(1, 2),
             v.transpose(1, 2),
-            attn_mask=plan.visible[:, None, None, :],
+            attn_mask=plan.bias,
             scale=scale,
         )  # [S, Hkv, G, D]
         out = o.reshape(num_seqs, num_heads, head_dim)
@@ -256,14 +256,15 @@ def write_kv_ref(
     """
     block_size = k_cache.shape[1]
     slots = slot_mapping.to(device=k.device, dtype=torch.long)
-    keep = slots >= 0
-    slots = slots[keep]
+    if slots.numel() and int(slots.min()) < 0:  # padding: filtered only when there is some
+        keep = slots >= 0
+        slots, k, v = slots[keep], k[keep], v[keep]
     blocks, offsets = slots // block_size, slots % block_size
     for new, cache, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
         if scales is None:
-            cache[blocks, offsets] = new[keep].to(cache.dtype)
+            cache[blocks, offsets] = new.to(cache.dtype)
         else:
-            cache[blocks, offsets], scales[blocks, offsets] = quantize_ref(new[keep], cache.dtype)
+            cache[blocks, offsets], scales[blocks, offsets] = quantize_ref(new, cache.dtype)
 
 
 def _prefill_mask(
