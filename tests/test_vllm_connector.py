@@ -531,8 +531,11 @@ def test_saves_staged_while_the_writer_waits_are_written_together_each_block_whe
         copier = BlockCopier(caches, gathers, (2, BLOCK_SIZE, heads, head_dim))
         worker = WorkerSide(link, copier, BLOCK_SIZE, 64 << 20)
         worker.map_pool(client)
-        prompts = [prompt(400 + i, 2 * BLOCK_SIZE) for i in range(3)]
-        saves = [SaveItem(p, "", "", 0, [2 * i, 2 * i + 1]) for i, p in enumerate(prompts)]
+        prompts = [prompt(400 + i, (2 + i // 4) * BLOCK_SIZE) for i in range(5)]  # the last: 3 blocks
+        saves = [
+            SaveItem(p, "", "", 0, list(range(2 * i, 2 * i + len(p) // BLOCK_SIZE)))
+            for i, p in enumerate(prompts)
+        ]
         try:
             os.kill(cache.proc.pid, signal.SIGSTOP)
             worker.stage([saves[0]])
@@ -546,12 +549,19 @@ def test_saves_staged_while_the_writer_waits_are_written_together_each_block_whe
             assert worker.stats["saved_blocks"] == 6 and worker.stats["writes"] in (1, 2), worker.stats
             # The writer is background work: below vLLM's threads in the OS's eyes.
             assert os.getpriority(os.PRIO_PROCESS, worker._writer.native_id) == WRITER_NICENESS > 0
+            # Later saves reuse the written staging tensors (the 3-block one needs a new one).
+            worker.stage([saves[3]])
+            worker.stage([saves[4]])
+            assert worker.wait_idle(60) and worker.stats["saved_blocks"] == 11, worker.stats
             seqs = client.allocate([AllocateItem(p + [1]) for p in prompts])
             pool = worker.pool(next(iter(worker._pools))).tensor
             for save, seq in zip(saves, seqs, strict=True):
-                assert seq.num_cached_tokens == 2 * BLOCK_SIZE
-                published = pool[torch.tensor(seq.block_table[:2])].view(2, num_layers, -1)
-                assert torch.equal(published, copier.read_blocks(save.vllm_block_ids).view(2, num_layers, -1))
+                n = len(save.vllm_block_ids)
+                assert seq.num_cached_tokens == n * BLOCK_SIZE
+                published = pool[torch.tensor(seq.block_table[:n])].view(n, num_layers, -1)
+                assert torch.equal(
+                    published, copier.read_blocks(save.vllm_block_ids).reshape(n, num_layers, -1)
+                )
             client.free([seq.sequence_id for seq in seqs])
         finally:
             worker.close()

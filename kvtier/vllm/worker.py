@@ -150,9 +150,8 @@ class WorkerSide:
         if full:
             return self._dropped(len(ids), "max_staged_save_mib of saves already wait for the cache service")
         with self._staged_lock:  # a written staging tensor is reused: fresh memory costs a page fault a page
-            spare = next((t for t in self._spares if len(t) >= len(ids)), None)
-            if spare is not None:
-                self._spares.remove(spare)
+            fits = [i for i, t in enumerate(self._spares) if len(t) >= len(ids)]
+            spare = self._spares.pop(fits[0]) if fits else None
         start = time.perf_counter()
         staging = spare if spare is not None else self.copier.staging(len(ids))
         blocks, raw = self.copier.stage(ids, into=staging)
