@@ -25,9 +25,11 @@ or too much is staged already, the save is dropped with a WARNING: a later reque
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 
@@ -53,6 +55,25 @@ def landed(tensor: torch.Tensor) -> None:
     """Wait until the copies this thread queued on ``tensor``'s GPU have run (nothing on CPU)."""
     if tensor.is_cuda:
         torch.cuda.current_stream(tensor.device).synchronize()
+
+
+MADV_POPULATE_WRITE = 23  # Linux 5.14+
+
+
+def map_pages(tensor: torch.Tensor) -> None:
+    """Map every page of a CPU pool ``tensor`` into this process now (``MADV_POPULATE_WRITE``: its
+    bytes unchanged), so the first save into each page does not pay a page fault (about 1 us per
+    4 KiB in this process, a third of a copy's time; the kernel maps 512 MiB in ~25 ms). Linux
+    only; where the kernel refuses, the pages are mapped on first touch as before."""
+    if tensor.is_cuda or sys.platform != "linux":
+        return
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = tensor.data_ptr() - tensor.data_ptr() % page
+    size = tensor.data_ptr() + tensor.untyped_storage().nbytes() - start
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.madvise(start, size, MADV_POPULATE_WRITE)
 
 
 class WorkerSide:
@@ -90,6 +111,8 @@ class WorkerSide:
                 return
             pool = attach_pool(client.pool)
             old, self._pools = self._pools, {name: pool}
+        # In the background: the pages of a large pool take a while (the thread holds a view: mapped).
+        threading.Thread(target=map_pages, args=(pool.tensor,), name="kvtier-map", daemon=True).start()
         for previous in old.values():
             previous.close()  # unmapped once no tensor view of it is left (kvtier.pool)
 
