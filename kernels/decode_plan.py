@@ -95,8 +95,9 @@ def plan_decode(
     """The plan of a decode step: `tables[i]` the block ids of sequence i (entries past its
     length ignored), `lens[i]` its context length with the new token (0: padding row). With a
     sliding `window` (tokens) a sequence reads only its last `window` positions and no group is
-    formed. `num_blocks` (the pool's) clamps placeholder ids the way the kernels' callers may
-    leave them past a window. Groups are formed when they spare `min_spared_blocks` block reads."""
+    formed. `num_blocks` (the pool's) clamps the placeholder ids a table may hold for blocks
+    wholly before a window (any value: they are read, then masked). Shared prefixes are split
+    out only when their groups spare at least `min_spared_blocks` block reads."""
     max_len = max(lens, default=0)
     lows = [max(0, n - window) if window else 0 for n in lens]
     shared = None
