@@ -45,6 +45,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import socket
 import statistics
 import sys
@@ -244,7 +245,7 @@ async def measure_pass(system, work: Workload, prompts, salt: str, idle) -> dict
         "tokens": tokens,
         "load": (load0 + os.getloadavg()[0]) / 2,
         "idle_cpu_s": idle_cpu,
-        "others_cpu_s": busy_cpu_seconds() - box0 - cpu - idle_cpu,
+        "others_cpu_s": max(0.0, busy_cpu_seconds() - box0 - cpu - idle_cpu),
         "outs": outs,
     }
 
@@ -410,9 +411,15 @@ def main() -> int:
     from http_api import make_model_dir
 
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-vs-vllm-"))
-    model, params = make_model_dir(tmp / "model")
-    print(f"model: random Llama, {params / 1e6:.1f}M params, fp32; load {os.getloadavg()[0]:.1f}", flush=True)
-    results, http = asyncio.run(run(args, model, tmp))
+    try:  # the model directory (~100 MB), the stack's run directory and vLLM's server log
+        model, params = make_model_dir(tmp / "model")
+        print(
+            f"model: random Llama, {params / 1e6:.1f}M params, fp32; load {os.getloadavg()[0]:.1f}",
+            flush=True,
+        )
+        results, http = asyncio.run(run(args, model, tmp))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     strip = {n: {k: v for k, v in r.items() if k != "outs"} for n, r in results.items()}
     if args.json:
         Path(args.json).write_text(json.dumps({"results": strip, "http": http}, indent=2))
