@@ -210,6 +210,8 @@ def main() -> int:
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--engine-threads", type=int, default=1, help="OpenMP threads of each vLLM engine")
     ap.add_argument("--skip-throughput", action="store_true", help="TTFT and copies only")
+    ap.add_argument("--requests", type=int, default=THROUGHPUT_REQUESTS,
+                    help="no-reuse requests per throughput run (more: longer runs, less noise; the pool fills sooner)")  # fmt: skip
     ap.add_argument("--copies-only", action="store_true",
                     help="the copy rates only (no engine: runs without vLLM, as on a GPU machine without its build)")  # fmt: skip
     ap.add_argument("--attribute", action="store_true",
@@ -258,11 +260,11 @@ def main() -> int:
                 server.ttft(tokens(5, PREFIX_TOKENS + SUFFIX_TOKENS))
                 throughput(server, 3, 8)
             if args.attribute:
-                measure_attribution(servers, stack.cache.proc.pid, 2 * pairs, THROUGHPUT_REQUESTS)
+                measure_attribution(servers, stack.cache.proc.pid, 2 * pairs, args.requests)
                 return 0
             b, c = servers["B"], servers["C"]
             ttft = measure_ttft(servers["A"], b, stack, token, rounds)
-            ratios = [] if args.skip_throughput else measure_throughput(b, c, pairs, THROUGHPUT_REQUESTS)
+            ratios = [] if args.skip_throughput else measure_throughput(b, c, pairs, args.requests)
         finally:
             for server in servers.values():
                 server.stop()
