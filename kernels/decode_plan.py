@@ -121,12 +121,18 @@ def plan_decode(
     base = torch.tensor([start * block_size for start in starts], dtype=torch.long)[:, None]
     pos = base + torch.arange(width * block_size)[None, :]
     visible = (pos < torch.tensor(lens, dtype=torch.long)[:, None]) & (pos >= torch.tensor(lows)[:, None])
-    bias = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))[:, None, None, :].to(device)
+    bias = additive_mask(visible)[:, None, None, :].to(device)
     if shared is None:
         return DecodePlan(lens, ids.to(device), bias, None)
     empty = ~visible.any(1)
     alone_empty = empty[:, None, None].to(device) if empty.any() else None
     return DecodePlan(lens, ids.to(device), bias, shared, alone_empty)
+
+
+def additive_mask(visible: torch.Tensor) -> torch.Tensor:
+    """A boolean visibility mask as an additive float32 one (0 where visible, -inf elsewhere), on
+    its device: SDPA would turn a boolean mask into this on every call."""
+    return torch.zeros(visible.shape, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
 def device_has_lse_attention(device: torch.device | str) -> bool:
@@ -172,7 +178,7 @@ def _shared_prefixes(
     bias = None
     if min(prefix_blocks) < blocks:
         keys = torch.arange(blocks * block_size)[None, :] < torch.tensor(prefix_blocks)[:, None] * block_size
-        bias = torch.zeros(keys.shape).masked_fill_(~keys, float("-inf"))[:, None, None, :].to(device)
+        bias = additive_mask(keys)[:, None, None, :].to(device)
 
     def tensor(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)

@@ -28,7 +28,7 @@ import threading
 import torch
 
 from kvtier import kv_dtypes
-from kvtier.kernels.decode_plan import DecodePlan, SharedPrefixes, plan_decode
+from kvtier.kernels.decode_plan import DecodePlan, SharedPrefixes, additive_mask, plan_decode
 
 
 class _Workspace(threading.local):
@@ -280,8 +280,7 @@ def _prefill_mask(
     visible = k_pos[None, :] <= q_pos[:, None]
     if window:
         visible &= k_pos[None, :] > q_pos[:, None] - window
-    # A float mask: SDPA would turn a boolean one into this on every call.
-    return torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))
+    return additive_mask(visible)
 
 
 def _read_tokens(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from kvtier import auth
@@ -63,13 +63,7 @@ class ConnectorConfig:
             return value if value is not None else os.environ.get(_KEYS[key]) or None
 
         numbers = {}
-        for key in (
-            "rpc_timeout_s",
-            "attach_timeout_s",
-            "max_staged_save_mib",
-            "lookup_wait_ms",
-            "save_batch_ms",
-        ):
+        for key in (f.name for f in fields(cls) if isinstance(f.default, float)):
             raw = pick(key)
             if raw is None:
                 continue
