@@ -20,7 +20,7 @@ variable is the same for the three (``--engine-threads`` OpenMP threads each) ex
   the headline is the median of the pairs' ratios, with their range (on a shared machine the
   load moves more between pairs than within one). Target >= 0.95x.
 - Copy rates, in this process: loads (pool -> vLLM blocks, one pass per run of consecutive ids)
-  and saves (vLLM blocks -> staging -> pool) through the connector's copier, with vLLM's CPU
+  and saves (vLLM blocks -> pool, in vLLM's step) through the connector's copier, with vLLM's CPU
   layout learned from its own write as the connector learns it, against a plain copy of the same
   bytes (index_select + index_copy_): the floor.
 
@@ -131,18 +131,17 @@ ROLES = {
     "C": None,
     "N": "null",
     "B": "kv_both",
-    "I": "kv_both/index",
     "P": "kv_producer",
     "Q": "kv_consumer",
 }
-ROLE_NAMES = {"C": "without", "N": "a connector that does nothing", "B": "both", "I": "both, with the block index",
-              "P": "saves only", "Q": "lookups only"}  # fmt: skip
+ROLE_NAMES = {"C": "without", "N": "a connector that does nothing", "B": "both", "P": "saves only",
+              "Q": "lookups only"}  # fmt: skip
 
 
 def measure_attribution(servers: dict[str, Server], cache_pid: int, rounds: int, requests: int) -> None:
     """Each part of the connector's cost alone: the no-reuse workload on C (no connector), N (a
-    connector that does nothing: vLLM's hooks alone), B (both sides), I (both, sure misses answered
-    by the block index), P (kv_producer: saves, no lookups) and Q (kv_consumer: lookups, no saves), in
+    connector that does nothing: vLLM's hooks alone), B (both sides), P (kv_producer: saves, no
+    loads) and Q (kv_consumer: lookups, no saves), in
     a rotated order each round; per engine its tok/s over C's in the same round and the CPU seconds
     per request of its processes' threads and of the cache service."""
     ratios: dict[str, list[float]] = {name: [] for name in servers}
@@ -230,8 +229,8 @@ def main() -> int:
     hit_blocks = PREFIX_TOKENS // BLOCK_SIZE
     rates = copy_rates(args.layers, args.kv_heads, head_dim, "cuda" if gpu else "cpu", blocks=hit_blocks)
     print(f"copies of {hit_blocks} blocks (float32 on {'cuda' if gpu else 'cpu'}, vLLM's layout {rates['layout']}): "
-          f"load {rates['load_gbs']:.2f} GB/s ({rates['load_ms']:.1f} ms), save {rates['save_gbs']:.2f} GB/s (in vLLM's "
-          f"step: {rates['stage_ms']:.1f} ms), "
+          f"load {rates['load_gbs']:.2f} GB/s ({rates['load_ms']:.1f} ms), save {rates['save_gbs']:.2f} GB/s "
+          f"({rates['save_ms']:.1f} ms, in vLLM's step), "
           f"plain copy {rates['memcpy_gbs']:.2f} GB/s (load average {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
     if args.copies_only:
         return 0

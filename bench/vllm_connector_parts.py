@@ -156,7 +156,7 @@ def throughput(server: Server, seed: int, count: int, concurrency: int = 8) -> f
 def thread_cpu(root_pids: list[int]) -> dict[str, float]:
     """CPU seconds so far of every thread of ``root_pids`` and their descendants, by
     "process/thread": the process's name, then "main" (the thread whose id is the process's),
-    the thread's own OS name (the connector's: kvtier-save, kvtier-prefix, kvtier-lookup; gRPC's
+    the thread's own OS name (the connector's: kvtier-alloc, kvtier-free, kvtier-prefix, kvtier-lookup; gRPC's
     and OpenMP's name theirs), or "python threads" (unnamed: the process's name)."""
     tick = os.sysconf("SC_CLK_TCK")
     parents: dict[int, list[int]] = {}
@@ -275,14 +275,7 @@ def copy_rates(
         return min(times)
 
     load_s = timed(lambda: copier.load(pool, pool_ids, vllm_ids))
-    staging = copier.staging(blocks)
-
-    def save() -> None:
-        staged, raw = copier.stage(vllm_ids, into=staging)
-        copier.write_staged(pool, pool_ids, staged, list(range(blocks)), raw)
-
-    stage_s = timed(lambda: copier.stage(vllm_ids, into=staging))
-    save_s = timed(save)
+    save_s = timed(lambda: copier.save(pool, pool_ids, vllm_ids))
     memcpy_s = timed(lambda: flat_dst.index_copy_(0, p_t, flat_src.index_select(0, v_t)))
     size = blocks * copier.block_bytes
     return {
@@ -290,6 +283,6 @@ def copy_rates(
         "load_gbs": size / load_s / 1e9,
         "load_ms": load_s * 1e3,
         "save_gbs": size / save_s / 1e9,
-        "stage_ms": stage_s * 1e3,
+        "save_ms": save_s * 1e3,
         "memcpy_gbs": size / memcpy_s / 1e9,
     }

@@ -207,12 +207,14 @@ def test_prefix_computed_by_one_engine_is_loaded_by_another(stack):
     assert "kvtier connector:" in b.log() and "attached to" in b.log(), b.log()[-3000:]
 
 
-def scheduler_side(address: str, tmp_path: Path, loads: bool = True, saves: bool = True, **settings):
-    """The connector's scheduler side (kvtier.vllm.lookups) on its own lease, as vLLM's scheduler
-    drives it; ``loads``/``saves`` as vLLM's kv_role sets them (both: kv_both)."""
+def scheduler_side(address: str, tmp_path: Path, role: str = "kv_both", **settings):
+    """The connector's scheduler side for vLLM's ``role`` (kv_both, kv_producer: kvtier.vllm.saving;
+    kv_consumer: kvtier.vllm.lookups) on its own lease, as vLLM's scheduler drives it."""
+    from vllm.config import KVTransferConfig
+
     from kvtier.vllm.cache_link import CacheLink
     from kvtier.vllm.config import ConnectorConfig
-    from kvtier.vllm.lookups import Lookups
+    from kvtier.vllm.connector import scheduler_side as make_side
 
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
@@ -221,9 +223,9 @@ def scheduler_side(address: str, tmp_path: Path, loads: bool = True, saves: bool
     )
     link = CacheLink(cfg, "scheduler")
     link.start()
-    lookups = Lookups(link, BLOCK_SIZE, 4096, cfg.lookup_wait_ms / 1e3, loads=loads, saves=saves,
-                      block_index=cfg.block_index)  # fmt: skip
-    return link, lookups
+    return link, make_side(
+        KVTransferConfig(kv_connector="KvtierConnector", kv_role=role), cfg, link, BLOCK_SIZE, 4096
+    )
 
 
 def vllm_request(rid: str, tokens: list[int], salt: str | None = None):
@@ -257,10 +259,10 @@ def commit(client: CacheClient, tokens: list[int], salt: str = "") -> None:
 
 
 def test_scheduler_answers_a_held_prefix_in_its_first_ask_with_a_long_lookup_wait(stack, tmp_path):
-    """Asked on arrival (vLLM's on_new_request), the cache's answer is there when the scheduler
-    first asks: the held prefix A saved is counted (and pinned) at once, a miss is 0 at once; no
-    step is lost to "not yet". (The wait is raised from its default so a loaded machine's slow
-    calls cannot turn this into a "not yet".)"""
+    """Asked on arrival (vLLM's on_new_request: the prompt's pool sequence allocated), the cache's
+    answer is there when the scheduler first asks: the held prefix A saved is counted (and pinned)
+    at once, a miss is 0 at once; no step is lost to "not yet". (The wait is raised from its
+    default so a loaded machine's slow calls cannot turn this into a "not yet".)"""
     link, lookups = scheduler_side(stack["cache"].address, tmp_path, lookup_wait_ms=60_000)
     try:
         held, fresh = vllm_request("held", PREFIX), vllm_request("fresh", prompt(90, 300))
@@ -271,11 +273,13 @@ def test_scheduler_answers_a_held_prefix_in_its_first_ask_with_a_long_lookup_wai
             False,
         )
         assert lookups.num_new_matched_tokens(fresh, 0) == (0, False)
-        # vLLM's own prefix cache covering every block kvtier could load: answered without a call.
-        assert lookups.num_new_matched_tokens(
-            vllm_request("local", PREFIX), LONG_PREFIX // BLOCK_SIZE * BLOCK_SIZE
-        ) == (0, False)
-        lookups.update_state_after_alloc(held, [], 0)  # not loaded after all: the pin is freed
+        # vLLM's own prefix cache covering every block kvtier could load: answered without a wait.
+        local = vllm_request("local", PREFIX)
+        assert lookups.num_new_matched_tokens(local, LONG_PREFIX // BLOCK_SIZE * BLOCK_SIZE) == (0, False)
+        assert lookups.stats["not_yet"] == 0, lookups.stats
+        for request in (held, fresh, local):
+            lookups.update_state_after_alloc(request, [], 0)  # not loaded after all
+            lookups.request_finished(request)  # the pool sequences go
     finally:
         lookups.close()
         link.close()
@@ -283,12 +287,13 @@ def test_scheduler_answers_a_held_prefix_in_its_first_ask_with_a_long_lookup_wai
 
 def test_a_consumer_engine_only_loads_and_a_producer_only_saves(stack, tmp_path):
     """vLLM's kv_role: a kv_consumer's scheduler side plans no save of what it computes; a
-    kv_producer's answers a prefix the cache holds 0, asking nothing, and saves what it computes."""
+    kv_producer's answers a prefix the cache holds 0 and saves what it computes into the pool
+    blocks it allocated for the prompt on arrival."""
     from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
 
     hit = (LONG_PREFIX - 1) // BLOCK_SIZE * BLOCK_SIZE
     for role, loads, saves in (("kv_consumer", True, False), ("kv_producer", False, True)):
-        link, lookups = scheduler_side(stack["cache"].address, tmp_path, loads, saves, lookup_wait_ms=60_000)
+        link, lookups = scheduler_side(stack["cache"].address, tmp_path, role, lookup_wait_ms=60_000)
         try:
             held, fresh = vllm_request("held", PREFIX), vllm_request("fresh", prompt(300, 100))
             for request in (held, fresh):
@@ -297,12 +302,18 @@ def test_a_consumer_engine_only_loads_and_a_producer_only_saves(stack, tmp_path)
             lookups.update_state_after_alloc(held, [], 0)  # not loaded after all: a pin is freed
             assert lookups.num_new_matched_tokens(fresh, 0) == (0, False), role
             lookups.update_state_after_alloc(fresh, [7, 8, 9, 10], 0)
+            if saves:  # planned once the prompt's pool sequence is known
+                wait_until(
+                    lambda s=lookups: s._tracks["fresh"].allocation.done(), 60, "the prompt's pool blocks"
+                )
             step = SchedulerOutput.make_empty()
             step.scheduled_new_reqs = [NewRequestData.from_request(fresh, ([7, 8, 9, 10],))]
             step.num_scheduled_tokens = {"fresh": 100}
             saves_planned = lookups.build_meta(step).saves
             assert [s.vllm_block_ids for s in saves_planned] == ([[7, 8, 9]] if saves else []), role
-            assert lookups.stats["asked"] == (2 if loads else 0), (role, lookups.stats)
+            assert lookups.stats["asked"] == 2, (role, lookups.stats)
+            for request in (held, fresh):
+                lookups.request_finished(request)
         finally:
             lookups.close()
             link.close()
@@ -323,7 +334,7 @@ def test_a_hung_cache_service_costs_one_long_lookup_wait_and_with_the_block_inde
 
     with own_cache_service(model_dirs, tmp_path) as cache:
         link, lookups = scheduler_side(
-            cache.address, tmp_path, lookup_wait_ms=2000, rpc_timeout_s=60, block_index=True
+            cache.address, tmp_path, "kv_consumer", lookup_wait_ms=2000, rpc_timeout_s=60, block_index=True
         )
         client = CacheClient.connect(cache.address, TOKEN, timeout_s=10.0)
         client.attach("test-publisher")
@@ -496,76 +507,83 @@ class BackendLayer:
         ops.cpu_attn_reshape_and_cache(key, value, *view.chunk(2, dim=2), slot_mapping, self.isa)
 
 
-def test_saves_staged_while_the_writer_waits_are_written_together_each_block_where_published(
+def test_saves_go_into_the_pool_blocks_allocated_on_arrival_and_are_published_once_written(
     model_dirs, tmp_path
 ):
-    """The worker's writer takes every save staged while it gathered (save_batch_ms) or was busy in
-    one Allocate and one Free (here the cache service is SIGSTOPped while three saves are staged,
-    the last two after the writer took the first: one write if they came within its gathering, two
-    if it was already waiting on the cache, never three); each block lands in the pool block the
-    cache published for it, equal to vLLM's. The writer runs niced."""
+    """An engine that saves: each arriving prompt gets its pool blocks (within max_reserved_share of
+    the pool; past it, when the scheduler asks); the worker writes a request's full prompt blocks
+    into them in the step that computed them (or the next one that runs the request, when the
+    answer came late), and the scheduler side publishes exactly the blocks reported written, each
+    in the pool block the cache now serves for it, equal to vLLM's. A save that could not be
+    written (its lease's deadline too near) publishes nothing past the blocks before it."""
     import torch
+    from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
 
     from kvtier.sequence_types import AllocateItem
     from kvtier.vllm.block_layout import BlockCopier, probe_layout
-    from kvtier.vllm.cache_link import CacheLink
-    from kvtier.vllm.config import ConnectorConfig
-    from kvtier.vllm.plan import SaveItem
-    from kvtier.vllm.worker import WRITER_NICENESS, WorkerSide
+    from kvtier.vllm.worker import WorkerSide
 
-    with own_cache_service(model_dirs, tmp_path) as cache:
-        (tmp_path / "token").write_text(TOKEN)
-        cfg = ConnectorConfig.from_extra_config(
-            {"cache_address": cache.address, "token_file": str(tmp_path / "token")}
-        )
-        link = CacheLink(cfg, "worker")
-        client = link.start()
+    with own_cache_service(model_dirs, tmp_path) as cache:  # 64 pool blocks
+        link, side = scheduler_side(cache.address, tmp_path, max_reserved_share=0.25, save_batch_ms=0)
+        client = CacheClient.connect(cache.address, TOKEN, timeout_s=10.0)
+        client.attach("test-reader")
         _, num_layers, _, _, heads, head_dim = client.pool.shape
-        caches = [torch.zeros(16, heads, BLOCK_SIZE, 2 * head_dim) for _ in range(num_layers)]
-        gathers = [
-            probe_layout(BackendLayer(torch.float32, head_dim), c, BLOCK_SIZE, heads, head_dim)
-            for c in caches
-        ]
-        for cache_layer in caches:
-            cache_layer.copy_(torch.randn_like(cache_layer))
-        copier = BlockCopier(caches, gathers, (2, BLOCK_SIZE, heads, head_dim))
-        worker = WorkerSide(link, copier, BLOCK_SIZE, 64 << 20)
-        worker.map_pool(client)
-        prompts = [prompt(400 + i, (2 + i // 4) * BLOCK_SIZE) for i in range(5)]  # the last: 3 blocks
-        saves = [
-            SaveItem(p, "", "", 0, list(range(2 * i, 2 * i + len(p) // BLOCK_SIZE)))
-            for i, p in enumerate(prompts)
-        ]
+        caches = [torch.randn(32, heads, BLOCK_SIZE, 2 * head_dim) for _ in range(num_layers)]
+        layer = BackendLayer(torch.float32, head_dim)
+        copier = BlockCopier(caches, [probe_layout(layer, c, BLOCK_SIZE, heads, head_dim) for c in caches],
+                             (2, BLOCK_SIZE, heads, head_dim))  # fmt: skip
+        worker = WorkerSide(copier)
+        worker.map_pool(link.client)
+        # 5 + 5 + 6 blocks: the third is past a quarter of the 64-block pool, allocated when asked.
+        prompts = {f"r{i}": prompt(500 + i, n * BLOCK_SIZE + 5) for i, n in enumerate((5, 5, 6))}
+        requests = {rid: vllm_request(rid, tokens) for rid, tokens in prompts.items()}
+        vllm_ids = {"r0": list(range(0, 6)), "r1": list(range(8, 14)), "r2": list(range(20, 27))}
         try:
-            os.kill(cache.proc.pid, signal.SIGSTOP)
-            worker.stage([saves[0]])
-            wait_until(lambda: worker._queue.empty(), 30, "the writer to take the first save")
-            worker.stage([saves[1]])
-            worker.stage([saves[2]])
-        finally:
-            os.kill(cache.proc.pid, signal.SIGCONT)
-        try:
-            assert worker.wait_idle(60)
-            assert worker.stats["saved_blocks"] == 6 and worker.stats["writes"] in (1, 2), worker.stats
-            # The writer is background work: below vLLM's threads in the OS's eyes.
-            assert os.getpriority(os.PRIO_PROCESS, worker._writer.native_id) == WRITER_NICENESS > 0
-            # Later saves reuse the written staging tensors (the 3-block one needs a new one).
-            worker.stage([saves[3]])
-            worker.stage([saves[4]])
-            assert worker.wait_idle(60) and worker.stats["saved_blocks"] == 11, worker.stats
-            seqs = client.allocate([AllocateItem(p + [1]) for p in prompts])
-            pool = worker.pool(next(iter(worker._pools))).tensor
-            for save, seq in zip(saves, seqs, strict=True):
-                n = len(save.vllm_block_ids)
-                assert seq.num_cached_tokens == n * BLOCK_SIZE
-                published = pool[torch.tensor(seq.block_table[:n])].view(n, num_layers, -1)
+            for request in requests.values():
+                side.on_new_request(request)
+            assert side.stats["deferred"] == 1 and set(side._tracks) == {"r0", "r1"}, side.stats
+            for request in requests.values():
+                wait_until(lambda r=request: side.num_new_matched_tokens(r, 0) == (0, False)
+                           and side._tracks[r.request_id].allocation.done(), 60, "the pool blocks")  # fmt: skip
+                side.update_state_after_alloc(request, vllm_ids[request.request_id], 0)
+            step = SchedulerOutput.make_empty()
+            step.scheduled_new_reqs = [
+                NewRequestData.from_request(r, (vllm_ids[rid],)) for rid, r in requests.items()
+            ]
+            step.num_scheduled_tokens = {rid: len(tokens) for rid, tokens in prompts.items()}
+            saves = side.build_meta(step).saves
+            assert [(s.req_id, s.vllm_block_ids, s.end_block) for s in saves] == [
+                ("r0", vllm_ids["r0"][:5], 5), ("r1", vllm_ids["r1"][:5], 5), ("r2", vllm_ids["r2"][:6], 6)
+            ]  # fmt: skip
+            saves[1].write_by = time.monotonic() - 1  # r1's lease "could lapse": not written
+            worker.save(saves)
+            side.update_connector_output(set(), worker.take_saves_done())
+            assert worker.stats["saved_blocks"] == 11 and worker.stats["dropped_blocks"] == 5, worker.stats
+            for rid, n in (("r0", 5), ("r2", 6)):
+                tokens = prompts[rid]
+                wait_until(lambda t=tokens, n=n: client.lookup_prefix([t])[0].num_cached_tokens == n * BLOCK_SIZE,
+                           60, f"{rid}'s blocks published")  # fmt: skip
+                [seq] = client.allocate([AllocateItem(tokens)])
+                published = client_pool(worker)[torch.tensor(seq.block_table[:n])].view(n, num_layers, -1)
                 assert torch.equal(
-                    published, copier.read_blocks(save.vllm_block_ids).reshape(n, num_layers, -1)
+                    published, copier.read_blocks(vllm_ids[rid][:n]).reshape(n, num_layers, -1)
                 )
-            client.free([seq.sequence_id for seq in seqs])
+                client.free([seq.sequence_id])
+            assert client.lookup_prefix([prompts["r1"]])[0].total == 0  # nothing of r1 published
+            assert side._reserved == 0 and side._tracks.keys() == prompts.keys()  # released, not finished
+            for request in requests.values():
+                side.request_finished(request)
+            assert not side._tracks
         finally:
+            side.close()
             worker.close()
             link.close()
+            client.close()
+
+
+def client_pool(worker):
+    """The pool tensor the worker has mapped."""
+    return worker.pool(next(iter(worker._pools))).tensor
 
 
 class ScrambledLayer:
@@ -589,7 +607,7 @@ class ScrambledLayer:
 
 class SplitLayer:
     """A cache ``[blocks, 2, block_size, heads, head_dim]`` viewed on K and V planes apart in
-    memory (``[2, blocks, ...]``): a block is not one piece (the copier stages it in kvtier's layout)."""
+    memory (``[2, blocks, ...]``): a block is not one piece (scattered blocks go through kvtier's layout)."""
 
     impl = property(lambda self: self)
 
@@ -661,11 +679,10 @@ def test_block_copies_match_the_backend_s_own_writes(layout):
         for cache, by_vllm in zip(caches, written, strict=True):
             cache.copy_(by_vllm)
         assert torch.equal(copier.read_blocks(ids), kv), f"read {ids}"
-        staged, raw = copier.stage(ids, into=copier.staging(n))  # a save: staged, then written
         for targets in (list(range(10, 10 + n)), [70 - i for i in range(n)]):
             saved = torch.zeros_like(pool)
-            copier.write_staged(saved, targets, staged, list(range(n)), raw)
-            assert torch.equal(saved[torch.tensor(targets)], kv), f"save {ids} -> {targets} (raw {raw})"
+            copier.save(saved, targets, ids)
+            assert torch.equal(saved[torch.tensor(targets)], kv), f"save {ids} -> {targets}"
             pool[torch.tensor(targets)] = kv
             for cache in caches:
                 cache.zero_()

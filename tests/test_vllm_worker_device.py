@@ -2,7 +2,8 @@
 (a subprocess owning the pool: POSIX shared memory, or on a GPU raw device memory mapped here
 through a CUDA IPC handle), two ``WorkerSide``s as two engines' workers, each with its own lease.
 
-Engine A saves blocks of its KV cache (staged out, written into pool blocks, committed); engine B
+Engine A saves blocks of its KV cache (written straight into the pool blocks its lease allocated,
+then published by a Free with their commit, as the scheduler side does); engine B
 asks the cache for the prompt, pins the hit and loads it into different blocks of its own cache:
 byte for byte A's. On a GPU every copy is device to device. vLLM's CUDA build cannot be installed
 on the GPU machine, so the caches are in the block-first layout vLLM 0.32's FlashAttention backend
@@ -21,7 +22,7 @@ import torch
 from servers import TOKEN, cache_service
 
 from kvtier.kv_dtypes import torch_dtype
-from kvtier.sequence_types import AllocateItem
+from kvtier.sequence_types import AllocateItem, CommitItem
 from kvtier.vllm.block_layout import BlockCopier, probe_layout
 from kvtier.vllm.cache_link import CacheLink
 from kvtier.vllm.config import ConnectorConfig
@@ -59,7 +60,7 @@ class FlashLayout:
 
 
 class Engine:
-    """One engine's worker side: its lease, its KV cache (random), its copier, its writer."""
+    """One engine's worker side: its lease, its KV cache (random), its copier."""
 
     def __init__(self, address: str, token_file: str, device: str):
         cfg = ConnectorConfig.from_extra_config({"cache_address": address, "token_file": token_file})
@@ -73,7 +74,7 @@ class Engine:
         layer = FlashLayout(head_dim)
         gathers = [probe_layout(layer, c, self.block_size, heads, head_dim) for c in self.caches]
         self.copier = BlockCopier(self.caches, gathers, (2, self.block_size, heads, head_dim))
-        self.worker = WorkerSide(self.link, self.copier, self.block_size, 64 << 20)
+        self.worker = WorkerSide(self.copier)
         self.worker.map_pool(self.client)
 
     def blocks(self, ids: list[int]) -> list[torch.Tensor]:
@@ -99,8 +100,26 @@ def test_one_engine_s_saved_blocks_load_into_another_s_cache_byte_for_byte(backe
             # Consecutive vLLM blocks (one copy per layer), then scattered ones (the index path).
             cases = [([3, 4, 5], [9, 10, 11]), ([12, 2, 7, 0], [15, 1, 6, 4])]
             prompts = [[rng.randrange(200) for _ in range(len(ids) * bs)] for ids, _ in cases]
-            a.worker.stage([SaveItem(p, "", "", 0, ids) for p, (ids, _) in zip(prompts, cases, strict=True)])
-            assert a.worker.wait_idle(60) and a.worker.stats["saved_blocks"] == 7, a.worker.stats
+            held = a.client.allocate(prompts)  # the pool blocks A's scheduler side would allocate
+            name = pool_name(a.client.pool)
+            saves = [
+                SaveItem(f"save-{i}", name, s.block_table[: len(ids)], ids, len(ids), time.monotonic() + 30)
+                for i, (s, (ids, _)) in enumerate(zip(held, cases, strict=True))
+            ]
+            # A save whose lease could lapse before it is written is not written (its blocks could be
+            # another sequence's by then), and reported so: never published.
+            late = SaveItem("late", name, held[0].block_table[:1], [1], 1, time.monotonic() - 1)
+            a.worker.save([*saves, late])
+            assert a.worker.take_saves_done() == [
+                ("save-0", 3, True),
+                ("save-1", 4, True),
+                ("late", 1, False),
+            ]
+            assert a.worker.stats["saved_blocks"] == 7, a.worker.stats
+            a.client.free(
+                [s.sequence_id for s in held],
+                [CommitItem(s.sequence_id, [], len(p)) for s, p in zip(held, prompts, strict=True)],
+            )
 
             seqs = b.client.allocate([AllocateItem(p + [1]) for p in prompts])  # pins the hits
             assert [s.num_cached_tokens for s in seqs] == [len(p) for p in prompts]

@@ -12,9 +12,9 @@ one-to-one move of elements (a quantized cache, a backend that writes elsewhere)
 
 The layouts vLLM's backends use are transposes and packings of kvtier's dims, so each part of a
 layer block (K, V) is one strided view of vLLM's block (``strided_parts``): a relayout is then one
-``copy_`` between two strided views per part and run of consecutive block ids, at about the speed
-of a plain copy, and a staged save (vLLM's bytes as they are, every layer a constant stride apart)
-is relaid out for every layer in one copy per part. Blocks whose ids are scattered go through one
+``copy_`` between two strided views per part, layer and run of consecutive block ids, at about
+the speed of a plain copy (a save goes straight from vLLM's blocks into pool blocks, in vLLM's
+step: ``save``). Blocks whose ids are scattered go through one
 index op (``index_select`` / ``index_copy_``: plain row copies) on the scattered side. A layout
 that is no strided view is still copied, element by element through an index. Nothing is copied
 per token; on a GPU the copies run device to device.
@@ -205,11 +205,11 @@ class BlockCopier:
         # Where each kvtier element of a layer block lies in vLLM's block (memory), and as strided views.
         self.offsets = [block_offsets(c)[g.to(c.device)] for c, g in zip(kv_caches, gathers, strict=True)]
         self.parts = [strided_parts(o, self.block_shape) for o in self.offsets]
-        # Raw staging (vLLM's bytes as they are) needs each block in one piece; one copy per part for
-        # every layer needs the layers laid out alike.
+        # Placing scattered vLLM blocks by an index op needs each block in one piece (``load``); one
+        # copy per part for every layer of a staging tensor needs the layers laid out alike.
         self.raw = all(c[0].is_contiguous() for c in kv_caches)
         self.alike = self.parts[0] is not None and all(p == self.parts[0] for p in self.parts)
-        self._blocks: torch.Tensor | None = None  # write_staged's room for scattered pool blocks, reused
+        self._blocks: torch.Tensor | None = None  # save's room for scattered pool blocks, reused
 
     @property
     def num_layers(self) -> int:
@@ -269,49 +269,18 @@ class BlockCopier:
         for layer, cache in enumerate(self.kv_caches):
             cache.index_copy_(0, index, rows[:, layer].view(n, *cache.shape[1:]))
 
-    def stage(self, vllm_block_ids: list[int], into: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """vLLM blocks copied into ``into``'s first rows (a ``staging`` tensor) as cheaply as memory
-        allows, for ``write_staged``: (rows, raw). Raw: vLLM's bytes as they are, a plain copy per
-        layer and run of consecutive ids, or one index op per layer for scattered ids (the relayout
-        is left to ``write_staged``, off vLLM's step); else (a block not in one piece) in kvtier's
-        layout (``read_blocks``)."""
-        ids = [int(i) for i in vllm_block_ids]
-        n = len(ids)
-        if not self.raw:
-            return self.read_blocks(ids, into=into), False
-        out = into[:n]
-        stretches = runs(ids, list(range(n)))
-        if stretches is None:
-            index = torch.tensor(ids, device=out.device)
-            for layer, cache in enumerate(self.kv_caches):
-                torch.index_select(cache, 0, index, out=out[:, layer].view(n, *cache.shape[1:]))
-            return out, True
-        for v, o, m in stretches:
-            for layer, cache in enumerate(self.kv_caches):
-                out[o : o + m, layer].view(m, *cache.shape[1:]).copy_(cache[v : v + m])
-        return out, True
-
-    def write_staged(self, pool: torch.Tensor, pool_ids: list[int], staged: torch.Tensor, rows: list[int],
-                     raw: bool) -> None:  # fmt: skip
-        """``pool[pool_ids[i]] = staged[rows[i]]`` in kvtier's layout; ``staged, raw`` from ``stage``.
-        Raw rows are relaid out on the way: a strided copy per part and run of consecutive ids, for
-        every layer at once (layers laid out alike); scattered pool blocks through one index op."""
-        if not raw:
-            stretches = runs(pool_ids, rows)
-            if stretches is None:
-                index = torch.tensor(rows, device=staged.device)
-                pool.index_copy_(0, torch.tensor(pool_ids, device=pool.device), staged.index_select(0, index))
-            for p, r, n in stretches or []:
-                pool[p : p + n].copy_(staged[r : r + n])
+    def save(self, pool: torch.Tensor, pool_ids: list[int], vllm_ids: list[int]) -> None:
+        """vLLM's blocks into pool blocks, relaid out on the way: a strided copy per layer, part and
+        run of consecutive ids on both sides; scattered pool blocks are relaid out into a reused
+        buffer first and placed by one index op."""
+        if self._pairs(self.kv_caches, vllm_ids, pool, pool_ids, to_vllm=False, limit=MAX_RUNS):
             return
-        if self._pairs(staged, rows, pool, pool_ids, to_vllm=False, limit=MAX_RUNS):
-            return
-        n = len(rows)
+        n = len(pool_ids)
         if self._blocks is None or len(self._blocks) < n:  # reused: fresh memory costs a page fault a page
             self._blocks = torch.empty(
-                (n, self.num_layers, *self.block_shape), dtype=staged.dtype, device=pool.device
+                (n, self.num_layers, *self.block_shape), dtype=pool.dtype, device=pool.device
             )
-        self._pairs(staged, rows, self._blocks, list(range(n)), to_vllm=False)
+        self._pairs(self.kv_caches, vllm_ids, self._blocks, list(range(n)), to_vllm=False)
         pool.index_copy_(0, torch.tensor(pool_ids, device=pool.device), self._blocks[:n])
 
     def staging(self, n: int) -> torch.Tensor:

@@ -7,8 +7,8 @@
 | ``tls_ca`` | ``KVTIER_TLS_CA`` | none | CA certificate for a TLS cache service |
 | ``rpc_timeout_s`` | ``KVTIER_RPC_TIMEOUT_S`` | 5 | deadline of each cache call (a lookup answers "no hit" after it) |
 | ``attach_timeout_s`` | ``KVTIER_ATTACH_TIMEOUT_S`` | 60 | how long startup waits for the cache service before vLLM stops |
-| ``max_staged_save_mib`` | ``KVTIER_MAX_STAGED_SAVE_MIB`` | 256 | KV staged for saves and not yet written; more is dropped with a WARNING |
-| ``save_batch_ms`` | ``KVTIER_SAVE_BATCH_MS`` | 50 | how long the save writer gathers further saves before it writes them all in one Allocate and one Free (the cache's cost is mostly per call: a save is published up to this much later; 0: write each at once) |
+| ``max_reserved_share`` | ``KVTIER_MAX_RESERVED_SHARE`` | 0.25 | share of the pool's blocks this engine may hold for prompts that arrived and are not computed yet (each gets its pool blocks on arrival; past the share, when vLLM schedules it) |
+| ``save_batch_ms`` | ``KVTIER_SAVE_BATCH_MS`` | 50 | how long the scheduler side gathers written saves before it publishes them all in one Free (the cache's cost is mostly per call: a save is published up to this much later; 0: each at once) |
 | ``lookup_wait_ms`` | ``KVTIER_LOOKUP_WAIT_MS`` | 5 | how long one scheduler step waits for lookups' answers, all together (0: never; unanswered requests wait for the next step) |
 | ``block_index`` | ``KVTIER_BLOCK_INDEX`` | false | follow the cache's block events to answer a prompt whose first block it never announced as a miss without asking (``kvtier.vllm.block_index``; about 100 bytes per cached block; the cache streams every block it stores to each engine that follows). Off: every prompt is asked on arrival |
 """
@@ -28,12 +28,13 @@ _KEYS = {
     "tls_ca": "KVTIER_TLS_CA",
     "rpc_timeout_s": "KVTIER_RPC_TIMEOUT_S",
     "attach_timeout_s": "KVTIER_ATTACH_TIMEOUT_S",
-    "max_staged_save_mib": "KVTIER_MAX_STAGED_SAVE_MIB",
+    "max_reserved_share": "KVTIER_MAX_RESERVED_SHARE",
     "lookup_wait_ms": "KVTIER_LOOKUP_WAIT_MS",
     "save_batch_ms": "KVTIER_SAVE_BATCH_MS",
     "block_index": "KVTIER_BLOCK_INDEX",
 }
 _MAY_BE_ZERO = {"lookup_wait_ms", "save_batch_ms"}
+_GONE = {"max_staged_save_mib": "saves are no longer staged in the engine: see max_reserved_share"}
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class ConnectorConfig:
     tls_ca: str | None = None
     rpc_timeout_s: float = 5.0
     attach_timeout_s: float = 60.0
-    max_staged_save_mib: float = 256.0
+    max_reserved_share: float = 0.25
     lookup_wait_ms: float = 5.0
     save_batch_ms: float = 50.0
     block_index: bool = False
@@ -54,8 +55,9 @@ class ConnectorConfig:
         extra = dict(extra or {})
         unknown = sorted(set(extra) - set(_KEYS))
         if unknown:
+            gone = "".join(f"; {key}: {_GONE[key]}" for key in unknown if key in _GONE)
             raise ValueError(
-                f"kvtier connector: unknown kv_connector_extra_config key(s) {unknown}; known: {sorted(_KEYS)}"
+                f"kvtier connector: unknown kv_connector_extra_config key(s) {unknown}; known: {sorted(_KEYS)}{gone}"
             )
 
         def pick(key: str):
@@ -75,6 +77,10 @@ class ConnectorConfig:
                 raise ValueError(
                     f"kvtier connector: {key} must be {'>=' if key in _MAY_BE_ZERO else '>'} 0, got {raw!r}"
                 )
+        if numbers.get("max_reserved_share", 0.0) > 1:
+            raise ValueError(
+                f"kvtier connector: max_reserved_share must be at most 1, got {pick('max_reserved_share')!r}"
+            )
         flags = {}
         raw = pick("block_index")
         if raw is not None:

@@ -6,9 +6,10 @@ Load it with::
                            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": {"cache_address": "unix:///run/kvtier/cache.sock"}}'
 
-vLLM makes one instance per role: the scheduler's (``kvtier.vllm.lookups``: which leading blocks
-the cache holds, and per step which blocks to load and save) and each worker's
-(``kvtier.vllm.worker``: the copies between the pool and vLLM's KV cache). Each holds its own lease
+vLLM makes one instance per role: the scheduler's (``kvtier.vllm.saving`` for an engine that saves,
+``kvtier.vllm.lookups`` for one that only loads: which leading blocks the cache holds, and per
+step which blocks to load and save) and each worker's (``kvtier.vllm.worker``: the copies between
+the pool and vLLM's KV cache). Each holds its own lease
 on the cache service. This class only routes vLLM's calls to them; the settings are
 ``kvtier.vllm.config``'s.
 """
@@ -28,6 +29,7 @@ from kvtier.vllm.config import ConnectorConfig
 from kvtier.vllm.engine_check import IncompatiblePool, check_engine_fits_pool, engine_kv, pool_kv
 from kvtier.vllm.lookups import Lookups
 from kvtier.vllm.plan import KvtierMetadata, KvtierWorkerMeta
+from kvtier.vllm.saving import SavingSide
 from kvtier.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -57,7 +59,7 @@ class KvtierConnector(KVConnectorBase_V1):
                 f"holds every KV head of a layer; this engine has world_size {vllm_config.parallel_config.world_size}"
             )
         self.block_size = vllm_config.cache_config.block_size
-        self.lookups: Lookups | None = None
+        self.lookups: Lookups | SavingSide | None = None
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
@@ -72,11 +74,9 @@ class KvtierConnector(KVConnectorBase_V1):
             client = self.link.start()
             self._first_pool = pool_kv(client.pool)
             max_model_len = min(client.pool.max_model_len or 1 << 62, vllm_config.model_config.max_model_len)
-            role = self._kv_transfer_config
-            self.lookups = Lookups(
-                self.link, self.block_size, max_model_len, self.cfg.lookup_wait_ms / 1e3,
-                loads=role.is_kv_consumer, saves=role.is_kv_producer, block_index=self.cfg.block_index,
-            )  # fmt: skip
+            self.lookups = scheduler_side(
+                self._kv_transfer_config, self.cfg, self.link, self.block_size, max_model_len
+            )
         else:
             self.link = CacheLink(self.cfg, "worker")
 
@@ -104,13 +104,7 @@ class KvtierConnector(KVConnectorBase_V1):
         geometry = (spec.block_size, spec.num_kv_heads, spec.head_size)
         gathers = [probe_layout(layers[name], kv_caches[name], *geometry) for name in names]
         copier = BlockCopier([kv_caches[name] for name in names], gathers, (2, *geometry))
-        self.worker = WorkerSide(
-            self.link,
-            copier,
-            self.block_size,
-            int(self.cfg.max_staged_save_mib * 2**20),
-            batch_s=self.cfg.save_batch_ms / 1e3,
-        )
+        self.worker = WorkerSide(copier)
         self.worker.map_pool(client)
         self.link.on_attached.append(self.worker.map_pool)
         log.info(
@@ -136,21 +130,22 @@ class KvtierConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         if self.worker is not None and meta.saves:
-            self.worker.stage(meta.saves)
+            self.worker.save(meta.saves)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, None  # loads are synchronous (done before the forward); saves never hold blocks
+        return None, None  # loads and saves are synchronous (done in the step): vLLM's blocks are never held
 
     def build_connector_worker_meta(self) -> KvtierWorkerMeta | None:
-        done = self.worker.take_finished_loads() if self.worker is not None else set()
-        return KvtierWorkerMeta(done) if done else None
+        if self.worker is None:
+            return None
+        loads, saves = self.worker.take_finished_loads(), self.worker.take_saves_done()
+        return KvtierWorkerMeta(loads, saves) if loads or saves else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_failed_blocks() if self.worker is not None else set()
 
     def shutdown(self) -> None:
         if self.worker is not None:
-            self.worker.wait_idle(timeout_s=self.cfg.rpc_timeout_s)
             self.worker.close()
         if self.lookups is not None:
             self.lookups.close()
@@ -191,9 +186,21 @@ class KvtierConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, KvtierWorkerMeta):
-            self.lookups.loads_finished(meta.loads_done)
+            self.lookups.update_connector_output(meta.loads_done, meta.saves_done)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """vLLM may free the request's blocks at once: saves were copied out in the step that computed them."""
+        """vLLM may free the request's blocks at once: saves were written in the steps that ran it."""
         self.lookups.request_finished(request)
         return False, None
+
+
+def scheduler_side(role, cfg: ConnectorConfig, link: CacheLink, block_size: int, max_model_len: int):
+    """The scheduler side for vLLM's ``kv_role`` (``role``: its KVTransferConfig)."""
+    wait_s = cfg.lookup_wait_ms / 1e3
+    if not role.is_kv_producer:  # kv_consumer: loads only
+        return Lookups(link, block_size, max_model_len, wait_s, block_index=cfg.block_index)
+    if cfg.block_index:
+        log.warning("kvtier connector: block_index applies to kv_consumer engines only; this one saves, so "
+                    "each prompt gets its pool blocks on arrival (the same call answers its hit)")  # fmt: skip
+    return SavingSide(link, block_size, max_model_len, wait_s, loads=role.is_kv_consumer,
+                      max_reserved_share=cfg.max_reserved_share, batch_s=cfg.save_batch_ms / 1e3)  # fmt: skip

@@ -23,9 +23,12 @@ class KvtierMetadata(KVConnectorMetadata):
 @dataclass
 class KvtierWorkerMeta(KVConnectorWorkerMetadata):
     """The worker's answer for one step: the requests whose loads it is done with (copied or
-    failed), so the scheduler side frees the pool sequences that pinned their hits."""
+    failed), so the scheduler side can free the pool sequences that pinned their hits, and each
+    save of the step, in order: (request id, its ``end_block``, written or not), so it publishes
+    the written blocks."""
 
     loads_done: set[str] = field(default_factory=set)
+    saves_done: list[tuple[str, int, bool]] = field(default_factory=list)
 
     def aggregate(self, other: KvtierWorkerMeta) -> KvtierWorkerMeta:
-        return KvtierWorkerMeta(self.loads_done | other.loads_done)
+        return KvtierWorkerMeta(self.loads_done | other.loads_done, self.saves_done + other.saves_done)

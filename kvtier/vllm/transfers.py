@@ -1,4 +1,4 @@
-"""What the worker side moves: a hit to load into vLLM's blocks, new full blocks to save.
+"""What the worker side moves: a hit to load into vLLM's blocks, new full blocks to save into the pool.
 
 Plain data with no vLLM import, so the copies can be driven (and tested on a GPU) without vLLM;
 ``plan`` carries them in vLLM's per-step connector metadata. Units: tokens unless a name says
@@ -30,10 +30,12 @@ class LoadItem:
 
 @dataclass
 class SaveItem:
-    """A request's full prompt blocks computed this step, to be written to the pool and committed."""
+    """A request's full prompt blocks computed by now, to be copied from vLLM's blocks into the pool
+    blocks the scheduler side allocated for them (it publishes them once the worker reports them)."""
 
-    token_ids: list[int]  # the prompt up to the end of the last block to save (a whole number of blocks)
-    tenant_salt: str  # vLLM's cache_salt ("" for none): only equal salts share blocks
-    adapter_id: str  # the LoRA adapter's name ("" for the base model)
-    first_block: int  # index of the first block to save; blocks before it are already in kvtier
-    vllm_block_ids: list[int]  # blocks [first_block, len(token_ids) // block_size) in vLLM's cache
+    req_id: str
+    pool_name: str  # the pool the blocks are in (``pool_name``)
+    pool_block_ids: list[int]
+    vllm_block_ids: list[int]
+    end_block: int  # the prompt's leading blocks in the pool once this is written
+    write_by: float  # time.monotonic(): written only before this (the pool blocks' lease, less a margin)
