@@ -204,55 +204,23 @@ def wait_saved(cache_address: str, token: str, prompt: list[int]) -> None:
     raise TimeoutError(f"the prefix was not saved to kvtier within 120 s ({held} of {want} tokens)")
 
 
-class _CpuLayer:
-    """vLLM's CPU attention write for one layer, as its backend calls it (the connector's probe target)."""
-
-    def __init__(self, dtype, head_dim: int):
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-        self.isa = _get_attn_isa(dtype, BLOCK_SIZE, head_dim)
-        self.impl = self
-
-    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        from vllm import _custom_ops as ops
-
-        blocks, heads, block_size, _ = kv_cache.shape
-        view = kv_cache.view(blocks, heads, block_size * 2, -1)
-        key_cache, value_cache = view.chunk(2, dim=2)
-        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, self.isa)
-
-
-class _FlashLayer:
-    """vLLM 0.32's FlashAttention KV write (GPU): ``[blocks, heads, block_size, 2 x head_dim]``,
-    written through ``kv_cache.transpose(1, 2).split(head_dim, -1)`` (its ``do_kv_cache_update``)."""
-
-    def __init__(self, head_dim: int):
-        self.head_dim = head_dim
-        self.impl = self
-
-    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        caches = kv_cache.transpose(1, 2).split(self.head_dim, dim=-1)
-        where = (slot_mapping // BLOCK_SIZE, slot_mapping % BLOCK_SIZE)
-        for cache, rows in zip(caches, (key, value), strict=True):
-            cache[where] = rows
-
-
 def copy_rates(
     num_layers: int, heads: int, head_dim: int, device: str, blocks: int, repeats: int = 7
 ) -> dict[str, float]:
     """GB/s of the connector's loads and saves of `blocks` blocks (float32) against a plain copy of
     the same bytes, and the load's ms. On CPU with vLLM's CPU layout, learned from its write op; on
-    a GPU (device to device) with its FlashAttention layout (``_FlashLayer``: vLLM's CUDA build is
+    a GPU (device to device) with its FlashAttention layout (``FlashWrite``: vLLM's CUDA build is
     not installed there). The ids are consecutive on both sides, as a fresh request's blocks mostly are."""
     import torch
 
     from kvtier.pool import private_pool
+    from kvtier.vllm.backend_writes import CpuWrite, FlashWrite
     from kvtier.vllm.block_layout import BlockCopier, probe_layout
 
     dtype, total = torch.float32, 4 * blocks
     shape = (total, heads, BLOCK_SIZE, 2 * head_dim)
     caches = [torch.randn(shape, device=device, dtype=dtype) for _ in range(num_layers)]
-    layer = _CpuLayer(dtype, head_dim) if device == "cpu" else _FlashLayer(head_dim)
+    layer = CpuWrite(dtype, BLOCK_SIZE, head_dim) if device == "cpu" else FlashWrite(head_dim)
     gathers = [probe_layout(layer, cache, BLOCK_SIZE, heads, head_dim) for cache in caches]
     copier = BlockCopier(caches, gathers, (2, BLOCK_SIZE, heads, head_dim))
     pool = private_pool([total, num_layers, 2, BLOCK_SIZE, heads, head_dim], "float32", device).tensor

@@ -23,6 +23,7 @@ from servers import TOKEN, cache_service
 
 from kvtier.kv_dtypes import torch_dtype
 from kvtier.sequence_types import AllocateItem, CommitItem
+from kvtier.vllm.backend_writes import FlashWrite
 from kvtier.vllm.block_layout import BlockCopier, probe_layout
 from kvtier.vllm.cache_link import CacheLink
 from kvtier.vllm.config import ConnectorConfig
@@ -43,22 +44,6 @@ BACKENDS = [
 ]
 
 
-class FlashLayout:
-    """One layer's KV write as vLLM 0.32's FlashAttention backend does it (reshape_and_cache_flash
-    into ``kv_cache.transpose(1, 2).split(head_size, -1)``): the target of ``probe_layout``."""
-
-    def __init__(self, head_dim: int):
-        self.head_dim = head_dim
-        self.impl = self
-
-    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_dim, dim=-1)  # [B, N, H, D]
-        block_size = kv_cache.shape[2]
-        blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-        key_cache[blocks, offsets] = key
-        value_cache[blocks, offsets] = value
-
-
 class Engine:
     """One engine's worker side: its lease, its KV cache (random), its copier."""
 
@@ -71,7 +56,7 @@ class Engine:
         shape = (VLLM_BLOCKS, heads, self.block_size, 2 * head_dim)
         dtype = torch_dtype(spec.dtype)
         self.caches = [torch.randn(shape, device=device).to(dtype) for _ in range(num_layers)]
-        layer = FlashLayout(head_dim)
+        layer = FlashWrite(head_dim)
         gathers = [probe_layout(layer, c, self.block_size, heads, head_dim) for c in self.caches]
         self.copier = BlockCopier(self.caches, gathers, (2, self.block_size, heads, head_dim))
         self.worker = WorkerSide(self.copier)
@@ -155,5 +140,5 @@ def test_the_worker_side_imports_without_vllm():
     import subprocess
     import sys
 
-    code = "import sys; sys.modules['vllm'] = None; import kvtier.vllm.worker, kvtier.vllm.transfers"
+    code = "import sys; sys.modules['vllm'] = None; import kvtier.vllm.worker, kvtier.vllm.transfers, kvtier.vllm.backend_writes"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -199,8 +199,5 @@ def scheduler_side(role, cfg: ConnectorConfig, link: CacheLink, block_size: int,
     wait_s = cfg.lookup_wait_ms / 1e3
     if not role.is_kv_producer:  # kv_consumer: loads only
         return Lookups(link, block_size, max_model_len, wait_s, block_index=cfg.block_index)
-    if cfg.block_index:
-        log.warning("kvtier connector: block_index applies to kv_consumer engines only; this one saves, so "
-                    "each prompt gets its pool blocks on arrival (the same call answers its hit)")  # fmt: skip
-    return SavingSide(link, block_size, max_model_len, wait_s, loads=role.is_kv_consumer,
+    return SavingSide(link, block_size, max_model_len, wait_s, loads=role.is_kv_consumer, block_index=cfg.block_index,
                       max_reserved_share=cfg.max_reserved_share, batch_s=cfg.save_batch_ms / 1e3)  # fmt: skip

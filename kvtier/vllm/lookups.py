@@ -13,13 +13,14 @@ awaited for more than a second (a slow or hung cache service), no step waits. Pr
 loadable block vLLM's own prefix cache already holds (one block or less, or a local hit) are
 never waited for.
 
-Two sides share that (``SchedulerSide``): an engine that saves (kv_both, kv_producer:
-``kvtier.vllm.saving``) allocates a pool sequence for each arriving prompt, its hit and room for
-the rest; one that only loads (kv_consumer: ``Lookups`` here) asks ``LookupPrefix`` (read-only,
-the hit over every tier) and pins a hit longer than vLLM's own with an ``Allocate`` of the prompt
-up to one token past it, on a background thread (which promotes host and disk blocks into the
-pool). With ``block_index`` on, a consumer answers a prompt whose first block the cache never
-announced 0 on arrival without a call (``kvtier.vllm.block_index``).
+Two sides share that (``SchedulerSide``). Both ask ``LookupPrefix`` on arrival when they load
+(read-only, the hit over every tier: a miss is answered from it). An engine that saves (kv_both,
+kv_producer: ``kvtier.vllm.saving``) also allocates a pool sequence for each arriving prompt, its
+hit pinned and room for the rest; one that only loads (kv_consumer: ``Lookups`` here) pins a hit
+longer than vLLM's own with an ``Allocate`` of the prompt up to one token past it, on a
+background thread (which promotes host and disk blocks into the pool). With ``block_index`` on,
+a prompt whose first block the cache never announced is answered 0 on arrival without a
+LookupPrefix (``kvtier.vllm.block_index``).
 
 The hit is whole blocks, below the last prompt token (vLLM must compute that one). The loads are
 synchronous in vLLM's sense (``load_kv_async`` False): the worker copies the hit before the
@@ -85,11 +86,17 @@ class SchedulerSide:
     """What both scheduler sides share: the requests' keys, and waiting for the cache's answers
     within ``lookup_wait_s`` per scheduler step (``_wait``), never while one is stuck."""
 
-    def __init__(self, link: CacheLink, block_size: int, max_model_len: int, lookup_wait_s: float):
+    def __init__(
+        self, link: CacheLink, block_size: int, max_model_len: int, lookup_wait_s: float, *, loads: bool = True,
+        block_index: bool = False,
+    ):  # fmt: skip
         self.link = link
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.lookup_wait_s = lookup_wait_s
+        self.loads = loads
+        self._queries = PrefixQueries(link) if loads else None
+        self._index = BlockIndex(link, block_size) if loads and block_index else None
         self._wait_left_s = lookup_wait_s  # of this scheduler step's
         self._in_flight: deque[tuple[float, Future]] = deque()  # (asked at, answer), oldest first
         self._pending_loads: list[LoadItem] = []
@@ -145,13 +152,29 @@ class SchedulerSide:
         self.stats["not_yet"] += 1
         return None, False
 
-    def _log_stats(self) -> None:
+    def _ask_held(self, key: tuple[list[int], str, str]) -> Future:
+        """How much of the prompt the cache holds on any tier: 0 at once when the block index says
+        none, else asked (``LookupPrefix``, many arriving prompts per call)."""
+        self.stats["looked_up"] += 1
+        if self._index is not None and self._index.surely_missed(*key):
+            self.stats["index_misses"] += 1
+            known: Future = Future()
+            known.set_result(0)
+            return known
+        self.stats["asked"] += 1
+        return self._asked(self._queries.submit(*key))
+
+    def close(self) -> None:
         st = self.stats
         log.info(
             "kvtier scheduler: %d prompts looked up: %d answered by the block index, %d asked; %d \"not yet\" "
             "answers; %.0f ms waited for answers",
             st["looked_up"], st["index_misses"], st["asked"], st["not_yet"], st["waited_s"] * 1e3,
         )  # fmt: skip
+        if self._index is not None:
+            self._index.close()
+        if self._queries is not None:
+            self._queries.close()
 
 
 class Lookups(SchedulerSide):
@@ -163,14 +186,12 @@ class Lookups(SchedulerSide):
         self, link: CacheLink, block_size: int, max_model_len: int, lookup_wait_s: float = 0.0, *,
         block_index: bool = False,
     ):  # fmt: skip
-        super().__init__(link, block_size, max_model_len, lookup_wait_s)
+        super().__init__(link, block_size, max_model_len, lookup_wait_s, block_index=block_index)
         self._executor = ThreadPoolExecutor(
             1, thread_name_prefix="kvtier-lookup", initializer=name_os_thread, initargs=("kvtier-lookup",)
         )
         self._lookups: dict[str, Future] = {}
         self._loading: dict[str, Hit] = {}  # loads sent to the worker, until it reports them done
-        self._queries = PrefixQueries(link)
-        self._index = BlockIndex(link, block_size) if block_index else None
         self._held: dict[str, Future] = {}  # LookupPrefix asked on arrival, until the scheduler asks
 
     # ------------------------------------------------------------ vLLM's calls, in the order they come
@@ -234,10 +255,7 @@ class Lookups(SchedulerSide):
         # A load already sent stays in _loading: the worker reports it done even for a finished request.
 
     def close(self) -> None:
-        self._log_stats()
-        if self._index is not None:
-            self._index.close()
-        self._queries.close()
+        super().close()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------ helpers
@@ -259,17 +277,6 @@ class Lookups(SchedulerSide):
         )
         self._answered(future)
         return future
-
-    def _ask_held(self, key: tuple[list[int], str, str]) -> Future:
-        """How much of the prompt the cache holds: 0 at once when the block index says none, else asked."""
-        self.stats["looked_up"] += 1
-        if self._index is not None and self._index.surely_missed(*key):
-            self.stats["index_misses"] += 1
-            known: Future = Future()
-            known.set_result(0)
-            return known
-        self.stats["asked"] += 1
-        return self._asked(self._queries.submit(*key))
 
     def _lookup(
         self, held: Future, tokens: list[int], salt: str, adapter: str, rid: str, num_computed: int

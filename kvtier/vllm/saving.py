@@ -2,10 +2,14 @@
 
 Each arriving prompt gets a pool sequence of this side's lease (``Allocate``, many arriving prompts
 per call on a thread: ``prefix_queries.PoolAllocations``): the cache's hit pinned (and promoted from
-its host and disk tiers), fresh pool blocks for the rest. The hit is what the request loads
-(kv_both: the scheduler waits for the answer as any lookup, ``lookups.SchedulerSide``); the fresh
-blocks are where the worker writes the request's full prompt blocks in the step that computed
-them, straight from vLLM's blocks (``worker.save``): one copy, no staging, no call in the step.
+its host and disk tiers), fresh pool blocks for the rest. The fresh blocks are where the worker
+writes the request's full prompt blocks in the step that computed them, straight from vLLM's
+blocks (``worker.save``): one copy, no staging, no call in the step. The hit is what a kv_both
+engine loads. Its scheduler does not wait for the Allocate to tell a miss: once the pool is full
+every Allocate evicts (and demotes to the host tier), which is slower than vLLM's step should
+wait for. A ``LookupPrefix`` asked on arrival too (read-only, batched; or the block index's sure
+miss) answers a miss at once; only a hit waits for its pinned blocks (``lookups.SchedulerSide``'s
+bounded wait, as any lookup).
 The worker reports each save; once the prompt's full blocks are written (or the request ends, or
 a save could not be written), the pool sequence is freed with a commit of the blocks written
 (``prefix_queries.Releases``: the frees of ``save_batch_ms`` in one call), which publishes them
@@ -46,6 +50,7 @@ class Track:
     token_ids: list[int]
     allocation: Future  # of its PoolSequence, or None (the cache could not give one)
     blocks: int  # pool blocks it holds (counted against max_reserved_share until released)
+    held: Future | None = None  # kv_both: the leading tokens the cache holds on any tier (LookupPrefix)
     block_ids: list[int] = field(default_factory=list)  # vLLM's, in token order
     computed: int = 0  # prompt tokens vLLM has computed once its latest scheduled step has run
     saved_blocks: int | None = None  # leading blocks in the pool or planned (None: not yet known)
@@ -58,21 +63,21 @@ class Track:
 
 
 class SavingSide(SchedulerSide):
-    """``loads``: also load hits (kv_both); ``max_reserved_share``: of the pool's blocks, what
-    prompts not yet scheduled may hold; ``batch_s``: how long frees are gathered into one call."""
+    """``loads``: also load hits (kv_both); ``block_index``: answer sure misses from
+    ``kvtier.vllm.block_index``; ``max_reserved_share``: of the pool's blocks, what prompts not yet
+    scheduled may hold; ``batch_s``: how long frees are gathered into one call."""
 
     def __init__(
         self, link: CacheLink, block_size: int, max_model_len: int, lookup_wait_s: float = 0.0, *,
-        loads: bool = True, max_reserved_share: float = 0.25, batch_s: float = 0.05,
+        loads: bool = True, block_index: bool = False, max_reserved_share: float = 0.25, batch_s: float = 0.05,
     ):  # fmt: skip
-        super().__init__(link, block_size, max_model_len, lookup_wait_s)
-        self.loads = loads
+        super().__init__(link, block_size, max_model_len, lookup_wait_s, loads=loads, block_index=block_index)
         self.max_reserved_share = max_reserved_share
         self._allocations = PoolAllocations(link)
         self._releases = Releases(link, batch_s)
         self._tracks: dict[str, Track] = {}
         self._reserved = 0  # blocks of the tracks not released
-        self.stats["deferred"] = 0
+        self.stats["allocated"] = self.stats["deferred"] = 0
 
     # ------------------------------------------------------------ vLLM's calls, in the order they come
 
@@ -97,6 +102,13 @@ class SavingSide(SchedulerSide):
             track = self._track(request.request_id, key, -(-len(key[0]) // self.block_size))
         if not self.loads or track.released or self._loadable(track.token_ids) <= num_computed_tokens:
             return 0, False  # nothing to load (the allocation is still waited for by the saves)
+        if not track.allocation.done() and track.held is not None:
+            # A miss is told by the cheap read-only answer; only a hit waits for its pinned blocks
+            # (an Allocate into a full pool evicts: slower, and off vLLM's path for misses).
+            if not self._answered(track.held):
+                return self._not_yet()
+            if min(track.held.result(), self._loadable(track.token_ids)) <= num_computed_tokens:
+                return 0, False
         if not self._answered(track.allocation):
             return self._not_yet()
         seq = self._live(track)
@@ -175,10 +187,10 @@ class SavingSide(SchedulerSide):
 
     def close(self) -> None:
         """Publish what is reported written (the frees queued go out), then stop."""
-        self._log_stats()
-        log.info("kvtier scheduler: %d prompts allocated when the scheduler asked (past max_reserved_share); "
-                 "%d frees published %d tokens", self.stats["deferred"], self._releases.stats["frees"],
-                 self._releases.stats["committed_tokens"])  # fmt: skip
+        super().close()
+        log.info("kvtier scheduler: %d prompts allocated, %d of them when the scheduler asked (past "
+                 "max_reserved_share); %d frees published %d tokens", self.stats["allocated"], self.stats["deferred"],
+                 self._releases.stats["frees"], self._releases.stats["committed_tokens"])  # fmt: skip
         self._allocations.close()
         self._releases.close()
         self._releases.join(self.link.cfg.rpc_timeout_s)
@@ -187,10 +199,10 @@ class SavingSide(SchedulerSide):
 
     def _track(self, rid: str, key: tuple[list[int], str, str], blocks: int) -> Track:
         tokens, salt, adapter = key
-        self.stats["looked_up"] += 1
-        self.stats["asked"] += 1
+        self.stats["allocated"] += 1
         item = AllocateItem(tokens, tenant_salt=salt, adapter_id=adapter, request_id=rid)
-        track = Track(tokens, self._asked(self._allocations.submit(item)), blocks)
+        held = self._ask_held(key) if self.loads and self._loadable(tokens) > 0 else None
+        track = Track(tokens, self._asked(self._allocations.submit(item)), blocks, held)
         self._tracks[rid] = track
         self._reserved += blocks
         return track
