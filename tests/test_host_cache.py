@@ -12,7 +12,7 @@ from kvtier.block_hash import chain_preimages, extra_key, pack_token_ids
 from kvtier.cachesvc.block_manager import BlockManager
 from kvtier.cachesvc.errors import InvalidArgument, ResourceExhausted
 from kvtier.cachesvc.events import HOST_REPLACED, split_replaced, tier_kind
-from kvtier.cachesvc.host_area import SMALL_ROW_BYTES, HostArea
+from kvtier.cachesvc.host_area import MAP_AHEAD_BYTES, SMALL_ROW_BYTES, HostArea
 from kvtier.cachesvc.host_cache import HostCache
 from kvtier.cachesvc.slot_lru import SlotLru
 from kvtier.cachesvc.tiers import Blocks, Job
@@ -152,6 +152,31 @@ def _swap_round_trip(device: str, dtype: torch.dtype) -> None:
 
 def test_swap_round_trip_on_cpu_with_scattered_slots():
     _swap_round_trip("cpu", torch.float32)
+
+
+def test_a_cpu_area_maps_its_pages_a_step_ahead_of_its_copies_keeping_every_byte():
+    """The pages of a CPU area are mapped MAP_AHEAD_BYTES at a time ahead of the copies into them
+    (one kernel call instead of a fault per page), never the whole area at once, and mapping the
+    next step (whose first page holds the end of a row already written: rows are not whole pages
+    here) changes no byte written before."""
+    row_bytes = 3 * 4096 + 40  # over SMALL_ROW_BYTES: a memoryview copy per row
+    step = MAP_AHEAD_BYTES // row_bytes
+    area = HostArea(6 * step, row_bytes)
+    pool = torch.randint(0, 256, (64, row_bytes), dtype=torch.uint8)
+    area.attach_pool(pool)
+    assert area.mapped == 0
+    written: dict[int, int] = {}  # slot -> pool row
+    for first in range(0, 2 * step + 10, 61):  # batches across the steps' boundaries
+        slots = list(range(first, min(first + 61, 2 * step + 10)))
+        ids = [(s * 7) % 64 for s in slots]
+        area.copy_rows(slots, ids)
+        written.update(zip(slots, ids, strict=True))
+        assert max(slots) < area.mapped <= max(slots) + 1 + step  # a step ahead, not the whole area
+    area.copy_row(3 * step + 5, 9)  # one row past the mapped pages: mapped up to it
+    written[3 * step + 5] = 9
+    assert 3 * step + 5 < area.mapped < area.num_slots
+    for slot, i in written.items():
+        assert torch.equal(area.slots[slot], pool[i]), slot
 
 
 @pytest.mark.cuda
