@@ -17,11 +17,15 @@ per saved request, in three phases:
 Baseline in the same run: the service's CPU per gRPC health Check on the same socket (the
 transport's floor: a unary call through the same guard that runs none of the service's code),
 so the figures say what the service adds above it. The client's own CPU per saved request (this
-process: what the connector pays in vLLM's) is printed beside them. Each run starts a fresh
-service; --runs N takes medians.
+process: what the connector pays in vLLM's) is printed beside them. Each phase ends once the
+service is idle again (what its calls left to do is theirs). Each run starts a fresh service;
+--runs N takes medians. --follower adds a process reading WatchEvents from the first event, as
+a vLLM engine's block_index does (its CPU per saved request printed too): the service then
+streams every block event, one gRPC message each.
 
     python bench/cache_cpu.py                 # 3 runs (~1 min)
     python bench/cache_cpu.py --quick         # 1 run
+    python bench/cache_cpu.py --follower      # with a block-index follower
     python bench/cache_cpu.py --profile DIR   # also py-spy the service in each phase (speedscope)
 
 The last line is the headline.
@@ -30,6 +34,7 @@ The last line is the headline.
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import os
 import statistics
 import subprocess
@@ -73,22 +78,24 @@ def cpu(pid: int) -> np.ndarray:
 class Meter:
     """The service's and this process's CPU over a span of `calls` calls (or saved requests)."""
 
-    def __init__(self, pid: int, calls: int):
-        self.pid, self.calls = pid, calls
+    def __init__(self, pid: int, calls: int, follower: int | None = None):
+        self.pid, self.calls, self.follower = pid, calls, follower
 
     def __enter__(self) -> Meter:
         self.service0, self.client0 = cpu(self.pid), time.process_time()
+        self.follower0 = cpu(self.follower)[1] if self.follower else 0.0
         return self
 
     def __exit__(self, *exc) -> None:
         self.service = cpu(self.pid) - self.service0
         self.client_s = time.process_time() - self.client0
+        self.follower_s = cpu(self.follower)[1] - self.follower0 if self.follower else 0.0
 
     def per_call_ms(self) -> dict[str, float]:
-        """CPU ms per call: stat, schedstat, main (thread), client; faults per call."""
+        """CPU ms per call: stat, schedstat, main (thread), client, follower; faults per call."""
         stat, sched, main, faults = self.service / self.calls
-        return {"stat": stat * 1e3, "sched": sched * 1e3, "main": main * 1e3,
-                "client": self.client_s * 1e3 / self.calls, "faults": faults}  # fmt: skip
+        return {"stat": stat * 1e3, "sched": sched * 1e3, "main": main * 1e3, "client": self.client_s * 1e3 / self.calls,
+                "follower": self.follower_s * 1e3 / self.calls, "faults": faults}  # fmt: skip
 
 
 def health_floor(address: str, pid: int, calls: int) -> Meter:
@@ -129,6 +136,38 @@ def save_rounds(client, batches: list) -> None:
         client.free(ids, [CommitItem(sid, [], PROMPT_TOKENS) for sid in ids])
 
 
+def follow(address: str, token: str, ready) -> None:
+    """A block-index follower (kvtier/vllm/block_index.py's loop): every event, from the first; a
+    stream that ends (the follower fell behind the log) is opened again from the first event."""
+    from kvtier.cache_client import CacheClient
+    from kvtier.cache_errors import CacheCallError
+
+    client = CacheClient.connect(address, token)
+    while True:
+        stream = client.watch_events(since_event_id=0)
+        ready.set()
+        held: dict[str, set[bytes]] = {}
+        try:
+            for _, event in stream:
+                medium = held.setdefault(event.medium or "device", set())
+                if hasattr(event, "token_ids"):  # BlockStored
+                    medium.add(event.block_hash)
+                else:
+                    medium.discard(event.block_hash)
+        except CacheCallError as e:
+            print(f"follower: the stream ended ({e.code}); reopening", file=sys.stderr)
+
+
+def start_follower(address: str, token: str) -> mp.Process:
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    proc = ctx.Process(target=follow, args=(address, token, ready), daemon=True)
+    proc.start()
+    if not ready.wait(120):
+        raise TimeoutError("the WatchEvents follower did not start")
+    return proc
+
+
 def py_spy(pid: int, out: Path) -> subprocess.Popen:
     spy = Path(sys.executable).with_name("py-spy")
     return subprocess.Popen(
@@ -138,11 +177,26 @@ def py_spy(pid: int, out: Path) -> subprocess.Popen:
     )
 
 
-def measured(client, pid: int, batches: list, profile: Path | None) -> Meter:
+def settle(pid: int, idle_s: float = 0.002, period_s: float = 0.05, deadline_s: float = 30.0) -> None:
+    """Wait until the service is idle (under `idle_s` of CPU in `period_s`): what a phase's calls
+    left it to do (streaming their events to a follower) is counted in that phase."""
+    deadline = time.monotonic() + deadline_s
+    before = cpu(pid)[1]
+    while time.monotonic() < deadline:
+        time.sleep(period_s)
+        now = cpu(pid)[1]
+        if now - before < idle_s:
+            return
+        before = now
+
+
+def measured(client, pid: int, batches: list, profile: Path | None, follower: int | None) -> Meter:
     """`save_rounds` of `batches` (made beforehand: not the client's cost), metered and profiled."""
     spy = py_spy(pid, profile) if profile else None
-    with Meter(pid, len(batches) * BATCH) as m:
+    settle(pid)
+    with Meter(pid, len(batches) * BATCH, follower) as m:
         save_rounds(client, batches)
+        settle(pid)
     if spy is not None:
         spy.send_signal(2)  # SIGINT: py-spy writes its profile and exits
         spy.wait(timeout=60)
@@ -172,22 +226,25 @@ def one_run(model: Path, run_dir: Path, args: argparse.Namespace, seed: int) -> 
         (lambda phase: args.profile / f"{phase.replace(' ', '-')}-{seed}.json") if args.profile else None
     )
     meters = {}
+    follower = start_follower(stack.cache_address, token) if args.follower else None
+    fpid = follower.pid if follower is not None else None
     try:
         client.attach("bench-cache-cpu")
         stop_beat = client.start_heartbeat_thread()
         meters["health"] = health_floor(stack.cache_address, pid, HEALTH_CALLS)
         save_rounds(client, prompts(rng, 1))  # warm-up: first calls of each method
-        meters["not full"] = measured(client, pid, prompts(rng, fill), profile and profile("not full"))
+        meters["not full"] = measured(client, pid, prompts(rng, fill), profile and profile("not full"), fpid)
         save_rounds(client, prompts(rng, 3))  # the pool fills: from here every Allocate evicts
-        meters["full"] = measured(client, pid, prompts(rng, full), profile and profile("full"))
+        meters["full"] = measured(client, pid, prompts(rng, full), profile and profile("full"), fpid)
         save_rounds(client, prompts(rng, wrap))  # the host tier fills: from here it evicts too
-        meters["host full"] = measured(
-            client, pid, prompts(rng, args.rounds), profile and profile("host full")
-        )
+        batches = prompts(rng, args.rounds)
+        meters["host full"] = measured(client, pid, batches, profile and profile("host full"), fpid)
         stats = client.get_stats()
         stop_beat.set()
     finally:
         client.close()
+        if follower is not None:
+            follower.kill()
         stack.down()
     host = next(t for t in stats.tiers if t.medium == "host")
     return {"per_call": {k: m.per_call_ms() for k, m in meters.items()}, "evictions": stats.num_evictions,
@@ -200,6 +257,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=50, help="rounds measured in each phase with the pool full")
     ap.add_argument("--quick", action="store_true", help="1 run")
     ap.add_argument("--profile", type=Path, help="py-spy the service into this folder (speedscope files)")
+    ap.add_argument("--follower", action="store_true",
+                    help="a WatchEvents reader follows every event, as a vLLM engine's block_index does")  # fmt: skip
     ap.add_argument("--num-blocks", type=int, default=4096,
                     help="pool blocks (more: a longer phase with the pool not full, e.g. to profile it)")  # fmt: skip
     args = ap.parse_args()
@@ -217,6 +276,7 @@ def main() -> int:
             h = r["per_call"]["health"]
             phases = "; ".join(
                 f"{p} {c['stat']:.3f} / {c['sched']:.3f} / {c['main']:.3f} / {c['client']:.3f}, {c['faults']:.0f} faults"
+                + (f", follower {c['follower']:.3f}" if args.follower else "")
                 for p, c in ((p, r["per_call"][p]) for p in PHASES)
             )  # fmt: skip
             print(f"run {run}: health Check {h['stat'] * 1e3:.0f} / {h['sched'] * 1e3:.0f} / {h['main'] * 1e3:.0f} µs "
@@ -233,7 +293,12 @@ def main() -> int:
         + f"; the transport's floor (health Check {med['health']['sched'] * 1e3:.0f} µs x {calls:.2f} calls) "
         f"is {floor:.3f} ms, so the service adds {ours} ms; the client's own CPU "
         + " / ".join(f"{med[p]['client']:.3f}" for p in PHASES)
-        + f" ms (load average {os.getloadavg()[0]:.1f})"
+        + (
+            ", the follower's " + " / ".join(f"{med[p]['follower']:.3f}" for p in PHASES)
+            if args.follower
+            else ""
+        )
+        + f" ms{' (a WatchEvents follower on)' if args.follower else ''} (load average {os.getloadavg()[0]:.1f})"
     )
     return 0
 
