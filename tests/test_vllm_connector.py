@@ -569,6 +569,51 @@ def test_saves_go_into_the_pool_blocks_allocated_on_arrival_and_are_published_on
             client.close()
 
 
+def test_a_prefill_only_request_waits_for_its_pool_blocks_in_its_last_step_with_a_long_last_step_wait(
+    model_dirs, tmp_path, monkeypatch
+):
+    """A request with max_tokens 1 ends in the step that computes its prompt: if its pool sequence
+    is not answered by then (here the cache service is stopped for a moment), that step waits for
+    it (up to LAST_STEP_WAIT_S, raised here so a loaded machine cannot miss it) and plans the save;
+    a request with more tokens to generate is not waited for (saved in a later step)."""
+    from vllm import SamplingParams
+    from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+    from vllm.v1.request import Request
+
+    from kvtier.vllm import saving
+
+    monkeypatch.setattr(saving, "LAST_STEP_WAIT_S", 60.0)
+    with own_cache_service(model_dirs, tmp_path) as cache:
+        link, side = scheduler_side(cache.address, tmp_path, "kv_producer")
+        short = vllm_request("short", prompt(700, 2 * BLOCK_SIZE))
+        long = Request("long", prompt(701, 2 * BLOCK_SIZE), SamplingParams(max_tokens=8), None)
+        try:
+            for request, blocks, wakes in ((short, [1, 2], True), (long, [3, 4], False)):
+                os.kill(cache.proc.pid, signal.SIGSTOP)
+                side.on_new_request(request)
+                assert side.num_new_matched_tokens(request, 0) == (0, False)  # a producer never waits here
+                timer = threading.Timer(0.3, os.kill, (cache.proc.pid, signal.SIGCONT))
+                if wakes:
+                    timer.start()
+                step = SchedulerOutput.make_empty()
+                step.scheduled_new_reqs = [NewRequestData.from_request(request, (blocks,))]
+                step.num_scheduled_tokens = {request.request_id: 2 * BLOCK_SIZE}
+                started = time.monotonic()
+                saves = [(s.req_id, s.vllm_block_ids) for s in side.build_meta(step).saves]
+                took = time.monotonic() - started
+                os.kill(cache.proc.pid, signal.SIGCONT)
+                if wakes:  # waited for the stopped cache's answer, then planned
+                    assert saves == [("short", blocks)] and took >= 0.1, (saves, took)
+                else:  # not waited for: planned in a later step that runs it
+                    assert saves == [] and took < 5, (saves, took)
+                timer.cancel()
+                wait_until(lambda: not side._stuck(), 60, "the cache to answer")
+        finally:
+            os.kill(cache.proc.pid, signal.SIGCONT)
+            side.close()
+            link.close()
+
+
 def client_pool(worker):
     """The pool tensor the worker has mapped."""
     return worker.pool(next(iter(worker._pools))).tensor

@@ -19,7 +19,9 @@ A prompt waiting in vLLM's queue holds its pool blocks until it is computed, so 
 most ``max_reserved_share`` of the pool for prompts that arrived: past it, a prompt is allocated
 when vLLM's scheduler first asks about it (about to schedule it). A prompt whose allocation is
 answered after its prefill step is saved in a later step (its full prompt blocks do not change
-while it runs); one that finished before it, or that the cache could not allocate, is not saved.
+while it runs), except a prefill-only request (``max_tokens`` 1: no later step runs it), for which
+the step waits up to ``LAST_STEP_WAIT_S``; one that finished before its answer (an early stop), or
+that the cache could not allocate, is not saved.
 The engine's lease holds every pool sequence: an engine that dies leaks nothing, and blocks it did
 not report written are never published.
 """
@@ -27,7 +29,8 @@ not report written are never published.
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future
+import time
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 
 from kvtier.sequence_types import AllocateItem
@@ -41,6 +44,9 @@ from kvtier.vllm.transfers import LoadItem, SaveItem
 log = logging.getLogger(LOGGER)
 
 WRITE_MARGIN = 0.25  # of the lease's TTL: a save is written only this long before the lease could lapse
+# A step waits at most this long, all together, for the pool sequences of requests it ends (prefill-only
+# requests, max_tokens 1: no later step could save them); other requests are saved in a later step.
+LAST_STEP_WAIT_S = 0.1
 
 
 @dataclass
@@ -51,6 +57,7 @@ class Track:
     allocation: Future  # of its PoolSequence, or None (the cache could not give one)
     blocks: int  # pool blocks it holds (counted against max_reserved_share until released)
     held: Future | None = None  # kv_both: the leading tokens the cache holds on any tier (LookupPrefix)
+    prefill_only: bool = False  # max_tokens 1: the step that computes its prompt is its last
     block_ids: list[int] = field(default_factory=list)  # vLLM's, in token order
     computed: int = 0  # prompt tokens vLLM has computed once its latest scheduled step has run
     saved_blocks: int | None = None  # leading blocks in the pool or planned (None: not yet known)
@@ -77,6 +84,7 @@ class SavingSide(SchedulerSide):
         self._releases = Releases(link, batch_s)
         self._tracks: dict[str, Track] = {}
         self._reserved = 0  # blocks of the tracks not released
+        self._last_step_wait_left_s = LAST_STEP_WAIT_S  # of this step's
         self.stats["allocated"] = self.stats["deferred"] = 0
 
     # ------------------------------------------------------------ vLLM's calls, in the order they come
@@ -91,7 +99,7 @@ class SavingSide(SchedulerSide):
         if spec is None or self._reserved + blocks > self.max_reserved_share * spec.num_blocks:
             self.stats["deferred"] += 1  # allocated when the scheduler asks
             return
-        self._track(request.request_id, key, blocks)
+        self._track(request, key, blocks)
 
     def num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         track = self._tracks.get(request.request_id)
@@ -99,7 +107,7 @@ class SavingSide(SchedulerSide):
             key = self._key(request)
             if key is None:
                 return 0, False
-            track = self._track(request.request_id, key, -(-len(key[0]) // self.block_size))
+            track = self._track(request, key, -(-len(key[0]) // self.block_size))
         if not self.loads or track.released or self._loadable(track.token_ids) <= num_computed_tokens:
             return 0, False  # nothing to load (the allocation is still waited for by the saves)
         if not track.allocation.done() and track.held is not None:
@@ -140,6 +148,7 @@ class SavingSide(SchedulerSide):
         """This step's loads (admitted since the last step) and saves (full prompt blocks computed by
         the end of this step, of the requests it runs, whose pool sequences are known)."""
         meta = self._start_step()
+        self._last_step_wait_left_s = LAST_STEP_WAIT_S
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             track = self._tracks.get(new.req_id)
@@ -197,12 +206,14 @@ class SavingSide(SchedulerSide):
 
     # ------------------------------------------------------------ helpers
 
-    def _track(self, rid: str, key: tuple[list[int], str, str], blocks: int) -> Track:
+    def _track(self, request, key: tuple[list[int], str, str], blocks: int) -> Track:
         tokens, salt, adapter = key
+        rid = request.request_id
         self.stats["allocated"] += 1
         item = AllocateItem(tokens, tenant_salt=salt, adapter_id=adapter, request_id=rid)
         held = self._ask_held(key) if self.loads and self._loadable(tokens) > 0 else None
-        track = Track(tokens, self._asked(self._allocations.submit(item)), blocks, held)
+        track = Track(tokens, self._asked(self._allocations.submit(item)), blocks, held,
+                      prefill_only=getattr(request, "max_tokens", None) == 1)  # fmt: skip
         self._tracks[rid] = track
         self._reserved += blocks
         return track
@@ -213,6 +224,10 @@ class SavingSide(SchedulerSide):
         return seq if seq is not None and seq.generation == self.link.generation else None
 
     def _plan_save(self, rid: str, track: Track, saves: list[SaveItem]) -> None:
+        if track.prefill_only and not track.allocation.done() and not self._stuck():
+            start = time.perf_counter()  # no later step will run it: its blocks are saved now or never
+            wait([track.allocation], timeout=max(0.0, self._last_step_wait_left_s))
+            self._last_step_wait_left_s -= time.perf_counter() - start
         if track.released or track.broken or not track.allocation.done():
             return
         seq, client = self._live(track), self.link.client
