@@ -291,8 +291,8 @@ def test_watch_events_streams_stored_blocks_as_a_chain_with_increasing_ids(servi
     assert mine[1].parent_block_hash == mine[0].block_hash
     ids = [e.event_id for e in events]
     assert ids == sorted(ids) and len(set(ids)) == len(ids)
-    stream.cancel()
-    done.wait(5)
+    stream.cancel()  # from this thread, while the collector waits for the next event
+    assert done.wait(15), "cancel() did not end the iteration on the other thread"
 
 
 def test_watch_events_reports_evicted_blocks_as_removed(tmp_path):
