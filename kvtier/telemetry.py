@@ -186,20 +186,20 @@ def tracer(name: str) -> trace.Tracer:
 
 
 def _grpc_filter() -> Any:
-    """Filter that leaves out the services named in OTEL_PYTHON_GRPC_EXCLUDED_SERVICES and, unless
-    KVTIER_TRACE_HEARTBEATS is set, the lease heartbeats (None: trace all)."""
+    """Filter that leaves out the services named in OTEL_PYTHON_GRPC_EXCLUDED_SERVICES, unless
+    KVTIER_TRACE_HEARTBEATS is set the lease heartbeats, and always the block event streams
+    (WatchEvents: a follower's stream lasts as long as the follower, so its one span says nothing;
+    and OTel's sync client wraps the stream in a generator, which ``cancel()`` cannot end)."""
     from opentelemetry.instrumentation.grpc import filters
 
     names = [
         s.strip() for s in os.environ.get("OTEL_PYTHON_GRPC_EXCLUDED_SERVICES", "").split(",") if s.strip()
     ]
     excluded = [filters.service_name(n) for n in names]
+    cache = filters.service_name("kvtier.v1.CacheService")
+    excluded.append(filters.all_of(cache, filters.method_name("WatchEvents")))
     if os.environ.get(TRACE_HEARTBEATS_ENV, "").strip().lower() not in ("1", "true", "yes"):
-        excluded.append(
-            filters.all_of(filters.service_name("kvtier.v1.CacheService"), filters.method_name("Heartbeat"))
-        )
-    if not excluded:
-        return None
+        excluded.append(filters.all_of(cache, filters.method_name("Heartbeat")))
     return filters.negate(filters.any_of(*excluded))
 
 

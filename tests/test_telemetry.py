@@ -328,3 +328,51 @@ def test_a_batched_call_names_the_sampled_requests_it_serves_in_one_metadata_ent
     with telemetry.for_requests([span(t) for t in range(1, 200)]):
         (_, value) = telemetry.request_metadata(())[-1]
     assert len(value.split(",")) == telemetry.MAX_REQUEST_CONTEXTS
+
+
+# A traced sync client following a real cache service's block events (as the vLLM connector's block
+# index does), its stream cancelled from another thread: the iteration ends.
+WATCHER = """
+import sys, threading
+from kvtier import telemetry
+from kvtier.cache_client import CacheClient
+from kvtier.cache_errors import CacheCallError
+
+assert telemetry.setup_tracing("test-watcher")
+client = CacheClient.connect(sys.argv[1], sys.argv[2], timeout_s=30)
+client.attach("watcher")
+[seq] = client.allocate([[5] * 32])
+client.free([seq.sequence_id], [(seq.sequence_id, [], 32)])
+stream = client.watch_events(0)
+first = next(stream)
+ended = threading.Event()
+
+def follow():
+    try:
+        for _ in stream:
+            pass
+    except CacheCallError as e:
+        print("ended:", e.code, flush=True)
+    ended.set()
+
+threading.Thread(target=follow, daemon=True).start()
+stream.cancel()
+assert ended.wait(30), "cancel() did not end the stream"
+print("event", first[0])
+"""
+
+
+def test_a_traced_client_s_block_event_stream_ends_on_cancel(tiny_model_dir, tmp_path: Path):
+    from servers import TOKEN, cache_service
+
+    with cache_service(tmp_path / "run", "--model", str(tiny_model_dir), "--num-blocks", "16") as cache:
+        out = subprocess.run(
+            [sys.executable, "-c", WATCHER, cache.address, TOKEN],
+            env=clean_env(KVTIER_TRACE_FILE=str(tmp_path / "client.jsonl")),
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "ended: CANCELLED" in out.stdout and "event 1" in out.stdout, out.stdout
+    # The stream is not traced (one span as long as a follower says nothing); the calls before it are.
+    names = {span["name"] for span in read_spans(tmp_path / "client.jsonl")}
+    assert "/kvtier.v1.CacheService/Allocate" in names and not any("WatchEvents" in n for n in names), names
