@@ -96,11 +96,10 @@ class SavingSide(SchedulerSide):
         if key is None:
             return
         spec = self.link.client.pool if self.link.client is not None else None
-        blocks = -(-len(key[0]) // self.block_size)
-        if spec is None or self._reserved + blocks > self.max_reserved_share * spec.num_blocks:
+        if spec is None or self._reserved + self._blocks(key[0]) > self.max_reserved_share * spec.num_blocks:
             self.stats["deferred"] += 1  # allocated when the scheduler asks
             return
-        self._track(request, key, blocks)
+        self._track(request, key)
 
     def num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         track = self._tracks.get(request.request_id)
@@ -108,7 +107,7 @@ class SavingSide(SchedulerSide):
             key = self._key(request)
             if key is None:
                 return 0, False
-            track = self._track(request, key, -(-len(key[0]) // self.block_size))
+            track = self._track(request, key)
         if not self.loads or track.released or self._loadable(track.token_ids) <= num_computed_tokens:
             return 0, False  # nothing to load (the allocation is still waited for by the saves)
         if not track.allocation.done() and track.held is not None:
@@ -208,8 +207,13 @@ class SavingSide(SchedulerSide):
 
     # ------------------------------------------------------------ helpers
 
-    def _track(self, request, key: tuple[list[int], str, str], blocks: int) -> Track:
+    def _blocks(self, tokens: list[int]) -> int:
+        """The pool blocks a prompt's sequence holds."""
+        return -(-len(tokens) // self.block_size)
+
+    def _track(self, request, key: tuple[list[int], str, str]) -> Track:
         tokens, salt, adapter = key
+        blocks = self._blocks(tokens)
         rid = request.request_id
         self.stats["allocated"] += 1
         item = AllocateItem(tokens, tenant_salt=salt, adapter_id=adapter, request_id=rid)
