@@ -214,7 +214,7 @@ class WorkerSide:
         self._saver.shutdown(wait=True)
         st = self.stats
         log.info(
-            "kvtier worker: %d blocks loaded, %d failed; %d saved (%.0f ms copying), %d not saved",
+            "kvtier worker: %d blocks loaded, %d failed; %d saved (%.0f ms in vLLM's steps), %d not saved",
             st["loaded_blocks"], st["failed_blocks"], st["saved_blocks"], st["save_s"] * 1e3, st["dropped_blocks"],
         )  # fmt: skip
         with self._pool_lock:
