@@ -401,16 +401,6 @@ def test_cache_salt_separates_tenants(stack):
     assert b.external_hits() - before == 96, "the same salt's blocks were not loaded"
 
 
-def test_a_prefill_only_request_is_saved_by_an_engine_that_then_goes_idle(stack):
-    """max_tokens 1 (a disaggregated prefill's request): its one step saves it (waiting for its pool
-    blocks if need be), and the idle engine keeps stepping until the save is reported and published
-    (the copy runs beside vLLM's next step; vLLM's has_pending_push_work)."""
-    tokens = prompt(3, 130)  # 4 full blocks
-    stack["A"].complete(tokens, max_tokens=1)
-    wait_saved(stack, tokens)
-    assert held_tokens(stack, tokens)[0] == 128
-
-
 def test_restarted_engine_hits_its_prefixes_in_every_tier(stack):
     """A is SIGKILLed and started again; meanwhile B's prompts push A's prefix out of the pool, past
     the host cache, onto disk. A new hits it there, and a later prompt in the host cache."""
@@ -555,9 +545,7 @@ def test_saves_go_into_the_pool_blocks_allocated_on_arrival_and_are_published_on
             ]  # fmt: skip
             saves[1].write_by = time.monotonic() - 1  # r1's lease "could lapse": not written
             worker.save(saves)
-            worker.join()  # as vLLM's next step does first (handle_preemptions)
             side.update_connector_output(set(), worker.take_saves_done())
-            assert side.saves_in_flight == 0
             assert worker.stats["saved_blocks"] == 11 and worker.stats["dropped_blocks"] == 5, worker.stats
             for rid, n in (("r0", 5), ("r2", 6)):
                 tokens = prompts[rid]

@@ -127,12 +127,6 @@ class KvtierConnector(KVConnectorBase_V1):
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
         return  # saves are whole blocks, taken once the step has computed every layer (wait_for_save)
 
-    def handle_preemptions(self, kv_connector_metadata) -> None:
-        """(Called first in each worker step, before anything writes vLLM's KV blocks.) The last
-        step's saves are copied out by now: blocks vLLM freed or preempted may be written again."""
-        if self.worker is not None:
-            self.worker.join()
-
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         if self.worker is not None and meta.saves:
@@ -188,10 +182,6 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvtierMetadata:
         return self.lookups.build_meta(scheduler_output)
-
-    def has_pending_push_work(self) -> bool:
-        """Saves not reported yet keep vLLM stepping (an idle engine's empty step reports them)."""
-        return bool(getattr(self.lookups, "saves_in_flight", 0))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta

@@ -84,7 +84,6 @@ class SavingSide(SchedulerSide):
         self._releases = Releases(link, batch_s)
         self._tracks: dict[str, Track] = {}
         self._reserved = 0  # blocks of the tracks not released
-        self.saves_in_flight = 0  # planned, not reported yet (vLLM keeps stepping until they are)
         self._last_step_wait_left_s = LAST_STEP_WAIT_S  # of this step's
         self.stats["allocated"] = self.stats["deferred"] = 0
 
@@ -178,7 +177,6 @@ class SavingSide(SchedulerSide):
                 track.loading = False
                 self._maybe_release(rid, track)
         for rid, end_block, written in saves_done or ():
-            self.saves_in_flight -= 1
             track = self._tracks.get(rid)
             if track is None:
                 continue
@@ -249,7 +247,6 @@ class SavingSide(SchedulerSide):
             saves.append(SaveItem(rid, seq.pool_name, seq.block_table[start:full], track.block_ids[start:full],
                                   full, write_by))  # fmt: skip
             track.in_flight += 1
-            self.saves_in_flight += 1
         self._maybe_release(rid, track)
 
     def _maybe_release(self, rid: str, track: Track) -> None:

@@ -31,14 +31,12 @@ import os
 import sys
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from kvtier.pool import attach_pool
 from kvtier.vllm import LOGGER
 from kvtier.vllm.block_layout import BlockCopier
-from kvtier.vllm.cache_link import name_os_thread
 from kvtier.vllm.transfers import LoadItem, SaveItem, pool_name
 
 log = logging.getLogger(LOGGER)
@@ -86,9 +84,6 @@ class WorkerSide:
         self._finished_loads: set[str] = set()
         self._failed_blocks: set[int] = set()
         self._saves_done: list[tuple[str, int, bool]] = []
-        self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvtier-save", initializer=name_os_thread,
-                                         initargs=("kvtier-save",))  # fmt: skip
-        self._writing: Future | None = None  # the copy of the last step's saves, until joined
         self._dropped_since_warning = 0
         self._warned_at = 0.0
 
@@ -154,50 +149,27 @@ class WorkerSide:
     # ------------------------------------------------------------ saves
 
     def save(self, saves: list[SaveItem]) -> None:
-        """Copy the saves' vLLM blocks into their pool blocks (all in one copier call) and report
-        each. On a CPU pool the copy runs on the kvtier-save thread while vLLM samples and schedules
-        its next step; ``join`` (vLLM's ``handle_preemptions``, before the next step writes any KV
-        block) waits for it. On a GPU the copies are queued on vLLM's stream and landed here."""
-        self.join()
+        """Copy the saves' vLLM blocks into their pool blocks now (all in one copier call); report each."""
         now = time.monotonic()
         written = [item for item in saves if now < item.write_by and self.pool(item.pool_name) is not None]
+        if written:
+            start = time.perf_counter()
+            pool = self.pool(written[0].pool_name).tensor  # one pool is mapped: every save's
+            self.copier.save(
+                pool,
+                [i for item in written for i in item.pool_block_ids],
+                [i for item in written for i in item.vllm_block_ids],
+            )
+            landed(pool)  # in the pool before the scheduler side publishes it
+            self.stats["save_s"] += time.perf_counter() - start
+            self.stats["saved_blocks"] += sum(len(item.pool_block_ids) for item in written)
         for item in saves:
-            if not any(item is w for w in written):
-                self._saves_done.append((item.req_id, item.end_block, False))
+            ok = any(item is w for w in written)
+            self._saves_done.append((item.req_id, item.end_block, ok))
+            if not ok:
                 self._dropped(len(item.pool_block_ids), "its pool is not mapped or its lease may lapse")
-        if not written:
-            return
-        pool = self.pool(written[0].pool_name).tensor  # one pool is mapped: every save's
-        if pool.is_cuda:
-            self._write(pool, written)
-        else:
-            self._writing = self._saver.submit(self._write, pool, written)
-
-    def join(self) -> None:
-        """Wait until the last step's saves are in the pool (before anything writes vLLM's blocks again)."""
-        writing, self._writing = self._writing, None
-        if writing is not None:
-            writing.result()
-
-    def _write(self, pool: torch.Tensor, written: list[SaveItem]) -> None:
-        start = time.perf_counter()
-        self.copier.save(
-            pool,
-            [i for item in written for i in item.pool_block_ids],
-            [i for item in written for i in item.vllm_block_ids],
-        )
-        landed(pool)  # in the pool before the scheduler side publishes it
-        self.stats["save_s"] += time.perf_counter() - start
-        self.stats["saved_blocks"] += sum(len(item.pool_block_ids) for item in written)
-        self._saves_done.extend((item.req_id, item.end_block, True) for item in written)
 
     def take_saves_done(self) -> list[tuple[str, int, bool]]:
-        """The saves reported so far; one still being copied is reported once ``join`` has waited for it."""
-        writing = self._writing
-        if writing is not None and not writing.done():
-            done, self._saves_done = self._saves_done, []  # the copy's own entries come with its step
-            return done
-        self.join()
         done, self._saves_done = self._saves_done, []
         return done
 
@@ -210,8 +182,6 @@ class WorkerSide:
             self._warned_at, self._dropped_since_warning = now, 0
 
     def close(self) -> None:
-        self.join()
-        self._saver.shutdown(wait=True)
         st = self.stats
         log.info(
             "kvtier worker: %d blocks loaded, %d failed; %d saved (%.0f ms in vLLM's steps), %d not saved",
