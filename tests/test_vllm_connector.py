@@ -401,6 +401,15 @@ def test_cache_salt_separates_tenants(stack):
     assert b.external_hits() - before == 96, "the same salt's blocks were not loaded"
 
 
+def test_a_prefill_only_request_is_saved_by_an_engine_that_then_goes_idle(stack):
+    """max_tokens 1 (a disaggregated prefill's request): its one step saves it (waiting for its pool
+    blocks if need be), and the engine, idle after it, publishes it."""
+    tokens = prompt(3, 130)  # 4 full blocks
+    stack["A"].complete(tokens, max_tokens=1)
+    wait_saved(stack, tokens)
+    assert held_tokens(stack, tokens)[0] == 128
+
+
 def test_restarted_engine_hits_its_prefixes_in_every_tier(stack):
     """A is SIGKILLed and started again; meanwhile B's prompts push A's prefix out of the pool, past
     the host cache, onto disk. A new hits it there, and a later prompt in the host cache."""
