@@ -18,9 +18,6 @@ is ``--swap-space`` of swap alone. The copy path is the same either way.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import functools
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -30,6 +27,7 @@ import torch
 
 from kvtier.cachesvc.errors import InvalidArgument, ResourceExhausted
 from kvtier.cachesvc.tiers import Blocks
+from kvtier.pool import populate
 
 SMALL_ROW_BYTES = 4096  # rows up to this size are copied as numpy void items (copy_rows)
 GATHER_FROM = 8  # small rows per copy_rows call from which one numpy gather beats a copy per row
@@ -40,7 +38,6 @@ GATHER_FROM = 8  # small rows per copy_rows call from which one numpy gather bea
 # host cache is sized to a share of the machine's memory and is cheap until used), and one call
 # holds the loop ~2 ms at most.
 MAP_AHEAD_BYTES = 8 << 20
-MADV_POPULATE_WRITE = 23  # Linux 5.14+: map (and zero) a range's pages now, bytes kept
 
 
 class HostArea:
@@ -257,22 +254,6 @@ class HostArea:
             done.record(stream)
         # Complete before returning: the device block is reused, or read by another process, next.
         done.synchronize()
-
-
-@functools.cache
-def _madvise():
-    madvise = ctypes.CDLL(None, use_errno=True).madvise
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return madvise
-
-
-def populate(start: int, size: int) -> bool:
-    """Map ``size`` bytes of this process's memory from ``start`` (page aligned) now, writable
-    (``MADV_POPULATE_WRITE``; an anonymous page is zeroed, a mapped one kept); False where the
-    kernel or the platform refuses."""
-    with contextlib.suppress(OSError, AttributeError):
-        return _madvise()(start, size, MADV_POPULATE_WRITE) == 0
-    return False
 
 
 def flat_bytes(view: torch.Tensor) -> torch.Tensor:

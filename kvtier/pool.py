@@ -18,6 +18,8 @@ handle is carried) lives only here.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import logging
 import math
 import os
@@ -342,3 +344,23 @@ def attach_pool(spec: PoolSpec) -> ShmPool | CudaPool:
     if cls is None:
         raise PoolUnavailable(f"pool backend {spec.backend!r} is unknown to this client ({sorted(BACKENDS)})")
     return cls.attach(spec)
+
+
+MADV_POPULATE_WRITE = 23  # Linux 5.14+: map (and zero) a range's pages now, bytes kept
+
+
+@functools.cache
+def _madvise():
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise
+
+
+def populate(start: int, size: int) -> bool:
+    """Map ``size`` bytes of this process's memory from ``start`` (page aligned) now, writable
+    (``MADV_POPULATE_WRITE``; an anonymous page is zeroed, a mapped one kept), so later copies
+    into them do not fault page by page; False where the kernel or the platform refuses (pages are
+    then mapped on first touch, as without it)."""
+    with contextlib.suppress(OSError, AttributeError):
+        return _madvise()(start, size, MADV_POPULATE_WRITE) == 0
+    return False

@@ -24,8 +24,6 @@ not written is reported so, and its blocks are never published.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import logging
 import os
 import sys
@@ -34,7 +32,7 @@ import time
 
 import torch
 
-from kvtier.pool import attach_pool
+from kvtier.pool import attach_pool, populate
 from kvtier.vllm import LOGGER
 from kvtier.vllm.block_layout import BlockCopier
 from kvtier.vllm.transfers import LoadItem, SaveItem, pool_name
@@ -50,11 +48,8 @@ def landed(tensor: torch.Tensor) -> None:
         torch.cuda.current_stream(tensor.device).synchronize()
 
 
-MADV_POPULATE_WRITE = 23  # Linux 5.14+
-
-
 def map_pages(tensor: torch.Tensor) -> None:
-    """Map every page of a CPU pool ``tensor`` into this process now (``MADV_POPULATE_WRITE``: its
+    """Map every page of a CPU pool ``tensor`` into this process now (``kvtier.pool.populate``: its
     bytes unchanged), so the first save into each page does not pay a page fault (about 1 us per
     4 KiB in this process, a third of a copy's time; the kernel maps 512 MiB in ~25 ms). Linux
     only; where the kernel refuses, the pages are mapped on first touch as before."""
@@ -62,11 +57,7 @@ def map_pages(tensor: torch.Tensor) -> None:
         return
     page = os.sysconf("SC_PAGE_SIZE")
     start = tensor.data_ptr() - tensor.data_ptr() % page
-    size = tensor.data_ptr() + tensor.untyped_storage().nbytes() - start
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        libc.madvise(start, size, MADV_POPULATE_WRITE)
+    populate(start, tensor.data_ptr() + tensor.untyped_storage().nbytes() - start)
 
 
 class WorkerSide:
