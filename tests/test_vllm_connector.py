@@ -623,6 +623,28 @@ def test_a_prefill_only_request_waits_for_its_pool_blocks_in_its_last_step_with_
             link.close()
 
 
+def test_a_burst_that_does_not_fit_the_pool_is_allocated_prompt_by_prompt(model_dirs, tmp_path):
+    """Allocate is all or nothing: arriving prompts that do not fit the pool together are asked
+    again alone, so the ones that fit get their pool blocks (64 here: 40 + 30 do not fit, 40 does)."""
+    from concurrent.futures import Future
+
+    from kvtier.sequence_types import AllocateItem
+    from kvtier.vllm.prefix_queries import PoolAllocations
+
+    with own_cache_service(model_dirs, tmp_path) as cache:
+        link, side = scheduler_side(cache.address, tmp_path)
+        allocations = PoolAllocations(link)
+        try:
+            jobs = [(AllocateItem(prompt(800 + n, n * BLOCK_SIZE)), Future()) for n in (40, 30)]
+            allocations._answer(jobs)
+            first, second = (future.result(timeout=0) for _, future in jobs)
+            assert first is not None and len(first.block_table) == 40 and second is None
+        finally:
+            allocations.close()
+            side.close()
+            link.close()
+
+
 def client_pool(worker):
     """The pool tensor the worker has mapped."""
     return worker.pool(next(iter(worker._pools))).tensor

@@ -137,30 +137,39 @@ class PoolAllocations(Batcher):
         return future
 
     def _answer(self, jobs: list) -> None:
-        answers = self._allocate([job[0] for job in jobs])
-        if answers is None and len(jobs) > 1:  # all or nothing: the ones that fit, alone
-            answers = [(self._allocate([job[0]]) or [None])[0] for job in jobs]
-        for (_, future), answer in zip(jobs, answers or [None] * len(jobs), strict=True):
+        items = [job[0] for job in jobs]
+        try:
+            answers = self._allocate(items)
+        except NoFreeBlocks as e:  # all or nothing: when the burst does not fit, the ones that do, alone
+            log.info("kvtier: the pool has no room for %d prompts now (%s)", len(items), e.details)
+            answers = [self._alone(item) for item in items] if len(items) > 1 else [None]
+        for (_, future), answer in zip(jobs, answers, strict=True):
             future.set_result(answer)
 
-    def _allocate(self, items: list[AllocateItem]) -> list[PoolSequence] | None:
+    def _alone(self, item: AllocateItem) -> PoolSequence | None:
+        try:
+            return self._allocate([item])[0]
+        except NoFreeBlocks:
+            return None
+
+    def _allocate(self, items: list[AllocateItem]) -> list[PoolSequence | None]:
+        """The items' pool sequences (None each when the cache cannot answer); NoFreeBlocks propagates."""
         generation, spec = self.link.snapshot()
         try:
             if spec is None:
                 raise CacheDown("not attached")
             seqs = self.link.call(lambda c: c.allocate(items), expect_generation=generation)
-        except NoFreeBlocks as e:
-            log.info("kvtier: the pool has no room for %d prompts now (%s)", len(items), e.details)
-            return None
+        except NoFreeBlocks:
+            raise
         except CacheDown as e:
             log.debug("kvtier: Allocate of %d prompts: no answer (%s)", len(items), e)
-            return None
+            return [None] * len(items)
         except CacheCallError as e:
             log.warning("kvtier: Allocate of %d prompts refused: %s: %s", len(items), e.code, e.details)
-            return None
+            return [None] * len(items)
         except Exception:
             log.exception("kvtier: Allocate of %d prompts failed", len(items))
-            return None
+            return [None] * len(items)
         name = pool_name(spec)
         return [
             PoolSequence(s.sequence_id, list(s.block_table), s.num_cached_tokens, name, generation)
