@@ -6,9 +6,10 @@ match the engine (``engine_check``) and learns vLLM's block layout (``block_layo
 
 Loads (``load``): the scheduler side pinned the hit's pool blocks; they are copied into vLLM's
 blocks before the forward of the step that computes the rest of the prompt, straight from the
-pool's memory, and the request is reported done (the scheduler side then frees its pin). A load whose pool is not the
-one mapped, or whose pinning lease may have lapsed before the copy ended, is reported as failed
-blocks: vLLM then recomputes them (``kv_load_failure_policy: recompute``), never uses them.
+pool's memory, and the request is reported done (the scheduler side then releases its pin). A
+load whose pool is not the one mapped, or whose pinning lease may have lapsed before the copy
+ended, is reported as failed blocks: vLLM then recomputes them (``kv_load_failure_policy:
+recompute``), never uses them.
 
 Saves (``save``): at the end of the step that computed them (or a later one: a running request's
 full prompt blocks do not change), a request's new full prompt blocks are copied from vLLM's
@@ -114,9 +115,8 @@ class WorkerSide:
         if target is None:
             return
         landed(target)  # once for the step's loads
-        now = (
-            time.monotonic()
-        )  # NOTE: checked after the reads: bytes read while the lease pinned them are the hit's
+        # NOTE: checked after the reads: bytes read while the lease pinned them are the hit's.
+        now = time.monotonic()
         for item in copied:
             if now < item.valid_until:
                 self.stats["loaded_blocks"] += len(item.vllm_block_ids)
