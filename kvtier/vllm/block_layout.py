@@ -291,14 +291,11 @@ class BlockCopier:
             (self.num_layers, n, self.elements), dtype=cache.dtype, device=cache.device
         ).transpose(0, 1)
 
-    def read_blocks(
-        self, vllm_block_ids: torch.Tensor | list[int], into: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """vLLM blocks as kvtier blocks ``[n, num_layers, 2, block_size, heads, head_dim]``, in the
-        first rows of ``into`` (a ``staging`` tensor) or a new tensor: a strided copy per layer, part
-        and run of consecutive ids."""
+    def read_blocks(self, vllm_block_ids: torch.Tensor | list[int]) -> torch.Tensor:
+        """vLLM blocks as kvtier blocks ``[n, num_layers, 2, block_size, heads, head_dim]``, in a new
+        tensor: a strided copy per layer, part and run of consecutive ids."""
         ids = [int(i) for i in vllm_block_ids]
         n = len(ids)
-        blocks = (self.staging(n) if into is None else into[:n]).unflatten(2, self.block_shape)
+        blocks = self.staging(n).unflatten(2, self.block_shape)
         self._pairs(self.kv_caches, ids, blocks, list(range(n)), to_vllm=False)
         return blocks

@@ -36,7 +36,6 @@ import logging
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 
 from kvtier.cache_errors import CacheCallError, NoFreeBlocks
 from kvtier.sequence_types import AllocateItem
@@ -44,31 +43,12 @@ from kvtier.vllm import LOGGER
 from kvtier.vllm.block_index import BlockIndex
 from kvtier.vllm.cache_link import CacheDown, CacheLink, name_os_thread
 from kvtier.vllm.plan import KvtierMetadata
-from kvtier.vllm.prefix_queries import PrefixQueries
-from kvtier.vllm.transfers import LoadItem, pool_name
+from kvtier.vllm.prefix_queries import PoolSequence, PrefixQueries
+from kvtier.vllm.transfers import LoadItem
 
 log = logging.getLogger(LOGGER)
 
 STUCK_S = 1.0  # an answer awaited longer than this: the scheduler stops waiting for answers
-
-
-@dataclass
-class Hit:
-    """Pool blocks that hold a request's leading tokens, pinned by a sequence of this side's lease."""
-
-    sequence_id: int
-    pool_block_ids: list[int]
-    num_tokens: int
-    pool_name: str
-    generation: int  # the link's attach it was made under (the sequence dies with that lease)
-
-
-@dataclass
-class Lookup:
-    """What the cache service answered for one request."""
-
-    held_tokens: int  # leading tokens the cache holds on any tier, whole blocks, uncapped
-    hit: Hit | None  # pinned blocks beyond vLLM's own hit, or None
 
 
 def request_key(request) -> tuple[list[int], str, str] | None:
@@ -84,7 +64,7 @@ def request_key(request) -> tuple[list[int], str, str] | None:
 
 class SchedulerSide:
     """What both scheduler sides share: the requests' keys, and waiting for the cache's answers
-    within ``lookup_wait_s`` per scheduler step (``_wait``), never while one is stuck."""
+    within ``lookup_wait_s`` per scheduler step (``_answered``), never while one is stuck."""
 
     def __init__(
         self, link: CacheLink, block_size: int, max_model_len: int, lookup_wait_s: float, *, loads: bool = True,
@@ -121,6 +101,16 @@ class SchedulerSide:
         self._pending_loads = []
         return meta
 
+    def _plan_load(self, rid: str, seq: PoolSequence, block_ids: list[int], num_external_tokens: int) -> None:
+        """Load the last ``num_external_tokens`` of ``seq``'s pinned hit into vLLM's ``block_ids``
+        before this step's forward, trusted only within the lease that pins them."""
+        start = (seq.num_cached_tokens - num_external_tokens) // self.block_size
+        end = seq.num_cached_tokens // self.block_size
+        valid_until = self.link.valid_until() if seq.generation == self.link.generation else 0.0
+        self._pending_loads.append(
+            LoadItem(rid, seq.pool_name, seq.block_table[start:end], block_ids[start:end], valid_until)
+        )
+
     def _asked(self, future: Future) -> Future:
         self._in_flight.append((time.monotonic(), future))
         return future
@@ -139,13 +129,18 @@ class SchedulerSide:
         switch interval (5 ms) at a time takes steps. While an answer is awaited for more than
         STUCK_S, no step waits (a hung cache service costs the scheduler a second of waits, not one
         per step for ever)."""
-        if not future.done() and self._wait_left_s > 0 and not self._stuck():
-            start = time.perf_counter()
-            wait([future], timeout=self._wait_left_s)
-            waited = time.perf_counter() - start
-            self._wait_left_s -= waited
-            self.stats["waited_s"] += waited
+        self._wait_left_s -= self._waited(future, self._wait_left_s)
         return future.done()
+
+    def _waited(self, future: Future, up_to_s: float) -> float:
+        """Wait for ``future`` up to ``up_to_s`` (not while an answer is stuck); the seconds waited."""
+        if future.done() or up_to_s <= 0 or self._stuck():
+            return 0.0
+        start = time.perf_counter()
+        wait([future], timeout=up_to_s)
+        waited = time.perf_counter() - start
+        self.stats["waited_s"] += waited
+        return waited
 
     def _not_yet(self) -> tuple[None, bool]:
         """vLLM's "ask me again next step"."""
@@ -191,7 +186,7 @@ class Lookups(SchedulerSide):
             1, thread_name_prefix="kvtier-lookup", initializer=name_os_thread, initargs=("kvtier-lookup",)
         )
         self._lookups: dict[str, Future] = {}
-        self._loading: dict[str, Hit] = {}  # loads sent to the worker, until it reports them done
+        self._loading: dict[str, PoolSequence] = {}  # loads sent to the worker, until it reports them done
         self._held: dict[str, Future] = {}  # LookupPrefix asked on arrival, until the scheduler asks
 
     # ------------------------------------------------------------ vLLM's calls, in the order they come
@@ -211,10 +206,10 @@ class Lookups(SchedulerSide):
             self._lookups[request.request_id] = future
         if not self._answered(future):
             return self._not_yet()
-        hit = future.result().hit
-        if hit is None or hit.num_tokens <= num_computed_tokens:
+        hit = future.result()
+        if hit is None or hit.num_cached_tokens <= num_computed_tokens:
             return 0, False
-        return hit.num_tokens - num_computed_tokens, False
+        return hit.num_cached_tokens - num_computed_tokens, False
 
     def update_state_after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
         rid = request.request_id
@@ -222,16 +217,11 @@ class Lookups(SchedulerSide):
         if future is None:
             return
         if not future.done():  # vLLM allocated without our answer: drop it
-            future.add_done_callback(lambda f: self._free(f.result().hit))
+            future.add_done_callback(lambda f: self._free(f.result()))
             return
-        hit = future.result().hit
+        hit = future.result()
         if hit is not None and num_external_tokens > 0:
-            start = (hit.num_tokens - num_external_tokens) // self.block_size
-            end = hit.num_tokens // self.block_size
-            valid_until = self.link.valid_until() if hit.generation == self.link.generation else 0.0
-            self._pending_loads.append(
-                LoadItem(rid, hit.pool_name, hit.pool_block_ids[start:end], block_ids[start:end], valid_until)
-            )
+            self._plan_load(rid, hit, block_ids, num_external_tokens)
             self._loading[rid] = hit
         elif hit is not None:
             self._free(hit)
@@ -251,7 +241,7 @@ class Lookups(SchedulerSide):
         self._held.pop(request.request_id, None)
         future = self._lookups.pop(request.request_id, None)
         if future is not None:  # never admitted: its pinned blocks go (once the calls are done)
-            future.add_done_callback(lambda f: self._free(f.result().hit))
+            future.add_done_callback(lambda f: self._free(f.result()))
         # A load already sent stays in _loading: the worker reports it done even for a finished request.
 
     def close(self) -> None:
@@ -261,7 +251,8 @@ class Lookups(SchedulerSide):
     # ------------------------------------------------------------ helpers
 
     def _start_lookup(self, request, num_computed_tokens: int) -> Future | None:
-        """The request's lookup (a Future of its Lookup), or None: nothing to look up."""
+        """The request's lookup (a Future of its pinned hit's PoolSequence, or None: a miss), or None:
+        nothing to look up."""
         held = self._held.pop(request.request_id, None)
         key = self._key(request)
         if key is None or self._loadable(key[0]) <= num_computed_tokens:
@@ -270,7 +261,7 @@ class Lookups(SchedulerSide):
             held = self._ask_held(key)
         if self._answered(held) and min(held.result(), self._loadable(key[0])) <= num_computed_tokens:
             future: Future = Future()  # a miss (the common case): no pin to ask for
-            future.set_result(Lookup(held.result(), None))
+            future.set_result(None)
             return future
         future = self._asked(
             self._executor.submit(self._lookup, held, *key, request.request_id, num_computed_tokens)
@@ -280,7 +271,7 @@ class Lookups(SchedulerSide):
 
     def _lookup(
         self, held: Future, tokens: list[int], salt: str, adapter: str, rid: str, num_computed: int
-    ) -> Lookup:
+    ) -> PoolSequence | None:
         """On the lookup thread: never raises (a failed call is no hit)."""
         try:
             held_tokens = held.result(timeout=2 * self.link.cfg.rpc_timeout_s)
@@ -291,37 +282,35 @@ class Lookups(SchedulerSide):
             log.warning("kvtier lookup for %s refused: %s: %s", rid, e.code, e.details)
         except Exception:
             log.exception("kvtier lookup for %s failed", rid)
-        return Lookup(0, None)
+        return None
 
     def _lookup_calls(
         self, held: int, tokens: list[int], salt: str, adapter: str, rid: str, num_computed: int
-    ) -> Lookup:
+    ) -> PoolSequence | None:
         """Pin the hit LookupPrefix found (``held`` tokens) with an Allocate of the prompt up to it."""
-        bs = self.block_size
         generation, spec = self.link.snapshot()
         if spec is None:
             raise CacheDown("not attached")
         want = min(held, self._loadable(tokens))
         if want <= num_computed:
-            return Lookup(held, None)
+            return None
         item = AllocateItem(tokens[: want + 1], tenant_salt=salt, adapter_id=adapter, request_id=rid)
         try:
             [seq] = self.link.call(lambda c: c.allocate([item]), expect_generation=generation)
         except NoFreeBlocks as e:
             log.info("kvtier lookup for %s: the pool has no room to pin its hit now (%s)", rid, e.details)
-            return Lookup(held, None)
-        hit = Hit(seq.sequence_id, list(seq.block_table[: seq.num_cached_tokens // bs]), seq.num_cached_tokens,
-                  pool_name(spec), generation)  # fmt: skip
-        if hit.num_tokens <= num_computed:
+            return None
+        hit = PoolSequence.of(seq, spec, generation)
+        if hit.num_cached_tokens <= num_computed:
             self._free_now(hit)
-            return Lookup(held, None)
-        return Lookup(held, hit)
+            return None
+        return hit
 
-    def _free(self, hit: Hit | None) -> None:
+    def _free(self, hit: PoolSequence | None) -> None:
         if hit is not None:
             self._executor.submit(self._free_now, hit)
 
-    def _free_now(self, hit: Hit) -> None:
+    def _free_now(self, hit: PoolSequence) -> None:
         if hit.generation != self.link.generation:
             return  # its lease is gone, and its sequences with it
         try:

@@ -25,7 +25,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from kvtier.cache_errors import CacheCallError, NoFreeBlocks
-from kvtier.sequence_types import AllocateItem, CommitItem
+from kvtier.pool import PoolSpec
+from kvtier.sequence_types import AllocateItem, CommitItem, SequenceBlocks
 from kvtier.vllm import LOGGER
 from kvtier.vllm.cache_link import CacheDown, CacheLink, name_os_thread
 from kvtier.vllm.transfers import pool_name
@@ -123,6 +124,11 @@ class PoolSequence:
     pool_name: str
     generation: int  # the link's attach it was made under (the sequence dies with that lease)
 
+    @classmethod
+    def of(cls, seq: SequenceBlocks, spec: PoolSpec, generation: int) -> PoolSequence:
+        """An Allocate's answer for one prompt, in the pool ``spec`` of attach ``generation``."""
+        return cls(seq.sequence_id, list(seq.block_table), seq.num_cached_tokens, pool_name(spec), generation)
+
 
 class PoolAllocations(Batcher):
     """``submit(item)`` -> a Future of the prompt's ``PoolSequence``, or None when the cache could
@@ -170,11 +176,7 @@ class PoolAllocations(Batcher):
         except Exception:
             log.exception("kvtier: Allocate of %d prompts failed", len(items))
             return [None] * len(items)
-        name = pool_name(spec)
-        return [
-            PoolSequence(s.sequence_id, list(s.block_table), s.num_cached_tokens, name, generation)
-            for s in seqs
-        ]
+        return [PoolSequence.of(seq, spec, generation) for seq in seqs]
 
 
 class Releases(Batcher):

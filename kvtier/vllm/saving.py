@@ -29,8 +29,7 @@ not report written are never published.
 from __future__ import annotations
 
 import logging
-import time
-from concurrent.futures import Future, wait
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from kvtier.sequence_types import AllocateItem
@@ -39,7 +38,7 @@ from kvtier.vllm.cache_link import CacheLink
 from kvtier.vllm.lookups import SchedulerSide
 from kvtier.vllm.plan import KvtierMetadata
 from kvtier.vllm.prefix_queries import PoolAllocations, PoolSequence, Releases
-from kvtier.vllm.transfers import LoadItem, SaveItem
+from kvtier.vllm.transfers import SaveItem
 
 log = logging.getLogger(LOGGER)
 
@@ -130,17 +129,7 @@ class SavingSide(SchedulerSide):
         seq = self._live(track)
         if seq is None:
             return
-        start = (seq.num_cached_tokens - num_external_tokens) // self.block_size
-        end = seq.num_cached_tokens // self.block_size
-        self._pending_loads.append(
-            LoadItem(
-                request.request_id,
-                seq.pool_name,
-                seq.block_table[start:end],
-                block_ids[start:end],
-                self.link.valid_until(),
-            )  # fmt: skip
-        )
+        self._plan_load(request.request_id, seq, block_ids, num_external_tokens)
         track.loading = True
 
     def build_meta(self, scheduler_output) -> KvtierMetadata:
@@ -228,10 +217,8 @@ class SavingSide(SchedulerSide):
         return seq if seq is not None and seq.generation == self.link.generation else None
 
     def _plan_save(self, rid: str, track: Track, saves: list[SaveItem]) -> None:
-        if track.prefill_only and not track.allocation.done() and not self._stuck():
-            start = time.perf_counter()  # no later step will run it: its blocks are saved now or never
-            wait([track.allocation], timeout=max(0.0, self._last_step_wait_left_s))
-            self._last_step_wait_left_s -= time.perf_counter() - start
+        if track.prefill_only:  # no later step will run it: its blocks are saved now or never
+            self._last_step_wait_left_s -= self._waited(track.allocation, self._last_step_wait_left_s)
         if track.released or track.broken or not track.allocation.done():
             return
         seq, client = self._live(track), self.link.client
