@@ -578,6 +578,45 @@ def test_saves_go_into_the_pool_blocks_allocated_on_arrival_and_are_published_on
             client.close()
 
 
+def test_closing_the_scheduler_side_publishes_the_saves_it_was_gathering_with_a_long_save_batch(
+    model_dirs, tmp_path
+):
+    """Saves reported written wait up to save_batch_ms to be published in one Free; closing the
+    scheduler side (vLLM's connector shutdown, which runs when vLLM stops with --shutdown-timeout
+    above 0) publishes them at once. (The batch is raised from its default so none goes out before.)"""
+    from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+
+    with own_cache_service(model_dirs, tmp_path) as cache:
+        link, side = scheduler_side(cache.address, tmp_path, save_batch_ms=600_000)
+        client = CacheClient.connect(cache.address, TOKEN, timeout_s=10.0)
+        tokens, vllm_ids = prompt(700, 4 * BLOCK_SIZE + 3), [0, 1, 2, 3, 4]
+        request = vllm_request("r", tokens)
+        try:
+            side.on_new_request(request)
+            wait_until(lambda: side.num_new_matched_tokens(request, 0) == (0, False)
+                       and side._tracks["r"].allocation.done(), 60, "the pool blocks")  # fmt: skip
+            side.update_state_after_alloc(request, vllm_ids, 0)
+            step = SchedulerOutput.make_empty()
+            step.scheduled_new_reqs = [NewRequestData.from_request(request, (vllm_ids,))]
+            step.num_scheduled_tokens = {"r": len(tokens)}
+            [save] = side.build_meta(step).saves
+            side.update_connector_output(set(), [("r", save.end_block, True)])  # the worker's report
+            side.request_finished(request)
+            assert client.lookup_prefix([tokens])[0].num_cached_tokens == 0  # gathered, not yet published
+            side.close()  # what vLLM's shutdown calls: the gathered Free goes out before it returns
+            assert client.lookup_prefix([tokens])[0].num_cached_tokens == 4 * BLOCK_SIZE
+        finally:
+            side.close()
+            link.close()
+            client.close()
+
+
+def test_an_engine_that_saves_says_at_startup_what_vllm_s_abort_shutdown_skips(stack):
+    """vLLM's default --shutdown-timeout 0 kills its engine core before the connector's shutdown
+    runs: an engine that saves says so when it starts, with the flag that avoids it."""
+    assert "vLLM's --shutdown-timeout is 0" in stack["A"].log()
+
+
 def test_a_prefill_only_request_waits_for_its_pool_blocks_in_its_last_step_with_a_long_last_step_wait(
     model_dirs, tmp_path, monkeypatch
 ):

@@ -69,6 +69,14 @@ class KvtierConnector(KVConnectorBase_V1):
                     '"kv_load_failure_policy": "recompute"',
                     self._kv_transfer_config.kv_load_failure_policy,
                 )
+            if self._kv_transfer_config.is_kv_producer and not getattr(vllm_config, "shutdown_timeout", 1):
+                log.info(
+                    "kvtier connector: vLLM's --shutdown-timeout is 0 (abort: its engine core is killed at once): "
+                    "saves written in the engine's last save_batch_ms (%g ms) are then not published (their "
+                    "blocks go with the engine's lease) and this side's counts are not logged; "
+                    "--shutdown-timeout 5 lets them out",
+                    self.cfg.save_batch_ms,
+                )
             self.link = CacheLink(self.cfg, "scheduler")
             self.link.check = self._check_scheduler_pool
             client = self.link.start()

@@ -185,12 +185,12 @@ class SavingSide(SchedulerSide):
     def close(self) -> None:
         """Publish what is reported written (the frees queued go out), then stop."""
         super().close()
+        self._allocations.close()
+        self._releases.close()
+        self._releases.join(self.link.cfg.rpc_timeout_s)  # the counts below include these last frees
         log.info("kvtier scheduler: %d prompts allocated, %d of them when the scheduler asked (past "
                  "max_reserved_share); %d frees published %d tokens", self.stats["allocated"], self.stats["deferred"],
                  self._releases.stats["frees"], self._releases.stats["committed_tokens"])  # fmt: skip
-        self._allocations.close()
-        self._releases.close()
-        self._releases.join(self.link.cfg.rpc_timeout_s)
 
     # ------------------------------------------------------------ helpers
 
