@@ -603,11 +603,12 @@ def test_closing_the_scheduler_side_publishes_the_saves_it_was_gathering_with_a_
             side.update_connector_output(set(), [("r", save.end_block, True)])  # the worker's report
             side.request_finished(request)
             assert client.lookup_prefix([tokens])[0].num_cached_tokens == 0  # gathered, not yet published
+        finally:
             side.close()  # what vLLM's shutdown calls: the gathered Free goes out before it returns
+            link.close()
+        try:
             assert client.lookup_prefix([tokens])[0].num_cached_tokens == 4 * BLOCK_SIZE
         finally:
-            side.close()
-            link.close()
             client.close()
 
 
