@@ -219,7 +219,8 @@ def copy_rates(
 
     dtype, total = torch.float32, 4 * blocks
     shape = (total, heads, BLOCK_SIZE, 2 * head_dim)
-    caches = [torch.randn(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+    # As vLLM 0.32 allocates them (allocate_kv_cache): every layer a view of one buffer.
+    caches = list(torch.randn((num_layers, *shape), device=device, dtype=dtype).unbind(0))
     layer = CpuWrite(dtype, BLOCK_SIZE, head_dim) if device == "cpu" else FlashWrite(head_dim)
     gathers = [probe_layout(layer, cache, BLOCK_SIZE, heads, head_dim) for cache in caches]
     copier = BlockCopier(caches, gathers, (2, BLOCK_SIZE, heads, head_dim))

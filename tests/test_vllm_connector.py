@@ -35,7 +35,7 @@ from servers import TOKEN, cache_service, child_env, wait_until  # noqa: E402
 
 from kvtier.cache_client import CacheClient  # noqa: E402
 from kvtier.cli.stack import wait_serving  # noqa: E402
-from kvtier.vllm.backend_writes import CpuWrite  # noqa: E402
+from kvtier.vllm.backend_writes import CpuWrite, FlashWrite  # noqa: E402
 
 BLOCK_SIZE = 32
 LONG_PREFIX = 1100  # tokens: 34 full blocks (1,088 tokens) can hit
@@ -612,6 +612,12 @@ def test_closing_the_scheduler_side_publishes_the_saves_it_was_gathering_with_a_
             client.close()
 
 
+def test_vllm_s_layers_in_one_allocation_are_copied_through_one_view(stack):
+    """vLLM 0.32 keeps every layer's KV cache in one allocation a constant stride apart: the
+    connector's copies then take all layers in one view per part (block_layout.layer_stride)."""
+    assert "one view spans the layers" in stack["A"].log()
+
+
 def test_an_engine_that_saves_says_at_startup_what_vllm_s_abort_shutdown_skips(stack):
     """vLLM's default --shutdown-timeout 0 kills its engine core before the connector's shutdown
     runs: an engine that saves says so when it starts, with the flag that avoids it."""
@@ -727,7 +733,7 @@ def torch_perm(n: int):
     return torch.randperm(n, generator=torch.Generator().manual_seed(n))
 
 
-LAYOUTS = ["cpu-float32", "cpu-bfloat16", "scrambled", "split"]
+LAYOUTS = ["cpu-float32", "cpu-bfloat16", "scrambled", "split", "one-buffer", "one-buffer-interleaved"]
 
 
 def layout_caches(layout: str, num_layers: int, heads: int, head_dim: int):
@@ -735,6 +741,18 @@ def layout_caches(layout: str, num_layers: int, heads: int, head_dim: int):
     import torch
 
     dtype = torch.bfloat16 if layout == "cpu-bfloat16" else torch.float32
+    if layout.startswith("one-buffer"):
+        # vLLM 0.32's allocate_kv_cache: every layer a view of one buffer, layer l of block b at
+        # l * layer_stride + b * block_stride (layer after layer, or a block's layers side by side).
+        block = heads * BLOCK_SIZE * 2 * head_dim
+        interleaved = layout.endswith("interleaved")
+        layer_stride, block_stride = (block, num_layers * block) if interleaved else (64 * block, block)
+        buffer = torch.zeros(64 * num_layers * block)
+        strides = (block_stride, BLOCK_SIZE * 2 * head_dim, 2 * head_dim, 1)
+        caches = [buffer.as_strided((64, heads, BLOCK_SIZE, 2 * head_dim), strides, i * layer_stride)
+                  for i in range(num_layers)]  # fmt: skip
+        write = FlashWrite(head_dim) if interleaved else CpuWrite(dtype, BLOCK_SIZE, head_dim)
+        return [write] * num_layers, caches
     if layout == "split":
         planes = [torch.zeros(2, 64, BLOCK_SIZE, heads, head_dim) for _ in range(num_layers)]
         return [SplitLayer() for _ in planes], [p.transpose(0, 1) for p in planes]
@@ -748,8 +766,9 @@ def layout_caches(layout: str, num_layers: int, heads: int, head_dim: int):
 def test_block_copies_match_the_backend_s_own_writes(layout):
     # The copier's runs of consecutive ids, its scattered-id paths (more than MAX_RUNS runs, on
     # either side) and a reversed order, against the backend's own KV write op (vLLM's CPU one in
-    # float32 and bfloat16; a scrambled one, no strided view; one whose blocks are not one piece),
-    # byte for byte in both directions.
+    # float32 and bfloat16; a scrambled one, no strided view; one whose blocks are not one piece;
+    # every layer a view of one buffer as vLLM 0.32 allocates them, its layers then copied through
+    # one view), byte for byte in both directions.
     import torch
 
     from kvtier.vllm.block_layout import MAX_RUNS, BlockCopier, probe_layout
@@ -764,6 +783,7 @@ def test_block_copies_match_the_backend_s_own_writes(layout):
     copier = BlockCopier(caches, gathers, (2, BLOCK_SIZE, heads, head_dim))
     strided = layout != "scrambled"
     assert (copier.parts[0] is not None) == strided and copier.raw == (layout != "split")
+    assert (copier.layer_stride is not None) == layout.startswith("one-buffer")  # one view spans the layers
     pool = torch.zeros(80, num_layers, 2, BLOCK_SIZE, heads, head_dim, dtype=dtype)
     for ids in (
         [5, 6, 7, 8],

@@ -47,7 +47,7 @@ BACKENDS = [
 class Engine:
     """One engine's worker side: its lease, its KV cache (random), its copier."""
 
-    def __init__(self, address: str, token_file: str, device: str):
+    def __init__(self, address: str, token_file: str, device: str, one_allocation: bool = False):
         cfg = ConnectorConfig.from_extra_config({"cache_address": address, "token_file": token_file})
         self.link = CacheLink(cfg, "worker")
         self.client = self.link.start()
@@ -55,7 +55,10 @@ class Engine:
         _, num_layers, _, self.block_size, heads, head_dim = spec.shape
         shape = (VLLM_BLOCKS, heads, self.block_size, 2 * head_dim)
         dtype = torch_dtype(spec.dtype)
-        self.caches = [torch.randn(shape, device=device).to(dtype) for _ in range(num_layers)]
+        if one_allocation:  # as vLLM 0.32 allocates them: every layer a view of one buffer
+            self.caches = list(torch.randn((num_layers, *shape), device=device).to(dtype).unbind(0))
+        else:
+            self.caches = [torch.randn(shape, device=device).to(dtype) for _ in range(num_layers)]
         layer = FlashWrite(head_dim)
         gathers = [probe_layout(layer, c, self.block_size, heads, head_dim) for c in self.caches]
         self.copier = BlockCopier(self.caches, gathers, (2, self.block_size, heads, head_dim))
@@ -76,13 +79,15 @@ def test_one_engine_s_saved_blocks_load_into_another_s_cache_byte_for_byte(backe
     args = ["--model", str(tiny_model_dir), "--backend", backend, "--num-blocks", "64", "--lease-ttl", "60"]
     with cache_service(tmp_path / "run", *args) as cache:
         (tmp_path / "token").write_text(TOKEN)
-        a = Engine(cache.address, str(tmp_path / "token"), device)
+        # A's layers in one allocation (copied through one view of all of them), B's apart (a copy per layer).
+        a = Engine(cache.address, str(tmp_path / "token"), device, one_allocation=True)
         b = Engine(cache.address, str(tmp_path / "token"), device)
         try:
             assert a.client.pool.backend == backend and a.copier.gathers[0] is not None  # a real relayout
+            assert a.copier.layer_stride is not None and b.copier.layer_stride is None
             rng = random.Random(7)
             bs = a.block_size
-            # Consecutive vLLM blocks (one copy per layer), then scattered ones (the index path).
+            # Consecutive vLLM blocks (one copy per part), then scattered ones (the index path).
             cases = [([3, 4, 5], [9, 10, 11]), ([12, 2, 7, 0], [15, 1, 6, 4])]
             prompts = [[rng.randrange(200) for _ in range(len(ids) * bs)] for ids, _ in cases]
             held = a.client.allocate(prompts)  # the pool blocks A's scheduler side would allocate

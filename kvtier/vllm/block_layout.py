@@ -14,7 +14,8 @@ The layouts vLLM's backends use are transposes and packings of kvtier's dims, so
 layer block (K, V) is one strided view of vLLM's block (``strided_parts``): a relayout is then one
 ``copy_`` between two strided views per part, layer and run of consecutive block ids, at about
 the speed of a plain copy (a save goes straight from vLLM's blocks into pool blocks, in vLLM's
-step: ``save``). Blocks whose ids are scattered go through one
+step: ``save``). vLLM 0.32 keeps every layer's cache in one allocation a constant stride apart
+(``layer_stride``): then one view spans the layers, and a run is one copy per part for them all. Blocks whose ids are scattered go through one
 index op (``index_select`` / ``index_copy_``: plain row copies) on the scattered side. A layout
 that is no strided view is still copied, element by element through an index. Nothing is copied
 per token; on a GPU the copies run device to device.
@@ -163,6 +164,23 @@ def runs(a: list[int], b: list[int], limit: int | None = MAX_RUNS) -> list[tuple
     return found
 
 
+def layer_stride(caches: list[torch.Tensor]) -> int | None:
+    """The elements from one layer's cache to the next's when every one is a view of the same
+    storage, alike (shape, strides, dtype) and a constant positive stride apart; else None."""
+    first = caches[0]
+    if len(caches) < 2:
+        return None
+    stride = caches[1].storage_offset() - first.storage_offset()
+    for i, cache in enumerate(caches):
+        if (
+            cache.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+            or (cache.shape, cache.stride(), cache.dtype) != (first.shape, first.stride(), first.dtype)
+            or cache.storage_offset() - first.storage_offset() != i * stride
+        ):
+            return None
+    return stride if stride > 0 else None
+
+
 # A place of blocks: (tensor, first element past its storage offset, block stride, layer stride).
 Place = tuple[torch.Tensor, int, int, int]
 
@@ -209,6 +227,10 @@ class BlockCopier:
         # copy per part for every layer of a staging tensor needs the layers laid out alike.
         self.raw = all(c[0].is_contiguous() for c in kv_caches)
         self.alike = self.parts[0] is not None and all(p == self.parts[0] for p in self.parts)
+        # vLLM (0.32's allocate_kv_cache) keeps every layer in one allocation, layer l of block b at
+        # l * layer_stride + b * block_stride: one strided view then spans the layers, and a run of
+        # blocks is one copy per part for every layer (not one per layer: 44 launches on a GPU).
+        self.layer_stride = layer_stride(kv_caches) if self.alike else None
         self._blocks: torch.Tensor | None = None  # save's room for scattered pool blocks, reused
 
     @property
@@ -249,6 +271,11 @@ class BlockCopier:
         for v, k, n in stretches:
             if staged and self.alike:
                 self._move(n, _at(vllm, v), _at(kvtier, k), to_vllm, None)
+                continue
+            if not staged and self.layer_stride is not None:  # every layer through the first's storage
+                first = vllm[0]
+                self._move(n, (first, v * first.stride(0), first.stride(0), self.layer_stride), _at(kvtier, k),
+                           to_vllm, None)  # fmt: skip
                 continue
             for layer in range(self.num_layers):
                 at = _at(vllm, v, layer) if staged else _at(vllm[layer], v)

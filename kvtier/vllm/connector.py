@@ -116,11 +116,12 @@ class KvtierConnector(KVConnectorBase_V1):
         self.worker.map_pool(client)
         self.link.on_attached.append(self.worker.map_pool)
         log.info(
-            "kvtier connector: %d layers, block layout %s, pool %s",
+            "kvtier connector: %d layers, block layout %s, %s, pool %s",
             len(names),
             "as kvtier's"
             if all(g is None for g in copier.gathers)
             else "permuted (learned from the backend)",
+            "one view spans the layers (one allocation)" if copier.layer_stride else "a copy per layer",
             client.pool.shm_name or client.pool.device_uuid,
         )
 
