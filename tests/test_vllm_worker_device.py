@@ -87,7 +87,7 @@ def test_one_engine_s_saved_blocks_load_into_another_s_cache_byte_for_byte(backe
             assert a.copier.layer_stride is not None and b.copier.layer_stride is None
             rng = random.Random(7)
             bs = a.block_size
-            # Consecutive vLLM blocks (one copy per part), then scattered ones (the index path).
+            # Consecutive vLLM blocks (A: a copy per part; B: per layer and part), then scattered ones (index ops).
             cases = [([3, 4, 5], [9, 10, 11]), ([12, 2, 7, 0], [15, 1, 6, 4])]
             prompts = [[rng.randrange(200) for _ in range(len(ids) * bs)] for ids, _ in cases]
             held = a.client.allocate(prompts)  # the pool blocks A's scheduler side would allocate
