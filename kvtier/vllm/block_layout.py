@@ -17,9 +17,8 @@ the speed of a plain copy (a save goes straight from vLLM's blocks into pool blo
 step: ``save``). vLLM 0.32 keeps every layer's cache in one allocation a constant stride apart
 (``layer_stride``): then one view spans the layers, and a run is one copy per part for them all.
 Blocks whose ids are scattered go through one index op (``index_select`` / ``index_copy_``: plain
-row copies) on the scattered side. A layout
-that is no strided view is still copied, element by element through an index. Nothing is copied
-per token; on a GPU the copies run device to device.
+row copies) on the scattered side. A layout that is no strided view is still copied, element by
+element through an index. Nothing is copied per token; on a GPU the copies run device to device.
 """
 
 from __future__ import annotations
