@@ -223,8 +223,7 @@ def main() -> int:
                     help="no TTFT: the no-reuse throughput of C, B, and the connector's saves or lookups alone")  # fmt: skip
     ap.add_argument("--log-dir", type=Path, help="keep the engines' and the cache service's logs here")
     args = ap.parse_args()
-    rounds, pairs = (3, 4) if args.quick else (5, 10)
-    pairs = args.pairs or pairs
+    rounds, pairs = (3, args.pairs or 4) if args.quick else (5, args.pairs or 10)
     import torch
 
     from kvtier.cli.stack import LocalStack
