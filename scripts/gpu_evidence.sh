@@ -146,7 +146,8 @@ CUDA_TESTS=(
     tests/test_model.py::test_greedy_on_cuda_with_triton_kernels_matches_generate
     tests/test_host_cache.py::test_cuda_cache_sees_writes_queued_just_before_it
     tests/test_lower_tiers.py::test_a_cuda_pool_keeps_and_promotes_through_pinned_host_memory_and_disk
-    "tests/test_vllm_worker_device.py::test_one_engine_s_saved_blocks_load_into_another_s_cache_byte_for_byte[cuda]"
+    "tests/test_vllm_worker_device.py::test_one_engine_s_saved_blocks_load_into_another_s_cache_byte_for_byte[cuda-saver]"
+    "tests/test_vllm_worker_device.py::test_one_engine_s_saved_blocks_load_into_another_s_cache_byte_for_byte[cuda-loader]"
 )
 KERNEL_TESTS=(tests/test_kernels_triton.py)
 PYTEST=("$PY" -m pytest -o addopts="" -p no:cacheprovider -q -rA)

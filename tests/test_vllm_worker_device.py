@@ -73,21 +73,29 @@ class Engine:
         self.link.close()
 
 
+@pytest.mark.parametrize("one_allocation", ["saver", "loader"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_one_engine_s_saved_blocks_load_into_another_s_cache_byte_for_byte(backend, tiny_model_dir, tmp_path):
+def test_one_engine_s_saved_blocks_load_into_another_s_cache_byte_for_byte(
+    backend, one_allocation, tiny_model_dir, tmp_path
+):
     device = "cuda" if backend == "cuda" else "cpu"
     args = ["--model", str(tiny_model_dir), "--backend", backend, "--num-blocks", "64", "--lease-ttl", "60"]
     with cache_service(tmp_path / "run", *args) as cache:
         (tmp_path / "token").write_text(TOKEN)
-        # A's layers in one allocation (copied through one view of all of them), B's apart (a copy per layer).
-        a = Engine(cache.address, str(tmp_path / "token"), device, one_allocation=True)
-        b = Engine(cache.address, str(tmp_path / "token"), device)
+        # One engine's layers in one allocation (copied through one view of all of them, as vLLM 0.32
+        # allocates them), the other's apart (a copy per layer): A saves, B loads.
+        token = str(tmp_path / "token")
+        a = Engine(cache.address, token, device, one_allocation=one_allocation == "saver")
+        b = Engine(cache.address, token, device, one_allocation=one_allocation == "loader")
         try:
             assert a.client.pool.backend == backend and a.copier.gathers[0] is not None  # a real relayout
-            assert a.copier.layer_stride is not None and b.copier.layer_stride is None
+            assert (a.copier.layer_stride is not None, b.copier.layer_stride is not None) == (
+                one_allocation == "saver",
+                one_allocation == "loader",
+            )
             rng = random.Random(7)
             bs = a.block_size
-            # Consecutive vLLM blocks (A: a copy per part; B: per layer and part), then scattered ones (index ops).
+            # Consecutive vLLM blocks (a copy per part, or per layer and part), then scattered ones (index ops).
             cases = [([3, 4, 5], [9, 10, 11]), ([12, 2, 7, 0], [15, 1, 6, 4])]
             prompts = [[rng.randrange(200) for _ in range(len(ids) * bs)] for ids, _ in cases]
             held = a.client.allocate(prompts)  # the pool blocks A's scheduler side would allocate
