@@ -141,6 +141,7 @@ def follow(address: str, token: str, ready) -> None:
     stream that ends (the follower fell behind the log) is opened again from the first event."""
     from kvtier.cache_client import CacheClient
     from kvtier.cache_errors import CacheCallError
+    from kvtier.sequence_types import BlockStored
 
     client = CacheClient.connect(address, token)
     while True:
@@ -150,7 +151,7 @@ def follow(address: str, token: str, ready) -> None:
         try:
             for _, event in stream:
                 medium = held.setdefault(event.medium or "device", set())
-                if hasattr(event, "token_ids"):  # BlockStored
+                if isinstance(event, BlockStored):
                     medium.add(event.block_hash)
                 else:
                     medium.discard(event.block_hash)

@@ -258,6 +258,17 @@ class BlockCopier:
             k = _view(kvtier, n, layers, part.kvtier_start, part.sizes, part.kvtier_strides)
             (v if to_vllm else k).copy_(k if to_vllm else v)
 
+    def _every_layer(self, vllm, block: int, staged: bool) -> Place | None:
+        """Block ``block`` of every layer of ``vllm`` as one place, when one view spans the layers: a
+        staging tensor of layers laid out alike, or vLLM's caches in one allocation (through the first
+        layer's storage); else None (a copy per layer)."""
+        if staged:
+            return _at(vllm, block) if self.alike else None
+        if self.layer_stride is None:
+            return None
+        first = vllm[0]
+        return first, block * first.stride(0), first.stride(0), self.layer_stride
+
     def _pairs(self, vllm, vllm_ids: list[int], kvtier: torch.Tensor, kvtier_ids: list[int], to_vllm: bool,
                limit: int | None = None) -> bool:  # fmt: skip
         """Blocks ``vllm_ids`` of ``vllm`` (the caches, or a staging tensor) and ``kvtier_ids`` of
@@ -269,13 +280,9 @@ class BlockCopier:
             return False
         staged = isinstance(vllm, torch.Tensor)
         for v, k, n in stretches:
-            if staged and self.alike:
-                self._move(n, _at(vllm, v), _at(kvtier, k), to_vllm, None)
-                continue
-            if not staged and self.layer_stride is not None:  # every layer through the first's storage
-                first = vllm[0]
-                self._move(n, (first, v * first.stride(0), first.stride(0), self.layer_stride), _at(kvtier, k),
-                           to_vllm, None)  # fmt: skip
+            spanned = self._every_layer(vllm, v, staged)
+            if spanned is not None:
+                self._move(n, spanned, _at(kvtier, k), to_vllm, None)
                 continue
             for layer in range(self.num_layers):
                 at = _at(vllm, v, layer) if staged else _at(vllm[layer], v)
