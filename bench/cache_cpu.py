@@ -19,13 +19,15 @@ transport's floor: a unary call through the same guard that runs none of the ser
 so the figures say what the service adds above it. The client's own CPU per saved request (this
 process: what the connector pays in vLLM's) is printed beside them. Each phase ends once the
 service is idle again (what its calls left to do is theirs). Each run starts a fresh service;
---runs N takes medians. --follower adds a process reading WatchEvents from the first event, as
-a vLLM engine's block_index does (its CPU per saved request printed too): the service then
-streams every block event, one gRPC message each.
+--runs N takes medians. --follower adds a process reading WatchEventBatches from the first event
+without token ids, as a vLLM engine's block_index does (its CPU per saved request printed too):
+the service then streams every block event, the ones ready a message; --per-event reads
+WatchEvents instead (one gRPC message an event: the stream a router reads).
 
     python bench/cache_cpu.py                 # 3 runs (~1 min)
     python bench/cache_cpu.py --quick         # 1 run
     python bench/cache_cpu.py --follower      # with a block-index follower
+    python bench/cache_cpu.py --follower --per-event  # the same on the per-event stream
     python bench/cache_cpu.py --profile DIR   # also py-spy the service in each phase (speedscope)
 
 The last line is the headline.
@@ -136,33 +138,38 @@ def save_rounds(client, batches: list) -> None:
         client.free(ids, [CommitItem(sid, [], PROMPT_TOKENS) for sid in ids])
 
 
-def follow(address: str, token: str, ready) -> None:
-    """A block-index follower (kvtier/vllm/block_index.py's loop): every event, from the first; a
-    stream that ends (the follower fell behind the log) is opened again from the first event."""
+def follow(address: str, token: str, ready, per_event: bool = False) -> None:
+    """A block-index follower (kvtier/vllm/block_index.py's loop): every event, from the first, a
+    batch per message without token ids (``per_event``: WatchEvents, a message per event); a stream
+    that ends (the follower fell behind the log) is opened again from the first event."""
     from kvtier.cache_client import CacheClient
     from kvtier.cache_errors import CacheCallError
     from kvtier.sequence_types import BlockStored
 
     client = CacheClient.connect(address, token)
     while True:
-        stream = client.watch_events(since_event_id=0)
+        if per_event:
+            stream = (([event], False) for event in client.watch_events(since_event_id=0))
+        else:
+            stream = client.watch_event_batches(since_event_id=0, omit_token_ids=True)
         ready.set()
         held: dict[str, set[bytes]] = {}
         try:
-            for _, event in stream:
-                medium = held.setdefault(event.medium or "device", set())
-                if isinstance(event, BlockStored):
-                    medium.add(event.block_hash)
-                else:
-                    medium.discard(event.block_hash)
+            for events, _ in stream:
+                for _, event in events:
+                    medium = held.setdefault(event.medium, set())
+                    if isinstance(event, BlockStored):
+                        medium.add(event.block_hash)
+                    else:
+                        medium.discard(event.block_hash)
         except CacheCallError as e:
             print(f"follower: the stream ended ({e.code}); reopening", file=sys.stderr)
 
 
-def start_follower(address: str, token: str) -> mp.Process:
+def start_follower(address: str, token: str, per_event: bool) -> mp.Process:
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
-    proc = ctx.Process(target=follow, args=(address, token, ready), daemon=True)
+    proc = ctx.Process(target=follow, args=(address, token, ready, per_event), daemon=True)
     proc.start()
     if not ready.wait(120):
         raise TimeoutError("the WatchEvents follower did not start")
@@ -227,7 +234,7 @@ def one_run(model: Path, run_dir: Path, args: argparse.Namespace, seed: int) -> 
         (lambda phase: args.profile / f"{phase.replace(' ', '-')}-{seed}.json") if args.profile else None
     )
     meters = {}
-    follower = start_follower(stack.cache_address, token) if args.follower else None
+    follower = start_follower(stack.cache_address, token, args.per_event) if args.follower else None
     fpid = follower.pid if follower is not None else None
     try:
         client.attach("bench-cache-cpu")
@@ -259,7 +266,9 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="1 run")
     ap.add_argument("--profile", type=Path, help="py-spy the service into this folder (speedscope files)")
     ap.add_argument("--follower", action="store_true",
-                    help="a WatchEvents reader follows every event, as a vLLM engine's block_index does")  # fmt: skip
+                    help="an event reader follows every event, as a vLLM engine's block_index does")  # fmt: skip
+    ap.add_argument("--per-event", action="store_true",
+                    help="the follower reads WatchEvents (a message per event) instead of WatchEventBatches")  # fmt: skip
     ap.add_argument("--num-blocks", type=int, default=4096,
                     help="pool blocks (more: a longer phase with the pool not full, e.g. to profile it)")  # fmt: skip
     args = ap.parse_args()

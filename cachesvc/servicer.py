@@ -97,7 +97,7 @@ def _lease_id(request) -> str:
     return request.lease_id
 
 
-# Events a WatchEvents stream builds at a time from the log.
+# Events an event stream builds at a time from the log (WatchEventBatches: at most this many a message).
 WATCH_CHUNK = 256
 
 
@@ -127,7 +127,7 @@ def stats_to_proto(snapshot: CacheSnapshot) -> cache_pb2.GetStatsResponse:
     return cache_pb2.GetStatsResponse(**scalars, leases=leases, tenants=tenants, tiers=tiers)
 
 
-def event_to_proto(event_id: int, event: BlockEvent) -> cache_pb2.CacheEvent:
+def event_to_proto(event_id: int, event: BlockEvent, with_token_ids: bool = True) -> cache_pb2.CacheEvent:
     """The CacheEvent message of one numbered event from ``EventLog.since``."""
     if isinstance(event, BlockRemoved):
         removed = cache_pb2.BlockRemoved(
@@ -138,7 +138,7 @@ def event_to_proto(event_id: int, event: BlockEvent) -> cache_pb2.CacheEvent:
         block_hash=event.block_hash,
         parent_block_hash=event.parent_block_hash or b"",
         block_id=event.block_id,
-        token_ids=event.token_ids,
+        token_ids=event.token_ids if with_token_ids else (),
         medium=event.medium,
     )
     return cache_pb2.CacheEvent(event_id=event_id, block_stored=stored)
@@ -299,7 +299,25 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         return reply
 
     async def WatchEvents(self, request, context):
-        """Events after ``since_event_id``, read from the shared log one chunk at a time.
+        """Events after ``since_event_id``, one message each (``_event_chunks``)."""
+        async for chunk, _ in self._event_chunks(request.since_event_id, context):
+            for event_id, event in chunk:
+                yield event_to_proto(event_id, event)
+
+    async def WatchEventBatches(self, request, context):
+        """WatchEvents' events, one message per chunk the log gives (``_event_chunks``): all the
+        events that are ready when it is sent, up to WATCH_CHUNK; without token ids if asked."""
+        omit = request.omit_token_ids
+        async for chunk, caught_up in self._event_chunks(request.since_event_id, context):
+            batch = cache_pb2.WatchEventBatchesResponse(caught_up=caught_up)
+            add = batch.events.append
+            for event_id, event in chunk:
+                add(event_to_proto(event_id, event, with_token_ids=not omit))
+            yield batch
+
+    async def _event_chunks(self, since_event_id: int, context):
+        """Chunks of the events after ``since_event_id``, read from the shared log as they come,
+        each with whether it ends at the newest event (``caught_up``).
 
         A stream holds one chunk of events (WATCH_CHUNK), never its backlog: that stays in the
         log, which keeps the newest events for every stream. A reader that falls behind the log
@@ -308,24 +326,21 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         if self.num_watch_streams >= self.max_watch_streams:
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{self.num_watch_streams} WatchEvents streams are open, the most this service "
+                f"{self.num_watch_streams} event streams are open, the most this service "
                 f"allows (--max-watch-streams {self.max_watch_streams}): close one, or retry later",
             )
         self.num_watch_streams += 1
         try:
             events = self.node.events
-            next_id = request.since_event_id
+            next_id = since_event_id
             while True:
                 try:
                     chunk = events.since(next_id, WATCH_CHUNK)
                 except EventGap as e:
-                    details = str(e)
-                    chunk = None
-                if chunk is None:
-                    await context.abort(grpc.StatusCode.OUT_OF_RANGE, details)
-                for event_id, event in chunk:
-                    yield event_to_proto(event_id, event)
-                    next_id = event_id
+                    await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(e))
+                if chunk:
+                    next_id = chunk[-1][0]
+                    yield chunk, events.last_event_id <= next_id
                 # Events that arrived while the chunk was being sent are not waited for. Nothing
                 # else runs on the loop between this check and wait() registering, so none slips
                 # through.

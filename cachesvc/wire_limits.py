@@ -29,7 +29,7 @@ COMMIT_CARRIERS = {
     "SwapOut": cache_pb2.SwapOutRequest,
 }
 # Calls with a few bounded fields.
-SMALL_RPCS = ("Attach", "Heartbeat", "GetStats", "WatchEvents")
+SMALL_RPCS = ("Attach", "Heartbeat", "GetStats", "WatchEvents", "WatchEventBatches")
 SMALL_REQUEST_BYTES = 4096
 # Requests at least this large are scanned before they are parsed; smaller ones parse in
 # about a millisecond.

@@ -147,6 +147,13 @@ class CacheEvent(NamedTuple):
     event: BlockEvent
 
 
+class EventBatch(NamedTuple):
+    """One WatchEventBatches message: consecutive events, and whether the last was the newest."""
+
+    events: list[CacheEvent]
+    caught_up: bool
+
+
 # ---------------------------------------------------------------- GetStats
 
 

@@ -188,7 +188,7 @@ def tracer(name: str) -> trace.Tracer:
 def _grpc_filter() -> Any:
     """Filter that leaves out the services named in OTEL_PYTHON_GRPC_EXCLUDED_SERVICES, unless
     KVTIER_TRACE_HEARTBEATS is set the lease heartbeats, and always the block event streams
-    (WatchEvents: a follower's stream lasts as long as the follower, so its one span says nothing;
+    (WatchEvents, WatchEventBatches: a follower's stream lasts as long as the follower, so its one span says nothing;
     and OTel's sync client wraps the stream in a generator, which ``cancel()`` cannot end)."""
     from opentelemetry.instrumentation.grpc import filters
 
@@ -197,7 +197,8 @@ def _grpc_filter() -> Any:
     ]
     excluded = [filters.service_name(n) for n in names]
     cache = filters.service_name("kvtier.v1.CacheService")
-    excluded.append(filters.all_of(cache, filters.method_name("WatchEvents")))
+    for stream in ("WatchEvents", "WatchEventBatches"):
+        excluded.append(filters.all_of(cache, filters.method_name(stream)))
     if os.environ.get(TRACE_HEARTBEATS_ENV, "").strip().lower() not in ("1", "true", "yes"):
         excluded.append(filters.all_of(cache, filters.method_name("Heartbeat")))
     return filters.negate(filters.any_of(*excluded))

@@ -295,7 +295,9 @@ def test_watch_events_streams_stored_blocks_as_a_chain_with_increasing_ids(servi
     assert done.wait(15), "cancel() did not end the iteration on the other thread"
 
 
-def test_watch_events_reports_evicted_blocks_as_removed(tmp_path):
+def test_watch_events_reports_evicted_blocks_as_removed_and_watch_event_batches_the_same_in_one_message(
+    tmp_path,
+):
     with cache_service(tmp_path, "--num-blocks", "4") as svc:
         c = CacheClient.connect(svc.address, TOKEN)
         c.attach("evictor")
@@ -316,6 +318,17 @@ def test_watch_events_reports_evicted_blocks_as_removed(tmp_path):
         assert [r.block_id for r in removed] == [s.block_id for s in reversed(stored)]
         assert [e.event_id for e in events] == list(range(1, 9))
         assert c.get_stats().num_evictions == 4
+        # The same events, every one that is ready in one message; without token ids if asked.
+        for omit in (False, True):
+            batches = c.watch_event_batches(0, omit_token_ids=omit)
+            batch, caught_up = next(batches)
+            batches.cancel()
+            # (the host tier's BlockStored events of the evicted blocks follow the first 8)
+            assert [e.event_id for e in batch] == list(range(1, len(batch) + 1)) and caught_up
+            assert [e.event.block_hash for e in batch[:8]] == [e.event.block_hash for e in events]
+            assert [getattr(e.event, "token_ids", None) for e in batch[:4]] == (
+                [[]] * 4 if omit else [e.token_ids for e in stored]
+            )
         c.close()
 
 

@@ -137,6 +137,45 @@ def test_watch_events_delivers_events_that_arrive_while_a_batch_is_being_sent() 
     assert asyncio.run(scenario()) == [1, 2, 3, 4]
 
 
+def test_watch_event_batches_say_which_batch_reaches_the_newest_event() -> None:
+    # A replay longer than one message: the first batch is full and not caught up, the last is.
+    from kvtier.api import cache_pb2
+    from kvtier.cachesvc.leases import LeaseTable
+    from kvtier.cachesvc.node import CacheNode
+    from kvtier.cachesvc.sequences import SequenceTable
+    from kvtier.cachesvc.servicer import WATCH_CHUNK, CacheServicer
+    from kvtier.pool import PoolSpec
+    from kvtier.sequence_types import AllocateItem
+
+    blocks = WATCH_CHUNK + 44
+
+    async def scenario() -> list[tuple[int, int, bool]]:
+        table = SequenceTable(
+            BlockManager(num_blocks=blocks, block_size=BS),
+            None,
+            model_fingerprint="fp",
+            vocab_size=100,
+            max_model_len=blocks * BS,
+        )
+        spec = PoolSpec("cpu-shm", "float16", [blocks, 1, 2, BS, 1, 8], [1] * 6, blocks * 256, BS)
+        servicer = CacheServicer(CacheNode(table, LeaseTable(60.0)), spec)
+        tokens = [i % 100 for i in range(blocks * BS)]
+        (view,) = table.allocate("lease", [AllocateItem(tokens)])
+        table.commit("lease", [(view.sequence_id, [], len(tokens))])
+        servicer.node.events.extend(table.block_manager.take_event_records())
+        request = cache_pb2.WatchEventBatchesRequest(since_event_id=0, omit_token_ids=True)
+        stream = servicer.WatchEventBatches(request, None)
+        got = []
+        for _ in range(2):
+            batch = await asyncio.wait_for(anext(stream), 2.0)
+            assert not any(e.block_stored.token_ids for e in batch.events)
+            got.append((batch.events[0].event_id, batch.events[-1].event_id, batch.caught_up))
+        await stream.aclose()
+        return got
+
+    assert asyncio.run(scenario()) == [(1, WATCH_CHUNK, False), (WATCH_CHUNK + 1, blocks, True)]
+
+
 def chain_keys(tokens: list[int]) -> tuple[list[bytes], list[bytes]]:
     """The index keys (``parent || token bytes``) and hashes of ``tokens``' full blocks."""
     data = pack_token_ids(tokens)

@@ -86,6 +86,7 @@ def valid_cache_requests(owner: CacheClient) -> dict[str, object]:
         "SwapIn": cache_pb2.SwapInRequest(lease_id=lease, sequence_ids=[swapped]),
         "GetStats": cache_pb2.GetStatsRequest(),
         "WatchEvents": cache_pb2.WatchEventsRequest(since_event_id=0),
+        "WatchEventBatches": cache_pb2.WatchEventBatchesRequest(since_event_id=0),
     }
 
 

@@ -286,6 +286,33 @@ def test_scheduler_answers_a_held_prefix_in_its_first_ask_with_a_long_lookup_wai
         link.close()
 
 
+def test_by_default_a_prompt_whose_first_block_the_cache_never_announced_is_a_miss_without_a_call(
+    stack, tmp_path
+):
+    """The block index is on by default: once it has replayed the cache's events up to the newest, a
+    prompt whose first block was never stored is answered 0 on arrival (no LookupPrefix, no wait),
+    and one whose first block is held is still asked (and its hit counted)."""
+    link, lookups = scheduler_side(stack["cache"].address, tmp_path, "kv_consumer", lookup_wait_ms=60_000)
+    try:
+        index = lookups._index
+        wait_until(lambda: index.complete, 60, "the block index to catch up with the cache's events")
+        fresh, held = vllm_request("fresh", prompt(400, 300)), vllm_request("held", PREFIX)
+        for request in (fresh, held):
+            lookups.on_new_request(request)
+        assert lookups.stats["index_misses"] == 1 and lookups.stats["asked"] == 1, lookups.stats
+        assert lookups.num_new_matched_tokens(fresh, 0) == (0, False)
+        assert lookups.num_new_matched_tokens(held, 0) == (
+            (LONG_PREFIX - 1) // BLOCK_SIZE * BLOCK_SIZE,
+            False,
+        )
+        for request in (fresh, held):
+            lookups.update_state_after_alloc(request, [], 0)  # not loaded after all: the pin is freed
+            lookups.request_finished(request)
+    finally:
+        lookups.close()
+        link.close()
+
+
 def test_a_consumer_engine_only_loads_and_a_producer_only_saves(stack, tmp_path):
     """vLLM's kv_role: a kv_consumer's scheduler side plans no save of what it computes; a
     kv_producer's answers a prefix the cache holds 0 and saves what it computes into the pool
@@ -312,8 +339,9 @@ def test_a_consumer_engine_only_loads_and_a_producer_only_saves(stack, tmp_path)
             step.num_scheduled_tokens = {"fresh": 100}
             saves_planned = lookups.build_meta(step).saves
             assert [s.vllm_block_ids for s in saves_planned] == ([[7, 8, 9]] if saves else []), role
-            # LookupPrefix asked for both prompts (a consumer), or a pool sequence allocated (a producer).
-            asked = (lookups.stats["asked"], lookups.stats.get("allocated", 0))
+            # Both prompts looked up (a consumer: asked, or a sure miss answered by the block index once
+            # it has caught up), or a pool sequence allocated for each (a producer).
+            asked = (lookups.stats["looked_up"], lookups.stats.get("allocated", 0))
             assert asked == ((2, 0) if loads else (0, 2)), (role, lookups.stats)
             for request in (held, fresh):
                 lookups.request_finished(request)
@@ -332,7 +360,7 @@ def test_a_hung_cache_service_costs_one_long_lookup_wait_and_with_the_block_inde
     A prompt whose first block the cache never announced under its salt (the block index has
     followed the cache's events since its first) is answered 0 at once even then: no call is made
     for it. Those whose first block it did announce (unsalted, or under the same salt) are asked.
-    (block_index is turned on: it is off by default.)"""
+    (block_index is on, as by default.)"""
     from vllm.v1.core.sched.output import SchedulerOutput
 
     with own_cache_service(model_dirs, tmp_path) as cache:

@@ -379,6 +379,22 @@ class WatchEventsRequest(_message.Message):
     since_event_id: int
     def __init__(self, since_event_id: _Optional[int] = ...) -> None: ...
 
+class WatchEventBatchesRequest(_message.Message):
+    __slots__ = ("since_event_id", "omit_token_ids")
+    SINCE_EVENT_ID_FIELD_NUMBER: _ClassVar[int]
+    OMIT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    since_event_id: int
+    omit_token_ids: bool
+    def __init__(self, since_event_id: _Optional[int] = ..., omit_token_ids: _Optional[bool] = ...) -> None: ...
+
+class WatchEventBatchesResponse(_message.Message):
+    __slots__ = ("events", "caught_up")
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    CAUGHT_UP_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[CacheEvent]
+    caught_up: bool
+    def __init__(self, events: _Optional[_Iterable[_Union[CacheEvent, _Mapping]]] = ..., caught_up: _Optional[bool] = ...) -> None: ...
+
 class CacheEvent(_message.Message):
     __slots__ = ("event_id", "block_stored", "block_removed")
     EVENT_ID_FIELD_NUMBER: _ClassVar[int]

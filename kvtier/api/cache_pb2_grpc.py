@@ -90,6 +90,11 @@ class CacheServiceStub:
                 request_serializer=kvtier_dot_v1_dot_cache__pb2.WatchEventsRequest.SerializeToString,
                 response_deserializer=kvtier_dot_v1_dot_cache__pb2.CacheEvent.FromString,
                 _registered_method=True)
+        self.WatchEventBatches = channel.unary_stream(
+                '/kvtier.v1.CacheService/WatchEventBatches',
+                request_serializer=kvtier_dot_v1_dot_cache__pb2.WatchEventBatchesRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_cache__pb2.WatchEventBatchesResponse.FromString,
+                _registered_method=True)
 
 
 class CacheServiceServicer:
@@ -174,6 +179,14 @@ class CacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchEventBatches(self, request, context):
+        """The same events, many per message (those ready when it is sent): a follower of every block
+        (an engine's block index) pays the stream's per-message cost once per batch, not per event.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -231,6 +244,11 @@ def add_CacheServiceServicer_to_server(servicer, server):
                     servicer.WatchEvents,
                     request_deserializer=kvtier_dot_v1_dot_cache__pb2.WatchEventsRequest.FromString,
                     response_serializer=kvtier_dot_v1_dot_cache__pb2.CacheEvent.SerializeToString,
+            ),
+            'WatchEventBatches': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchEventBatches,
+                    request_deserializer=kvtier_dot_v1_dot_cache__pb2.WatchEventBatchesRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_cache__pb2.WatchEventBatchesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -530,6 +548,33 @@ class CacheService:
             '/kvtier.v1.CacheService/WatchEvents',
             kvtier_dot_v1_dot_cache__pb2.WatchEventsRequest.SerializeToString,
             kvtier_dot_v1_dot_cache__pb2.CacheEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchEventBatches(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvtier.v1.CacheService/WatchEventBatches',
+            kvtier_dot_v1_dot_cache__pb2.WatchEventBatchesRequest.SerializeToString,
+            kvtier_dot_v1_dot_cache__pb2.WatchEventBatchesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -12,7 +12,7 @@ pays for it. The path of one request is described in docs/architecture.md ("vLLM
 - ``transfers``     a load (hit -> vLLM blocks) and a save (vLLM blocks -> pool), plain data
 - ``plan``          the per-step metadata the scheduler side hands the workers (loads, saves)
 - ``lookups``       scheduler side: which leading blocks the cache holds, off the scheduler's thread
-- ``block_index``   (optional) the cache's block events followed: sure misses answered without a call
+- ``block_index``   the cache's block events followed (on by default): sure misses answered without a call
 - ``worker``        worker side: hits copied in; new full blocks staged out, written and committed
 - ``connector``     the ``KVConnectorBase_V1`` itself, routing vLLM's calls to the two sides
 """

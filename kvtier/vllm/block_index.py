@@ -1,8 +1,8 @@
 """Which blocks the cache service holds, followed from its block events: misses answered locally.
 
 Most prompts of a workload without reuse start with a block nobody computed before. The cache
-announces every block that enters or leaves one of its media (``WatchEvents``: BlockStored,
-BlockRemoved, per medium), so the scheduler side can tell such a prompt is a miss without asking:
+announces every block that enters or leaves one of its media (``WatchEventBatches``: BlockStored,
+BlockRemoved, per medium; the events ready a message, without token ids), so the scheduler side can tell such a prompt is a miss without asking:
 one thread follows the stream and keeps the hashes each medium holds. A prompt whose first
 block's hash (``kvtier.block_hash``: the model's fingerprint, the request's salt and adapter at
 the chain's root) is on no medium is then ``surely_missed``: the scheduler answers 0 with no call,
@@ -10,18 +10,22 @@ no wait and no thread woken. Anything else is asked as before (``LookupPrefix``,
 ``Allocate`` before any load): the index only ever costs hits (a block stored a moment ago and
 not yet streamed), never serves one.
 
-The index answers only while it is complete: it has seen every event since the cache's first
-(the stream began at event 1; the service keeps its newest 65,536 events, so an engine started
+The index answers only while it is complete: it has applied every event from the cache's first
+up to one the service sent as its newest (``caught_up``: a replay of a long log is not taken
+for the present halfway); the service keeps its newest 65,536 events, so an engine started
 later than that, or a stream that broke since, asks every prompt until the stream is reopened
-from an event 1: after a cache restart) and no medium is shared across nodes (another node's
+from an event 1: after a cache restart), and no medium is shared across nodes (another node's
 writes to the shared tier are announced by that node's cache only). Memory: about 100 bytes per
 block the cache holds on any medium, as the router's index (``kvtier.gateway.index_follower``,
 which kvtier.vllm may not import: the router's runs on an asyncio loop and scores whole chains
 per node; this one runs on a thread of vLLM's scheduler process and reads first blocks only).
 
-Off by default (``block_index``): lookups asked on arrival already cost the engine nothing
-measurable, and every follower makes the cache service stream each block it stores to it
-(bench/README.md, "where the no-reuse throughput goes").
+On by default (``block_index``). vLLM's CPU engine schedules synchronously: while its scheduler
+waits for a LookupPrefix answer (a millisecond or more on a loaded machine, longer while the
+cache is demoting blocks to its host tier), the worker waits with it. An index answers a miss
+with no call and no wait, for about 0.4 ms of this thread's CPU per saved request (the events come
+batched: one message carries every event that is ready). bench/README.md, "where the no-reuse
+throughput goes", has the measurements.
 """
 
 from __future__ import annotations
@@ -88,31 +92,40 @@ class BlockIndex:
                 time.sleep(RETRY_S)
 
     def _follow(self, client) -> None:
-        """Apply the events from the first the cache keeps; complete once it is its very first."""
+        """Apply the events from the first the cache keeps; complete once they began at its very
+        first and reached its newest (the replay applied: no hash it held then is missing)."""
         self.complete = False
         self._held = {}
         shared = [t.medium for t in client.get_stats().tiers if _across_nodes(t.medium)]
-        self._stream = stream = client.watch_events(since_event_id=0)
+        self._stream = stream = client.watch_event_batches(since_event_id=0, omit_token_ids=True)
         if self._closed:
             return
-        last = 0
-        for event_id, event in stream:
-            if event_id <= last:
-                return  # ids went back: the cache restarted
-            if last == 0:
-                self.complete = event_id == 1 and not shared
-                if not self.complete:
-                    log.info(
-                        "kvtier: every lookup is asked: %s",
-                        f"medium {shared[0]} is shared across nodes" if shared
-                        else f"the cache's events before {event_id} were dropped",
-                    )  # fmt: skip
-            last = event_id
-            held = self._held.setdefault(event.medium or "device", set())
-            if isinstance(event, BlockStored):
-                held.add(event.block_hash)
-            else:
-                held.discard(event.block_hash)
+        last, replayed = 0, False
+        for events, caught_up in stream:
+            if events:
+                first = events[0].event_id
+                if first <= last:
+                    return  # ids went back: the cache restarted
+                if last == 0:
+                    replayed = first == 1 and not shared
+                    if not replayed:
+                        log.info(
+                            "kvtier: every lookup is asked: %s",
+                            f"medium {shared[0]} is shared across nodes" if shared
+                            else f"the cache's events before {first} were dropped",
+                        )  # fmt: skip
+                held = self._held
+                for _, event in events:
+                    hashes = held.get(event.medium)
+                    if hashes is None:
+                        hashes = held[event.medium] = set()
+                    if isinstance(event, BlockStored):
+                        hashes.add(event.block_hash)
+                    else:
+                        hashes.discard(event.block_hash)
+                last = events[-1].event_id
+            if replayed and caught_up:
+                self.complete = True
 
 
 def _across_nodes(name: str) -> bool:

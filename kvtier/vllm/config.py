@@ -10,7 +10,7 @@
 | ``max_reserved_share`` | ``KVTIER_MAX_RESERVED_SHARE`` | 0.25 | share of the pool's blocks this engine may hold for prompts that arrived and are not computed yet (each gets its pool blocks on arrival; past the share, when vLLM schedules it) |
 | ``save_batch_ms`` | ``KVTIER_SAVE_BATCH_MS`` | 50 | how long the scheduler side gathers written saves before it publishes them all in one Free (the cache's cost is mostly per call: a save is published up to this much later; 0: each at once) |
 | ``lookup_wait_ms`` | ``KVTIER_LOOKUP_WAIT_MS`` | 5 | how long one scheduler step waits for lookups' answers, all together (0: never; unanswered requests wait for the next step) |
-| ``block_index`` | ``KVTIER_BLOCK_INDEX`` | false | follow the cache's block events to answer a prompt whose first block it never announced as a miss without asking (``kvtier.vllm.block_index``; about 100 bytes per cached block; the cache streams every block it stores to each engine that follows). Off: every prompt is asked on arrival |
+| ``block_index`` | ``KVTIER_BLOCK_INDEX`` | true | follow the cache's block events to answer a prompt whose first block it never announced as a miss without asking (``kvtier.vllm.block_index``; about 100 bytes per cached block; the cache streams the events to each engine that follows, many a message). Off: every prompt is asked on arrival, and vLLM's scheduler waits for the answer |
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class ConnectorConfig:
     max_reserved_share: float = 0.25
     lookup_wait_ms: float = 5.0
     save_batch_ms: float = 50.0
-    block_index: bool = False
+    block_index: bool = True
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorConfig:

@@ -18,9 +18,9 @@ Two sides share that (``SchedulerSide``). Both ask ``LookupPrefix`` on arrival w
 kv_producer: ``kvtier.vllm.saving``) also allocates a pool sequence for each arriving prompt, its
 hit pinned and room for the rest; one that only loads (kv_consumer: ``Lookups`` here) pins a hit
 longer than vLLM's own with an ``Allocate`` of the prompt up to one token past it, on a
-background thread (which promotes host and disk blocks into the pool). With ``block_index`` on,
-a prompt whose first block the cache never announced is answered 0 on arrival without a
-LookupPrefix (``kvtier.vllm.block_index``).
+background thread (which promotes host and disk blocks into the pool). With ``block_index`` on
+(the default), a prompt whose first block the cache never announced is answered 0 on arrival
+without a LookupPrefix (``kvtier.vllm.block_index``).
 
 The hit is whole blocks, below the last prompt token (vLLM must compute that one). The loads are
 synchronous in vLLM's sense (``load_kv_async`` False): the worker copies the hit before the
