@@ -166,6 +166,12 @@ def follow(address: str, token: str, ready, per_event: bool = False) -> None:
             print(f"follower: the stream ended ({e.code}); reopening", file=sys.stderr)
 
 
+def follower_note(args) -> str:
+    if not args.follower:
+        return ""
+    return f" (a {'WatchEvents' if args.per_event else 'WatchEventBatches'} follower on)"
+
+
 def start_follower(address: str, token: str, per_event: bool) -> mp.Process:
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
@@ -308,7 +314,7 @@ def main() -> int:
             if args.follower
             else ""
         )
-        + f" ms{' (a WatchEvents follower on)' if args.follower else ''} (load average {os.getloadavg()[0]:.1f})"
+        + f" ms{follower_note(args)} (load average {os.getloadavg()[0]:.1f})"
     )
     return 0
 

@@ -72,6 +72,7 @@ class CacheNode:
         self.leases = leases
         self.fence_hold_s = fence_hold_s
         self.events = EventLog(sequences.block_size)
+        self._logged(None)  # what the tiers announced as they opened (the disk tier's records)
 
     def _logged(self, result):
         """``result``, after moving the block manager's new event records into the log."""

@@ -320,7 +320,7 @@ def test_watch_events_reports_evicted_blocks_as_removed_and_watch_event_batches_
         assert c.get_stats().num_evictions == 4
         # The same events, every one that is ready in one message; without token ids if asked.
         for omit in (False, True):
-            batches = c.watch_event_batches(0, omit_token_ids=omit)
+            batches = c.watch_event_batches(0, omit_token_ids=omit, timeout_s=30)
             batch, caught_up = next(batches)
             batches.cancel()
             # (the host tier's BlockStored events of the evicted blocks follow the first 8)

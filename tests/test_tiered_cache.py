@@ -202,6 +202,14 @@ def test_evicted_prefixes_come_back_from_host_and_disk_and_survive_a_sigkill(tmp
         log = svc.log()
         assert f"dropped {corrupt.name}" in log and f"dropped {torn.name}" in log, log[-3000:]
         client = Client(svc)
+        # The records found are announced as stored on disk: a follower of the events (a vLLM
+        # engine's block index) knows what the restarted service holds there.
+        disk_blocks = next(t.num_blocks for t in client.c.get_stats().tiers if t.medium == "disk")
+        batches = client.c.watch_event_batches(0, omit_token_ids=True, timeout_s=30)
+        announced, caught_up = next(batches)
+        batches.cancel()
+        assert caught_up and len(announced) == disk_blocks > 0, (len(announced), disk_blocks)
+        assert {(type(e.event).__name__, e.event.medium) for e in announced} == {("BlockStored", "disk")}
         assert client.hit(a, fills_a) == 3 * BS  # from disk after the restart
         assert client.hit(load[2]) == 0 and client.hit(load[3]) == 0
         hits = {seed: client.hit(load[seed], fills[seed]) // BS for seed in leading}
