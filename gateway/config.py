@@ -79,7 +79,7 @@ def build_parser(prog: str = "python -m kvtier.gateway") -> argparse.ArgumentPar
         "nodes and routing",
         "Several nodes (a node is one cache service, one accelerator, and the compute replicas "
         "attached to it): the gateway routes each request to one node's replicas. The KV-aware "
-        "router follows every cache service's block events (WatchEvents) and sends a request where "
+        "router follows every cache service's block events (WatchEventBatches) and sends a request where "
         "its prefix is cached, weighed against load. It reads the caches with the node token.",
     )
     nodes.add_argument(

@@ -2,8 +2,9 @@
 and its live figures, read from GetStats.
 
 The index is the set of block hashes the node's cache holds per medium (``kvtier.media``: the
-device, then each medium below it), fed by its ``WatchEvents`` stream (BlockStored adds to its medium's set, BlockRemoved drops from it;
-a block may be on several tiers at once). A stream that fails, drops events (OUT_OF_RANGE) or
+device, then each medium below it), fed by its ``WatchEventBatches`` stream (every event ready in
+one message; BlockStored adds to its medium's set, BlockRemoved drops from it; a block may be on
+several tiers at once). A stream that fails, drops events (OUT_OF_RANGE) or
 restarts (a new cache: event ids start over) is reopened from 0 with an empty index, so the kept
 events are replayed; while it is not synced a hit is asked with ``LookupPrefix`` (one RPC,
 bounded by ``LOOKUP_TIMEOUT_S``). GetStats is read every ``STATS_PERIOD_S``; a node that does not
@@ -43,7 +44,7 @@ class NodeState:
     """What the router knows about one node, and the client it asks the node's cache with."""
 
     node: Node
-    cache: CacheClient  # aio; deadline STATS_TIMEOUT_S (WatchEvents has none)
+    cache: CacheClient  # aio; deadline STATS_TIMEOUT_S (the event stream has none)
     hashes: set[BlockHash] = field(default_factory=set)  # on the device (the pool)
     # Per medium below the device (kvtier.media, rank order): the hashes held there. A medium a
     # newer cache names that this table lacks gets a set too, followed but not priced.
@@ -144,7 +145,7 @@ ACROSS_NODES = {m.name for m in LOWER_MEDIA if m.across_nodes}
 
 
 def apply_event(state: NodeState, event: BlockStored | BlockRemoved) -> None:
-    """One WatchEvents event on ``state``'s index: BlockStored adds the hash to its medium's set,
+    """One block event on ``state``'s index: BlockStored adds the hash to its medium's set,
     BlockRemoved drops it. A removal from a medium every node reads (the shared tier: a node
     reports what the store lost or what it forgot, its own view bounded) drops it from every
     peer's set: the union ``_held_on`` reads shrinks with it."""
@@ -203,7 +204,7 @@ async def stop(state: NodeState) -> None:
 
 
 async def _follow_events(state: NodeState, count: Callable[[str], None]) -> None:
-    """Keep ``state.hashes`` equal to the node's cached blocks, from its WatchEvents stream."""
+    """Keep ``state.hashes`` equal to the node's cached blocks, from its WatchEventBatches stream."""
     backoff = RESYNC_BACKOFF_S[0]
     while True:
         # (Re)start from 0 with an empty index: after a gap, a broken stream or a restarted
@@ -213,14 +214,19 @@ async def _follow_events(state: NodeState, count: Callable[[str], None]) -> None
         state.last_event_id = 0
         state.synced = False
         try:
-            stream = state.cache.watch_events(since_event_id=0)
+            # Batched (every event ready in one message, no token ids): a message per event cost
+            # the cache service more CPU than the calls it indexes (bench/cache_cpu.py --follower).
+            stream = state.cache.watch_event_batches(since_event_id=0, omit_token_ids=True)
             state.synced = True
-            async for event_id, event in stream:
+            async for events, _ in stream:
                 backoff = RESYNC_BACKOFF_S[0]
-                if event_id <= state.last_event_id:
+                if not events:
+                    continue
+                if events[0].event_id <= state.last_event_id:
                     break  # ids went back: the cache restarted; resync
-                state.last_event_id = event_id
-                apply_event(state, event)
+                for _, event in events:
+                    apply_event(state, event)
+                state.last_event_id = events[-1].event_id
             log.warning("router: node %s ended its event stream; resyncing", state.name)
         except CacheCallError as e:
             state.synced = False

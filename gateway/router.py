@@ -14,7 +14,7 @@ Policies (``--routing``):
 - ``round-robin`` and ``random``, for comparison.
 
 A node that does not answer is routed around and retried after ``DOWN_S``. The router reads
-only infrastructure RPCs (WatchEvents, GetStats, LookupPrefix), so it holds the node credential;
+only infrastructure RPCs (WatchEventBatches, GetStats, LookupPrefix), so it holds the node credential;
 end users never see it.
 
 Salts: a request carries the client's ``cache_salt``; bound to the request's tenant

@@ -188,8 +188,9 @@ def tracer(name: str) -> trace.Tracer:
 def _grpc_filter() -> Any:
     """Filter that leaves out the services named in OTEL_PYTHON_GRPC_EXCLUDED_SERVICES, unless
     KVTIER_TRACE_HEARTBEATS is set the lease heartbeats, and always the block event streams
-    (WatchEvents, WatchEventBatches: a follower's stream lasts as long as the follower, so its one span says nothing;
-    and OTel's sync client wraps the stream in a generator, which ``cancel()`` cannot end)."""
+    (WatchEvents, WatchEventBatches: a follower's stream lasts as long as the follower, so its one
+    span says nothing; and OTel's sync client wraps the stream in a generator, which ``cancel()``
+    cannot end)."""
     from opentelemetry.instrumentation.grpc import filters
 
     names = [

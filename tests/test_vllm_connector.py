@@ -454,8 +454,24 @@ def test_restarted_engine_hits_its_prefixes_in_every_tier(stack):
     wait_until(lambda: len(engine_leases()) == 2, 30, "the killed engine's leases expiring")
     a.start()
     fillers = [prompt(100 + i, 1000) for i in range(12)]  # 31 blocks each: the pool holds 160, the host 128
-    filler_outputs = [b.complete(tokens) for tokens in fillers]
-    wait_until(lambda: held_tokens(stack, PREFIX)[2] >= 1088, 60, "the long prefix written to the disk tier")
+    filler_outputs = []
+    for tokens in fillers:
+        filler_outputs.append(b.complete(tokens))
+        # The disk writer keeps up on a loaded machine too: a block offered while its queue is full
+        # is skipped (counted), and the prefix must reach the disk whole.
+        wait_until(lambda: disk_queue_depth(stack) == 0, 60, "the disk writer's queue drained")
+    held: list = []  # (device, host, disk) tokens of the prefix, last seen: named if it never gets there
+
+    def on_disk() -> bool:
+        held[:] = [held_tokens(stack, PREFIX), tier_rows(stack)]
+        return held[0][2] >= 1088
+
+    try:
+        wait_until(on_disk, 60, "the long prefix written to the disk tier")
+    except AssertionError as e:
+        raise AssertionError(
+            f"{e}; its (device, host, disk) tokens, the tiers (medium, blocks, skipped): {held}"
+        ) from None
     a.wait_ready()
     before = a.external_hits()
     assert a.complete(PREFIX, max_tokens=16) == OUTPUTS["prefix"]
@@ -474,6 +490,23 @@ def test_restarted_engine_hits_its_prefixes_in_every_tier(stack):
     wait_until(lambda: len(engine_leases()) == 4 and len(old_leases & engine_leases()) == 2, 30,
                "the killed engine's leases expiring")  # fmt: skip
     wait_until(lambda: all(lease.num_sequences == 0 for lease in leases(stack)), 30, "every sequence freed")
+
+
+def tier_rows(stack) -> list[tuple[str, int, int]]:
+    """(medium, blocks, skipped blocks) of each tier below the pool."""
+    client = cache_client(stack)
+    try:
+        return [(t.medium, t.num_blocks, t.num_skipped_blocks) for t in client.get_stats().tiers]
+    finally:
+        client.close()
+
+
+def disk_queue_depth(stack) -> int:
+    client = cache_client(stack)
+    try:
+        return sum(t.write_queue_depth for t in client.get_stats().tiers if t.medium == "disk")
+    finally:
+        client.close()
 
 
 def leases(stack):
