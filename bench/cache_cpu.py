@@ -22,7 +22,7 @@ service is idle again (what its calls left to do is theirs). Each run starts a f
 --runs N takes medians. --follower adds a process reading WatchEventBatches from the first event
 without token ids, as a vLLM engine's block_index does (its CPU per saved request printed too):
 the service then streams every block event, the ones ready a message; --per-event reads
-WatchEvents instead (one gRPC message an event: the stream a router reads).
+WatchEvents instead (one gRPC message an event).
 
     python bench/cache_cpu.py                 # 3 runs (~1 min)
     python bench/cache_cpu.py --quick         # 1 run
@@ -178,7 +178,7 @@ def start_follower(address: str, token: str, per_event: bool) -> mp.Process:
     proc = ctx.Process(target=follow, args=(address, token, ready, per_event), daemon=True)
     proc.start()
     if not ready.wait(120):
-        raise TimeoutError("the WatchEvents follower did not start")
+        raise TimeoutError("the event follower did not start")
     return proc
 
 

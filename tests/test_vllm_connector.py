@@ -453,7 +453,9 @@ def test_restarted_engine_hits_its_prefixes_in_every_tier(stack):
     # the prefix's blocks until then, and blocks released during the fillers would outlive them.
     wait_until(lambda: len(engine_leases()) == 2, 30, "the killed engine's leases expiring")
     a.start()
-    fillers = [prompt(100 + i, 1000) for i in range(12)]  # 31 blocks each: the pool holds 160, the host 128
+    # 31 blocks each: the pool holds 160, the host 128. 16 of them push the prefix down with a margin
+    # of five (a filler that finished before its pool blocks were answered is not saved).
+    fillers = [prompt(100 + i, 1000) for i in range(16)]
     filler_outputs = []
     for tokens in fillers:
         filler_outputs.append(b.complete(tokens))
@@ -469,8 +471,10 @@ def test_restarted_engine_hits_its_prefixes_in_every_tier(stack):
     try:
         wait_until(on_disk, 60, "the long prefix written to the disk tier")
     except AssertionError as e:
+        saved = [sum(held_tokens(stack, tokens)) for tokens in fillers]
         raise AssertionError(
-            f"{e}; its (device, host, disk) tokens, the tiers (medium, blocks, skipped): {held}"
+            f"{e}; its (device, host, disk) tokens, the tiers (medium, blocks, skipped): {held}; "
+            f"the fillers' tokens held: {saved}"
         ) from None
     a.wait_ready()
     before = a.external_hits()
