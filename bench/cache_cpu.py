@@ -139,12 +139,13 @@ def save_rounds(client, batches: list) -> None:
 
 
 def follow(address: str, token: str, ready, per_event: bool = False) -> None:
-    """A block-index follower (kvtier/vllm/block_index.py's loop): every event, from the first, a
-    batch per message without token ids (``per_event``: WatchEvents, a message per event); a stream
-    that ends (the follower fell behind the log) is opened again from the first event."""
+    """A block-index follower (kvtier/vllm/block_index.py's loop and its ``apply_events``): every
+    event, from the first, a batch per message without token ids (``per_event``: WatchEvents, a
+    message per event); a stream that ends (the follower fell behind the log) is opened again from
+    the first event."""
     from kvtier.cache_client import CacheClient
     from kvtier.cache_errors import CacheCallError
-    from kvtier.sequence_types import BlockStored
+    from kvtier.vllm.block_index import apply_events
 
     client = CacheClient.connect(address, token)
     while True:
@@ -156,12 +157,7 @@ def follow(address: str, token: str, ready, per_event: bool = False) -> None:
         held: dict[str, set[bytes]] = {}
         try:
             for events, _ in stream:
-                for _, event in events:
-                    medium = held.setdefault(event.medium, set())
-                    if isinstance(event, BlockStored):
-                        medium.add(event.block_hash)
-                    else:
-                        medium.discard(event.block_hash)
+                apply_events(held, events)
         except CacheCallError as e:
             print(f"follower: the stream ended ({e.code}); reopening", file=sys.stderr)
 

@@ -127,21 +127,27 @@ def stats_to_proto(snapshot: CacheSnapshot) -> cache_pb2.GetStatsResponse:
     return cache_pb2.GetStatsResponse(**scalars, leases=leases, tenants=tenants, tiers=tiers)
 
 
-def event_to_proto(event_id: int, event: BlockEvent, with_token_ids: bool = True) -> cache_pb2.CacheEvent:
-    """The CacheEvent message of one numbered event from ``EventLog.since``."""
+def event_to_proto(
+    event_id: int, event: BlockEvent, with_token_ids: bool = True, into: cache_pb2.CacheEvent | None = None
+) -> cache_pb2.CacheEvent:
+    """The CacheEvent message of one numbered event from ``EventLog.since``, built in ``into`` when
+    given (a batch's ``events.add()``: no message built and then copied into the batch)."""
+    message = cache_pb2.CacheEvent() if into is None else into
+    message.event_id = event_id
     if isinstance(event, BlockRemoved):
-        removed = cache_pb2.BlockRemoved(
-            block_hash=event.block_hash, block_id=event.block_id, medium=event.medium
-        )
-        return cache_pb2.CacheEvent(event_id=event_id, block_removed=removed)
-    stored = cache_pb2.BlockStored(
-        block_hash=event.block_hash,
-        parent_block_hash=event.parent_block_hash or b"",
-        block_id=event.block_id,
-        token_ids=event.token_ids if with_token_ids else (),
-        medium=event.medium,
-    )
-    return cache_pb2.CacheEvent(event_id=event_id, block_stored=stored)
+        removed = message.block_removed
+        removed.SetInParent()  # the oneof is set even when every field holds its default
+        removed.block_hash, removed.block_id, removed.medium = event.block_hash, event.block_id, event.medium
+        return message
+    stored = message.block_stored
+    stored.SetInParent()
+    stored.block_hash = event.block_hash
+    stored.parent_block_hash = event.parent_block_hash or b""
+    stored.block_id = event.block_id
+    if with_token_ids:
+        stored.token_ids.extend(event.token_ids)
+    stored.medium = event.medium
+    return message
 
 
 class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
@@ -310,9 +316,9 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         omit = request.omit_token_ids
         async for chunk, caught_up in self._event_chunks(request.since_event_id, context):
             batch = cache_pb2.WatchEventBatchesResponse(caught_up=caught_up)
-            add = batch.events.append
+            add = batch.events.add
             for event_id, event in chunk:
-                add(event_to_proto(event_id, event, with_token_ids=not omit))
+                event_to_proto(event_id, event, not omit, add())
             yield batch
 
     async def _event_chunks(self, since_event_id: int, context):

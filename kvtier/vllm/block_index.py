@@ -114,18 +114,23 @@ class BlockIndex:
                             f"medium {shared[0]} is shared across nodes" if shared
                             else f"the cache's events before {first} were dropped",
                         )  # fmt: skip
-                held = self._held
-                for _, event in events:
-                    hashes = held.get(event.medium)
-                    if hashes is None:
-                        hashes = held[event.medium] = set()
-                    if isinstance(event, BlockStored):
-                        hashes.add(event.block_hash)
-                    else:
-                        hashes.discard(event.block_hash)
+                apply_events(self._held, events)
                 last = events[-1].event_id
             if replayed and caught_up:
                 self.complete = True
+
+
+def apply_events(held: dict[str, set[BlockHash]], events) -> None:
+    """Numbered events (``CacheEvent``s) on ``held`` (medium -> the hashes it holds): BlockStored
+    adds its hash to its medium's set, BlockRemoved drops it."""
+    for _, event in events:
+        hashes = held.get(event.medium)
+        if hashes is None:
+            hashes = held[event.medium] = set()
+        if isinstance(event, BlockStored):
+            hashes.add(event.block_hash)
+        else:
+            hashes.discard(event.block_hash)
 
 
 def _across_nodes(name: str) -> bool:
