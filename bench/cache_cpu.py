@@ -139,12 +139,13 @@ def save_rounds(client, batches: list) -> None:
 
 
 def follow(address: str, token: str, ready, per_event: bool = False) -> None:
-    """A block-index follower (kvtier/vllm/block_index.py's loop and its ``apply_events``): every
-    event, from the first, a batch per message without token ids (``per_event``: WatchEvents, a
-    message per event); a stream that ends (the follower fell behind the log) is opened again from
-    the first event."""
+    """A block-index follower (kvtier/vllm/block_index.py's loop and its ``apply_events``): the
+    blocks held when it opens, then every event after, a batch per message without token ids
+    (``per_event``: WatchEvents from the first kept event, a message per event); a stream that
+    ends (the follower fell behind the log) is opened again."""
     from kvtier.cache_client import CacheClient
     from kvtier.cache_errors import CacheCallError
+    from kvtier.sequence_types import HeldBatch
     from kvtier.vllm.block_index import apply_events
 
     client = CacheClient.connect(address, token)
@@ -152,12 +153,16 @@ def follow(address: str, token: str, ready, per_event: bool = False) -> None:
         if per_event:
             stream = (([event], False) for event in client.watch_events(since_event_id=0))
         else:
-            stream = client.watch_event_batches(since_event_id=0, omit_token_ids=True)
+            stream = client.watch_event_batches(omit_token_ids=True, start_with_held=True)
         ready.set()
         held: dict[str, set[bytes]] = {}
         try:
-            for events, _ in stream:
-                apply_events(held, events)
+            for batch in stream:
+                if isinstance(batch, HeldBatch):  # the blocks held when it opened
+                    for name, hashes in batch.held:
+                        held.setdefault(name, set()).update(hashes)
+                else:
+                    apply_events(held, batch[0])
         except CacheCallError as e:
             print(f"follower: the stream ended ({e.code}); reopening", file=sys.stderr)
 

@@ -204,7 +204,7 @@ def report(args, ttft: dict[str, float], ratios: list[float], rates: dict[str, f
     )
 
 
-def main() -> int:
+def arguments() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="3 TTFT rounds, 4 throughput pairs")
     ap.add_argument("--hidden", type=int, default=256)
@@ -221,8 +221,14 @@ def main() -> int:
                     help="the copy rates only (no engine: runs without vLLM, as on a GPU machine without its build)")  # fmt: skip
     ap.add_argument("--attribute", action="store_true",
                     help="no TTFT: the no-reuse throughput of C, B, and the connector's saves or lookups alone")  # fmt: skip
+    ap.add_argument("--num-blocks", type=int, help="the cache service's pool blocks (default: 512 MiB of them, "
+                    "4,096 for the default model: the pool fills in a full run's later pairs)")  # fmt: skip
     ap.add_argument("--log-dir", type=Path, help="keep the engines' and the cache service's logs here")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> int:
+    args = arguments()
     rounds, pairs = (3, args.pairs or 4) if args.quick else (5, args.pairs or 10)
     import torch
 
@@ -249,7 +255,7 @@ def main() -> int:
         env = {**os.environ, "KVTIER_RUN_DIR": str(run_dir), "KVTIER_TOKEN": token, "VLLM_CPU_KVCACHE_SPACE": "1",
                "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(args.engine_threads),
                "PYTHONUNBUFFERED": "1"}  # fmt: skip
-        num_blocks = max(512, min(4096, (512 << 20) // (kv_token_bytes * BLOCK_SIZE)))
+        num_blocks = args.num_blocks or max(512, min(4096, (512 << 20) // (kv_token_bytes * BLOCK_SIZE)))
         cache_args = ["--model", str(model), "--block-size", str(BLOCK_SIZE), "--kv-cache-dtype", "float32",
                       "--num-blocks", str(num_blocks), "--compute-replicas", "0"]  # fmt: skip
         stack = LocalStack(run_dir, cache_args=cache_args, num_replicas=0, env=env)

@@ -223,6 +223,17 @@ class CacheNode:
 
     # ------------------------------------------------------------ observation
 
+    def held_blocks(self) -> tuple[int, list[tuple[str, list[bytes]]]]:
+        """The newest event's id and, as of it, the index keys each medium holds (the device's
+        published blocks, then each lower tier's ``held_now``; of a medium shared across nodes, those
+        this node knows the store holds): what a follower that applied every event up to it holds."""
+        self._logged(None)  # the tiers' events so far are in the log, numbered before the id
+        media = [(DEVICE, list(self.sequences.block_manager.prefix_index))]
+        lower = self.sequences.lower_tiers
+        if lower is not None:
+            media += [(t.medium.name, t.held_now()) for t in lower.tiers]
+        return self.events.last_event_id, media
+
     def snapshot(self) -> CacheSnapshot:
         """The numbers GetStats reports and the metrics export. O(sequences + leases)."""
         seqs = self.sequences

@@ -15,6 +15,7 @@ import grpc
 
 from kvtier import status
 from kvtier.api import cache_pb2, cache_pb2_grpc
+from kvtier.block_hash import hash_preimage
 from kvtier.cachesvc.errors import (
     CacheError,
     ExceedsLimit,
@@ -26,7 +27,7 @@ from kvtier.cachesvc.errors import (
     ResourceExhausted,
     TenantLimit,
 )
-from kvtier.cachesvc.events import BlockEvent, BlockRemoved, EventGap
+from kvtier.cachesvc.events import BlockEvent, BlockRemoved, EventGap, EventLog
 from kvtier.cachesvc.node import CacheNode, CacheSnapshot
 from kvtier.cachesvc.validation import (
     MAX_LEASE_ID_BYTES,
@@ -99,6 +100,23 @@ def _lease_id(request) -> str:
 
 # Events an event stream builds at a time from the log (WatchEventBatches: at most this many a message).
 WATCH_CHUNK = 256
+HELD_CHUNK = 4096  # block hashes a held message carries at most (~150 KB)
+
+
+def held_batches(as_of: int, media: list[tuple[str, list[bytes]]], events: EventLog):
+    """WatchEventBatches' held messages: the hashes of the index keys ``media`` holds (medium,
+    keys; ``CacheNode.held_blocks``) as of event ``as_of``, HELD_CHUNK a message, hashed as each
+    message is built (the loop serves other calls between them); the last has ``held_end``, and
+    ``caught_up`` when no event came after ``as_of`` meanwhile. At least one message, even for none."""
+    pieces = [(m, keys[i : i + HELD_CHUNK]) for m, keys in media for i in range(0, len(keys), HELD_CHUNK)]
+    for n, (medium, keys) in enumerate(pieces or [("", [])]):
+        batch = cache_pb2.WatchEventBatchesResponse(held_as_of_event_id=as_of)
+        if keys:
+            batch.held.add(medium=medium, block_hashes=[hash_preimage(k) for k in keys])
+        if n == len(pieces) - 1 or not pieces:
+            batch.held_end = True
+            batch.caught_up = events.last_event_id <= as_of
+        yield batch
 
 
 def _add_blocks(sequences, blocks: list[SequenceBlocks]) -> None:
@@ -312,18 +330,29 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
 
     async def WatchEventBatches(self, request, context):
         """WatchEvents' events, one message per chunk the log gives (``_event_chunks``): all the
-        events that are ready when it is sent, up to WATCH_CHUNK; without token ids if asked."""
-        omit = request.omit_token_ids
-        async for chunk, caught_up in self._event_chunks(request.since_event_id, context):
+        events that are ready when it is sent, up to WATCH_CHUNK; without token ids if asked.
+        ``start_with_held``: first the blocks held now (``held_batches``), then the events after."""
+        omit, held = request.omit_token_ids, request.start_with_held
+        if held and request.since_event_id:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"start_with_held begins with the blocks held now: since_event_id must be 0, not "
+                f"{request.since_event_id} (or leave start_with_held false to resume after an event)",
+            )
+        async for chunk, caught_up in self._event_chunks(request.since_event_id, context, held):
+            if isinstance(chunk, cache_pb2.WatchEventBatchesResponse):
+                yield chunk  # a held message
+                continue
             batch = cache_pb2.WatchEventBatchesResponse(caught_up=caught_up)
             add = batch.events.add
             for event_id, event in chunk:
                 event_to_proto(event_id, event, not omit, add())
             yield batch
 
-    async def _event_chunks(self, since_event_id: int, context):
+    async def _event_chunks(self, since_event_id: int, context, start_with_held: bool = False):
         """Chunks of the events after ``since_event_id``, read from the shared log as they come,
-        each with whether it ends at the newest event (``caught_up``).
+        each with whether it ends at the newest event (``caught_up``); with ``start_with_held``,
+        first the held messages (``held_batches``) and then the events after them.
 
         A stream holds one chunk of events (WATCH_CHUNK), never its backlog: that stays in the
         log, which keeps the newest events for every stream. A reader that falls behind the log
@@ -339,6 +368,10 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         try:
             events = self.node.events
             next_id = since_event_id
+            if start_with_held:  # taken in this loop turn: no event slips between them and next_id
+                next_id, media = self.node.held_blocks()
+                for batch in held_batches(next_id, media, events):
+                    yield batch, batch.caught_up
             while True:
                 try:
                     chunk = events.since(next_id, WATCH_CHUNK)

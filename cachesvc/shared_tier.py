@@ -143,11 +143,14 @@ class SharedTier(Tier):
         return n
 
     def held(self) -> Container[bytes]:
-        """Keys the store holds, asked as the stack walks a chain: what this node knows it held
-        (it wrote it, or a lookup found it), else one bounded question to the store per key (a
-        miss ends the walk, so a prompt the store lacks costs one; the breaker open: none). As
-        the default tenant; ``held_for`` as another."""
+        """Keys the store holds, asked as the stack walks a chain: those this node knows it held
+        (it wrote them, or a lookup found them), else one bounded question to the store per key (a
+        miss ends the walk; the breaker open: none). As the default tenant; ``held_for`` as another."""
         return self._view
+
+    def held_now(self) -> list[bytes]:  # what this node knows the store holds: held() would ask it
+        with self._lock:
+            return list(self._known)
 
     def held_for(self, tenant: str) -> Container[bytes]:
         return _StoreView(self, tenant) if tenant else self._view
@@ -173,8 +176,7 @@ class SharedTier(Tier):
             self._announce(False, dropped)
 
     def _announce(self, stored: bool, keys: Sequence[bytes]) -> None:
-        """One event record: ``keys`` written to the store (``stored``), or keys this node no
-        longer says the store holds."""
+        """One event record: ``keys`` written to the store (``stored``), or no longer said held."""
         if keys:
             self._events.append((tier_kind(stored, self.medium.name), tuple(keys), (-1,) * len(keys)))
 

@@ -57,6 +57,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Container, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
@@ -143,6 +144,14 @@ class Tier(ABC):
     def held(self) -> Container[bytes]:
         """A live, read-only view of the keys ``lookup`` answers HIT for: ``key in held()`` is the
         hot path's question (every Allocate's miss asks it per block), so it must be cheap."""
+
+    lock: AbstractContextManager = nullcontext()  # held while the tier's own threads change its index
+
+    def held_now(self) -> list[bytes]:
+        """The keys held now, a list (WatchEventBatches' held blocks): ``held()`` copied under the
+        tier's ``lock`` (the disk's writer thread changes its index)."""
+        with self.lock:
+            return list(self.held())
 
     @abstractmethod
     def submit_store(self, blocks: Blocks, pass_down: bool = False) -> Blocks | None:

@@ -2,11 +2,12 @@
 and its live figures, read from GetStats.
 
 The index is the set of block hashes the node's cache holds per medium (``kvtier.media``: the
-device, then each medium below it), fed by its ``WatchEventBatches`` stream (every event ready in
-one message; BlockStored adds to its medium's set, BlockRemoved drops from it; a block may be on
-several tiers at once). A stream that fails, drops events (OUT_OF_RANGE) or
-restarts (a new cache: event ids start over) is reopened from 0 with an empty index, so the kept
-events are replayed; while it is not synced a hit is asked with ``LookupPrefix`` (one RPC,
+device, then each medium below it), fed by its ``WatchEventBatches`` stream: first the blocks the
+node holds (``start_with_held``: as of one event, on each of its media), then every
+event ready in one message (BlockStored adds to its medium's set, BlockRemoved drops from it; a
+block may be on several tiers at once). A stream that fails, drops events (OUT_OF_RANGE) or
+restarts (a new cache: event ids start over) is reopened with an empty index, which the held
+blocks fill again; until they have arrived (not synced) a hit is asked with ``LookupPrefix`` (one RPC,
 bounded by ``LOOKUP_TIMEOUT_S``). GetStats is read every ``STATS_PERIOD_S``; a node that does not
 answer is down for ``DOWN_S`` and polled until it answers. Every call goes through
 ``kvtier.cache_client.CacheClient`` (the node credential, TLS when a CA is given).
@@ -27,7 +28,7 @@ from kvtier.cache_errors import CacheCallError
 from kvtier.gateway.discovery import Node
 from kvtier.gateway.node_load import NodeLoad
 from kvtier.media import LOWER_MEDIA, Medium
-from kvtier.sequence_types import BlockRemoved, BlockStored
+from kvtier.sequence_types import BlockRemoved, BlockStored, HeldBatch
 
 log = logging.getLogger("kvtier.gateway.router")
 
@@ -207,8 +208,8 @@ async def _follow_events(state: NodeState, count: Callable[[str], None]) -> None
     """Keep ``state.hashes`` equal to the node's cached blocks, from its WatchEventBatches stream."""
     backoff = RESYNC_BACKOFF_S[0]
     while True:
-        # (Re)start from 0 with an empty index: after a gap, a broken stream or a restarted
-        # cache, the kept events are the only truth we can replay.
+        # (Re)start with an empty index: after a gap, a broken stream or a restarted cache, the
+        # held blocks and the events after them are the truth.
         for held in (state.hashes, *state.below.values()):
             held.clear()
         state.last_event_id = 0
@@ -216,14 +217,22 @@ async def _follow_events(state: NodeState, count: Callable[[str], None]) -> None
         try:
             # Batched (every event ready in one message, no token ids): a message per event cost
             # the cache service more CPU than the calls it indexes (bench/cache_cpu.py --follower).
-            stream = state.cache.watch_event_batches(since_event_id=0, omit_token_ids=True)
-            state.synced = True
-            async for events, _ in stream:
+            # It begins with the blocks the node holds (as of one event), then the events after.
+            stream = state.cache.watch_event_batches(omit_token_ids=True, start_with_held=True)
+            async for batch in stream:
                 backoff = RESYNC_BACKOFF_S[0]
+                if isinstance(batch, HeldBatch):
+                    for medium_name, hashes in batch.held:
+                        state.index(medium_name).update(hashes)
+                    if batch.end:
+                        state.last_event_id, state.synced = batch.as_of, True
+                    continue
+                events = batch.events
                 if not events:
                     continue
                 if events[0].event_id <= state.last_event_id:
                     break  # ids went back: the cache restarted; resync
+                state.synced = True  # (a cache that sends no held blocks replays its kept events)
                 for _, event in events:
                     apply_event(state, event)
                 state.last_event_id = events[-1].event_id

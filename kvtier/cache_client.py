@@ -47,6 +47,7 @@ from kvtier.sequence_types import (
     CommitItem,
     EventBatch,
     ExtendItem,
+    HeldBatch,
     LeaseGrant,
     PrefixHit,
     ReleaseItem,
@@ -347,12 +348,17 @@ class CacheClient:
         return EventStream(self.stub.WatchEvents(req, metadata=self.metadata, timeout=timeout_s))
 
     def watch_event_batches(
-        self, since_event_id: int = 0, omit_token_ids: bool = False, timeout_s: float | None = None
-    ) -> EventBatchStream:
+        self, since_event_id: int = 0, omit_token_ids: bool = False, timeout_s: float | None = None,
+        start_with_held: bool = False,
+    ) -> EventBatchStream:  # fmt: skip
         """``watch_events``' events a list per message (those the service had ready when it sent
         it): for a follower of every block, far fewer messages. ``omit_token_ids``: BlockStored
-        events come without their token ids (``[]``)."""
-        req = cache_pb2.WatchEventBatchesRequest(since_event_id=since_event_id, omit_token_ids=omit_token_ids)
+        events come without their token ids (``[]``). ``start_with_held`` (``since_event_id`` 0):
+        first the blocks held now on this node's media (``HeldBatch``es, up to one with ``end``),
+        then the events after them: complete without the log's whole history."""
+        req = cache_pb2.WatchEventBatchesRequest(
+            since_event_id=since_event_id, omit_token_ids=omit_token_ids, start_with_held=start_with_held
+        )
         return EventBatchStream(self.stub.WatchEventBatches(req, metadata=self.metadata, timeout=timeout_s))
 
 
@@ -399,10 +405,14 @@ class EventStream:
 
 class EventBatchStream(EventStream):
     """A WatchEventBatches stream: each item an ``EventBatch``, its events oldest first, and
-    whether the last was the service's newest event when it was sent (``caught_up``)."""
+    whether the last was the service's newest event when it was sent (``caught_up``); asked
+    ``start_with_held``, ``HeldBatch``es first."""
 
     def _value(self, message):
         events = [e for e in map(event_from_proto, message.events) if e is not None]
+        if message.held_as_of_event_id or message.held_end:
+            held = [(h.medium, list(h.block_hashes)) for h in message.held]  # BlockHash is bytes
+            return HeldBatch(held, message.held_as_of_event_id, message.held_end, message.caught_up)
         return EventBatch(events, message.caught_up) if events or message.caught_up else None
 
 

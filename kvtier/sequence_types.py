@@ -154,6 +154,17 @@ class EventBatch(NamedTuple):
     caught_up: bool
 
 
+class HeldBatch(NamedTuple):
+    """A WatchEventBatches held message (asked ``start_with_held``): blocks held as of event
+    ``as_of``, by medium (its name, their hashes); the last has ``end``, and ``caught_up`` when no
+    event came after ``as_of`` before it was sent. The stream's EventBatches follow."""
+
+    held: list[tuple[str, list[BlockHash]]]
+    as_of: int
+    end: bool
+    caught_up: bool
+
+
 # ---------------------------------------------------------------- GetStats
 
 

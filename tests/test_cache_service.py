@@ -25,7 +25,7 @@ from servers import REPO, TOKEN, cache_service, child_env, stats_without_clock, 
 from kvtier.cache_client import AllocateItem, CacheClient
 from kvtier.cache_errors import CacheCallError, CacheUnavailable
 from kvtier.pool import attach_pool
-from kvtier.sequence_types import BlockRemoved, BlockStored, CacheEvent
+from kvtier.sequence_types import BlockRemoved, BlockStored, CacheEvent, EventBatch, HeldBatch
 from kvtier.status import LEASE_EXPIRED
 
 BLOCK = 16
@@ -329,6 +329,49 @@ def test_watch_events_reports_evicted_blocks_as_removed_and_watch_event_batches_
             assert [getattr(e.event, "token_ids", None) for e in batch[:4]] == (
                 [[]] * 4 if omit else [e.token_ids for e in stored]
             )
+        c.close()
+
+
+def test_a_stream_started_with_the_held_blocks_holds_what_a_replay_of_every_event_holds(tmp_path):
+    from kvtier.vllm.block_index import apply_events
+
+    with cache_service(tmp_path, "--num-blocks", "4") as svc:
+        c = CacheClient.connect(svc.address, TOKEN)
+        c.attach("follower")
+        for fill in (1, 2):  # the second chain evicts the first to the host tier
+            seq = c.allocate([[fill] * 64])[0]
+            c.commit([(seq.sequence_id, [], 64)])
+            c.free([seq.sequence_id])
+        replayed: dict[str, set[bytes]] = {}
+        batches = c.watch_event_batches(0, omit_token_ids=True, timeout_s=30)
+        for batch in batches:
+            apply_events(replayed, batch.events)
+            if batch.caught_up:
+                break
+        batches.cancel()
+        last = batch.events[-1].event_id
+        stream = c.watch_event_batches(omit_token_ids=True, start_with_held=True, timeout_s=30)
+        held = [next(stream)]
+        while not held[-1].end:
+            held.append(next(stream))
+        assert all(isinstance(b, HeldBatch) for b in held) and held[-1].caught_up
+        assert {b.as_of for b in held} == {last}
+        got: dict[str, set[bytes]] = {}
+        for b in held:
+            for medium, hashes in b.held:
+                got.setdefault(medium, set()).update(hashes)
+        assert got == {m: h for m, h in replayed.items() if h} and len(got["device"]) == len(got["host"]) == 4
+        seq = c.allocate([[3] * 64])[0]  # what happens next follows the held blocks
+        after = next(stream)
+        stream.cancel()
+        assert isinstance(after, EventBatch) and after.events[0].event_id == last + 1
+        # Held blocks are the present: resuming after an event is since_event_id's job alone.
+        with pytest.raises(CacheCallError) as refused:
+            next(c.watch_event_batches(3, start_with_held=True, timeout_s=30))
+        assert (
+            refused.value.code == "INVALID_ARGUMENT" and "since_event_id must be 0" in refused.value.details
+        )
+        c.free([seq.sequence_id])
         c.close()
 
 

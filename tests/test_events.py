@@ -176,6 +176,59 @@ def test_watch_event_batches_say_which_batch_reaches_the_newest_event() -> None:
     assert asyncio.run(scenario()) == [(1, WATCH_CHUNK, False), (WATCH_CHUNK + 1, blocks, True)]
 
 
+def test_a_stream_started_with_the_held_blocks_knows_blocks_whose_events_the_log_dropped(monkeypatch) -> None:
+    # A follower joining a cache whose log no longer keeps its first events: the held messages
+    # (HELD_CHUNK hashes each, the last marked) carry every published block, and the events that
+    # follow start right after the event they were taken at.
+    from kvtier.api import cache_pb2
+    from kvtier.cachesvc import servicer as servicer_module
+    from kvtier.cachesvc.leases import LeaseTable
+    from kvtier.cachesvc.node import CacheNode
+    from kvtier.cachesvc.sequences import SequenceTable
+    from kvtier.pool import PoolSpec
+    from kvtier.sequence_types import AllocateItem
+
+    monkeypatch.setattr(servicer_module, "HELD_CHUNK", 128)
+    blocks = 300
+
+    async def scenario():
+        table = SequenceTable(BlockManager(num_blocks=2 * blocks, block_size=BS), None, model_fingerprint="fp",
+                              vocab_size=100, max_model_len=blocks * BS)  # fmt: skip
+        spec = PoolSpec("cpu-shm", "float16", [2 * blocks, 1, 2, BS, 1, 8], [1] * 6, blocks * 256, BS)
+        servicer = servicer_module.CacheServicer(CacheNode(table, LeaseTable(60.0)), spec)
+        servicer.node.events = EventLog(BS, capacity=64)  # keeps the newest 64 events only
+
+        def commit(seed: int, chains: int) -> set[bytes]:
+            """``chains`` chains of 60 blocks, a commit (one record of 60 events) each."""
+            hashes: set[bytes] = set()
+            for chain in range(chains):
+                tokens = [seed, chain] + [i % 100 for i in range(blocks // 5 * BS - 2)]
+                (view,) = table.allocate("lease", [AllocateItem(tokens)])
+                table.commit("lease", [(view.sequence_id, [], len(tokens))])
+                servicer.node._logged(None)
+                hashes.update(hash_full_blocks(tokens, BS, extra_key("fp")))
+            return hashes
+
+        first = commit(1, 5)
+        assert servicer.node.events.since(0)[0][0] > blocks - 2 * 60  # event 1 is gone
+        request = cache_pb2.WatchEventBatchesRequest(omit_token_ids=True, start_with_held=True)
+        stream = servicer.WatchEventBatches(request, None)
+        held = [await asyncio.wait_for(anext(stream), 2.0) for _ in range(3)]
+        second = commit(2, 1)  # within what the log keeps after the held blocks' event
+        after = await asyncio.wait_for(anext(stream), 2.0)
+        await stream.aclose()
+        return first, second, held, after
+
+    first, second, held, after = asyncio.run(scenario())
+    assert [(len(m.held[0].block_hashes), m.held_end, m.held_as_of_event_id, m.caught_up) for m in held] == [
+        (128, False, blocks, False), (128, False, blocks, False), (blocks - 256, True, blocks, True)
+    ]  # fmt: skip
+    assert {m.held[0].medium for m in held} == {"device"} and not any(m.events for m in held)
+    assert {h for m in held for h in m.held[0].block_hashes} == first
+    assert [e.event_id for e in after.events] == list(range(blocks + 1, blocks + 61)) and not after.held
+    assert {e.block_stored.block_hash for e in after.events} == second
+
+
 def chain_keys(tokens: list[int]) -> tuple[list[bytes], list[bytes]]:
     """The index keys (``parent || token bytes``) and hashes of ``tokens``' full blocks."""
     data = pack_token_ids(tokens)

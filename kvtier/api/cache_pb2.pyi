@@ -380,20 +380,36 @@ class WatchEventsRequest(_message.Message):
     def __init__(self, since_event_id: _Optional[int] = ...) -> None: ...
 
 class WatchEventBatchesRequest(_message.Message):
-    __slots__ = ("since_event_id", "omit_token_ids")
+    __slots__ = ("since_event_id", "omit_token_ids", "start_with_held")
     SINCE_EVENT_ID_FIELD_NUMBER: _ClassVar[int]
     OMIT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    START_WITH_HELD_FIELD_NUMBER: _ClassVar[int]
     since_event_id: int
     omit_token_ids: bool
-    def __init__(self, since_event_id: _Optional[int] = ..., omit_token_ids: _Optional[bool] = ...) -> None: ...
+    start_with_held: bool
+    def __init__(self, since_event_id: _Optional[int] = ..., omit_token_ids: _Optional[bool] = ..., start_with_held: _Optional[bool] = ...) -> None: ...
 
 class WatchEventBatchesResponse(_message.Message):
-    __slots__ = ("events", "caught_up")
+    __slots__ = ("events", "caught_up", "held", "held_as_of_event_id", "held_end")
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     CAUGHT_UP_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    HELD_AS_OF_EVENT_ID_FIELD_NUMBER: _ClassVar[int]
+    HELD_END_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[CacheEvent]
     caught_up: bool
-    def __init__(self, events: _Optional[_Iterable[_Union[CacheEvent, _Mapping]]] = ..., caught_up: _Optional[bool] = ...) -> None: ...
+    held: _containers.RepeatedCompositeFieldContainer[HeldBlocks]
+    held_as_of_event_id: int
+    held_end: bool
+    def __init__(self, events: _Optional[_Iterable[_Union[CacheEvent, _Mapping]]] = ..., caught_up: _Optional[bool] = ..., held: _Optional[_Iterable[_Union[HeldBlocks, _Mapping]]] = ..., held_as_of_event_id: _Optional[int] = ..., held_end: _Optional[bool] = ...) -> None: ...
+
+class HeldBlocks(_message.Message):
+    __slots__ = ("medium", "block_hashes")
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    medium: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, medium: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class CacheEvent(_message.Message):
     __slots__ = ("event_id", "block_stored", "block_removed")

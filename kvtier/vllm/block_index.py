@@ -10,15 +10,16 @@ fingerprint, the request's salt and adapter at the chain's root) is on no medium
 else is asked as before (``LookupPrefix``, and the pin's ``Allocate`` before any load): the index
 only ever costs hits (a block stored a moment ago and not yet streamed), never serves one.
 
-The index answers only while it is complete: it has applied every event from the cache's first
-up to one the service sent as its newest (``caught_up``: a replay of a long log is not taken
-for the present halfway); the service keeps its newest 65,536 events, so an engine started
-later than that, or a stream that broke since, asks every prompt until the stream is reopened
-from an event 1: after a cache restart), and no medium is shared across nodes (another node's
-writes to the shared tier are announced by that node's cache only). Memory: about 100 bytes per
-block the cache holds on any medium, as the router's index (``kvtier.gateway.index_follower``,
-which kvtier.vllm may not import: the router's runs on an asyncio loop and scores whole chains
-per node; this one runs on a thread of vLLM's scheduler process and reads first blocks only).
+The stream begins with the blocks the cache holds (``start_with_held``: its held messages, as of
+one event), then the events after it, so an engine that joins a long-running cache knows every
+block without the log's whole history. The index answers only while it is complete: it has
+applied the held blocks and the events up to one the service sent as its newest (``caught_up``),
+and no medium is shared across nodes (another node's writes to the shared tier are announced by
+that node's cache only). A broken stream is reopened (the held blocks again). Memory: about 100
+bytes per block the cache holds on any medium, as the router's index
+(``kvtier.gateway.index_follower``, which kvtier.vllm may not import: the router's runs on an
+asyncio loop and scores whole chains per node; this one runs on a thread of vLLM's scheduler
+process and reads first blocks only).
 
 On by default (``block_index``). vLLM's CPU engine schedules synchronously: while its scheduler
 waits for a LookupPrefix answer (a millisecond or more on a loaded machine, longer while the
@@ -37,7 +38,7 @@ import time
 from kvtier.block_hash import BlockHash, extra_key, hash_block
 from kvtier.cache_errors import CacheCallError
 from kvtier.media import medium
-from kvtier.sequence_types import BlockStored
+from kvtier.sequence_types import BlockStored, HeldBatch
 from kvtier.vllm import LOGGER
 from kvtier.vllm.cache_link import CacheLink, name_os_thread
 
@@ -92,31 +93,39 @@ class BlockIndex:
                 time.sleep(RETRY_S)
 
     def _follow(self, client) -> None:
-        """Apply the events from the first the cache keeps; complete once they began at its very
-        first and reached its newest (the replay applied: no hash it held then is missing)."""
+        """Apply the blocks the cache holds (the held messages), then its events; complete once
+        they have reached its newest event. A cache that sends no held blocks (an older one)
+        replays its log instead: complete only if that began at its very first event."""
         self.complete = False
         self._held = {}
         shared = [t.medium for t in client.get_stats().tiers if _across_nodes(t.medium)]
-        self._stream = stream = client.watch_event_batches(since_event_id=0, omit_token_ids=True)
+        self._stream = stream = client.watch_event_batches(omit_token_ids=True, start_with_held=True)
         if self._closed:
             return
-        last, replayed = 0, False
-        for events, caught_up in stream:
-            if events:
+        last, known, held = 0, False, False
+        for batch in stream:
+            if isinstance(batch, HeldBatch):
+                for name, hashes in batch.held:
+                    self._held.setdefault(name, set()).update(hashes)
+                if batch.end:
+                    last, known, held = batch.as_of, not shared, True
+                    if shared:
+                        log.info("kvtier: every lookup is asked: medium %s is shared across nodes", shared[0])
+            elif events := batch.events:
                 first = events[0].event_id
                 if first <= last:
                     return  # ids went back: the cache restarted
-                if last == 0:
-                    replayed = first == 1 and not shared
-                    if not replayed:
+                if not held and last == 0:  # no held blocks came (an older cache): the log's replay
+                    known = first == 1 and not shared
+                    if not known:
                         log.info(
                             "kvtier: every lookup is asked: %s",
                             f"medium {shared[0]} is shared across nodes" if shared
-                            else f"the cache's events before {first} were dropped",
+                            else f"the cache sent no held blocks and its events before {first} were dropped",
                         )  # fmt: skip
                 apply_events(self._held, events)
                 last = events[-1].event_id
-            if replayed and caught_up:
+            if known and batch.caught_up:
                 self.complete = True
 
 
