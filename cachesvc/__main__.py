@@ -198,7 +198,7 @@ async def _serve_pool(cfg: CacheConfig, shape: ModelShape, plan: PoolPlan, pool,
         swap_bytes = num_host * plan.block_bytes
         metrics.describe_pool(cfg.block_size, plan.num_blocks, num_host, plan.dtype, swap_bytes, plan.backend)
         serve_metrics(metrics, cfg, log)
-    node = CacheNode(sequences, LeaseTable(cfg.lease_ttl), fence_hold_s=cfg.fence_hold_s)
+    node = CacheNode(sequences, LeaseTable(cfg.lease_ttl), cfg.fence_hold_s, cfg.event_log_events)
     kv_events = start_kv_events(cfg, node, plan.backend)
     try:
         await _run_server(cfg, node, pool, token, metrics)

@@ -56,6 +56,7 @@ class CacheConfig:
     kv_events_format: str
     max_request_bytes: int | None
     max_watch_streams: int
+    event_log_events: int
     host_cache_gib: float
     host_cache_default: bool  # host_cache_gib is the service's default (auto), not a given flag
     disk_path: str
@@ -273,6 +274,14 @@ def build_parser(prog: str = "python -m kvtier.cachesvc") -> argparse.ArgumentPa
         default=64,
         help="most WatchEvents streams open at once; one more is RESOURCE_EXHAUSTED",
     )
+    svc.add_argument(
+        "--event-log-events",
+        type=int,
+        default=65536,
+        help="newest block events kept for event streams (about 100 bytes each); a reader further "
+        "behind is ended OUT_OF_RANGE, and a follower that joins later starts with the blocks held "
+        "(WatchEventBatches' start_with_held), as vLLM engines' block indexes and the router do",
+    )
     events = p.add_argument_group(
         "KV events over ZMQ (vLLM's KV-event wire format, beside the gRPC WatchEvents stream)"
     )
@@ -320,6 +329,8 @@ def parse_config(argv: list[str] | None = None, prog: str = "python -m kvtier.ca
         parser.error(f"--fair-share-reserve must be in [0, 1], got {args.fair_share_reserve}")
     if args.max_watch_streams < 0:
         parser.error(f"--max-watch-streams must be >= 0, got {args.max_watch_streams}")
+    if args.event_log_events < 1:
+        parser.error(f"--event-log-events must be >= 1, got {args.event_log_events}")
     for flag in ("max_blocks_per_tenant", "max_blocks_per_lease"):
         if getattr(args, flag) < 0:
             parser.error(f"--{flag.replace('_', '-')} must be >= 0 (0 = no limit), got {getattr(args, flag)}")

@@ -65,13 +65,20 @@ class CacheNode:
     causes are in ``events`` when it returns.
     """
 
-    def __init__(self, sequences: SequenceTable, leases: LeaseTable, fence_hold_s: float = 120.0) -> None:
+    def __init__(
+        self,
+        sequences: SequenceTable,
+        leases: LeaseTable,
+        fence_hold_s: float = 120.0,
+        event_log_events: int = 65536,
+    ) -> None:
         """``fence_hold_s``: how long past its release an expired lease's unwritten blocks stay
-        fenced (see ``release_expired_leases``)."""
+        fenced (see ``release_expired_leases``); ``event_log_events``: the newest events the log
+        keeps (``--event-log-events``)."""
         self.sequences = sequences
         self.leases = leases
         self.fence_hold_s = fence_hold_s
-        self.events = EventLog(sequences.block_size)
+        self.events = EventLog(sequences.block_size, event_log_events)
         self._logged(None)  # what the tiers announced as they opened (the disk tier's records)
 
     def _logged(self, result):

@@ -195,8 +195,8 @@ def test_a_stream_started_with_the_held_blocks_knows_blocks_whose_events_the_log
         table = SequenceTable(BlockManager(num_blocks=2 * blocks, block_size=BS), None, model_fingerprint="fp",
                               vocab_size=100, max_model_len=blocks * BS)  # fmt: skip
         spec = PoolSpec("cpu-shm", "float16", [2 * blocks, 1, 2, BS, 1, 8], [1] * 6, blocks * 256, BS)
-        servicer = servicer_module.CacheServicer(CacheNode(table, LeaseTable(60.0)), spec)
-        servicer.node.events = EventLog(BS, capacity=64)  # keeps the newest 64 events only
+        node = CacheNode(table, LeaseTable(60.0), event_log_events=64)  # keeps the newest 64 events only
+        servicer = servicer_module.CacheServicer(node, spec)
 
         def commit(seed: int, chains: int) -> set[bytes]:
             """``chains`` chains of 60 blocks, a commit (one record of 60 events) each."""

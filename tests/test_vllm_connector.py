@@ -236,19 +236,10 @@ def vllm_request(rid: str, tokens: list[int], salt: str | None = None):
     return Request(rid, tokens, SamplingParams(max_tokens=1), None, cache_salt=salt)
 
 
-def own_cache_service(model_dirs, tmp_path: Path):
+def own_cache_service(model_dirs, tmp_path: Path, *extra: str):
     """A small cache service of the test's own (64 blocks, a lease lasting a minute: it is SIGSTOPped)."""
-    args = [
-        "--model",
-        str(model_dirs[0]),
-        "--block-size",
-        str(BLOCK_SIZE),
-        "--num-blocks",
-        "64",
-        "--lease-ttl",
-        "60",
-    ]
-    return cache_service(tmp_path / "run", *args)
+    args = ["--model", str(model_dirs[0]), "--block-size", str(BLOCK_SIZE), "--num-blocks", "64"]
+    return cache_service(tmp_path / "run", *args, "--lease-ttl", "60", *extra)
 
 
 def commit(client: CacheClient, tokens: list[int], salt: str = "") -> None:
@@ -286,31 +277,53 @@ def test_scheduler_answers_a_held_prefix_in_its_first_ask_with_a_long_lookup_wai
         link.close()
 
 
-def test_by_default_a_prompt_whose_first_block_the_cache_never_announced_is_a_miss_without_a_call(
-    stack, tmp_path
-):
-    """The block index is on by default: once it has replayed the cache's events up to the newest, a
-    prompt whose first block was never stored is answered 0 on arrival (no LookupPrefix, no wait),
-    and one whose first block is held is still asked (and its hit counted)."""
-    link, lookups = scheduler_side(stack["cache"].address, tmp_path, "kv_consumer", lookup_wait_ms=60_000)
+def index_answers(address: str, tmp_path: Path, held_tokens: list[int], hit: int) -> None:
+    """A kv_consumer scheduler side's block index, once complete, answers a never-stored prompt 0
+    on arrival (no LookupPrefix, no wait) and asks ``held_tokens`` (whose first block the cache
+    holds), which hits ``hit`` tokens."""
+    link, lookups = scheduler_side(address, tmp_path, "kv_consumer", lookup_wait_ms=60_000)
     try:
-        index = lookups._index
-        wait_until(lambda: index.complete, 60, "the block index to catch up with the cache's events")
-        fresh, held = vllm_request("fresh", prompt(400, 300)), vllm_request("held", PREFIX)
+        wait_until(lambda: lookups._index.complete, 60, "the block index to catch up with the cache")
+        fresh, held = vllm_request("fresh", prompt(400, 300)), vllm_request("held", held_tokens)
         for request in (fresh, held):
             lookups.on_new_request(request)
         assert lookups.stats["index_misses"] == 1 and lookups.stats["asked"] == 1, lookups.stats
         assert lookups.num_new_matched_tokens(fresh, 0) == (0, False)
-        assert lookups.num_new_matched_tokens(held, 0) == (
-            (LONG_PREFIX - 1) // BLOCK_SIZE * BLOCK_SIZE,
-            False,
-        )
+        assert lookups.num_new_matched_tokens(held, 0) == (hit, False)
         for request in (fresh, held):
             lookups.update_state_after_alloc(request, [], 0)  # not loaded after all: the pin is freed
             lookups.request_finished(request)
     finally:
         lookups.close()
         link.close()
+
+
+def test_by_default_a_prompt_whose_first_block_the_cache_never_announced_is_a_miss_without_a_call(
+    stack, tmp_path
+):
+    """The block index is on by default: once it has the blocks the cache holds and the events up
+    to the newest, a prompt whose first block was never stored is answered 0 on arrival (no
+    LookupPrefix, no wait), and one whose first block is held is still asked (and its hit counted)."""
+    index_answers(stack["cache"].address, tmp_path, PREFIX, (LONG_PREFIX - 1) // BLOCK_SIZE * BLOCK_SIZE)
+
+
+def test_with_a_short_event_log_an_engine_joining_later_still_answers_misses_from_the_held_blocks(
+    model_dirs, tmp_path
+):
+    """A cache that has run a while keeps only its newest events (here 64: --event-log-events, not
+    the default): an engine's block index starts from the blocks the cache holds (WatchEventBatches'
+    start_with_held), so it is complete at once. A never-stored first block is a miss without a
+    call; a chain whose events the log dropped (now in the host tier) is still asked, and hits."""
+    with own_cache_service(model_dirs, tmp_path, "--event-log-events", "64") as cache:
+        client = CacheClient.connect(cache.address, TOKEN, timeout_s=10.0)
+        client.attach("test-publisher")
+        old = prompt(500, 8 * BLOCK_SIZE + 1)
+        for seed in [None, *range(600, 610)]:  # 88 blocks, 64 in the pool
+            commit(client, old if seed is None else prompt(seed, 8 * BLOCK_SIZE + 1))
+        oldest = next(client.watch_event_batches(0, omit_token_ids=True, timeout_s=30)).events[0].event_id
+        assert oldest > 8, f"the log still keeps event {oldest}: old's BlockStored events were not dropped"
+        client.close()
+        index_answers(cache.address, tmp_path, old, 8 * BLOCK_SIZE)
 
 
 def test_a_consumer_engine_only_loads_and_a_producer_only_saves(stack, tmp_path):
