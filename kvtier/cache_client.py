@@ -409,10 +409,10 @@ class EventBatchStream(EventStream):
     ``start_with_held``, ``HeldBatch``es first."""
 
     def _value(self, message):
-        events = [e for e in map(event_from_proto, message.events) if e is not None]
-        if message.held_as_of_event_id or message.held_end:
+        if message.held_as_of_event_id or message.held_end:  # a held message: no events
             held = [(h.medium, list(h.block_hashes)) for h in message.held]  # BlockHash is bytes
             return HeldBatch(held, message.held_as_of_event_id, message.held_end, message.caught_up)
+        events = [e for e in map(event_from_proto, message.events) if e is not None]
         return EventBatch(events, message.caught_up) if events or message.caught_up else None
 
 
