@@ -205,12 +205,20 @@ def wait_saved(cache_address: str, token: str, prompt: list[int]) -> None:
 
 
 def copy_rates(
-    num_layers: int, heads: int, head_dim: int, device: str, blocks: int, repeats: int = 7
+    num_layers: int,
+    heads: int,
+    head_dim: int,
+    device: str,
+    blocks: int,
+    repeats: int = 7,
+    pool_blocks: int = 0,
 ) -> dict[str, float]:
     """GB/s of the connector's loads and saves of `blocks` blocks (float32) against a plain copy of
     the same bytes, and the load's ms. On CPU with vLLM's CPU layout, learned from its write op; on
     a GPU (device to device) with its FlashAttention layout (``FlashWrite``: vLLM's CUDA build is
-    not installed there). The ids are consecutive on both sides, as a fresh request's blocks mostly are."""
+    not installed there). The ids are consecutive on both sides, as a fresh request's blocks mostly are.
+    These copies repeat on the same blocks (in the CPU's caches after the first); on CPU with
+    ``pool_blocks``, ``cold_save_rates`` too."""
     import torch
 
     from kvtier.pool import private_pool
@@ -245,9 +253,12 @@ def copy_rates(
 
     load_s = timed(lambda: copier.load(pool, pool_ids, vllm_ids))
     save_s = timed(lambda: copier.save(pool, pool_ids, vllm_ids))
-    memcpy_s = timed(lambda: flat_dst.index_copy_(0, p_t, flat_src.index_select(0, v_t)))
+    rows = flat_src.index_select(0, v_t)  # gathered beforehand: the floor is one pass over the bytes
+    memcpy_s = timed(lambda: flat_dst.index_copy_(0, p_t, rows))
     size = blocks * copier.block_bytes
+    cold = cold_save_rates(copier, vllm_ids, pool_blocks, repeats) if device == "cpu" and pool_blocks else {}
     return {
+        **cold,
         "layout": "permuted" if any(g is not None for g in copier.gathers) else "as kvtier's",
         "load_gbs": size / load_s / 1e9,
         "load_ms": load_s * 1e3,
@@ -255,3 +266,42 @@ def copy_rates(
         "save_ms": save_s * 1e3,
         "memcpy_gbs": size / memcpy_s / 1e9,
     }
+
+
+def cold_save_rates(copier, vllm_ids: list[int], pool_blocks: int, repeats: int) -> dict[str, float]:
+    """Saves as an engine makes them: into a shared-memory pool of ``pool_blocks`` blocks (its pages
+    mapped up front, as the worker maps the cache's pool), each repeat into blocks no copy has
+    touched (not in the CPU's caches), against a plain copy of the same bytes into other untouched
+    blocks of the same pool (``index_copy_``: one pass): GB/s of each; none for a pool too small
+    for one repeat."""
+    import torch
+
+    from kvtier.pool import create_pool, default_backend
+    from kvtier.vllm.worker import map_pages
+
+    blocks, shape = len(vllm_ids), copier.block_shape
+    layers = copier.num_layers
+    pool = create_pool(default_backend(), [pool_blocks, layers, *shape], "float32")
+    try:
+        map_pages(pool.tensor)
+        flat = pool.tensor.view(pool_blocks, -1)
+        src = torch.randn(blocks, copier.block_bytes // 4)  # the same bytes a block, in this process's memory
+        saves, plain, start = [], [], 0
+        for _ in range(repeats):
+            if start + 2 * blocks > pool_blocks:
+                break
+            ids = list(range(start, start + blocks))
+            begin = time.perf_counter()
+            copier.save(pool.tensor, ids, vllm_ids)
+            saves.append(time.perf_counter() - begin)
+            dst = torch.arange(start + blocks, start + 2 * blocks)
+            begin = time.perf_counter()
+            flat.index_copy_(0, dst, src)
+            plain.append(time.perf_counter() - begin)
+            start += 2 * blocks
+    finally:
+        pool.close()  # and unlinked: this process made it
+    if not saves:
+        return {}
+    size = blocks * copier.block_bytes
+    return {"cold_save_gbs": size / min(saves) / 1e9, "cold_memcpy_gbs": size / min(plain) / 1e9}
