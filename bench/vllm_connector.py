@@ -20,7 +20,7 @@ variable is the same for the three (``--engine-threads`` OpenMP threads each) ex
   the headline is the median of the pairs' ratios, with their range (on a shared machine the
   load moves more between pairs than within one). Target >= 0.95x.
 - Copy rates, in this process: loads (pool -> vLLM blocks, one pass per run of consecutive ids)
-  and saves (vLLM blocks -> pool; on CPU the worker's copy thread) through the connector's copier, with vLLM's CPU
+  and saves (vLLM blocks -> pool, in vLLM's step) through the connector's copier, with vLLM's CPU
   layout learned from its own write as the connector learns it, against a plain copy of the same
   bytes (index_copy_ of the rows gathered beforehand: one pass): the floor. These repeat on the
   same blocks (in the CPU's caches); on CPU a second line has saves as the engine makes them, into
@@ -259,10 +259,9 @@ def main() -> int:
     pool_blocks = args.num_blocks or default_pool_blocks(kv_token_bytes)
     rates = copy_rates(args.layers, args.kv_heads, head_dim, "cuda" if gpu else "cpu", blocks=hit_blocks,
                        pool_blocks=pool_blocks)  # fmt: skip
-    where = "in vLLM's step" if gpu else "on the worker's copy thread"  # where the engine's saves run
     print(f"copies of {hit_blocks} blocks (float32 on {'cuda' if gpu else 'cpu'}, vLLM's layout {rates['layout']}): "
           f"load {rates['load_gbs']:.2f} GB/s ({rates['load_ms']:.1f} ms), save {rates['save_gbs']:.2f} GB/s "
-          f"({rates['save_ms']:.1f} ms, {where}), "
+          f"({rates['save_ms']:.1f} ms, in vLLM's step), "
           f"plain copy {rates['memcpy_gbs']:.2f} GB/s (load average {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
     if "cold_save_gbs" in rates:
         print(f"saves as the engine makes them, into pool blocks no copy has touched ({pool_blocks} blocks of shared "

@@ -156,7 +156,7 @@ def throughput(server: Server, seed: int, count: int, concurrency: int = 8) -> f
 def thread_cpu(root_pids: list[int]) -> dict[str, float]:
     """CPU seconds so far of every thread of ``root_pids`` and their descendants, by
     "process/thread": the process's name, then "main" (the thread whose id is the process's),
-    the thread's own OS name (the connector's: kvtier-alloc, kvtier-free, kvtier-prefix, kvtier-lookup, kvtier-save; gRPC's
+    the thread's own OS name (the connector's: kvtier-alloc, kvtier-free, kvtier-prefix, kvtier-lookup; gRPC's
     and OpenMP's name theirs), or "python threads" (unnamed: the process's name)."""
     tick = os.sysconf("SC_CLK_TCK")
     parents: dict[int, list[int]] = {}

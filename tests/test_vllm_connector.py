@@ -452,8 +452,8 @@ def test_cache_salt_separates_tenants(stack):
 
 def test_a_prefill_only_request_is_saved_by_an_engine_that_then_goes_idle(stack):
     """max_tokens 1 (a disaggregated prefill's request): its one step saves it (waiting for its pool
-    blocks if need be), and the engine, idle after it, publishes it. vLLM held the finished request's
-    blocks while the save was copying (on its own thread) and freed them once the worker said so."""
+    blocks if need be), and the engine, idle after it, publishes it; vLLM has freed the request's
+    blocks (the connector never holds them)."""
     tokens = prompt(3, 130)  # 4 full blocks
     stack["A"].complete(tokens, max_tokens=1)
     wait_saved(stack, tokens)
@@ -592,24 +592,6 @@ def test_engine_for_another_model_dtype_and_block_size_is_refused(stack):
         assert part in line, line
 
 
-def cpu_worker_side(link, num_blocks: int):
-    """A worker side over ``num_blocks`` random vLLM blocks in vLLM's CPU layout (learned from its
-    write, as in the engine), the pool of ``link``'s cache mapped: (its copier, the worker side)."""
-    import torch
-
-    from kvtier.vllm.block_layout import BlockCopier, probe_layout
-    from kvtier.vllm.worker import WorkerSide
-
-    _, num_layers, _, _, heads, head_dim = link.client.pool.shape
-    caches = [torch.randn(num_blocks, heads, BLOCK_SIZE, 2 * head_dim) for _ in range(num_layers)]
-    layer = CpuWrite(torch.float32, BLOCK_SIZE, head_dim)
-    copier = BlockCopier(caches, [probe_layout(layer, c, BLOCK_SIZE, heads, head_dim) for c in caches],
-                         (2, BLOCK_SIZE, heads, head_dim))  # fmt: skip
-    worker = WorkerSide(copier)
-    worker.map_pool(link.client)
-    return copier, worker
-
-
 def test_saves_go_into_the_pool_blocks_allocated_on_arrival_and_are_published_once_written(
     model_dirs, tmp_path
 ):
@@ -623,13 +605,20 @@ def test_saves_go_into_the_pool_blocks_allocated_on_arrival_and_are_published_on
     from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
 
     from kvtier.sequence_types import AllocateItem
+    from kvtier.vllm.block_layout import BlockCopier, probe_layout
+    from kvtier.vllm.worker import WorkerSide
 
     with own_cache_service(model_dirs, tmp_path) as cache:  # 64 pool blocks
         link, side = scheduler_side(cache.address, tmp_path, max_reserved_share=0.25, save_batch_ms=0)
         client = CacheClient.connect(cache.address, TOKEN, timeout_s=10.0)
         client.attach("test-reader")
-        num_layers = client.pool.shape[1]
-        copier, worker = cpu_worker_side(link, 32)
+        _, num_layers, _, _, heads, head_dim = client.pool.shape
+        caches = [torch.randn(32, heads, BLOCK_SIZE, 2 * head_dim) for _ in range(num_layers)]
+        layer = CpuWrite(torch.float32, BLOCK_SIZE, head_dim)
+        copier = BlockCopier(caches, [probe_layout(layer, c, BLOCK_SIZE, heads, head_dim) for c in caches],
+                             (2, BLOCK_SIZE, heads, head_dim))  # fmt: skip
+        worker = WorkerSide(copier)
+        worker.map_pool(link.client)
         # 5 + 5 + 6 blocks: the third is past a quarter of the 64-block pool, allocated when asked.
         prompts = {f"r{i}": prompt(500 + i, n * BLOCK_SIZE + 5) for i, n in enumerate((5, 5, 6))}
         requests = {rid: vllm_request(rid, tokens) for rid, tokens in prompts.items()}
@@ -653,7 +642,6 @@ def test_saves_go_into_the_pool_blocks_allocated_on_arrival_and_are_published_on
             ]  # fmt: skip
             saves[1].write_by = time.monotonic() - 1  # r1's lease "could lapse": not written
             worker.save(saves)
-            worker.flush()  # the copy thread's saves, done
             side.update_connector_output(set(), worker.take_saves_done())
             assert worker.stats["saved_blocks"] == 11 and worker.stats["dropped_blocks"] == 5, worker.stats
             for rid, n in (("r0", 5), ("r2", 6)):
@@ -671,61 +659,6 @@ def test_saves_go_into_the_pool_blocks_allocated_on_arrival_and_are_published_on
             for request in requests.values():
                 side.request_finished(request)
             assert not side._tracks
-        finally:
-            side.close()
-            worker.close()
-            link.close()
-            client.close()
-
-
-def test_a_finished_request_s_blocks_stay_with_vllm_until_its_copy_is_done_and_a_preemption_waits_for_copies(
-    model_dirs, tmp_path
-):
-    """On CPU the worker copies a step's saves on its own thread, beside vLLM's next steps. A
-    request that finishes while a save of its blocks may still be copying is held (request_finished
-    True), named in the next step's ``release``, and reported finished_sending only once no copy of
-    it is in flight; a request with nothing in flight is not held. A step that preempted a request
-    with saves in flight says ``flush``. (The copy thread is kept busy by a job of the test's.)"""
-    from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
-
-    with own_cache_service(model_dirs, tmp_path) as cache:
-        link, side = scheduler_side(cache.address, tmp_path, save_batch_ms=0)
-        client = CacheClient.connect(cache.address, TOKEN, timeout_s=10.0)
-        _, worker = cpu_worker_side(link, 16)
-        prompts = {"r": prompt(800, 3 * BLOCK_SIZE + 5), "p": prompt(801, 2 * BLOCK_SIZE + 5)}
-        requests = {rid: vllm_request(rid, tokens) for rid, tokens in prompts.items()}
-        vllm_ids = {"r": [0, 1, 2, 3], "p": [8, 9, 10]}
-        try:
-            for rid, request in requests.items():
-                side.on_new_request(request)
-                wait_until(lambda r=request: side.num_new_matched_tokens(r, 0) == (0, False)
-                           and side._tracks[r.request_id].allocation.done(), 60, "the pool blocks")  # fmt: skip
-                side.update_state_after_alloc(request, vllm_ids[rid], 0)
-            step = SchedulerOutput.make_empty()
-            step.scheduled_new_reqs = [
-                NewRequestData.from_request(r, (vllm_ids[rid],)) for rid, r in requests.items()
-            ]
-            step.num_scheduled_tokens = {rid: len(tokens) for rid, tokens in prompts.items()}
-            meta = side.build_meta(step)
-            assert [s.req_id for s in meta.saves] == ["r", "p"] and not meta.flush and meta.release == []
-            gate = threading.Event()
-            worker.copy_thread().submit(gate.wait, 60)  # the copy thread busy: the saves wait in flight
-            worker.save(meta.saves)
-            assert side.request_finished(requests["r"]) is True  # vLLM holds r's blocks
-            nxt = SchedulerOutput.make_empty()
-            nxt.preempted_req_ids = {"p"}
-            meta = side.build_meta(nxt)
-            assert meta.release == ["r"] and meta.flush
-            assert worker.finished_sending(meta.release) == set() and worker.take_saves_done() == []
-            gate.set()
-            worker.flush()  # what handle_preemptions does for a step that says flush
-            assert worker.finished_sending([]) == {"r"}  # reported once, when no copy of it is in flight
-            assert worker.finished_sending([]) == set()
-            side.update_connector_output(set(), worker.take_saves_done())
-            wait_until(lambda: client.lookup_prefix([prompts["r"]])[0].num_cached_tokens == 3 * BLOCK_SIZE,
-                       60, "r's blocks published")  # fmt: skip
-            assert side.request_finished(requests["p"]) is False  # its save was reported: nothing in flight
-            assert side.build_meta(SchedulerOutput.make_empty()).release == [] and not side._tracks
         finally:
             side.close()
             worker.close()

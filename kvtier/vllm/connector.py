@@ -125,12 +125,6 @@ class KvtierConnector(KVConnectorBase_V1):
             client.pool.shm_name or client.pool.device_uuid,
         )
 
-    def handle_preemptions(self, kv_connector_metadata: KvtierMetadata) -> None:
-        """(Before the step's forward.) A preempted request's blocks may be written in this forward:
-        its copies in flight end first."""
-        if self.worker is not None and kv_connector_metadata.flush:
-            self.worker.flush()
-
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if self.worker is not None and meta.loads:
@@ -148,13 +142,7 @@ class KvtierConnector(KVConnectorBase_V1):
             self.worker.save(meta.saves)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """The finished requests whose blocks vLLM held for their saves' copies, once those are done
-        (loads are synchronous: done in the step)."""
-        if self.worker is None:
-            return None, None
-        meta = getattr(self, "_connector_metadata", None)
-        release = meta.release if isinstance(meta, KvtierMetadata) else []
-        return self.worker.finished_sending(release) or None, None
+        return None, None  # loads and saves are synchronous (done in the step): vLLM's blocks are never held
 
     def build_connector_worker_meta(self) -> KvtierWorkerMeta | None:
         if self.worker is None:
@@ -210,9 +198,9 @@ class KvtierConnector(KVConnectorBase_V1):
             self.lookups.update_connector_output(meta.loads_done, meta.saves_done)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """True (vLLM holds the request's blocks) while a save of them may still be copying: the
-        worker reports the request in ``get_finished`` once its copies are done."""
-        return bool(self.lookups.request_finished(request)), None
+        """vLLM may free the request's blocks at once: saves were written in the steps that ran it."""
+        self.lookups.request_finished(request)
+        return False, None
 
 
 def scheduler_side(role, cfg: ConnectorConfig, link: CacheLink, block_size: int, max_model_len: int):

@@ -16,15 +16,8 @@ from kvtier.vllm.transfers import LoadItem, SaveItem
 
 @dataclass
 class KvtierMetadata(KVConnectorMetadata):
-    """A step's work: ``loads`` before its forward, ``saves`` after it; ``release``: finished
-    requests whose blocks vLLM holds until the worker reports their copies done (``finished_sending``);
-    ``flush``: wait for every copy before the forward (a request preempted in this step had saves in
-    flight, and vLLM may hand its blocks to another request)."""
-
     loads: list[LoadItem] = field(default_factory=list)
     saves: list[SaveItem] = field(default_factory=list)
-    release: list[str] = field(default_factory=list)
-    flush: bool = False
 
 
 @dataclass

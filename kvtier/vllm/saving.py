@@ -84,9 +84,6 @@ class SavingSide(SchedulerSide):
         self._tracks: dict[str, Track] = {}
         self._reserved = 0  # blocks of the tracks not released
         self._last_step_wait_left_s = LAST_STEP_WAIT_S  # of this step's
-        self._holding: list[
-            str
-        ] = []  # finished requests whose blocks vLLM holds for their copies (next step's)
         self.stats["allocated"] = self.stats["deferred"] = 0
 
     # ------------------------------------------------------------ vLLM's calls, in the order they come
@@ -140,11 +137,6 @@ class SavingSide(SchedulerSide):
         the end of this step, of the requests it runs, whose pool sequences are known)."""
         meta = self._start_step()
         self._last_step_wait_left_s = LAST_STEP_WAIT_S
-        meta.release, self._holding = self._holding, []
-        meta.flush = any(
-            (track := self._tracks.get(rid)) is not None and track.in_flight
-            for rid in scheduler_output.preempted_req_ids or ()
-        )
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             track = self._tracks.get(new.req_id)
@@ -184,19 +176,11 @@ class SavingSide(SchedulerSide):
                 track.broken = True
             self._maybe_release(rid, track)
 
-    def request_finished(self, request) -> bool:
-        """Whether vLLM should hold the request's blocks: a save of them may still be copying (the
-        worker reports it done in ``finished_sending`` once the next step names it)."""
-        rid = request.request_id
-        track = self._tracks.get(rid)
-        if track is None:
-            return False
-        track.finished = True
-        held = track.in_flight > 0
-        if held:
-            self._holding.append(rid)
-        self._maybe_release(rid, track)
-        return held
+    def request_finished(self, request) -> None:
+        track = self._tracks.get(request.request_id)
+        if track is not None:
+            track.finished = True
+            self._maybe_release(request.request_id, track)
 
     def close(self) -> None:
         """Publish what is reported written (the frees queued go out), then stop."""
