@@ -109,20 +109,20 @@ class Engine:
         )
         return list(reply.choices[0].model_extra["token_ids"])
 
-    def kv_usage(self) -> float:
-        """The share of vLLM's KV blocks its requests hold (`vllm:kv_cache_usage_perc`; freed blocks
-        its prefix cache keeps do not count)."""
+    def metric(self, name: str) -> float:
+        """The sum of vLLM's /metrics series ``name`` over its labels."""
         text = httpx.get(f"http://127.0.0.1:{self.port}/metrics", timeout=10).text
-        found = re.findall(r"^vllm:kv_cache_usage_perc(?:\{[^}]*\})? (\S+)$", text, re.M)
-        assert found, "vLLM's /metrics has no vllm:kv_cache_usage_perc"
+        found = re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
+        assert found, f"vLLM's /metrics has no {name}"
         return sum(float(v) for v in found)
 
+    def kv_usage(self) -> float:
+        """The share of vLLM's KV blocks its requests hold (freed blocks its prefix cache keeps do not count)."""
+        return self.metric("vllm:kv_cache_usage_perc")
+
     def external_hits(self) -> float:
-        """vLLM's count of prompt tokens its KV connector supplied (`vllm:external_prefix_cache_hits`)."""
-        text = httpx.get(f"http://127.0.0.1:{self.port}/metrics", timeout=10).text
-        found = re.findall(r"^vllm:external_prefix_cache_hits_total(?:\{[^}]*\})? (\S+)$", text, re.M)
-        assert found, "vLLM's /metrics has no vllm:external_prefix_cache_hits_total"
-        return sum(float(v) for v in found)
+        """vLLM's count of prompt tokens its KV connector supplied."""
+        return self.metric("vllm:external_prefix_cache_hits_total")
 
 
 @pytest.fixture(scope="module")
