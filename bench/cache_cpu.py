@@ -139,14 +139,14 @@ def save_rounds(client, batches: list) -> None:
 
 
 def follow(address: str, token: str, ready, per_event: bool = False) -> None:
-    """A block-index follower (kvtier/vllm/block_index.py's loop and its ``apply_events``): the
-    blocks held when it opens, then every event after, a batch per message without token ids
+    """A block-index follower (kvtier/vllm/block_index.py's loop, ``apply_held``, ``apply_events``):
+    the blocks held when it opens, then every event after, a batch per message without token ids
     (``per_event``: WatchEvents from the first kept event, a message per event); a stream that
     ends (the follower fell behind the log) is opened again."""
     from kvtier.cache_client import CacheClient
     from kvtier.cache_errors import CacheCallError
     from kvtier.sequence_types import HeldBatch
-    from kvtier.vllm.block_index import apply_events
+    from kvtier.vllm.block_index import apply_events, apply_held
 
     client = CacheClient.connect(address, token)
     while True:
@@ -159,8 +159,7 @@ def follow(address: str, token: str, ready, per_event: bool = False) -> None:
         try:
             for batch in stream:
                 if isinstance(batch, HeldBatch):  # the blocks held when it opened
-                    for name, hashes in batch.held:
-                        held.setdefault(name, set()).update(hashes)
+                    apply_held(held, batch)
                 else:
                     apply_events(held, batch[0])
         except CacheCallError as e:

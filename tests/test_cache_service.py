@@ -333,7 +333,7 @@ def test_watch_events_reports_evicted_blocks_as_removed_and_watch_event_batches_
 
 
 def test_a_stream_started_with_the_held_blocks_holds_what_a_replay_of_every_event_holds(tmp_path):
-    from kvtier.vllm.block_index import apply_events
+    from kvtier.vllm.block_index import apply_events, apply_held
 
     with cache_service(tmp_path, "--num-blocks", "4") as svc:
         c = CacheClient.connect(svc.address, TOKEN)
@@ -358,8 +358,7 @@ def test_a_stream_started_with_the_held_blocks_holds_what_a_replay_of_every_even
         assert {b.as_of for b in held} == {last}
         got: dict[str, set[bytes]] = {}
         for b in held:
-            for medium, hashes in b.held:
-                got.setdefault(medium, set()).update(hashes)
+            apply_held(got, b)
         assert got == {m: h for m, h in replayed.items() if h} and len(got["device"]) == len(got["host"]) == 4
         seq = c.allocate([[3] * 64])[0]  # what happens next follows the held blocks
         after = next(stream)

@@ -105,8 +105,7 @@ class BlockIndex:
         last, known, held = 0, False, False
         for batch in stream:
             if isinstance(batch, HeldBatch):
-                for name, hashes in batch.held:
-                    self._held.setdefault(name, set()).update(hashes)
+                apply_held(self._held, batch)
                 if batch.end:
                     last, known, held = batch.as_of, not shared, True
                     if shared:
@@ -127,6 +126,12 @@ class BlockIndex:
                 last = events[-1].event_id
             if known and batch.caught_up:
                 self.complete = True
+
+
+def apply_held(held: dict[str, set[BlockHash]], batch: HeldBatch) -> None:
+    """A held message (``HeldBatch``) on ``held`` (medium -> the hashes it holds): its hashes added."""
+    for name, hashes in batch.held:
+        held.setdefault(name, set()).update(hashes)
 
 
 def apply_events(held: dict[str, set[BlockHash]], events) -> None:
