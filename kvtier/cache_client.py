@@ -409,7 +409,7 @@ class EventBatchStream(EventStream):
     ``start_with_held``, ``HeldBatch``es first."""
 
     def _value(self, message):
-        if message.held_as_of_event_id or message.held_end:  # a held message: no events
+        if message.held or message.held_end:  # a held message (each has hashes, or is the end): no events
             held = [(h.medium, list(h.block_hashes)) for h in message.held]  # BlockHash is bytes
             return HeldBatch(held, message.held_as_of_event_id, message.held_end, message.caught_up)
         events = [e for e in map(event_from_proto, message.events) if e is not None]
