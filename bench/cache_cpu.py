@@ -21,13 +21,15 @@ process: what the connector pays in vLLM's) is printed beside them. Each phase e
 service is idle again (what its calls left to do is theirs). Each run starts a fresh service;
 --runs N takes medians. --follower adds a process reading WatchEventBatches from the first event
 without token ids, as a vLLM engine's block_index does (its CPU per saved request printed too):
-the service then streams every block event, the ones ready a message; --per-event reads
-WatchEvents instead (one gRPC message an event).
+the service then streams every block event, the ones ready a message, as runs of hashes
+(hashes_only); --stream events reads them as CacheEvent messages instead (WatchEventBatches
+without hashes_only, as the block index did before 2026-12-05), --stream per-event reads
+WatchEvents (one gRPC message an event).
 
     python bench/cache_cpu.py                 # 3 runs (~1 min)
     python bench/cache_cpu.py --quick         # 1 run
     python bench/cache_cpu.py --follower      # with a block-index follower
-    python bench/cache_cpu.py --follower --per-event  # the same on the per-event stream
+    python bench/cache_cpu.py --follower --stream events     # the same on CacheEvent batches
     python bench/cache_cpu.py --profile DIR   # also py-spy the service in each phase (speedscope)
 
 The last line is the headline.
@@ -138,28 +140,33 @@ def save_rounds(client, batches: list) -> None:
         client.free(ids, [CommitItem(sid, [], PROMPT_TOKENS) for sid in ids])
 
 
-def follow(address: str, token: str, ready, per_event: bool = False) -> None:
-    """A block-index follower (kvtier/vllm/block_index.py's loop, ``apply_held``, ``apply_events``):
-    the blocks held when it opens, then every event after, a batch per message without token ids
-    (``per_event``: WatchEvents from the first kept event, a message per event); a stream that
-    ends (the follower fell behind the log) is opened again."""
+def follow(address: str, token: str, ready, kind: str = "runs") -> None:
+    """A block-index follower (kvtier/vllm/block_index.py's loop, ``apply_held``, ``apply_runs``):
+    the blocks held when it opens, then every event after, a batch of hash runs per message
+    (``kind`` "events": CacheEvent batches without token ids, ``apply_events``; "per-event":
+    WatchEvents from the first kept event, a message per event); a stream that ends (the follower
+    fell behind the log) is opened again."""
     from kvtier.cache_client import CacheClient
     from kvtier.cache_errors import CacheCallError
-    from kvtier.sequence_types import HeldBatch
-    from kvtier.vllm.block_index import apply_events, apply_held
+    from kvtier.sequence_types import HeldBatch, RunBatch
+    from kvtier.vllm.block_index import apply_events, apply_held, apply_runs
 
     client = CacheClient.connect(address, token)
     while True:
-        if per_event:
+        if kind == "per-event":
             stream = (([event], False) for event in client.watch_events(since_event_id=0))
         else:
-            stream = client.watch_event_batches(omit_token_ids=True, start_with_held=True)
+            stream = client.watch_event_batches(
+                omit_token_ids=True, start_with_held=True, hashes_only=kind == "runs"
+            )
         ready.set()
         held: dict[str, set[bytes]] = {}
         try:
             for batch in stream:
                 if isinstance(batch, HeldBatch):  # the blocks held when it opened
                     apply_held(held, batch)
+                elif isinstance(batch, RunBatch):
+                    apply_runs(held, batch.runs)
                 else:
                     apply_events(held, batch[0])
         except CacheCallError as e:
@@ -169,13 +176,20 @@ def follow(address: str, token: str, ready, per_event: bool = False) -> None:
 def follower_note(args) -> str:
     if not args.follower:
         return ""
-    return f" (a {'WatchEvents' if args.per_event else 'WatchEventBatches'} follower on)"
+    return f" (a follower on: {STREAMS[args.stream]})"
 
 
-def start_follower(address: str, token: str, per_event: bool) -> mp.Process:
+STREAMS = {
+    "runs": "WatchEventBatches, hashes_only",
+    "events": "WatchEventBatches of CacheEvents",
+    "per-event": "WatchEvents, a message an event",
+}
+
+
+def start_follower(address: str, token: str, kind: str) -> mp.Process:
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
-    proc = ctx.Process(target=follow, args=(address, token, ready, per_event), daemon=True)
+    proc = ctx.Process(target=follow, args=(address, token, ready, kind), daemon=True)
     proc.start()
     if not ready.wait(120):
         raise TimeoutError("the event follower did not start")
@@ -240,7 +254,7 @@ def one_run(model: Path, run_dir: Path, args: argparse.Namespace, seed: int) -> 
         (lambda phase: args.profile / f"{phase.replace(' ', '-')}-{seed}.json") if args.profile else None
     )
     meters = {}
-    follower = start_follower(stack.cache_address, token, args.per_event) if args.follower else None
+    follower = start_follower(stack.cache_address, token, args.stream) if args.follower else None
     fpid = follower.pid if follower is not None else None
     try:
         client.attach("bench-cache-cpu")
@@ -273,8 +287,8 @@ def main() -> int:
     ap.add_argument("--profile", type=Path, help="py-spy the service into this folder (speedscope files)")
     ap.add_argument("--follower", action="store_true",
                     help="an event reader follows every event, as a vLLM engine's block_index does")  # fmt: skip
-    ap.add_argument("--per-event", action="store_true",
-                    help="the follower reads WatchEvents (a message per event) instead of WatchEventBatches")  # fmt: skip
+    ap.add_argument("--stream", choices=list(STREAMS), default="runs",
+                    help="what the follower reads: hash runs (as the block index), CacheEvent batches, or a message an event")  # fmt: skip
     ap.add_argument("--num-blocks", type=int, default=4096,
                     help="pool blocks (more: a longer phase with the pool not full, e.g. to profile it)")  # fmt: skip
     args = ap.parse_args()

@@ -116,6 +116,31 @@ def lower_tier_blocks(
     return [(hash_preimage(k), k[:KEY_PREFIX_BYTES], i, k[KEY_PREFIX_BYTES:]) for k, i in pairs]
 
 
+HashRun = tuple
+"""``(first event id, medium, stored, hashes)``: consecutive events of one medium and kind, event
+``first + i`` about ``hashes[i]`` (``stored``: BlockStored, else BlockRemoved); ``EventLog.runs_since``."""
+
+
+def hash_runs(record: EventRecord, start: int = 0, stop: int | None = None) -> list[HashRun]:
+    """The events ``start`` to ``stop`` of an ``EventRecord`` as ``HashRun``s, numbered from 0 at
+    the record's first event: one run, or two for a HOST_REPLACED record (its removals, then its
+    stores); none empty. A device record's hashes are its own; a lower tier's keys are hashed here."""
+    if record[0] == HOST_REPLACED:
+        removed, stored = split_replaced(record)
+        n = len(removed[1])
+        stop = 2 * n if stop is None else stop
+        runs = hash_runs(removed, min(start, n), min(stop, n)) + [
+            (n + first, medium, kind, hashes)
+            for first, medium, kind, hashes in hash_runs(stored, max(start - n, 0), max(stop - n, 0))
+        ]
+        return runs
+    keys = record[1][start:stop]
+    if not keys:
+        return []
+    hashes = list(keys) if record[0] <= STORED else [hash_preimage(k) for k in keys]
+    return [(start, MEDIUMS[record[0] >> 1], record[0] & 1 == STORED, hashes)]
+
+
 class EventGap(CacheError):
     """The requested events fell out of the ring (maps to OUT_OF_RANGE)."""
 
@@ -173,6 +198,27 @@ class EventLog:
         so a stream costs one chunk of events, not a copy of the history it has yet to send.
         Raises EventGap if some of them were already dropped.
         """
+
+        def events(record: EventRecord, first: int, start: int, stop: int):
+            return zip(itertools.count(first + start), decode_events(record, self.block_size, start, stop))
+
+        return self._read(event_id, max_events, events)
+
+    def runs_since(self, event_id: int, max_events: int | None = None) -> list[HashRun]:
+        """``since``'s events as ``HashRun``s (``hash_runs``; their event ids the log's): a run of
+        hashes per record read, no object per event."""
+
+        def runs(record: EventRecord, first: int, start: int, stop: int):
+            return [
+                (first + at, medium, stored, hashes)
+                for at, medium, stored, hashes in hash_runs(record, start, stop)
+            ]
+
+        return self._read(event_id, max_events, runs)
+
+    def _read(self, event_id: int, max_events: int | None, read: Callable) -> list:
+        """What ``read(record, its first event id, start, stop)`` makes of the events after
+        `event_id` (at most `max_events`), record by record, concatenated."""
         if event_id >= self.last_event_id:
             return []
         oldest = self._first_ids[0]
@@ -182,16 +228,17 @@ class EventLog:
                 f"between were dropped (the log keeps the newest {self.capacity}): resynchronize with "
                 "LookupPrefix and watch from 0 (every kept event)"
             )
-        wanted = self.last_event_id - event_id if max_events is None else max_events
+        left = self.last_event_id - event_id if max_events is None else max_events
         # The record holding event_id + 1: the last one that starts at or before it.
         at = max(bisect_right(self._first_ids, event_id + 1) - 1, 0)
-        out: list[tuple[int, BlockEvent]] = []
+        out: list = []
         starts = itertools.islice(self._first_ids, at, None)
         for first, record in zip(starts, itertools.islice(self._records, at, None), strict=True):
             skip = max(event_id + 1 - first, 0)
-            events = decode_events(record, self.block_size, skip, skip + wanted - len(out))
-            out.extend(zip(itertools.count(first + skip), events))
-            if len(out) >= wanted:
+            take = min(len(record[1]) - skip, left)
+            out.extend(read(record, first, skip, skip + take))
+            left -= take
+            if left <= 0:
                 break
         return out
 

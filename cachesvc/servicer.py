@@ -331,28 +331,37 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     async def WatchEventBatches(self, request, context):
         """WatchEvents' events, one message per chunk the log gives (``_event_chunks``): all the
         events that are ready when it is sent, up to WATCH_CHUNK; without token ids if asked.
-        ``start_with_held``: first the blocks held now (``held_batches``), then the events after."""
-        omit, held = request.omit_token_ids, request.start_with_held
+        ``start_with_held``: first the blocks held now (``held_batches``), then the events after;
+        ``hashes_only``: the events as runs of hashes (``EventLog.runs_since``), no message per event."""
+        omit, held, runs = request.omit_token_ids, request.start_with_held, request.hashes_only
         if held and request.since_event_id:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"start_with_held begins with the blocks held now: since_event_id must be 0, not "
                 f"{request.since_event_id} (or leave start_with_held false to resume after an event)",
             )
-        async for chunk, caught_up in self._event_chunks(request.since_event_id, context, held):
+        async for chunk, caught_up in self._event_chunks(request.since_event_id, context, held, runs):
             if isinstance(chunk, cache_pb2.WatchEventBatchesResponse):
                 yield chunk  # a held message
                 continue
             batch = cache_pb2.WatchEventBatchesResponse(caught_up=caught_up)
-            add = batch.events.add
-            for event_id, event in chunk:
-                event_to_proto(event_id, event, not omit, add())
+            if runs:
+                add_run = batch.runs.add
+                for first, medium, stored, hashes in chunk:
+                    add_run(first_event_id=first, medium=medium, stored=stored, block_hashes=hashes)
+            else:
+                add = batch.events.add
+                for event_id, event in chunk:
+                    event_to_proto(event_id, event, not omit, add())
             yield batch
 
-    async def _event_chunks(self, since_event_id: int, context, start_with_held: bool = False):
+    async def _event_chunks(
+        self, since_event_id: int, context, start_with_held: bool = False, runs: bool = False
+    ):  # fmt: skip
         """Chunks of the events after ``since_event_id``, read from the shared log as they come,
         each with whether it ends at the newest event (``caught_up``); with ``start_with_held``,
-        first the held messages (``held_batches``) and then the events after them.
+        first the held messages (``held_batches``) and then the events after them. A chunk is a
+        list of ``(event id, event)``, or with ``runs`` of ``HashRun``s (``EventLog.runs_since``).
 
         A stream holds one chunk of events (WATCH_CHUNK), never its backlog: that stays in the
         log, which keeps the newest events for every stream. A reader that falls behind the log
@@ -374,11 +383,11 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                     yield batch, batch.caught_up
             while True:
                 try:
-                    chunk = events.since(next_id, WATCH_CHUNK)
+                    chunk = (events.runs_since if runs else events.since)(next_id, WATCH_CHUNK)
                 except EventGap as e:
                     await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(e))
                 if chunk:
-                    next_id = chunk[-1][0]
+                    next_id = chunk[-1][0] + (len(chunk[-1][3]) - 1 if runs else 0)
                     yield chunk, events.last_event_id <= next_id
                 # Events that arrived while the chunk was being sent are not waited for. Nothing
                 # else runs on the loop between this check and wait() registering, so none slips

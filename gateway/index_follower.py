@@ -4,7 +4,7 @@ and its live figures, read from GetStats.
 The index is the set of block hashes the node's cache holds per medium (``kvtier.media``: the
 device, then each medium below it), fed by its ``WatchEventBatches`` stream: first the blocks the
 node holds (``start_with_held``: as of one event, on each of its media), then every
-event ready in one message (BlockStored adds to its medium's set, BlockRemoved drops from it; a
+event ready in one message, as runs of hashes (BlockStored adds to its medium's set, BlockRemoved drops from it; a
 block may be on several tiers at once). A stream that fails, drops events (OUT_OF_RANGE) or
 restarts (a new cache: event ids start over) is reopened with an empty index, which the held
 blocks fill again; until they have arrived (not synced) a hit is asked with ``LookupPrefix`` (one RPC,
@@ -28,7 +28,7 @@ from kvtier.cache_errors import CacheCallError
 from kvtier.gateway.discovery import Node
 from kvtier.gateway.node_load import NodeLoad
 from kvtier.media import LOWER_MEDIA, Medium
-from kvtier.sequence_types import BlockRemoved, BlockStored, HeldBatch
+from kvtier.sequence_types import HashRun, HeldBatch
 
 log = logging.getLogger("kvtier.gateway.router")
 
@@ -145,17 +145,17 @@ def _held_on(state: NodeState, m: Medium):
 ACROSS_NODES = {m.name for m in LOWER_MEDIA if m.across_nodes}
 
 
-def apply_event(state: NodeState, event: BlockStored | BlockRemoved) -> None:
-    """One block event on ``state``'s index: BlockStored adds the hash to its medium's set,
-    BlockRemoved drops it. A removal from a medium every node reads (the shared tier: a node
-    reports what the store lost or what it forgot, its own view bounded) drops it from every
+def apply_run(state: NodeState, run: HashRun) -> None:
+    """A run of block events on ``state``'s index: BlockStored adds the hashes to their medium's
+    set, BlockRemoved drops them. A removal from a medium every node reads (the shared tier: a
+    node reports what the store lost or what it forgot, its own view bounded) drops them from every
     peer's set: the union ``_held_on`` reads shrinks with it."""
-    if isinstance(event, BlockStored):
-        state.index(event.medium).add(event.block_hash)
+    if run.stored:
+        state.index(run.medium).update(run.hashes)
         return
-    holders = state.peers if event.medium in ACROSS_NODES and state.peers else (state,)
+    holders = state.peers if run.medium in ACROSS_NODES and state.peers else (state,)
     for holder in holders:
-        holder.index(event.medium).discard(event.block_hash)
+        holder.index(run.medium).difference_update(run.hashes)
 
 
 def capped(device: int, below: dict[str, int], prompt_len: int, block_size: int) -> PredictedHit:
@@ -215,10 +215,11 @@ async def _follow_events(state: NodeState, count: Callable[[str], None]) -> None
         state.last_event_id = 0
         state.synced = False
         try:
-            # Batched (every event ready in one message, no token ids): a message per event cost
-            # the cache service more CPU than the calls it indexes (bench/cache_cpu.py --follower).
-            # It begins with the blocks the node holds (as of one event), then the events after.
-            stream = state.cache.watch_event_batches(omit_token_ids=True, start_with_held=True)
+            # Batched (every event ready in one message, as runs of hashes): a message per event
+            # cost the cache service more CPU than the calls it indexes (bench/cache_cpu.py
+            # --follower). It begins with the blocks the node holds (as of one event), then the
+            # events after.
+            stream = state.cache.watch_event_batches(start_with_held=True, hashes_only=True)
             async for batch in stream:
                 backoff = RESYNC_BACKOFF_S[0]
                 if isinstance(batch, HeldBatch):
@@ -227,15 +228,15 @@ async def _follow_events(state: NodeState, count: Callable[[str], None]) -> None
                     if batch.end:
                         state.last_event_id, state.synced = batch.as_of, True
                     continue
-                events = batch.events
-                if not events:
+                runs = batch.runs
+                if not runs:
                     continue
-                if events[0].event_id <= state.last_event_id:
+                if runs[0].first_event_id <= state.last_event_id:
                     break  # ids went back: the cache restarted; resync
                 state.synced = True  # (a cache that sends no held blocks replays its kept events)
-                for _, event in events:
-                    apply_event(state, event)
-                state.last_event_id = events[-1].event_id
+                for run in runs:
+                    apply_run(state, run)
+                state.last_event_id = runs[-1].last_event_id
             log.warning("router: node %s ended its event stream; resyncing", state.name)
         except CacheCallError as e:
             state.synced = False

@@ -29,32 +29,24 @@ from typing import TypeVar
 import grpc
 from grpc.experimental import ChannelOptions
 
-from kvtier import auth, status, telemetry
+from kvtier import auth, telemetry
 from kvtier.api import cache_pb2, cache_pb2_grpc
-from kvtier.cache_errors import (
-    CacheCallError,
-    CacheUnavailable,
-    ExceedsLimit,
-    InvalidRequest,
-    NoFreeBlocks,
-    TenantLimited,
-)
+from kvtier.cache_errors import CacheCallError
+from kvtier.cache_streams import EventBatchStream, EventStream, call_error
 from kvtier.grpc_server import MAX_MESSAGE_BYTES
 from kvtier.pool import PoolSpec
 from kvtier.sequence_types import (
     AllocateItem,
     CacheSnapshot,
     CommitItem,
-    EventBatch,
     ExtendItem,
-    HeldBatch,
     LeaseGrant,
     PrefixHit,
     ReleaseItem,
     SequenceBlocks,
     SwapResult,
 )
-from kvtier.wire import event_from_proto, lease_grant, prefix_hits, sequence_blocks, stats_from_proto
+from kvtier.wire import lease_grant, prefix_hits, sequence_blocks, stats_from_proto
 
 log = logging.getLogger("kvtier.client")
 
@@ -93,23 +85,6 @@ def allocate_fields(item: AllocateItem) -> dict:
 
 T = TypeVar("T")
 Reply = T | Awaitable[T]  # the value on a sync channel, an awaitable of it on an aio one
-RETRYABLE = ("UNAVAILABLE", "DEADLINE_EXCEEDED")  # with an expired lease: CacheUnavailable
-
-
-def call_error(e: grpc.RpcError) -> CacheCallError:
-    """The exception of `kvtier.cache_errors` for a failed call (the one place status codes are read)."""
-    code, details = e.code().name, e.details() or ""
-    if code == "RESOURCE_EXHAUSTED":
-        if status.reason_of(e) == status.EXCEEDS_LIMIT:
-            return ExceedsLimit(details, code, status.EXCEEDS_LIMIT)
-        if (tenant := status.quota_tenant_of(e)) is not None:
-            return TenantLimited(details, tenant, code)
-        return NoFreeBlocks(details, code)
-    reason = status.reason_of(e)
-    if code in RETRYABLE or (code == "NOT_FOUND" and reason == status.LEASE_EXPIRED):
-        return CacheUnavailable(f"cache service: {code}: {details}", code, reason, details)
-    kind = InvalidRequest if code == "INVALID_ARGUMENT" else CacheCallError
-    return kind(f"cache service refused the call: {code}: {details}", code, reason, details)
 
 
 async def _answer(call, convert: Callable[[object], T]) -> T:
@@ -349,71 +324,21 @@ class CacheClient:
 
     def watch_event_batches(
         self, since_event_id: int = 0, omit_token_ids: bool = False, timeout_s: float | None = None,
-        start_with_held: bool = False,
+        start_with_held: bool = False, hashes_only: bool = False,
     ) -> EventBatchStream:  # fmt: skip
         """``watch_events``' events a list per message (those the service had ready when it sent
         it): for a follower of every block, far fewer messages. ``omit_token_ids``: BlockStored
         events come without their token ids (``[]``). ``start_with_held`` (``since_event_id`` 0):
         first the blocks held now on this node's media (``HeldBatch``es, up to one with ``end``),
-        then the events after them: complete without the log's whole history."""
+        then the events after them: complete without the log's whole history. ``hashes_only``:
+        each message's events as ``RunBatch``es of ``HashRun``s (hashes per medium and kind, no
+        object per event; for a follower that keeps which hashes each medium holds)."""
         req = cache_pb2.WatchEventBatchesRequest(
-            since_event_id=since_event_id, omit_token_ids=omit_token_ids, start_with_held=start_with_held
-        )
-        return EventBatchStream(self.stub.WatchEventBatches(req, metadata=self.metadata, timeout=timeout_s))
-
-
-class EventStream:
-    """A WatchEvents stream of CacheEvents: ``for`` / ``next()`` it on a sync channel, ``async for``
-    on an aio one; ``cancel()`` ends it. A stream that fails raises `call_error`'s exception
-    (code OUT_OF_RANGE: the service dropped events this reader had not read; watch from 0)."""
-
-    def __init__(self, call):
-        self.call = call
-
-    def cancel(self) -> bool:
-        return self.call.cancel()
-
-    def _value(self, message):
-        """The value of one message (None: nothing this client knows; read the next)."""
-        return event_from_proto(message)
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        try:
-            while (value := self._value(next(self.call))) is None:
-                pass  # a kind of event this client does not know
-        except grpc.RpcError as e:
-            raise call_error(e) from None
-        return value
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        try:
-            while True:
-                message = await self.call.read()
-                if message is grpc.aio.EOF:
-                    raise StopAsyncIteration
-                if (value := self._value(message)) is not None:
-                    return value
-        except grpc.RpcError as e:
-            raise call_error(e) from None
-
-
-class EventBatchStream(EventStream):
-    """A WatchEventBatches stream: each item an ``EventBatch``, its events oldest first, and
-    whether the last was the service's newest event when it was sent (``caught_up``); asked
-    ``start_with_held``, ``HeldBatch``es first."""
-
-    def _value(self, message):
-        if message.held or message.held_end:  # a held message (each has hashes, or is the end): no events
-            held = [(h.medium, list(h.block_hashes)) for h in message.held]  # BlockHash is bytes
-            return HeldBatch(held, message.held_as_of_event_id, message.held_end, message.caught_up)
-        events = [e for e in map(event_from_proto, message.events) if e is not None]
-        return EventBatch(events, message.caught_up) if events or message.caught_up else None
+            since_event_id=since_event_id, omit_token_ids=omit_token_ids, start_with_held=start_with_held,
+            hashes_only=hashes_only,
+        )  # fmt: skip
+        call = self.stub.WatchEventBatches(req, metadata=self.metadata, timeout=timeout_s)
+        return EventBatchStream(call, hashes_only)
 
 
 # Each reply's value (the functions `_call` converts a reply with).

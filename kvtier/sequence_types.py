@@ -154,6 +154,29 @@ class EventBatch(NamedTuple):
     caught_up: bool
 
 
+class HashRun(NamedTuple):
+    """Consecutive events of one medium and kind (WatchEventBatches asked ``hashes_only``): event
+    ``first_event_id + i`` is about ``hashes[i]``, which entered ``medium`` (``stored``, a
+    BlockStored) or left it (a BlockRemoved)."""
+
+    first_event_id: int
+    medium: str
+    stored: bool
+    hashes: list[BlockHash]
+
+    @property
+    def last_event_id(self) -> int:
+        return self.first_event_id + len(self.hashes) - 1
+
+
+class RunBatch(NamedTuple):
+    """One WatchEventBatches message asked ``hashes_only``: its events as runs, oldest first, and
+    whether the last was the newest."""
+
+    runs: list[HashRun]
+    caught_up: bool
+
+
 class HeldBatch(NamedTuple):
     """A WatchEventBatches held message (asked ``start_with_held``): blocks held as of event
     ``as_of``, by medium (its name, their hashes); the last has ``end``, and ``caught_up`` when no

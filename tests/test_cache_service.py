@@ -24,8 +24,9 @@ from servers import REPO, TOKEN, cache_service, child_env, stats_without_clock, 
 
 from kvtier.cache_client import AllocateItem, CacheClient
 from kvtier.cache_errors import CacheCallError, CacheUnavailable
+from kvtier.cache_streams import runs_of
 from kvtier.pool import attach_pool
-from kvtier.sequence_types import BlockRemoved, BlockStored, CacheEvent, EventBatch, HeldBatch
+from kvtier.sequence_types import BlockRemoved, BlockStored, CacheEvent, HeldBatch, RunBatch
 from kvtier.status import LEASE_EXPIRED
 
 BLOCK = 16
@@ -329,6 +330,15 @@ def test_watch_events_reports_evicted_blocks_as_removed_and_watch_event_batches_
             assert [getattr(e.event, "token_ids", None) for e in batch[:4]] == (
                 [[]] * 4 if omit else [e.token_ids for e in stored]
             )
+        # hashes_only: the same events as runs of hashes (device stores, device removals, host stores).
+        runs = c.watch_event_batches(0, hashes_only=True, timeout_s=30)
+        got = next(runs)
+        runs.cancel()
+        assert isinstance(got, RunBatch) and got.caught_up and got.runs == runs_of(batch)
+        assert [(r.medium, r.stored, len(r.hashes)) for r in got.runs[:2]] == [
+            ("device", True, 4),
+            ("device", False, 4),
+        ]
         c.close()
 
 
@@ -350,7 +360,7 @@ def test_a_stream_started_with_the_held_blocks_holds_what_a_replay_of_every_even
                 break
         batches.cancel()
         last = batch.events[-1].event_id
-        stream = c.watch_event_batches(omit_token_ids=True, start_with_held=True, timeout_s=30)
+        stream = c.watch_event_batches(start_with_held=True, hashes_only=True, timeout_s=30)  # as block_index
         held = [next(stream)]
         while not held[-1].end:
             held.append(next(stream))
@@ -363,7 +373,7 @@ def test_a_stream_started_with_the_held_blocks_holds_what_a_replay_of_every_even
         seq = c.allocate([[3] * 64])[0]  # what happens next follows the held blocks
         after = next(stream)
         stream.cancel()
-        assert isinstance(after, EventBatch) and after.events[0].event_id == last + 1
+        assert isinstance(after, RunBatch) and after.runs[0].first_event_id == last + 1
         # Held blocks are the present: resuming after an event is since_event_id's job alone.
         with pytest.raises(CacheCallError) as refused:
             next(c.watch_event_batches(3, start_with_held=True, timeout_s=30))

@@ -329,3 +329,37 @@ def test_a_host_eviction_batch_is_one_record_read_as_its_removals_then_its_store
     assert [e for r in records for e in encode_record(r, BS, "GPU")] == [
         e for r in two_records for e in encode_record(r, BS, "GPU")
     ]
+
+
+def test_hash_runs_carry_every_event_of_any_slice_of_the_log_as_since_reads_it() -> None:
+    """``runs_since`` (WatchEventBatches' hashes_only) against ``since``: from any event id and in
+    chunks of any size, the runs expand to the same event ids, media, kinds and hashes, over
+    every kind of record (a device commit and eviction, a lower tier's stores and removals, a
+    host HOST_REPLACED record); and the client groups a CacheEvent stream into the same runs."""
+    from kvtier.cache_streams import runs_of
+    from kvtier.sequence_types import BlockStored
+
+    bm = BlockManager(num_blocks=3, block_size=BS)
+    tokens = list(range(5 * BS))
+    keys, hashes = chain_keys(tokens)
+    table, _ = commit_chain(bm, tokens[: 3 * BS])  # device: 3 stores in one record
+    bm.free(table[::-1])
+    bm.allocate(2)  # device: the chain's last two blocks evicted (one record)
+    host = HostCache(2, 16)
+    rows = torch.zeros((8, 16), dtype=torch.uint8)
+    host.submit_store(Blocks(keys[:2], rows, [0, 1]), pass_down=False)
+    host.submit_store(Blocks(keys[2:4], rows, [2, 3]), pass_down=False)  # one HOST_REPLACED record
+    log = EventLog(BS)
+    log.extend(bm.take_event_records() + host.take_events() + [(tier_kind(False, "disk"), (keys[4],), (-1,))])
+    assert any(r[0] == HOST_REPLACED for r in log._records)
+    every = [(i, e.medium, isinstance(e, BlockStored), e.block_hash) for i, e in log.since(0)]
+    assert len(every) == log.last_event_id == 3 + 2 + 2 + 4 + 1
+    for start in range(log.last_event_id + 1):
+        for chunk in (1, 2, 3, 5, None):
+            runs = log.runs_since(start, chunk)
+            expanded = [(first + k, m, stored, h) for first, m, stored, hs in runs for k, h in enumerate(hs)]
+            assert expanded == every[start : None if chunk is None else start + chunk]
+            assert all(runs) and all(len(run[3]) for run in runs)
+    grouped = runs_of([CacheEvent(i, e) for i, e in log.since(0)])
+    assert [tuple(r) for r in grouped] == log.runs_since(0)
+    assert len(grouped) == 6  # device stores, device removals, host stores, host removals, host stores, disk

@@ -241,10 +241,10 @@ def test_a_tenant_missing_from_the_policy_is_refused_with_one_warning_naming_it(
 def test_what_a_node_finds_the_store_lost_leaves_its_events_and_the_routers_index(store, node_a, node_b):
     """A node says (REMOVED, medium shared) what the store no longer holds when it finds out (a
     lookup or load misses: the first key of the walk), so the router's index of the shared tier,
-    the union of every node's events, shrinks with it (gateway.index_follower.apply_event)."""
+    the union of every node's events, shrinks with it (gateway.index_follower.apply_run)."""
     from kvtier.gateway.discovery import Node
-    from kvtier.gateway.index_follower import NodeState, apply_event, predicted_hit
-    from kvtier.sequence_types import BlockRemoved, BlockStored
+    from kvtier.gateway.index_follower import NodeState, apply_run, predicted_hit
+    from kvtier.sequence_types import HashRun
 
     keys = chain(list(range(1000, 1000 + 4 * BS)))
     node_a.take_events()
@@ -258,8 +258,7 @@ def test_what_a_node_finds_the_store_lost_leaves_its_events_and_the_routers_inde
         k for record in node_a.take_events() if record[0] == tier_kind(True, "shared") for k in record[1]
     ]
     assert stored == keys
-    for key in stored:
-        apply_event(a, BlockStored(hash_preimage(key), None, -1, [], medium="shared"))
+    apply_run(a, HashRun(1, "shared", True, [hash_preimage(key) for key in stored]))
     hashes, prompt_len = [hash_preimage(k) for k in keys], 4 * BS + 1
     assert predicted_hit(b, hashes, prompt_len).below == {"shared": 4 * BS}
     raw = raw_client(store)
@@ -268,14 +267,12 @@ def test_what_a_node_finds_the_store_lost_leaves_its_events_and_the_routers_inde
     node_b.take_events()
     assert load_blocks(node_b, keys)[0] == 2
     assert removed_keys(node_b) == {keys[2]}
-    apply_event(b, BlockRemoved(hash_preimage(keys[2]), -1, medium="shared"))  # B's event reaches the router
+    apply_run(b, HashRun(1, "shared", False, [hash_preimage(keys[2])]))  # B's event reaches the router
     assert predicted_hit(b, hashes, prompt_len).below == {"shared": 2 * BS}  # A's report of it went too
     assert predicted_hit(a, hashes, prompt_len).below == {"shared": 2 * BS}
     node_a.lookup(keys[2])  # A, which stored it, finds out too and forgets it
     assert removed_keys(node_a) == {keys[2]} and keys[2] not in node_a.held()
-    apply_event(
-        a, BlockRemoved(hash_preimage(keys[0]), -1, medium="host")
-    )  # another medium: that node's only
+    apply_run(a, HashRun(2, "host", False, [hash_preimage(keys[0])]))  # another medium: that node's only
     assert predicted_hit(b, hashes, prompt_len).below == {"shared": 2 * BS}
 
 

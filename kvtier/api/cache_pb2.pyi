@@ -380,28 +380,44 @@ class WatchEventsRequest(_message.Message):
     def __init__(self, since_event_id: _Optional[int] = ...) -> None: ...
 
 class WatchEventBatchesRequest(_message.Message):
-    __slots__ = ("since_event_id", "omit_token_ids", "start_with_held")
+    __slots__ = ("since_event_id", "omit_token_ids", "start_with_held", "hashes_only")
     SINCE_EVENT_ID_FIELD_NUMBER: _ClassVar[int]
     OMIT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     START_WITH_HELD_FIELD_NUMBER: _ClassVar[int]
+    HASHES_ONLY_FIELD_NUMBER: _ClassVar[int]
     since_event_id: int
     omit_token_ids: bool
     start_with_held: bool
-    def __init__(self, since_event_id: _Optional[int] = ..., omit_token_ids: _Optional[bool] = ..., start_with_held: _Optional[bool] = ...) -> None: ...
+    hashes_only: bool
+    def __init__(self, since_event_id: _Optional[int] = ..., omit_token_ids: _Optional[bool] = ..., start_with_held: _Optional[bool] = ..., hashes_only: _Optional[bool] = ...) -> None: ...
 
 class WatchEventBatchesResponse(_message.Message):
-    __slots__ = ("events", "caught_up", "held", "held_as_of_event_id", "held_end")
+    __slots__ = ("events", "caught_up", "held", "held_as_of_event_id", "held_end", "runs")
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     CAUGHT_UP_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
     HELD_AS_OF_EVENT_ID_FIELD_NUMBER: _ClassVar[int]
     HELD_END_FIELD_NUMBER: _ClassVar[int]
+    RUNS_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[CacheEvent]
     caught_up: bool
     held: _containers.RepeatedCompositeFieldContainer[HeldBlocks]
     held_as_of_event_id: int
     held_end: bool
-    def __init__(self, events: _Optional[_Iterable[_Union[CacheEvent, _Mapping]]] = ..., caught_up: _Optional[bool] = ..., held: _Optional[_Iterable[_Union[HeldBlocks, _Mapping]]] = ..., held_as_of_event_id: _Optional[int] = ..., held_end: _Optional[bool] = ...) -> None: ...
+    runs: _containers.RepeatedCompositeFieldContainer[HashRun]
+    def __init__(self, events: _Optional[_Iterable[_Union[CacheEvent, _Mapping]]] = ..., caught_up: _Optional[bool] = ..., held: _Optional[_Iterable[_Union[HeldBlocks, _Mapping]]] = ..., held_as_of_event_id: _Optional[int] = ..., held_end: _Optional[bool] = ..., runs: _Optional[_Iterable[_Union[HashRun, _Mapping]]] = ...) -> None: ...
+
+class HashRun(_message.Message):
+    __slots__ = ("first_event_id", "medium", "stored", "block_hashes")
+    FIRST_EVENT_ID_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    first_event_id: int
+    medium: str
+    stored: bool
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, first_event_id: _Optional[int] = ..., medium: _Optional[str] = ..., stored: _Optional[bool] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class HeldBlocks(_message.Message):
     __slots__ = ("medium", "block_hashes")

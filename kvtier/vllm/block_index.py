@@ -2,7 +2,7 @@
 
 Most prompts of a workload without reuse start with a block nobody computed before. The cache
 announces every block that enters or leaves one of its media (``WatchEventBatches``: BlockStored,
-BlockRemoved, per medium; the events ready a message, without token ids), so the scheduler side
+BlockRemoved, per medium; the events ready a message, as runs of hashes: ``hashes_only``), so the scheduler side
 can tell such a prompt is a miss without asking: one thread follows the stream and keeps the
 hashes each medium holds. A prompt whose first block's hash (``kvtier.block_hash``: the model's
 fingerprint, the request's salt and adapter at the chain's root) is on no medium is then
@@ -24,9 +24,10 @@ process and reads first blocks only).
 On by default (``block_index``). vLLM's CPU engine schedules synchronously: while its scheduler
 waits for a LookupPrefix answer (a millisecond or more on a loaded machine, longer while the
 cache is demoting blocks to its host tier), the worker waits with it. An index answers a miss
-with no call and no wait, for about 0.4 ms of this thread's CPU per saved request (the events come
-batched: one message carries every event that is ready). bench/README.md, "where the no-reuse
-throughput goes", has the measurements.
+with no call and no wait, for about 0.05 ms of this thread's CPU per saved request (the events come
+batched, one message carrying every event that is ready, as runs of hashes: a set update per run;
+``bench/cache_cpu.py --follower``). bench/README.md, "where the no-reuse throughput goes", has
+the measurements.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import time
 from kvtier.block_hash import BlockHash, extra_key, hash_block
 from kvtier.cache_errors import CacheCallError
 from kvtier.media import medium
-from kvtier.sequence_types import BlockStored, HeldBatch
+from kvtier.sequence_types import BlockStored, HashRun, HeldBatch
 from kvtier.vllm import LOGGER
 from kvtier.vllm.cache_link import CacheLink, name_os_thread
 
@@ -99,7 +100,7 @@ class BlockIndex:
         self.complete = False
         self._held = {}
         shared = [t.medium for t in client.get_stats().tiers if _across_nodes(t.medium)]
-        self._stream = stream = client.watch_event_batches(omit_token_ids=True, start_with_held=True)
+        self._stream = stream = client.watch_event_batches(start_with_held=True, hashes_only=True)
         if self._closed:
             return
         last, known, held = 0, False, False
@@ -110,8 +111,8 @@ class BlockIndex:
                     last, known, held = batch.as_of, not shared, True
                     if shared:
                         log.info("kvtier: every lookup is asked: medium %s is shared across nodes", shared[0])
-            elif events := batch.events:
-                first = events[0].event_id
+            elif runs := batch.runs:
+                first = runs[0].first_event_id
                 if first <= last:
                     return  # ids went back: the cache restarted
                 if not held and last == 0:  # no held blocks came (an older cache): the log's replay
@@ -122,8 +123,8 @@ class BlockIndex:
                             f"medium {shared[0]} is shared across nodes" if shared
                             else f"the cache sent no held blocks and its events before {first} were dropped",
                         )  # fmt: skip
-                apply_events(self._held, events)
-                last = events[-1].event_id
+                apply_runs(self._held, runs)
+                last = runs[-1].last_event_id
             if known and batch.caught_up:
                 self.complete = True
 
@@ -132,6 +133,19 @@ def apply_held(held: dict[str, set[BlockHash]], batch: HeldBatch) -> None:
     """A held message (``HeldBatch``) on ``held`` (medium -> the hashes it holds): its hashes added."""
     for name, hashes in batch.held:
         held.setdefault(name, set()).update(hashes)
+
+
+def apply_runs(held: dict[str, set[BlockHash]], runs: list[HashRun]) -> None:
+    """``HashRun``s on ``held`` (medium -> the hashes it holds), in order: a stored run's hashes
+    added to its medium's set, a removed run's dropped."""
+    for medium_name, stored, hashes in ((r.medium, r.stored, r.hashes) for r in runs):
+        on = held.get(medium_name)
+        if on is None:
+            on = held[medium_name] = set()
+        if stored:
+            on.update(hashes)
+        else:
+            on.difference_update(hashes)
 
 
 def apply_events(held: dict[str, set[BlockHash]], events) -> None:
