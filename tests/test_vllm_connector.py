@@ -495,9 +495,10 @@ def test_restarted_engine_hits_its_prefixes_in_every_tier(stack):
         wait_until(on_disk, 60, "the long prefix written to the disk tier")
     except AssertionError as e:
         saved = [sum(held_tokens(stack, tokens)) for tokens in fillers]
+        said = "\n".join([line for line in b.log().splitlines() if "kvtier" in line][-20:])
         raise AssertionError(
             f"{e}; its (device, host, disk) tokens, the tiers (medium, blocks, skipped): {held}; "
-            f"the fillers' tokens held: {saved}"
+            f"the fillers' tokens held: {saved}; B's last kvtier lines:\n{said}"
         ) from None
     a.wait_ready()
     before = a.external_hits()
