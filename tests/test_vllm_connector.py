@@ -476,6 +476,10 @@ def test_restarted_engine_hits_its_prefixes_in_every_tier(stack):
     # the prefix's blocks until then, and blocks released during the fillers would outlive them.
     wait_until(lambda: len(engine_leases()) == 2, 30, "the killed engine's leases expiring")
     a.start()
+    # Serving before the fillers: an engine starting up takes both cores for seconds, and B, starved,
+    # may renew its 2 s lease too late to write a filler's saves (it drops them rather than write
+    # blocks its lease may no longer hold; 9 of 16 fillers went unsaved once here).
+    a.wait_ready()
     # 31 blocks each: the pool holds 160, the host 128. 16 of them push the prefix down with a margin
     # of five (a filler that finished before its pool blocks were answered is not saved).
     fillers = [prompt(100 + i, 1000) for i in range(16)]
@@ -500,7 +504,6 @@ def test_restarted_engine_hits_its_prefixes_in_every_tier(stack):
             f"{e}; its (device, host, disk) tokens, the tiers (medium, blocks, skipped): {held}; "
             f"the fillers' tokens held: {saved}; B's last kvtier lines:\n{said}"
         ) from None
-    a.wait_ready()
     before = a.external_hits()
     assert a.complete(PREFIX, max_tokens=16) == OUTPUTS["prefix"]
     assert a.external_hits() - before == 1088, "the prefix on disk was not loaded"
@@ -719,7 +722,8 @@ def test_a_prefill_only_request_waits_for_its_pool_blocks_in_its_last_step_with_
     """A request with max_tokens 1 ends in the step that computes its prompt: if its pool sequence
     is not answered by then (here the cache service is stopped for a moment), that step waits for
     it (up to LAST_STEP_WAIT_S, raised here so a loaded machine cannot miss it) and plans the save;
-    a request with more tokens to generate is not waited for (saved in a later step)."""
+    a request with more tokens to generate is not waited for (saved in a later step), except in
+    the step that generates its last token by max_tokens."""
     from vllm import SamplingParams
     from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
     from vllm.v1.request import Request
@@ -752,6 +756,30 @@ def test_a_prefill_only_request_waits_for_its_pool_blocks_in_its_last_step_with_
                     assert saves == [] and took < 5, (saves, took)
                 timer.cancel()
                 wait_until(lambda: not side._stuck(), 60, "the cache to answer")
+            # A request of 8 tokens whose answer is still out when its 8th token is generated.
+            last = Request("last", prompt(702, 2 * BLOCK_SIZE), SamplingParams(max_tokens=8), None)
+            os.kill(cache.proc.pid, signal.SIGSTOP)
+            side.on_new_request(last)
+            side.num_new_matched_tokens(last, 0)
+            step = SchedulerOutput.make_empty()
+            step.scheduled_new_reqs = [NewRequestData.from_request(last, ([5, 6],))]
+            step.num_scheduled_tokens = {"last": 2 * BLOCK_SIZE}
+            assert side.build_meta(step).saves == []  # 7 tokens to go: not waited for
+            timer = threading.Timer(0.3, os.kill, (cache.proc.pid, signal.SIGCONT))
+            timer.start()
+            step = SchedulerOutput.make_empty()
+            cached = step.scheduled_cached_reqs
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens = (
+                ["last"],
+                [None],
+                [2 * BLOCK_SIZE + 6],
+            )
+            step.num_scheduled_tokens = {"last": 1}
+            started = time.monotonic()
+            saves = [(s.req_id, s.vllm_block_ids) for s in side.build_meta(step).saves]
+            took = time.monotonic() - started
+            assert saves == [("last", [5, 6])] and took >= 0.1, (saves, took)
+            timer.cancel()
         finally:
             os.kill(cache.proc.pid, signal.SIGCONT)
             side.close()

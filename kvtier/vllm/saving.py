@@ -19,9 +19,10 @@ A prompt waiting in vLLM's queue holds its pool blocks until it is computed, so 
 most ``max_reserved_share`` of the pool for prompts that arrived: past it, a prompt is allocated
 when vLLM's scheduler first asks about it (about to schedule it). A prompt whose allocation is
 answered after its prefill step is saved in a later step (its full prompt blocks do not change
-while it runs), except a prefill-only request (``max_tokens`` 1: no later step runs it), for which
-the step waits up to ``LAST_STEP_WAIT_S``; one that finished before its answer (an early stop), or
-that the cache could not allocate, is not saved.
+while it runs), and the step that generates its last token by ``max_tokens`` (for a prefill-only
+request, ``max_tokens`` 1, the step that computes its prompt) waits for it up to
+``LAST_STEP_WAIT_S``: no later step runs it. One that finished before its answer anyway (a stop
+string or EOS, or a wait that ran out), or that the cache could not allocate, is not saved.
 The engine's lease holds every pool sequence: an engine that dies leaks nothing, and blocks it did
 not report written are never published.
 """
@@ -43,8 +44,8 @@ from kvtier.vllm.transfers import SaveItem
 log = logging.getLogger(LOGGER)
 
 WRITE_MARGIN = 0.25  # of the lease's TTL: a save is written only this long before the lease could lapse
-# A step waits at most this long, all together, for the pool sequences of requests it ends (prefill-only
-# requests, max_tokens 1: no later step could save them); other requests are saved in a later step.
+# A step waits at most this long, all together, for the pool sequences of requests it ends by max_tokens
+# (no later step could save them; a prefill-only request's is its first); others are saved in a later step.
 LAST_STEP_WAIT_S = 0.1
 
 
@@ -56,7 +57,7 @@ class Track:
     allocation: Future  # of its PoolSequence, or None (the cache could not give one)
     blocks: int  # pool blocks it holds (counted against max_reserved_share until released)
     held: Future | None = None  # kv_both: the leading tokens the cache holds on any tier (LookupPrefix)
-    prefill_only: bool = False  # max_tokens 1: the step that computes its prompt is its last
+    max_tokens: int | None = None  # the request's: the step that generates its last token is its last
     block_ids: list[int] = field(default_factory=list)  # vLLM's, in token order
     computed: int = 0  # prompt tokens vLLM has computed once its latest scheduled step has run
     saved_blocks: int | None = None  # leading blocks in the pool or planned (None: not yet known)
@@ -206,7 +207,7 @@ class SavingSide(SchedulerSide):
         item = AllocateItem(tokens, tenant_salt=salt, adapter_id=adapter, request_id=rid)
         held = self._ask_held(key) if self.loads and self._loadable(tokens) > 0 else None
         track = Track(tokens, self._asked(self._allocations.submit(item)), blocks, held,
-                      prefill_only=getattr(request, "max_tokens", None) == 1)  # fmt: skip
+                      max_tokens=getattr(request, "max_tokens", None))  # fmt: skip
         self._tracks[rid] = track
         self._reserved += blocks
         return track
@@ -217,7 +218,7 @@ class SavingSide(SchedulerSide):
         return seq if seq is not None and seq.generation == self.link.generation else None
 
     def _plan_save(self, rid: str, track: Track, saves: list[SaveItem]) -> None:
-        if track.prefill_only:  # no later step will run it: its blocks are saved now or never
+        if _last_step(track):  # no later step will run it: its blocks are saved now or never
             self._last_step_wait_left_s -= self._waited(track.allocation, self._last_step_wait_left_s)
         if track.released or track.broken or not track.allocation.done():
             return
@@ -254,3 +255,12 @@ class SavingSide(SchedulerSide):
                 )
         if track.released and track.finished:
             self._tracks.pop(rid, None)
+
+
+def _last_step(track: Track) -> bool:
+    """Whether the step being planned generates the request's last token (by ``max_tokens``: a
+    stop string or EOS may end it sooner). After it, ``computed - prompt + 1`` tokens are out: a
+    prefill-only request's (max_tokens 1) is the step that computes its prompt."""
+    if track.max_tokens is None or track.computed < len(track.token_ids):
+        return False
+    return track.computed - len(track.token_ids) + 1 >= track.max_tokens
