@@ -129,11 +129,10 @@ def hash_runs(record: EventRecord, start: int = 0, stop: int | None = None) -> l
         removed, stored = split_replaced(record)
         n = len(removed[1])
         stop = 2 * n if stop is None else stop
-        runs = hash_runs(removed, min(start, n), min(stop, n)) + [
+        return hash_runs(removed, min(start, n), min(stop, n)) + [
             (n + first, medium, kind, hashes)
             for first, medium, kind, hashes in hash_runs(stored, max(start - n, 0), max(stop - n, 0))
         ]
-        return runs
     keys = record[1][start:stop]
     if not keys:
         return []

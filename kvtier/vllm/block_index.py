@@ -2,10 +2,10 @@
 
 Most prompts of a workload without reuse start with a block nobody computed before. The cache
 announces every block that enters or leaves one of its media (``WatchEventBatches``: BlockStored,
-BlockRemoved, per medium; the events ready a message, as runs of hashes: ``hashes_only``), so the scheduler side
-can tell such a prompt is a miss without asking: one thread follows the stream and keeps the
-hashes each medium holds. A prompt whose first block's hash (``kvtier.block_hash``: the model's
-fingerprint, the request's salt and adapter at the chain's root) is on no medium is then
+BlockRemoved, per medium; the events ready a message, as runs of hashes: ``hashes_only``), so the
+scheduler side can tell such a prompt is a miss without asking: one thread follows the stream and
+keeps the hashes each medium holds. A prompt whose first block's hash (``kvtier.block_hash``: the
+model's fingerprint, the request's salt and adapter at the chain's root) is on no medium is then
 ``surely_missed``: the scheduler answers 0 with no call, no wait and no thread woken. Anything
 else is asked as before (``LookupPrefix``, and the pin's ``Allocate`` before any load): the index
 only ever costs hits (a block stored a moment ago and not yet streamed), never serves one.
