@@ -234,7 +234,7 @@ class EventLog:
         starts = itertools.islice(self._first_ids, at, None)
         for first, record in zip(starts, itertools.islice(self._records, at, None), strict=True):
             skip = max(event_id + 1 - first, 0)
-            take = min(len(record[1]) - skip, left)
+            take = min(num_events(record) - skip, left)
             out.extend(read(record, first, skip, skip + take))
             left -= take
             if left <= 0:

@@ -3,14 +3,15 @@ and its live figures, read from GetStats.
 
 The index is the set of block hashes the node's cache holds per medium (``kvtier.media``: the
 device, then each medium below it), fed by its ``WatchEventBatches`` stream: first the blocks the
-node holds (``start_with_held``: as of one event, on each of its media), then every event ready
-in one message, as runs of hashes (``hashes_only``: BlockStored adds to its medium's set,
-BlockRemoved drops from it; a block may be on several tiers at once). A stream that fails, drops events (OUT_OF_RANGE) or
-restarts (a new cache: event ids start over) is reopened with an empty index, which the held
-blocks fill again; until they have arrived (not synced) a hit is asked with ``LookupPrefix`` (one RPC,
-bounded by ``LOOKUP_TIMEOUT_S``). GetStats is read every ``STATS_PERIOD_S``; a node that does not
-answer is down for ``DOWN_S`` and polled until it answers. Every call goes through
-``kvtier.cache_client.CacheClient`` (the node credential, TLS when a CA is given).
+node holds (``start_with_held``: as of one event, on each of its media), then every event ready in
+one message, as runs of hashes (``hashes_only``: BlockStored adds to its medium's set, BlockRemoved
+drops from it; a block may be on several tiers at once). A stream that fails, drops events
+(OUT_OF_RANGE) or restarts (a new cache: event ids start over) is reopened with an empty index,
+which the held blocks fill again; until they have arrived (not synced) a hit is asked with
+``LookupPrefix`` (one RPC, bounded by ``LOOKUP_TIMEOUT_S``). GetStats is read every
+``STATS_PERIOD_S``; a node that does not answer is down for ``DOWN_S`` and polled until it answers.
+Every call goes through ``kvtier.cache_client.CacheClient`` (the node credential, TLS when a CA is
+given).
 """
 
 from __future__ import annotations

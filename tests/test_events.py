@@ -349,9 +349,10 @@ def test_hash_runs_carry_every_event_of_any_slice_of_the_log_as_since_reads_it()
     rows = torch.zeros((8, 16), dtype=torch.uint8)
     host.submit_store(Blocks(keys[:2], rows, [0, 1]), pass_down=False)
     host.submit_store(Blocks(keys[2:4], rows, [2, 3]), pass_down=False)  # one HOST_REPLACED record
+    records = bm.take_event_records() + host.take_events() + [(tier_kind(False, "disk"), (keys[4],), (-1,))]
+    assert any(r[0] == HOST_REPLACED for r in records)
     log = EventLog(BS)
-    log.extend(bm.take_event_records() + host.take_events() + [(tier_kind(False, "disk"), (keys[4],), (-1,))])
-    assert any(r[0] == HOST_REPLACED for r in log._records)
+    log.extend(records)
     every = [(i, e.medium, isinstance(e, BlockStored), e.block_hash) for i, e in log.since(0)]
     assert len(every) == log.last_event_id == 3 + 2 + 2 + 4 + 1
     for start in range(log.last_event_id + 1):

@@ -261,6 +261,4 @@ def _last_step(track: Track) -> bool:
     """Whether the step being planned generates the request's last token (by ``max_tokens``: a
     stop string or EOS may end it sooner). After it, ``computed - prompt + 1`` tokens are out: a
     prefill-only request's (max_tokens 1) is the step that computes its prompt."""
-    if track.max_tokens is None or track.computed < len(track.token_ids):
-        return False
-    return track.computed - len(track.token_ids) + 1 >= track.max_tokens
+    return track.max_tokens is not None and track.computed - len(track.token_ids) + 1 >= track.max_tokens
