@@ -27,10 +27,10 @@ checksum too for those read in the first ``verify_s`` seconds, so the open takes
 what fails is deleted with a log line naming the file and the reason, so a torn write, a flipped
 byte or another model's block is never indexed. Recency order at restart is the files' mtime (a
 hit sets it). Every read checks the record in full, checksum included, before returning its
-bytes. A directory that
-cannot be used at startup is an error naming it (``DiskPathError``, or ``UntrustedPath`` for one
-another user owns or others can write, the run directory's rule); an I/O error later disables
-the tier with a warning: it then holds nothing, serves nothing and accepts nothing.
+bytes. A directory that cannot be used at startup is an error naming it (``DiskPathError``, or
+``UntrustedPath`` for one another user owns or others can write, the run directory's rule); an
+I/O error later disables the tier with a warning: it then holds nothing, serves nothing and
+accepts nothing. ``queue_depth`` counts the group being written: 0 means all accepted is indexed.
 
 Threads: ``offer``, ``lookup_chain``, ``load`` and ``stats`` are called from the service's loop;
 the writer thread owns writes and evictions. ``lock`` guards the index (held briefly: never
@@ -320,13 +320,12 @@ class DiskTier(Tier):
 
     def stats(self) -> dict:
         """Counters (blocks, bytes, hits, writes, skipped writes, queue depth, drops); a snapshot."""
+        with self._queue_cond:  # first: a group leaves ``_writing`` after it enters the index
+            depth = len(self._queue) + self._writing
         with self.lock:
             out = {"blocks": len(self._index), "bytes": self._bytes, **self._counts}
-        out.update(
-            budget_bytes=self.budget_bytes, queue_depth=len(self._queue), queue_blocks=self.queue_blocks,
-            enabled=self.enabled,
-        )  # fmt: skip
-        return out
+        out.update(budget_bytes=self.budget_bytes, queue_depth=depth, queue_blocks=self.queue_blocks)
+        return out | {"enabled": self.enabled}
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Write what is queued (up to ``timeout_s``), stop the writer and release the directory."""

@@ -177,7 +177,8 @@ def test_a_full_queue_skips_blocks_instead_of_blocking(tmp_path):
         offers.start()
         offers.join(FLUSH_S)
         assert not offers.is_alive(), "offer blocked on a stalled writer"
-        assert tier.stats()["queue_depth"] <= 4
+        # every accepted block is queued or in the stalled writer's hands: none is written yet
+        assert tier.stats()["queue_depth"] == sum(results) <= 5
     assert tier.flush(FLUSH_S)
     accepted = sum(results)
     assert accepted in (4, 5)  # the queue's 4, plus the one the writer may have taken first

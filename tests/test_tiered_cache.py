@@ -136,8 +136,11 @@ def test_evicted_prefixes_come_back_from_host_and_disk_and_survive_a_sigkill(tmp
         client = Client(svc)
         fills_a = client.publish(a, 1)
         # a's blocks are evicted last to first: the host keeps blocks 0 and 1, all three reach the disk
-        client.flush_pool()
-        wait_until(lambda: all(p.exists() for p in record_paths(disk, a)), FLUSH_S, "a's records on disk")
+        client.flush_pool()  # the disk tier counts a record once it is durable (its file is renamed before)
+        wait_until(
+            lambda: client.c.get_stats().tiers[2].num_blocks == 3, FLUSH_S, "a's records in the disk tier"
+        )
+        assert all(p.exists() for p in record_paths(disk, a))
         [hit] = client.c.lookup_prefix([a])  # per tier (per medium of kvtier.media), read-only
         assert (hit.num_cached_tokens, hit.below["host"], hit.below["disk"]) == (0, 2 * BS, BS), hit
         assert hit.total == 3 * BS, hit  # no other medium holds any
