@@ -281,7 +281,9 @@ class StoreClient:
 
     @property
     def queue_depth(self) -> int:
-        return len(self._queue)
+        """Objects not stored yet: queued, or the one being put (0: every put has returned)."""
+        with self._cond:
+            return len(self._queue) + self._writing
 
     def _write_loop(self) -> None:
         while True:

@@ -141,6 +141,12 @@ def cache_stats(stack: LocalStack):
         client.close()
 
 
+def disk_drained(stack: LocalStack) -> bool:
+    """The stack's disk tier has indexed every block it accepted (its write queue, the group
+    being written included, is empty)."""
+    return all(t.write_queue_depth == 0 for t in cache_stats(stack).tiers if t.medium == "disk")
+
+
 def greedy_request(token_ids: list[int], max_tokens: int, **kw):
     """A greedy Generate request that runs to `max_tokens` (EOS ignored)."""
     return ComputeClient.request(
