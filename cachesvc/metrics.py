@@ -133,7 +133,7 @@ class CacheMetrics(RpcLatency):
     _TIER_GAUGES = (
         ("num_blocks", "tier_blocks", "Published blocks a tier of the prefix cache holds."),
         ("num_bytes", "tier_bytes", "Bytes of the published blocks a tier holds."),
-        ("write_queue_depth", "tier_write_queue_depth", "Blocks waiting for the disk writer."),
+        ("write_queue_depth", "tier_write_queue_depth", "Blocks taken, not yet stored."),
     )
     _TIER_COUNTERS = (
         ("num_hit_blocks", "tier_hit_blocks", "Allocate's prefix-hit blocks served by a tier."),
