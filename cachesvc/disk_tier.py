@@ -30,7 +30,7 @@ hit sets it). Every read checks the record in full, checksum included, before re
 bytes. A directory that cannot be used at startup is an error naming it (``DiskPathError``, or
 ``UntrustedPath`` for one another user owns or others can write, the run directory's rule); an
 I/O error later disables the tier with a warning: it then holds nothing, serves nothing and
-accepts nothing. ``queue_depth`` counts the group being written: 0 means all accepted is indexed.
+accepts nothing. ``queue_depth`` counts the group being written: 0 means every block taken is indexed.
 
 Threads: ``offer``, ``lookup_chain``, ``load`` and ``stats`` are called from the service's loop;
 the writer thread owns writes and evictions. ``lock`` guards the index (held briefly: never
@@ -325,7 +325,8 @@ class DiskTier(Tier):
         with self.lock:
             out = {"blocks": len(self._index), "bytes": self._bytes, **self._counts}
         out.update(budget_bytes=self.budget_bytes, queue_depth=depth, queue_blocks=self.queue_blocks)
-        return out | {"enabled": self.enabled}
+        out["enabled"] = self.enabled
+        return out
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Write what is queued (up to ``timeout_s``), stop the writer and release the directory."""
