@@ -342,9 +342,9 @@ class StoreClient:
     def wait_written(self, deadline_s: float = 10.0) -> bool:
         """Wait until the write queue is empty (tests, benchmarks and shutdown); False at the deadline."""
         deadline = time.monotonic() + deadline_s
-        while (self._queue or self._writing) and time.monotonic() < deadline:
+        while self.queue_depth and time.monotonic() < deadline:
             time.sleep(0.01)
-        return not (self._queue or self._writing)
+        return not self.queue_depth
 
     def stats(self) -> dict:
         return {

@@ -141,10 +141,10 @@ def cache_stats(stack: LocalStack):
         client.close()
 
 
-def disk_drained(stack: LocalStack) -> bool:
-    """The stack's disk tier has indexed every block it accepted (its write queue, the group
-    being written included, is empty)."""
-    return all(t.write_queue_depth == 0 for t in cache_stats(stack).tiers if t.medium == "disk")
+def disk_drained(tiers) -> bool:
+    """The disk tier among GetStats' ``tiers`` has indexed every block it accepted (its write
+    queue, the group being written included, is empty)."""
+    return all(t.write_queue_depth == 0 for t in tiers if t.medium == "disk")
 
 
 def greedy_request(token_ids: list[int], max_tokens: int, **kw):

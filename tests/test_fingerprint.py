@@ -196,7 +196,11 @@ def test_a_restart_after_one_byte_of_a_tensor_changed_serves_nothing_the_old_wei
         (first,) = LOOP.complete(old.compute_addresses, [greedy_request(long_prompt, 8)])
         LOOP.complete(old.compute_addresses, [greedy_request(f, 1) for f in fillers])  # evict it to disk
         records = record_paths(disk, long_prompt, ModelShape.from_model_dir(model).fingerprint)
-        wait_until(lambda: all(p.exists() for p in records) and disk_drained(old), 60.0, "records indexed")
+        wait_until(
+            lambda: all(p.exists() for p in records) and disk_drained(cache_stats(old).tiers),
+            60.0,
+            "records indexed",
+        )
         (again,) = LOOP.complete(old.compute_addresses, [greedy_request(long_prompt, 8)])
         assert again.cached_prompt_tokens == 6 * BS and again.token_ids == first.token_ids  # served from disk
     poke_middle(model)

@@ -31,7 +31,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh inst
 
 import httpx  # noqa: E402
 import openai  # noqa: E402
-from servers import TOKEN, cache_service, child_env, wait_until  # noqa: E402
+from servers import TOKEN, cache_service, child_env, disk_drained, wait_until  # noqa: E402
 
 from kvtier.cache_client import CacheClient  # noqa: E402
 from kvtier.cli.stack import wait_serving  # noqa: E402
@@ -488,7 +488,7 @@ def test_restarted_engine_hits_its_prefixes_in_every_tier(stack):
         filler_outputs.append(b.complete(tokens))
         # The disk writer keeps up on a loaded machine too: a block offered while its queue is full
         # is skipped (counted), and the prefix must reach the disk whole.
-        wait_until(lambda: disk_queue_depth(stack) == 0, 60, "the disk writer's queue drained")
+        wait_until(lambda: disk_drained(cache_tiers(stack)), 60, "the disk writer's queue drained")
     held: list = []  # (device, host, disk) tokens of the prefix, last seen: named if it never gets there
 
     def on_disk() -> bool:
@@ -523,21 +523,18 @@ def test_restarted_engine_hits_its_prefixes_in_every_tier(stack):
     wait_until(lambda: all(lease.num_sequences == 0 for lease in leases(stack)), 30, "every sequence freed")
 
 
+def cache_tiers(stack):
+    """GetStats' tiers of the cache service."""
+    client = cache_client(stack)
+    try:
+        return client.get_stats().tiers
+    finally:
+        client.close()
+
+
 def tier_rows(stack) -> list[tuple[str, int, int]]:
     """(medium, blocks, skipped blocks) of each tier below the pool."""
-    client = cache_client(stack)
-    try:
-        return [(t.medium, t.num_blocks, t.num_skipped_blocks) for t in client.get_stats().tiers]
-    finally:
-        client.close()
-
-
-def disk_queue_depth(stack) -> int:
-    client = cache_client(stack)
-    try:
-        return sum(t.write_queue_depth for t in client.get_stats().tiers if t.medium == "disk")
-    finally:
-        client.close()
+    return [(t.medium, t.num_blocks, t.num_skipped_blocks) for t in cache_tiers(stack)]
 
 
 def leases(stack):
