@@ -29,7 +29,7 @@ from kvtier.cli.stack import LocalStack, start, up_side_by_side, wait_gateway
 from kvtier.model_spec import TINY_LLAMA_CONFIG
 
 BS = 16
-SYSTEM_LEN = 24 * BS  # 384 tokens
+SYSTEM_LEN = 48 * BS  # 768 tokens
 QUESTION_LEN = 8
 NUM_SYSTEMS = 12
 ZIPF = 1.0  # popularity exponent over the system prompts
