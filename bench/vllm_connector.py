@@ -18,7 +18,10 @@ variable is the same for the three (``--engine-threads`` OpenMP threads each) ex
 - Throughput: a no-reuse workload (unique prompts, every block saved to kvtier) on B against C,
   in pairs of back-to-back runs (B C, C B, ...), each after the other engine's busy-poll has ended;
   the headline is the median of the pairs' ratios, with their range (on a shared machine the
-  load moves more between pairs than within one). Target >= 0.95x.
+  load moves more between pairs than within one). Target >= 0.95x. The pairs are also given by
+  where B's saves stand in the cache after each (GetStats): the pool not yet evicting, the host
+  tier filling (its fresh memory mapped as first used), every tier full (a long-running cache's
+  state), each phase's median on a line of its own: one effect at a time.
 - Copy rates, in this process: loads (pool -> vLLM blocks, one pass per run of consecutive ids)
   and saves (vLLM blocks -> pool, in vLLM's step) through the connector's copier, with vLLM's CPU
   layout learned from its own write as the connector learns it, against a plain copy of the same
@@ -43,6 +46,7 @@ The last line is the headline.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import random
 import shutil
@@ -119,19 +123,39 @@ def measure_ttft(a: Server, b: Server, stack, token: str, rounds: int) -> dict[s
     }
 
 
-def measure_throughput(b: Server, c: Server, pairs: int, requests: int) -> list[float]:
+def tier_phase(address: str, token: str) -> str:
+    """Where B's saves stand in the cache service (GetStats): the pool not yet evicting, the host tier
+    not yet evicting (filling fresh memory: its pages are mapped as first used), or both evicting."""
+    from kvtier.cache_client import CacheClient
+
+    client = CacheClient.connect(address, token, timeout_s=10)
+    try:
+        stats = client.get_stats()
+    finally:
+        client.close()
+    if stats.num_evictions == 0:
+        return PHASES[0]
+    host_evictions = sum(t.num_evictions for t in stats.tiers if t.medium == "host")
+    return PHASES[1] if host_evictions == 0 else PHASES[2]
+
+
+PHASES = ("pool filling", "host tier filling", "every tier full")
+
+
+def measure_throughput(b: Server, c: Server, pairs: int, requests: int, phase) -> list[tuple[float, str]]:
     """B's (the connector's) generated tok/s over C's (without it) in each of `pairs` back-to-back
     pairs of runs (B C, then C B, ...), each after the other engine's busy-poll has ended: the
-    machine's load moves between pairs far more than within one."""
+    machine's load moves between pairs far more than within one. Each pair with the cache's
+    ``phase()`` after it."""
     ratios = []
     for rnd in range(pairs):
         rate = {}
         for server in (b, c) if rnd % 2 == 0 else (c, b):
             time.sleep(SETTLE_S)
             rate[server.name] = throughput(server, 100 + rnd, requests)
-        ratios.append(rate["B"] / rate["C"])
+        ratios.append((rate["B"] / rate["C"], phase()))
         print(f"throughput pair {rnd}, no reuse: with the connector {rate['B']:.0f} tok/s, without {rate['C']:.0f} "
-              f"tok/s: {ratios[-1]:.3f} (load average {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
+              f"tok/s: {ratios[-1][0]:.3f} (load average {os.getloadavg()[0]:.1f}; {ratios[-1][1]})", flush=True)  # fmt: skip
     return ratios
 
 
@@ -202,9 +226,14 @@ def cold_text(rates: dict[str, float]) -> str:
     )
 
 
-def report(args, ttft: dict[str, float], ratios: list[float], rates: dict[str, float]) -> None:
-    """Where the loaded TTFT goes, then the headline."""
+def report(args, ttft: dict[str, float], pairs: list[tuple[float, str]], rates: dict[str, float]) -> None:
+    """Where the loaded TTFT goes, the throughput pairs by the cache's phase, then the headline."""
     ttft_ratios = ttft["ratios"]
+    ratios = [ratio for ratio, _ in pairs]
+    for name in PHASES:
+        part = [ratio for ratio, phase in pairs if phase == name]
+        if part:
+            print(f"no-reuse throughput with/without the connector, {name}: {spread(part)}")
     other = ttft["loaded_ms"] - ttft["allocate_ms"] - rates["load_ms"] - ttft["tail_step_ms"]
     print(f"loaded TTFT {ttft['loaded_ms']:.0f} ms = Allocate (the hit pinned, room for the rest) "
           f"{ttft['allocate_ms']:.1f} ms + copy of {ttft['hit_blocks']} blocks {rates['load_ms']:.1f} ms + one step "
@@ -239,7 +268,9 @@ def arguments() -> argparse.Namespace:
     ap.add_argument("--attribute", action="store_true",
                     help="no TTFT: the no-reuse throughput of C, B, and the connector's saves or lookups alone")  # fmt: skip
     ap.add_argument("--num-blocks", type=int, help="the cache service's pool blocks (default: 512 MiB of them, "
-                    "4,096 for the default model: the pool fills in a full run's later pairs)")  # fmt: skip
+                    "4,096 for the default model: the pool fills at about pair 12)")  # fmt: skip
+    ap.add_argument("--host-cache-gib", type=float, help="the cache service's host tier (default: its own, auto-sized; "
+                    "smaller: every tier is full, and evicting, in fewer pairs)")  # fmt: skip
     ap.add_argument("--log-dir", type=Path, help="keep the engines' and the cache service's logs here")
     return ap.parse_args()
 
@@ -281,6 +312,8 @@ def main() -> int:
         num_blocks = pool_blocks
         cache_args = ["--model", str(model), "--block-size", str(BLOCK_SIZE), "--kv-cache-dtype", "float32",
                       "--num-blocks", str(num_blocks), "--compute-replicas", "0"]  # fmt: skip
+        if args.host_cache_gib is not None:
+            cache_args += ["--host-cache-gib", str(args.host_cache_gib)]
         stack = LocalStack(run_dir, cache_args=cache_args, num_replicas=0, env=env)
         stack.start_cache()
         names = ROLES if args.attribute else {"A": "kv_both", "B": "kv_both", "C": None}
@@ -298,7 +331,8 @@ def main() -> int:
                 return 0
             b, c = servers["B"], servers["C"]
             ttft = measure_ttft(servers["A"], b, stack, token, rounds)
-            ratios = [] if args.skip_throughput else measure_throughput(b, c, pairs, args.requests)
+            phase = functools.partial(tier_phase, stack.cache_address, token)
+            ratios = [] if args.skip_throughput else measure_throughput(b, c, pairs, args.requests, phase)
         finally:
             for server in servers.values():
                 server.stop()
