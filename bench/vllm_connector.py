@@ -123,9 +123,13 @@ def measure_ttft(a: Server, b: Server, stack, token: str, rounds: int) -> dict[s
     }
 
 
+PHASES = ("pool filling", "host tier filling", "every tier full")
+
+
 def tier_phase(address: str, token: str) -> str:
     """Where B's saves stand in the cache service (GetStats): the pool not yet evicting, the host tier
-    not yet evicting (filling fresh memory: its pages are mapped as first used), or both evicting."""
+    not yet evicting (filling fresh memory: its pages are mapped as first used), or every tier
+    evicting (a cache without a host tier is full once its pool evicts)."""
     from kvtier.cache_client import CacheClient
 
     client = CacheClient.connect(address, token, timeout_s=10)
@@ -135,11 +139,8 @@ def tier_phase(address: str, token: str) -> str:
         client.close()
     if stats.num_evictions == 0:
         return PHASES[0]
-    host_evictions = sum(t.num_evictions for t in stats.tiers if t.medium == "host")
-    return PHASES[1] if host_evictions == 0 else PHASES[2]
-
-
-PHASES = ("pool filling", "host tier filling", "every tier full")
+    hosts = [t for t in stats.tiers if t.medium == "host"]
+    return PHASES[2] if not hosts or any(t.num_evictions for t in hosts) else PHASES[1]
 
 
 def measure_throughput(b: Server, c: Server, pairs: int, requests: int, phase) -> list[tuple[float, str]]:
@@ -332,7 +333,7 @@ def main() -> int:
             b, c = servers["B"], servers["C"]
             ttft = measure_ttft(servers["A"], b, stack, token, rounds)
             phase = functools.partial(tier_phase, stack.cache_address, token)
-            ratios = [] if args.skip_throughput else measure_throughput(b, c, pairs, args.requests, phase)
+            measured = [] if args.skip_throughput else measure_throughput(b, c, pairs, args.requests, phase)
         finally:
             for server in servers.values():
                 server.stop()
@@ -345,7 +346,7 @@ def main() -> int:
                 args.log_dir.mkdir(parents=True, exist_ok=True)
                 for log in run_dir.glob("*.log"):
                     shutil.copy(log, args.log_dir)
-    report(args, ttft, ratios, rates)
+    report(args, ttft, measured, rates)
     return 0
 
 
