@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -27,17 +28,22 @@ import torch
 
 from kvtier.cachesvc.errors import InvalidArgument, ResourceExhausted
 from kvtier.cachesvc.tiers import Blocks
+from kvtier.cpu_plan import name_os_thread
 from kvtier.pool import populate
 
 SMALL_ROW_BYTES = 4096  # rows up to this size are copied as numpy void items (copy_rows)
 GATHER_FROM = 8  # small rows per copy_rows call from which one numpy gather beats a copy per row
-# A CPU area's pages are mapped this many bytes at a time, ahead of the first copy into them
-# (``map_ahead``): the kernel maps a range in one call for ~0.45 ms per 2 MiB, against ~0.65 when
-# the copies fault page by page (bench/cache_cpu.py: the host tier's first pass, 0.16-0.24 ms
-# less CPU per 16 demoted blocks of 128 KiB). Memory not reached yet stays unmapped (the default
-# host cache is sized to a share of the machine's memory and is cheap until used), and one call
-# holds the loop ~2 ms at most.
+# A CPU area's pages are mapped ahead of the first copy into them: the kernel maps a range in one
+# call for ~0.45 ms per 2 MiB, against ~0.65 when the copies fault page by page (bench/cache_cpu.py:
+# the host tier's first pass, 0.16-0.24 ms less CPU per 16 demoted blocks of 128 KiB). A thread of
+# the lowest priority (``AHEAD_BYTES``, ``_map_behind``) keeps the pages past the highest slot
+# copied into mapped, so the loop's copies find them mapped; the loop maps ``MAP_AHEAD_BYTES`` in
+# one call (~2 ms at most) only where it overtakes the thread. Memory not reached yet stays
+# unmapped: the default host cache is sized to a share of the machine's memory and is cheap until
+# used, and a service commits at most ``AHEAD_BYTES`` more than its copies reached.
 MAP_AHEAD_BYTES = 8 << 20
+AHEAD_BYTES = 64 << 20  # about two throughput runs of bench/vllm_connector.py (2 MiB per request)
+AHEAD_CALL_BYTES = 2 << 20  # the thread's kernel calls: short, so one preempted holds little
 
 
 class HostArea:
@@ -62,7 +68,10 @@ class HostArea:
         self._rows_bytes = self._slots_bytes = self._rows_items = self._slots_items = None
         self._small = False
         # Slots [0, mapped) are mapped on a CPU area (map_ahead); pinned memory is mapped already.
-        self.mapped = 0 if not cuda and sys.platform == "linux" else num_slots
+        # A copy into a slot from ahead_at on tops the mapped pages up; one past mapped maps (_reach).
+        self.mapped = self.ahead_at = 0 if not cuda and sys.platform == "linux" else num_slots
+        self._mapping = threading.Lock()  # mapped's updates; the thread topping it up, if running
+        self._mapper: threading.Thread | None = None
         self.pool_rows: torch.Tensor | None = None  # the pool swap copies to and from (attach_pool)
         self._free = list(range(num_slots - 1, -1, -1))  # a stack: lowest slot ids first
         self._swap_slots: set[int] = set()
@@ -172,8 +181,8 @@ class HostArea:
         if not pairs:
             return
         if self.stream is None:
-            if max(slots) >= self.mapped:
-                self.map_ahead(max(slots))
+            if max(slots) >= self.ahead_at or max(slots) >= self.mapped:
+                self._reach(max(slots))
             for dst, src in pairs:
                 copy_block(dst, src)
             return
@@ -206,8 +215,8 @@ class HostArea:
         each (cheaper than two memoryview slices). Both go through a temporary, so a larger row
         is a memoryview slice copy each: one memcpy. Measured by bench/block_manager_ab.py --tiers.
         """
-        if slots and max(slots) >= self.mapped:
-            self.map_ahead(max(slots))
+        if slots and (max(slots) >= self.ahead_at or max(slots) >= self.mapped):
+            self._reach(max(slots))
         if self._small:
             dst_items, src_items = self._slots_items, self._rows_items
             n = len(ids)
@@ -224,8 +233,8 @@ class HostArea:
 
     def copy_row(self, slot: int, i: int) -> None:
         """``copy_rows`` of one row: pool row ``i`` into ``slot``."""
-        if slot >= self.mapped:
-            self.map_ahead(slot)
+        if slot >= self.ahead_at or slot >= self.mapped:
+            self._reach(slot)
         if self._small:
             self._slots_items[slot] = self._rows_items[i]
             return
@@ -233,16 +242,51 @@ class HostArea:
         at, start = slot * size, i * size
         self._slots_bytes[at : at + size] = self._rows_bytes[start : start + size]
 
+    def _reach(self, slot: int) -> None:
+        """Before a copy into ``slot`` of a CPU area: its page mapped now if it is not yet
+        (``map_ahead``), and the thread topping the mapped pages up to ``AHEAD_BYTES`` past it
+        started if it is not running; the next call when the copies have used half of that."""
+        if slot >= self.mapped:
+            self.map_ahead(slot)
+        ahead = max(1, AHEAD_BYTES // self.block_bytes)
+        self.ahead_at = min(self.num_slots, slot + 1 + ahead // 2)
+        end = min(self.num_slots, slot + 1 + ahead)
+        if end > self.mapped and (self._mapper is None or not self._mapper.is_alive()):
+            self._mapper = threading.Thread(
+                target=self._map_behind, args=(end,), name="kvtier-map", daemon=True
+            )
+            self._mapper.start()
+
+    def _map_behind(self, end: int) -> None:
+        """The thread of ``_reach``: map slots up to ``end`` a kernel call of ``AHEAD_CALL_BYTES`` at a
+        time, at the lowest priority (nice 19), so it runs where the loop and the engines beside it
+        leave a core idle."""
+        name_os_thread("kvtier-map")
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only (Linux)
+        step = max(1, AHEAD_CALL_BYTES // self.block_bytes)
+        while self.mapped < end:
+            self._map(min(end, self.mapped + step))
+
     def map_ahead(self, slot: int) -> None:
         """Map the CPU area's pages up to ``slot`` and ``MAP_AHEAD_BYTES`` past it in one call, so the
         copies into them do not fault page by page. Bytes unchanged; where the kernel refuses
         (before Linux 5.14), pages are mapped on first touch as before and this is not tried again."""
-        size = self.block_bytes
-        end = min(self.num_slots, max(slot + 1, (self.mapped * size + MAP_AHEAD_BYTES) // size))
+        self._map(max(slot + 1, self.mapped + MAP_AHEAD_BYTES // self.block_bytes))
+
+    def _map(self, end: int) -> None:
+        """Map slots [mapped, end) (at most the area). The loop (``map_ahead``) and the thread
+        (``_map_behind``) may map one range together: the kernel keeps a mapped page's bytes, and
+        ``mapped`` only grows, to the end of a range that began at or below it."""
+        size, start_slot = self.block_bytes, self.mapped
+        end = min(self.num_slots, end)
+        if end <= start_slot:
+            return
         base, page = self.slots.data_ptr(), os.sysconf("SC_PAGE_SIZE")
-        start = base + self.mapped * size
+        start = base + start_slot * size
         start -= start % page
-        self.mapped = end if populate(start, base + end * size - start) else self.num_slots
+        done = populate(start, base + end * size - start)
+        with self._mapping:
+            self.mapped = max(self.mapped, end) if done else self.num_slots
 
     def _on_side_stream(self, copies: Callable[[], object]) -> None:
         """Run ``copies`` on the side stream after the default stream's queued work; wait for them."""

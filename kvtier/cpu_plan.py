@@ -6,11 +6,14 @@ docs where it measured a gain: tcmalloc (Debian's libtcmalloc-minimal4) is prelo
 processes when installed; Intel OpenMP (libiomp5, a wheel in the venv with vLLM or
 `intel-openmp`) only on request (KVTIER_PRELOAD_ALLOCATOR=iomp; `allocator_libs`). Both can only
 be preloaded (LD_PRELOAD at exec), so the launcher sets them (`preload_env`), and a replica
-reports what it actually runs with (`loaded_allocators`).
+reports what it actually runs with (`loaded_allocators`). Threads of ours are named in the OS
+too (`name_os_thread`), so `top -H` tells them apart.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import sys
 from dataclasses import dataclass
@@ -155,3 +158,12 @@ def plan_for_flags(args) -> CpuPlan:
     plan = plan_cpu(args.replicas, args.threads, device="cuda" if gpu_present() else "cpu")
     args.replicas, args.threads = plan.replicas, plan.threads
     return plan
+
+
+def name_os_thread(name: str) -> None:
+    """Give the calling thread ``name`` (15 bytes at most) in the OS too, as ``top -H`` and
+    /proc/<pid>/task/<tid>/comm show it: Python names its threads for Python only, so every
+    thread (of vLLM's engine process, of the cache service) shows its process's name otherwise.
+    Linux only."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME

@@ -12,7 +12,7 @@ from kvtier.block_hash import chain_preimages, extra_key, pack_token_ids
 from kvtier.cachesvc.block_manager import BlockManager
 from kvtier.cachesvc.errors import InvalidArgument, ResourceExhausted
 from kvtier.cachesvc.events import HOST_REPLACED, split_replaced, tier_kind
-from kvtier.cachesvc.host_area import MAP_AHEAD_BYTES, SMALL_ROW_BYTES, HostArea
+from kvtier.cachesvc.host_area import AHEAD_BYTES, MAP_AHEAD_BYTES, SMALL_ROW_BYTES, HostArea
 from kvtier.cachesvc.host_cache import HostCache
 from kvtier.cachesvc.slot_lru import SlotLru
 from kvtier.cachesvc.tiers import Blocks, Job
@@ -154,14 +154,15 @@ def test_swap_round_trip_on_cpu_with_scattered_slots():
     _swap_round_trip("cpu", torch.float32)
 
 
-def test_a_cpu_area_maps_its_pages_a_step_ahead_of_its_copies_keeping_every_byte():
-    """The pages of a CPU area are mapped MAP_AHEAD_BYTES at a time ahead of the copies into them
-    (one kernel call instead of a fault per page), never the whole area at once, and mapping the
-    next step (whose first page holds the end of a row already written: rows are not whole pages
-    here) changes no byte written before."""
+def test_a_cpu_area_maps_its_pages_ahead_of_its_copies_on_a_thread_keeping_every_byte():
+    """The pages of a CPU area are mapped ahead of the copies into them (one kernel call instead of
+    a fault per page): a thread keeps them mapped to AHEAD_BYTES past the highest slot copied into,
+    never the whole area, while the copies go on (the loop maps MAP_AHEAD_BYTES itself where it
+    overtakes the thread); mapping a range (whose first page holds the end of a row already written:
+    rows are not whole pages here) changes no byte written before, whoever maps it."""
     row_bytes = 3 * 4096 + 40  # over SMALL_ROW_BYTES: a memoryview copy per row
-    step = MAP_AHEAD_BYTES // row_bytes
-    area = HostArea(6 * step, row_bytes)
+    step, ahead = MAP_AHEAD_BYTES // row_bytes, AHEAD_BYTES // row_bytes
+    area = HostArea(2 * ahead, row_bytes)
     pool = torch.randint(0, 256, (64, row_bytes), dtype=torch.uint8)
     area.attach_pool(pool)
     assert area.mapped == 0
@@ -171,10 +172,16 @@ def test_a_cpu_area_maps_its_pages_a_step_ahead_of_its_copies_keeping_every_byte
         ids = [(s * 7) % 64 for s in slots]
         area.copy_rows(slots, ids)
         written.update(zip(slots, ids, strict=True))
-        assert max(slots) < area.mapped <= max(slots) + 1 + step  # a step ahead, not the whole area
-    area.copy_row(3 * step + 5, 9)  # one row past the mapped pages: mapped up to it
-    written[3 * step + 5] = 9
-    assert 3 * step + 5 < area.mapped < area.num_slots
+        assert max(slots) < area.mapped <= max(slots) + 1 + ahead  # mapped before the copy
+    area._mapper.join(timeout=60)
+    last = 2 * step + 10  # the slots copied into: [0, last)
+    assert last + ahead // 2 <= area.mapped <= last + ahead  # the thread's window, topped up at half
+    far = area.mapped + 5  # one row past the mapped pages: the loop maps up to it
+    area.copy_row(far, 9)
+    written[far] = 9
+    assert far < area.mapped
+    area._mapper.join(timeout=60)
+    assert area.mapped == area.num_slots  # the window past `far` is past the area: never beyond it
     for slot, i in written.items():
         assert torch.equal(area.slots[slot], pool[i]), slot
 

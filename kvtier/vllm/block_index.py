@@ -38,10 +38,11 @@ import time
 
 from kvtier.block_hash import BlockHash, extra_key, hash_block
 from kvtier.cache_errors import CacheCallError
+from kvtier.cpu_plan import name_os_thread
 from kvtier.media import medium
 from kvtier.sequence_types import BlockStored, HashRun, HeldBatch
 from kvtier.vllm import LOGGER
-from kvtier.vllm.cache_link import CacheLink, name_os_thread
+from kvtier.vllm.cache_link import CacheLink
 
 log = logging.getLogger(LOGGER)
 

@@ -11,8 +11,6 @@ service that is not there.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import logging
 import threading
 import time
@@ -27,14 +25,6 @@ from kvtier.vllm.config import ConnectorConfig, client_name
 log = logging.getLogger(LOGGER)
 
 RECONNECT_MAX_DELAY_S = 1.0
-
-
-def name_os_thread(name: str) -> None:
-    """Give the calling thread ``name`` (15 bytes at most) in the OS too, as ``top -H`` and
-    /proc/<pid>/task/<tid>/comm show it: Python 3.11 names its threads for Python only, so
-    every thread of vLLM's engine process shows its process's name otherwise. Linux only."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
 
 
 class CacheDown(ConnectionError):

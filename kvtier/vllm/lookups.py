@@ -38,10 +38,11 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from kvtier.cache_errors import CacheCallError, NoFreeBlocks
+from kvtier.cpu_plan import name_os_thread
 from kvtier.sequence_types import AllocateItem
 from kvtier.vllm import LOGGER
 from kvtier.vllm.block_index import BlockIndex
-from kvtier.vllm.cache_link import CacheDown, CacheLink, name_os_thread
+from kvtier.vllm.cache_link import CacheDown, CacheLink
 from kvtier.vllm.plan import KvtierMetadata
 from kvtier.vllm.prefix_queries import PoolSequence, PrefixQueries
 from kvtier.vllm.transfers import LoadItem

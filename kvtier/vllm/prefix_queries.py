@@ -25,10 +25,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from kvtier.cache_errors import CacheCallError, NoFreeBlocks
+from kvtier.cpu_plan import name_os_thread
 from kvtier.pool import PoolSpec
 from kvtier.sequence_types import AllocateItem, CommitItem, SequenceBlocks
 from kvtier.vllm import LOGGER
-from kvtier.vllm.cache_link import CacheDown, CacheLink, name_os_thread
+from kvtier.vllm.cache_link import CacheDown, CacheLink
 from kvtier.vllm.transfers import pool_name
 
 log = logging.getLogger(LOGGER)
