@@ -33,6 +33,9 @@ variable is the same for the three (``--engine-threads`` OpenMP threads each) ex
     python bench/vllm_connector.py            # 5 TTFT rounds, 10 throughput pairs of 16 requests
     python bench/vllm_connector.py --quick    # 3 rounds, 4 pairs
     python bench/vllm_connector.py --pairs 40 # the throughput headline's 90% interval about +-1.5%
+    python bench/vllm_connector.py --pairs 120   # the headline protocol: repeat it; runs differ more
+                                                 # than one run's interval says (fresh engines each),
+                                                 # so pool runs resampling runs first (bench/README)
     python bench/vllm_connector.py --hidden 1024 --layers 12 --heads 16 --kv-heads 4   # a larger Llama
 
 Why ``--engine-threads 1`` by default: vLLM's CPU worker keeps one OpenMP thread per core; on a

@@ -70,7 +70,7 @@ class HostArea:
         # Slots [0, mapped) are mapped on a CPU area (map_ahead); pinned memory is mapped already.
         # A copy into a slot from ahead_at on tops the mapped pages up; one past mapped maps (_reach).
         self.mapped = self.ahead_at = 0 if not cuda and sys.platform == "linux" else num_slots
-        self._mapping = threading.Lock()  # mapped's updates; the thread topping it up, if running
+        self._mapping = threading.Lock()  # guards the updates of mapped (the loop's and the thread's)
         self._mapper: threading.Thread | None = None
         self.pool_rows: torch.Tensor | None = None  # the pool swap copies to and from (attach_pool)
         self._free = list(range(num_slots - 1, -1, -1))  # a stack: lowest slot ids first
