@@ -181,8 +181,9 @@ class HostArea:
         if not pairs:
             return
         if self.stream is None:
-            if max(slots) >= self.ahead_at or max(slots) >= self.mapped:
-                self._reach(max(slots))
+            top = max(slots)
+            if top >= self.ahead_at or top >= self.mapped:
+                self._reach(top)
             for dst, src in pairs:
                 copy_block(dst, src)
             return
@@ -215,8 +216,9 @@ class HostArea:
         each (cheaper than two memoryview slices). Both go through a temporary, so a larger row
         is a memoryview slice copy each: one memcpy. Measured by bench/block_manager_ab.py --tiers.
         """
-        if slots and (max(slots) >= self.ahead_at or max(slots) >= self.mapped):
-            self._reach(max(slots))
+        top = max(slots, default=-1)
+        if top >= self.ahead_at or top >= self.mapped:
+            self._reach(top)
         if self._small:
             dst_items, src_items = self._slots_items, self._rows_items
             n = len(ids)
